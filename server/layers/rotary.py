@@ -1,0 +1,119 @@
+"""Rotary position embeddings in the Hugging Face Llama convention (rotate_half).
+
+Supported scalings: none ("default"), "linear", and "llama3" (Llama 3.1's
+frequency-dependent scaling). The cos/sin table is computed once in float32 and
+grown on demand, so a decode step only gathers rows by position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    head_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    SUPPORTED = ("default", "linear", "llama3")
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in self.SUPPORTED:
+            raise ValueError(
+                f"rope_scaling type '{self.rope_type}' is not supported (supported: {', '.join(self.SUPPORTED)})"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("rope_scaling: high_freq_factor must be greater than low_freq_factor")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def inv_freq(self) -> torch.Tensor:
+        dim = self.rotary_dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            old_len = self.original_max_position_embeddings
+            low_wavelen = old_len / self.low_freq_factor
+            high_wavelen = old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+def rope_config_from_hf(config: dict, head_dim: int) -> RopeConfig:
+    """Reads rope settings from config.json (old `rope_scaling` or newer `rope_parameters`)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_scaling must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    return RopeConfig(
+        head_dim=head_dim,
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        partial_rotary_factor=float(config.get("partial_rotary_factor", 1.0)),
+    )
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: RopeConfig, max_positions: int, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.inv_freq = config.inv_freq().to(device)
+        self._cos = torch.empty(0, device=device)
+        self._sin = torch.empty(0, device=device)
+        self._dtype: torch.dtype | None = None
+        self._grow(max_positions)
+
+    def _grow(self, length: int) -> None:
+        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos32, self._sin32 = emb.cos(), emb.sin()
+        self._dtype = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [tokens, 1, rotary_dim] in `dtype` for the given positions."""
+        needed = int(positions.max().item()) + 1 if positions.numel() else 0
+        if needed > self._cos32.shape[0]:
+            self._grow(max(needed, 2 * self._cos32.shape[0]))
+        if self._dtype != dtype:
+            self._cos, self._sin = self._cos32.to(dtype), self._sin32.to(dtype)
+            self._dtype = dtype
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)

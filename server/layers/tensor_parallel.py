@@ -1,0 +1,153 @@
+"""Tensor-parallel layers.
+
+Column layers split the output dimension and need no communication; row layers
+split the input dimension and all-reduce; the embedding splits the vocabulary and
+all-reduces; the head splits the vocabulary and all-gathers. None of them knows a
+checkpoint format: they ask `Weights` for a typed weight and call its get_linear().
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from text_generation_server.utils.dist import ProcessGroup
+from text_generation_server.weights import CheckpointError, Weights
+
+
+def _check_out_features(weight, expected: int, prefix: str) -> None:
+    shape = getattr(weight, "shape", None)
+    if shape is not None and shape[0] != expected:
+        raise CheckpointError(
+            f"'{prefix}': expected {expected} output features on this rank, the checkpoint gives {shape[0]}"
+        )
+
+
+def _check_in_features(weight, expected: int, prefix: str) -> None:
+    shape = getattr(weight, "shape", None)
+    if shape is not None and shape[1] != expected:
+        raise CheckpointError(
+            f"'{prefix}': expected {expected} input features on this rank, the checkpoint gives {shape[1]}"
+        )
+
+
+class TensorParallelColumnLinear(torch.nn.Module):
+    # x: [tokens, K] -> [tokens, N / world]
+    def __init__(self, linear: torch.nn.Module):
+        super().__init__()
+        self.linear = linear
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str, bias: bool, out_features: int, in_features: int):
+        world = weights.process_group.size
+        w = weights.get_weights_col(prefix)
+        _check_out_features(w, out_features // world, prefix)
+        _check_in_features(w, in_features, prefix)
+        b = weights.get_sharded(f"{prefix}.bias", dim=0) if bias else None
+        return cls(w.get_linear(b))
+
+    @classmethod
+    def load_packed(
+        cls, weights: Weights, prefix: str, bias: bool, block_sizes: list[int], in_features: int
+    ):
+        """A fused checkpoint tensor (Phi-3 qkv_proj, gate_up_proj) sharded part by part."""
+        world = weights.process_group.size
+        w = weights.get_weights_col_packed(prefix, block_sizes)
+        _check_out_features(w, sum(block_sizes) // world, prefix)
+        _check_in_features(w, in_features, prefix)
+        b = weights.get_packed_sharded(f"{prefix}.bias", dim=0, block_sizes=block_sizes) if bias else None
+        return cls(w.get_linear(b))
+
+    @classmethod
+    def load_multi(
+        cls, weights: Weights, prefixes: list[str], bias: bool, out_features: list[int], in_features: int
+    ):
+        """Separate checkpoint tensors (q, k, v) fused into one matmul."""
+        world = weights.process_group.size
+        w = weights.get_multi_weights_col(prefixes, dim=0)
+        _check_out_features(w, sum(out_features) // world, "+".join(prefixes))
+        _check_in_features(w, in_features, prefixes[0])
+        b = None
+        if bias:
+            b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
+        return cls(w.get_linear(b))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class TensorParallelRowLinear(torch.nn.Module):
+    # x: [tokens, K / world] -> [tokens, N] (summed over ranks)
+    def __init__(self, linear: torch.nn.Module, process_group: ProcessGroup):
+        super().__init__()
+        self.linear = linear
+        self.process_group = process_group
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str, bias: bool, out_features: int, in_features: int):
+        pg = weights.process_group
+        w = weights.get_weights_row(prefix)
+        _check_out_features(w, out_features, prefix)
+        _check_in_features(w, in_features // pg.size, prefix)
+        # The bias is added once: by rank 0, before the all-reduce sums the partial products.
+        b = weights.get_tensor(f"{prefix}.bias") if bias and pg.rank == 0 else None
+        return cls(w.get_linear(b), pg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.process_group.all_reduce(self.linear(x))
+
+
+class TensorParallelEmbedding(torch.nn.Module):
+    # ids: [tokens] -> [tokens, hidden]
+    def __init__(self, weights: Weights, prefix: str, vocab_size: int, hidden_size: int):
+        super().__init__()
+        pg = weights.process_group
+        name = f"{prefix}.weight"
+        shape = weights.get_shape(name)
+        if shape != [vocab_size, hidden_size]:
+            raise CheckpointError(f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]}")
+        weight = weights.get_partial_sharded(name, dim=0)
+        block = (vocab_size + pg.size - 1) // pg.size
+        self.min_id = pg.rank * block
+        self.max_id = self.min_id + weight.shape[0]
+        self.process_group = pg
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.process_group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.min_id
+        outside = (ids < self.min_id) | (ids >= self.max_id)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return self.process_group.all_reduce(out)
+
+
+class TensorParallelHead(torch.nn.Module):
+    # hidden: [tokens, hidden] -> logits [tokens, vocab]
+    def __init__(self, weight: torch.Tensor, vocab_size: int, process_group: ProcessGroup):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.process_group = process_group
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str, vocab_size: int, hidden_size: int):
+        name = f"{prefix}.weight"
+        shape = weights.get_shape(name)
+        if shape != [vocab_size, hidden_size]:
+            raise CheckpointError(f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]}")
+        pg = weights.process_group
+        weight = weights.get_partial_sharded(name, dim=0)
+        block = (vocab_size + pg.size - 1) // pg.size
+        if weight.shape[0] < block:
+            # Pad the short last shard so every rank gathers equal shapes.
+            pad = torch.zeros(block - weight.shape[0], hidden_size, dtype=weight.dtype, device=weight.device)
+            weight = torch.cat([weight, pad], dim=0)
+        return cls(weight, vocab_size, pg)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.process_group.size > 1:
+            logits = self.process_group.all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits

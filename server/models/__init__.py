@@ -1,0 +1,69 @@
+"""Model construction: from a model argument to a ready `CausalLM`."""
+
+from __future__ import annotations
+
+import torch
+from loguru import logger
+
+from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from text_generation_server.utils.checkpoint import Checkpoint
+from text_generation_server.utils.dist import ProcessGroup, single_process_group
+from text_generation_server.weights import CheckpointError, Weights, safetensors_files
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+__all__ = ["CausalLM", "CheckpointError", "DTYPES", "get_model", "resolve_dtype"]
+
+
+def resolve_dtype(name: str | None, device: torch.device, config: dict) -> torch.dtype:
+    """The compute dtype: as asked, else float32 on CPU and the checkpoint's half type on CUDA."""
+    if name is not None:
+        if name not in DTYPES:
+            raise ValueError(f"dtype '{name}' is not supported (choose from {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else torch.float16
+
+
+def get_model(
+    model: str | None,
+    dtype: str | None = None,
+    device: torch.device | None = None,
+    process_group: ProcessGroup | None = None,
+    quantize: str | None = None,
+    block_size: int = 16,
+) -> CausalLM:
+    device = device or torch.device("cpu")
+    process_group = process_group or single_process_group()
+    checkpoint = Checkpoint.open(model)
+    config_path = checkpoint.folder / "config.json"
+    config = LlamaConfig.from_dict(checkpoint.config, source=str(config_path))
+    torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
+    if quantize is not None:
+        raise ValueError(f"--quantize {quantize}: quantized checkpoints are not supported yet")
+    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group)
+    net = LlamaForCausalLM(config, weights).eval()
+    if process_group.rank == 0:
+        logger.info(
+            "loaded {} ({}, {} layers, hidden {}) as {} on {} with {} shard(s)",
+            checkpoint.model_id, config.model_type, config.num_hidden_layers, config.hidden_size,
+            str(torch_dtype).removeprefix("torch."), device, process_group.size,
+        )
+    return CausalLM(
+        model_id=checkpoint.model_id,
+        model=net,
+        tokenizer=checkpoint.tokenizer,
+        eos_token_ids=checkpoint.eos_token_ids,
+        device=device,
+        dtype=torch_dtype,
+        process_group=process_group,
+        block_size=block_size,
+        quantize=quantize,
+    )
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return SUPPORTED_MODEL_TYPES
+

@@ -1,0 +1,169 @@
+"""The batch a shard keeps between generate_token calls, and its block allocator.
+
+A batch holds per-request Python state (stopping criteria, detokenizer, blocks)
+next to batched device tensors (token history, slot table, block tables), so a
+decode step builds its inputs with a few tensor ops instead of per-request work.
+`filter` and `concatenate` keep both in step for continuous batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from text_generation_server.generation.detokenize import IncrementalDetokenizer
+from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
+from text_generation_server.generation.stopping import StoppingCriteria
+from text_generation_server.models.types import CachedBatchInfo, GenerationRequest
+
+
+class OutOfBlocksError(RuntimeError):
+    """The shard's own KV block pool cannot hold a request."""
+
+
+class BlockAllocator:
+    """Free list for the KV blocks a shard assigns itself (when no router hands them in).
+
+    Block 0 is never handed out: TGI's router reserves it for health checks, and
+    we keep the same convention so both can share a cache.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocksError(
+                f"the KV cache has {len(self._free)} free blocks, {count} are needed; "
+                "lower max_new_tokens or the batch size"
+            )
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass
+class RequestState:
+    request: GenerationRequest
+    prompt_ids: list[int]
+    blocks: list[int]
+    owns_blocks: bool
+    stopping: StoppingCriteria
+    detokenizer: IncrementalDetokenizer
+    length: int  # tokens in the sequence so far (prompt + generated)
+    finished: bool = False
+
+    @property
+    def input_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_length(self) -> int:
+        return self.input_length + self.request.max_new_tokens
+
+
+class Batch:
+    def __init__(
+        self,
+        batch_id: int,
+        states: list[RequestState],
+        chooser: HeterogeneousNextTokenChooser,
+        history: torch.Tensor,
+        history_lengths: torch.Tensor,
+        slot_table: torch.Tensor,
+        block_tables: torch.Tensor,
+        prefilled: bool,
+    ):
+        self.batch_id = batch_id
+        self.states = states
+        self.chooser = chooser
+        self.history = history  # [B, T] int64: prompt + generated ids
+        self.history_lengths = history_lengths  # [B] int64
+        self.slot_table = slot_table  # [B, T] int64: KV slot of each position (-1 past the end)
+        self.block_tables = block_tables  # [B, max_blocks] int64
+        self.prefilled = prefilled
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [s.request.id for s in self.states]
+
+    def info(self) -> CachedBatchInfo:
+        return CachedBatchInfo(
+            id=self.batch_id,
+            request_ids=self.request_ids,
+            size=len(self.states),
+            max_tokens=sum(s.max_length for s in self.states),
+            current_tokens=sum(s.length for s in self.states),
+        )
+
+    def filter(self, request_ids: list[int], allocator: BlockAllocator | None) -> "Batch":
+        """Keeps the named requests (in the given order); frees the blocks of the rest."""
+        position = {rid: i for i, rid in enumerate(self.request_ids)}
+        unknown = [rid for rid in request_ids if rid not in position]
+        if unknown:
+            raise KeyError(f"batch {self.batch_id} has no requests {unknown}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must not repeat")
+        keep = [position[rid] for rid in request_ids]
+        kept = set(keep)
+        for i, state in enumerate(self.states):
+            if i not in kept and state.owns_blocks and allocator is not None:
+                allocator.free(state.blocks)
+                state.blocks = []
+        index = torch.tensor(keep, dtype=torch.long, device=self.history.device)
+        max_len = max(self.states[i].max_length for i in keep)
+        max_blocks = max(len(self.states[i].blocks) for i in keep)
+        return Batch(
+            batch_id=self.batch_id,
+            states=[self.states[i] for i in keep],
+            chooser=self.chooser.filter(keep),
+            history=self.history.index_select(0, index)[:, :max_len],
+            history_lengths=self.history_lengths.index_select(0, index),
+            slot_table=self.slot_table.index_select(0, index)[:, :max_len],
+            block_tables=self.block_tables.index_select(0, index)[:, :max_blocks],
+            prefilled=self.prefilled,
+        )
+
+    def release(self, allocator: BlockAllocator | None) -> None:
+        """Frees the blocks this batch assigned itself (ClearCache, or the end of a batch)."""
+        for state in self.states:
+            if state.owns_blocks and allocator is not None and state.blocks:
+                allocator.free(state.blocks)
+                state.blocks = []
+
+    @classmethod
+    def concatenate(cls, batches: list["Batch"]) -> "Batch":
+        if not batches:
+            raise ValueError("cannot concatenate zero batches")
+        if len(batches) == 1:
+            return batches[0]
+        if not all(b.prefilled for b in batches):
+            raise ValueError("only prefilled batches can be concatenated")
+        width = max(b.history.shape[1] for b in batches)
+        blocks = max(b.block_tables.shape[1] for b in batches)
+
+        def pad(t: torch.Tensor, cols: int, value: int) -> torch.Tensor:
+            if t.shape[1] == cols:
+                return t
+            return torch.nn.functional.pad(t, (0, cols - t.shape[1]), value=value)
+
+        return cls(
+            batch_id=batches[0].batch_id,
+            states=[s for b in batches for s in b.states],
+            chooser=HeterogeneousNextTokenChooser.concatenate([b.chooser for b in batches]),
+            history=torch.cat([pad(b.history, width, 0) for b in batches]),
+            history_lengths=torch.cat([b.history_lengths for b in batches]),
+            slot_table=torch.cat([pad(b.slot_table, width, -1) for b in batches]),
+            block_tables=torch.cat([pad(b.block_tables, blocks, 0) for b in batches]),
+            prefilled=True,
+        )

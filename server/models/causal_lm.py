@@ -1,0 +1,323 @@
+"""The model as the shard sees it: batches in, one token per request out.
+
+`CausalLM.generate_token` runs either the prefill of a new batch (all prompts
+flattened into one forward) or one decode step of a cached batch, then chooses
+tokens, checks stopping and streams text. Requests that finish stay in the batch
+until the caller filters them out (the TGI v3 contract: the router calls
+FilterBatch), so the shard never drops work on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from loguru import logger
+from tokenizers import Tokenizer
+
+from text_generation_server.generation.detokenize import IncrementalDetokenizer
+from text_generation_server.generation.sampling import (
+    HeterogeneousNextTokenChooser,
+    prefill_logprobs,
+    top_n_logprobs,
+)
+from text_generation_server.generation.stopping import StoppingCriteria
+from text_generation_server.layers.attention import AttentionMetadata, KVCache
+from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
+from text_generation_server.models.types import (
+    GeneratedText,
+    Generation,
+    Completion,
+    GenerationRequest,
+    StepTimings,
+    Tokens,
+)
+from text_generation_server.utils.dist import ProcessGroup
+
+
+class CausalLM:
+    def __init__(
+        self,
+        model_id: str,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        eos_token_ids: set[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        process_group: ProcessGroup,
+        block_size: int = 16,
+        quantize: str | None = None,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model_id = model_id
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.dtype = dtype
+        self.process_group = process_group
+        self.block_size = block_size
+        self.quantize = quantize
+        self.kv_cache: KVCache | None = None
+        self.allocator: BlockAllocator | None = None
+        self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._vocab_size = self.config.vocab_size
+
+    # -- KV cache ------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return KVCache.bytes_per_block(
+            self.config.num_hidden_layers, self.block_size, self.model.local_kv_heads, self.config.head_dim, self.dtype
+        )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = None  # free the old pool before allocating the new one
+        self.kv_cache = KVCache(
+            self.config.num_hidden_layers, num_blocks, self.block_size, self.model.local_kv_heads,
+            self.config.head_dim, self.dtype, self.device,
+        )
+        self.allocator = BlockAllocator(num_blocks)
+        logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
+
+    def blocks_for(self, tokens: int) -> int:
+        return (tokens + self.block_size - 1) // self.block_size
+
+    # -- batches -------------------------------------------------------------
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        ids = self.tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens).ids
+        if request.truncate and len(ids) > request.truncate:
+            ids = ids[-request.truncate:]
+        if not ids:
+            raise ValueError(f"request {request.id}: inputs tokenize to zero tokens")
+        return ids
+
+    def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch:
+        """Tokenizes and validates new requests, and gives them KV blocks and slots."""
+        if not requests:
+            raise ValueError("a batch needs at least one request")
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated (call warmup or allocate_kv_cache first)")
+        ids_seen: set[int] = set()
+        prepared = []
+        for req in requests:
+            if req.id in ids_seen:
+                raise ValueError(f"request id {req.id} appears twice in the batch")
+            ids_seen.add(req.id)
+            if req.max_new_tokens < 1:
+                raise ValueError(f"request {req.id}: max_new_tokens must be >= 1")
+            if req.cache_len:
+                raise ValueError(f"request {req.id}: cache_len must be 0 (prefix caching is not supported)")
+            if req.top_n_tokens < 0 or req.top_n_tokens > self._vocab_size:
+                raise ValueError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
+            req.sampling.validate()
+            prompt = self.tokenize(req)
+            total = len(prompt) + req.max_new_tokens
+            limit = self.config.max_position_embeddings
+            if total > limit:
+                raise ValueError(
+                    f"request {req.id}: {len(prompt)} input tokens + max_new_tokens {req.max_new_tokens} = {total} "
+                    f"exceeds the model's max_position_embeddings ({limit})"
+                )
+            prepared.append((req, prompt, total))
+        states: list[RequestState] = []
+        try:
+            for req, prompt, total in prepared:
+                states.append(self._assign_blocks(req, prompt, total))
+        except Exception:
+            for state in states:
+                if state.owns_blocks:
+                    self.allocator.free(state.blocks)
+            raise
+        width = max(total for _, _, total in prepared)
+        max_blocks = max(len(s.blocks) for s in states)
+        history = torch.zeros(len(states), width, dtype=torch.long)
+        slot_table = torch.full((len(states), width), -1, dtype=torch.long)
+        block_tables = torch.zeros(len(states), max_blocks, dtype=torch.long)
+        for i, ((req, prompt, total), state) in enumerate(zip(prepared, states)):
+            history[i, : len(prompt)] = torch.tensor(prompt)
+            slot_table[i, :total] = torch.tensor(self._slots(req, state.blocks, total))
+            block_tables[i, : len(state.blocks)] = torch.tensor(state.blocks)
+        lengths = torch.tensor([len(p) for _, p, _ in prepared], dtype=torch.long)
+        return Batch(
+            batch_id=batch_id,
+            states=states,
+            chooser=HeterogeneousNextTokenChooser([r.sampling for r in requests], self.device),
+            history=history.to(self.device),
+            history_lengths=lengths.to(self.device),
+            slot_table=slot_table.to(self.device),
+            block_tables=block_tables.to(self.device),
+            prefilled=False,
+        )
+
+    def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
+        num_blocks = self.kv_cache.num_blocks
+        if req.blocks:
+            bad = [b for b in req.blocks if b >= num_blocks]
+            if bad:
+                raise ValueError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
+            if len(req.blocks) * self.block_size < total:
+                raise ValueError(
+                    f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {total} tokens"
+                )
+            blocks, owns = list(req.blocks), False
+        else:
+            blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
+        stopping = StoppingCriteria(
+            self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt))
+
+    def _slots(self, req: GenerationRequest, blocks: list[int], total: int) -> list[int]:
+        if req.slots:
+            if len(req.slots) < total:
+                raise ValueError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
+            limit = self.kv_cache.num_blocks * self.block_size
+            if max(req.slots) >= limit or min(req.slots) < 0:
+                raise ValueError(f"request {req.id}: slots must be in [0, {limit})")
+            return list(req.slots[:total])
+        bs = self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(total)]
+
+    def filter(self, batch: Batch, request_ids: list[int]) -> Batch | None:
+        if not request_ids:
+            batch.release(self.allocator)
+            return None
+        return batch.filter(request_ids, self.allocator)
+
+    def release(self, batch: Batch) -> None:
+        batch.release(self.allocator)
+
+    # -- the step --------------------------------------------------------------
+    @torch.inference_mode()
+    def generate_token(self, batch: Batch) -> tuple[list[Generation], Batch | None, StepTimings]:
+        start = time.perf_counter_ns()
+        prefill = not batch.prefilled
+        if prefill:
+            logits, prefill_logits = self._prefill_forward(batch)
+        else:
+            logits = self._decode_forward(batch)
+            prefill_logits = None
+        forward_done = time.perf_counter_ns()
+
+        next_ids, logprobs = batch.chooser(logits, batch.history, batch.history_lengths)
+        rows = torch.arange(len(batch), device=next_ids.device)
+        batch.history[rows, batch.history_lengths] = next_ids
+        batch.history_lengths += 1
+        chosen_logprobs = logprobs[rows, next_ids].tolist()
+        next_list = next_ids.tolist()
+        top_n = [s.request.top_n_tokens for s in batch.states]
+        tops = top_n_logprobs(logprobs, top_n) if any(top_n) else None
+        seeds = batch.chooser.seeds
+
+        generations: list[Generation] = []
+        all_stopped = True
+        for i, state in enumerate(batch.states):
+            token = next_list[i]
+            state.length += 1
+            text = state.detokenizer.step(token)
+            stop, reason = state.stopping(token, text)
+            if stop:
+                text += state.detokenizer.flush()
+            gen = Generation(
+                request_id=state.request.id,
+                tokens=Tokens([token], [chosen_logprobs[i]], [text], [token in self.special_ids]),
+            )
+            if prefill and state.request.prefill_logprobs:
+                gen.prefill_tokens = self._prefill_tokens(state, prefill_logits[i])
+            if tops is not None and top_n[i]:
+                ids, lps = tops[i]
+                gen.top_tokens = [
+                    Tokens(ids, lps, [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
+                           [t in self.special_ids for t in ids])
+                ]
+            if stop:
+                state.finished = True
+                generated = state.detokenizer.generated_ids
+                gen.generated_text = GeneratedText(
+                    text=self.tokenizer.decode(generated, skip_special_tokens=True),
+                    generated_tokens=len(generated),
+                    finish_reason=reason,
+                    seed=seeds[i] if state.request.sampling.do_sample else None,
+                )
+            else:
+                all_stopped = False
+            generations.append(gen)
+        batch.prefilled = True
+        if all_stopped:
+            batch.release(self.allocator)
+        end = time.perf_counter_ns()
+        timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
+        return generations, (None if all_stopped else batch), timings
+
+    def _prefill_forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One forward over every prompt, flattened; logits at last positions (all positions
+        only for requests that asked for prefill logprobs)."""
+        ids, positions, slots, logit_rows, lens = [], [], [], [], []
+        last_rows: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        offset = 0
+        for i, state in enumerate(batch.states):
+            n = state.input_length
+            lens.append(n)
+            ids.append(batch.history[i, :n])
+            slots.append(batch.slot_table[i, :n])
+            positions.append(torch.arange(n, device=self.device))
+            if state.request.prefill_logprobs:
+                spans.append((len(logit_rows), n))
+                logit_rows.extend(range(offset, offset + n))
+            else:
+                spans.append(None)
+                logit_rows.append(offset + n - 1)
+            last_rows.append(len(logit_rows) - 1)
+            offset += n
+        meta = AttentionMetadata(is_prefill=True, slots=torch.cat(slots), prefill_lens=lens)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        all_logits = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows)
+        per_request = [None if sp is None else all_logits[sp[0]:sp[0] + sp[1]] for sp in spans]
+        if len(last_rows) == all_logits.shape[0]:
+            return all_logits, per_request
+        return all_logits[torch.tensor(last_rows, device=self.device)], per_request
+
+    def _decode_forward(self, batch: Batch) -> torch.Tensor:
+        positions = batch.history_lengths - 1
+        rows = torch.arange(len(batch), device=self.device)
+        input_ids = batch.history[rows, positions]
+        slots = batch.slot_table[rows, positions]
+        max_len = max(s.length for s in batch.states)
+        meta = AttentionMetadata(
+            is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=batch.history_lengths,
+            max_seq_len=max_len,
+        )
+        return self.model(input_ids, positions, self.kv_cache, meta)
+
+    def _prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> Tokens:
+        ids = state.prompt_ids
+        lps = prefill_logprobs(logits, torch.tensor(ids, device=logits.device)).tolist()
+        texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return Tokens(list(ids), lps, texts, [t in self.special_ids for t in ids])
+
+    # -- convenience for the CLI and tests -----------------------------------------
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Runs requests to completion as one batch, filtering finished ones out as it goes.
+
+        Allocates a KV cache just large enough when none exists (the CLI path).
+        """
+        if self.kv_cache is None:
+            needed = 1 + sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests)
+            self.allocate_kv_cache(needed)
+        batch: Batch | None = self.make_batch(0, requests)
+        steps: dict[int, list[Generation]] = {r.id: [] for r in requests}
+        while batch is not None:
+            generations, batch, _ = self.generate_token(batch)
+            finished = set()
+            for gen in generations:
+                steps[gen.request_id].append(gen)
+                if gen.generated_text is not None:
+                    finished.add(gen.request_id)
+            if batch is not None and finished:
+                batch = self.filter(batch, [r for r in batch.request_ids if r not in finished])
+        return [Completion.from_steps(r.id, steps[r.id]) for r in requests]

@@ -1,0 +1,356 @@
+"""Low-level access to checkpoint tensors, and the loader interface.
+
+`Weights` knows where every tensor lives (a routing table over safetensors files,
+or any injected `TensorSource`) and how to take one rank's shard of it. What a
+*linear layer's* weight is made of differs per checkpoint format; that knowledge
+lives in a `WeightsLoader` (one per format, built by the quantizers' factory), so
+model and tensor-parallel code never ask which format they are loading.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from text_generation_server.utils.dist import ProcessGroup, single_process_group
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder, file, tensor or key is missing or malformed."""
+
+
+class TensorSlice(Protocol):
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index) -> torch.Tensor: ...
+
+
+class TensorSource(Protocol):
+    """Where tensors come from: safetensors files in production, a dict in tests."""
+
+    def keys(self) -> Sequence[str]: ...
+
+    def get_slice(self, name: str) -> TensorSlice: ...
+
+    def describe(self, name: str) -> str: ...
+
+
+class _DictSlice:
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._tensor[index]
+
+
+class DictTensorSource:
+    """In-memory tensors, so loaders can be tested without writing files."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], name: str = "<memory>"):
+        self._tensors = tensors
+        self._name = name
+
+    def keys(self) -> Sequence[str]:
+        return list(self._tensors)
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return _DictSlice(self._tensors[name])
+
+    def describe(self, name: str) -> str:
+        return self._name
+
+
+class SafetensorsSource:
+    """Tensors spread over safetensors files, opened lazily (mmap) and kept open."""
+
+    def __init__(self, files: Sequence[Path]):
+        if not files:
+            raise CheckpointError("no safetensors files given")
+        self._routing: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for path in files:
+            handle = self._open(path)
+            for key in handle.keys():
+                if key in self._routing:
+                    raise CheckpointError(
+                        f"tensor '{key}' appears in both {self._routing[key]} and {path}"
+                    )
+                self._routing[key] = path
+
+    def _open(self, path: Path):
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
+            self._handles[path] = handle
+        return handle
+
+    def keys(self) -> Sequence[str]:
+        return list(self._routing)
+
+    def get_slice(self, name: str) -> TensorSlice:
+        path = self._routing[name]
+        try:
+            return self._open(path).get_slice(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read tensor '{name}' from {path}: {exc}") from exc
+
+    def describe(self, name: str) -> str:
+        return str(self._routing.get(name, "<unknown file>"))
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, honouring a sharded index.
+
+    Pickle checkpoints are never loaded here: they point the user to `convert`.
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} names missing files: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    if pickles:
+        raise CheckpointError(
+            f"{folder} has only pickle weights ({', '.join(pickles)}); they are never loaded "
+            f"when serving. Run `text-generation-server convert {folder}` to write safetensors."
+        )
+    raise CheckpointError(f"{folder} has no *.safetensors weight files")
+
+
+@dataclass
+class UnquantizedWeight:
+    """A dense weight [out_features, in_features] of this rank's partition."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        from text_generation_server.layers.linear import DenseLinear
+
+        return DenseLinear(self.weight, bias)
+
+
+class WeightsLoader(ABC):
+    """Builds the typed Weight of one linear layer from checkpoint tensors.
+
+    Loaders own sharding: column-parallel weights are split along the output
+    dimension, row-parallel ones along the input dimension, whatever the format.
+    """
+
+    @abstractmethod
+    def get_weights(self, weights: "Weights", prefix: str):
+        """The whole, unsharded weight of `prefix`."""
+
+    @abstractmethod
+    def get_weights_col_packed(self, weights: "Weights", prefix: str, block_sizes: int | list[int]):
+        """A fused column weight (qkv, gate_up) whose parts are sharded separately."""
+
+    def get_weights_col(self, weights: "Weights", prefix: str):
+        return self.get_weights_col_packed(weights, prefix, 1)
+
+    @abstractmethod
+    def get_multi_weights_col(self, weights: "Weights", prefixes: list[str], dim: int):
+        """Several column weights (q, k, v) sharded and concatenated along the output dim."""
+
+    @abstractmethod
+    def get_weights_row(self, weights: "Weights", prefix: str):
+        """A row-parallel weight, sharded along the input dimension."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class DefaultWeightsLoader(WeightsLoader):
+    """Unquantized checkpoints: `{prefix}.weight` in a floating dtype."""
+
+    def get_weights(self, weights: "Weights", prefix: str) -> UnquantizedWeight:
+        return UnquantizedWeight(weights.get_tensor(f"{prefix}.weight"))
+
+    def get_weights_col_packed(
+        self, weights: "Weights", prefix: str, block_sizes: int | list[int]
+    ) -> UnquantizedWeight:
+        return UnquantizedWeight(weights.get_packed_sharded(f"{prefix}.weight", dim=0, block_sizes=block_sizes))
+
+    def get_multi_weights_col(self, weights: "Weights", prefixes: list[str], dim: int) -> UnquantizedWeight:
+        parts = [weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes]
+        return UnquantizedWeight(torch.cat(parts, dim=dim))
+
+    def get_weights_row(self, weights: "Weights", prefix: str) -> UnquantizedWeight:
+        return UnquantizedWeight(weights.get_sharded(f"{prefix}.weight", dim=1))
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Weights:
+    """Checkpoint tensors for one rank: lookups, sharding, and the active loader."""
+
+    def __init__(
+        self,
+        source: TensorSource | Sequence[Path],
+        device: torch.device,
+        dtype: torch.dtype,
+        process_group: ProcessGroup | None = None,
+        loader: WeightsLoader | None = None,
+        aliases: dict[str, list[str]] | None = None,
+    ):
+        if not isinstance(source, (DictTensorSource, SafetensorsSource)) and isinstance(source, (list, tuple)):
+            source = SafetensorsSource([Path(p) for p in source])
+        self.source: TensorSource = source  # type: ignore[assignment]
+        self._keys = set(self.source.keys())
+        self.device = device
+        self.dtype = dtype
+        self.process_group = process_group or single_process_group()
+        self.loader = loader or DefaultWeightsLoader()
+        self.aliases = aliases or {}
+
+    # -- lookups -------------------------------------------------------------
+    def has_tensor(self, name: str) -> bool:
+        return self._resolve(name, required=False) is not None
+
+    def _resolve(self, name: str, required: bool = True) -> str | None:
+        if name in self._keys:
+            return name
+        for alias in self.aliases.get(name, []):
+            if alias in self._keys:
+                return alias
+        if required:
+            raise CheckpointError(f"tensor '{name}' not found in the checkpoint ({self._where()})")
+        return None
+
+    def _where(self) -> str:
+        files = sorted({self.source.describe(k) for k in list(self._keys)[:1000]})
+        return ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
+
+    def get_shape(self, name: str) -> list[int]:
+        return self.source.get_slice(self._resolve(name)).get_shape()
+
+    def _finish(self, tensor: torch.Tensor, to_dtype: bool) -> torch.Tensor:
+        # Integer and fp8 tensors (packed weights, scales of some formats) keep their dtype.
+        if to_dtype and tensor.dtype in _FLOAT_DTYPES:
+            tensor = tensor.to(dtype=self.dtype)
+        return tensor.to(device=self.device)
+
+    def get_tensor(self, name: str, to_dtype: bool = True) -> torch.Tensor:
+        key = self._resolve(name)
+        try:
+            tensor = self.source.get_slice(key)[:]
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read tensor '{key}' from {self.source.describe(key)}: {exc}") from exc
+        return self._finish(tensor, to_dtype)
+
+    def get_partial_sharded(self, name: str, dim: int, to_dtype: bool = True) -> torch.Tensor:
+        """This rank's block of `dim`, blocks of ceil(size / world); the last may be short."""
+        key = self._resolve(name)
+        slice_ = self.source.get_slice(key)
+        shape = slice_.get_shape()
+        rank, world = self.process_group.rank, self.process_group.size
+        if dim >= len(shape):
+            raise CheckpointError(f"tensor '{key}' has shape {shape}: no dimension {dim} to shard")
+        block = (shape[dim] + world - 1) // world
+        start, stop = rank * block, min((rank + 1) * block, shape[dim])
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(start, stop)
+        return self._finish(slice_[tuple(index)], to_dtype)
+
+    def get_sharded(self, name: str, dim: int, to_dtype: bool = True) -> torch.Tensor:
+        """This rank's equal share of `dim`; the size must divide by the world size."""
+        key = self._resolve(name)
+        shape = self.source.get_slice(key).get_shape()
+        world = self.process_group.size
+        if dim >= len(shape):
+            raise CheckpointError(f"tensor '{key}' has shape {shape}: no dimension {dim} to shard")
+        if shape[dim] % world != 0:
+            raise CheckpointError(
+                f"tensor '{key}' has {shape[dim]} entries along dim {dim}, "
+                f"which does not divide into {world} shards"
+            )
+        return self.get_partial_sharded(name, dim, to_dtype)
+
+    def get_packed_sharded(
+        self, name: str, dim: int, block_sizes: int | list[int], to_dtype: bool = True
+    ) -> torch.Tensor:
+        """Shards a fused tensor part by part, so each rank gets its share of every part.
+
+        `block_sizes` is either a number of equal parts or the list of part sizes
+        (in units of this tensor's `dim`, so packed int32 tensors shard the same way).
+        """
+        key = self._resolve(name)
+        slice_ = self.source.get_slice(key)
+        shape = slice_.get_shape()
+        total = shape[dim]
+        if isinstance(block_sizes, int):
+            if total % block_sizes != 0:
+                raise CheckpointError(f"tensor '{key}' dim {dim} ({total}) does not split into {block_sizes} parts")
+            block_sizes = [total // block_sizes] * block_sizes
+        if sum(block_sizes) != total:
+            raise CheckpointError(
+                f"tensor '{key}' has {total} entries along dim {dim}, expected {sum(block_sizes)} "
+                f"(parts {block_sizes})"
+            )
+        rank, world = self.process_group.rank, self.process_group.size
+        pieces = []
+        offset = 0
+        for size in block_sizes:
+            if size % world != 0:
+                raise CheckpointError(
+                    f"tensor '{key}': a fused part of {size} entries does not divide into {world} shards"
+                )
+            shard = size // world
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(offset + rank * shard, offset + (rank + 1) * shard)
+            pieces.append(slice_[tuple(index)])
+            offset += size
+        return self._finish(torch.cat(pieces, dim=dim), to_dtype)
+
+    # -- loader delegation ---------------------------------------------------
+    @contextmanager
+    def use_loader(self, loader: WeightsLoader) -> Iterator[None]:
+        """Loads the enclosed modules with another loader (e.g. an unquantized lm_head)."""
+        previous = self.loader
+        self.loader = loader
+        try:
+            yield
+        finally:
+            self.loader = previous
+
+    def get_weights(self, prefix: str):
+        return self.loader.get_weights(self, prefix)
+
+    def get_weights_col(self, prefix: str):
+        return self.loader.get_weights_col(self, prefix)
+
+    def get_weights_col_packed(self, prefix: str, block_sizes: int | list[int]):
+        return self.loader.get_weights_col_packed(self, prefix, block_sizes)
+
+    def get_multi_weights_col(self, prefixes: list[str], dim: int = 0):
+        return self.loader.get_multi_weights_col(self, prefixes, dim)
+
+    def get_weights_row(self, prefix: str):
+        return self.loader.get_weights_row(self, prefix)
