@@ -34,6 +34,11 @@ from text_generation_server.models.types import (
     Tokens,
 )
 from text_generation_server.utils.dist import ProcessGroup
+from text_generation_server.utils.memory import available_bytes, is_out_of_memory
+
+
+class WarmupError(RuntimeError):
+    """Warmup cannot honour the requested limits; the message says which to lower."""
 
 
 class CausalLM:
@@ -65,6 +70,9 @@ class CausalLM:
         self.allocator: BlockAllocator | None = None
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._vocab_size = self.config.vocab_size
+        # Many checkpoints pad vocab_size past the tokenizer (Qwen2, Phi-3); those ids have no
+        # text, so they are never chosen (the detokenizer could not stream them).
+        self._text_vocab = min(self._vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
 
     # -- KV cache ------------------------------------------------------------
     @property
@@ -114,6 +122,11 @@ class CausalLM:
                 raise ValueError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
             req.sampling.validate()
             prompt = self.tokenize(req)
+            if max(prompt) >= self._vocab_size:
+                raise ValueError(
+                    f"request {req.id}: token id {max(prompt)} from the tokenizer is outside the model's "
+                    f"vocabulary of {self._vocab_size}"
+                )
             total = len(prompt) + req.max_new_tokens
             limit = self.config.max_position_embeddings
             if total > limit:
@@ -121,6 +134,7 @@ class CausalLM:
                     f"request {req.id}: {len(prompt)} input tokens + max_new_tokens {req.max_new_tokens} = {total} "
                     f"exceeds the model's max_position_embeddings ({limit})"
                 )
+            self._check_router_kv(req, total)
             prepared.append((req, prompt, total))
         states: list[RequestState] = []
         try:
@@ -138,7 +152,7 @@ class CausalLM:
         block_tables = torch.zeros(len(states), max_blocks, dtype=torch.long)
         for i, ((req, prompt, total), state) in enumerate(zip(prepared, states)):
             history[i, : len(prompt)] = torch.tensor(prompt)
-            slot_table[i, :total] = torch.tensor(self._slots(req, state.blocks, total))
+            slot_table[i, :total] = torch.tensor(self._slots(state.blocks, total))
             block_tables[i, : len(state.blocks)] = torch.tensor(state.blocks)
         lengths = torch.tensor([len(p) for _, p, _ in prepared], dtype=torch.long)
         return Batch(
@@ -152,16 +166,36 @@ class CausalLM:
             prefilled=False,
         )
 
-    def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
+    def _check_router_kv(self, req: GenerationRequest, total: int) -> None:
+        """Validates router-provided blocks and slots before any block is allocated, so a bad
+        request leaves the allocator untouched. Decode reads the cache through the block
+        table, so a slot that is not `blocks[p // block_size] * block_size + p % block_size`
+        would be written where attention never looks: such slots are rejected."""
+        if req.slots and not req.blocks:
+            raise ValueError(f"request {req.id}: slots were given without the blocks that hold them")
+        if not req.blocks:
+            return
         num_blocks = self.kv_cache.num_blocks
-        if req.blocks:
-            bad = [b for b in req.blocks if b >= num_blocks]
-            if bad:
-                raise ValueError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
-            if len(req.blocks) * self.block_size < total:
-                raise ValueError(
-                    f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {total} tokens"
-                )
+        bad = [b for b in req.blocks if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
+        if len(req.blocks) * self.block_size < total:
+            raise ValueError(
+                f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {total} tokens"
+            )
+        if req.slots:
+            if len(req.slots) < total:
+                raise ValueError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
+            expected = self._slots(req.blocks, total)
+            for position, (got, want) in enumerate(zip(req.slots, expected)):
+                if got != want:
+                    raise ValueError(
+                        f"request {req.id}: slot {got} for position {position} does not match its blocks "
+                        f"(expected {want})"
+                    )
+
+    def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
+        if req.blocks:  # validated by _check_router_kv
             blocks, owns = list(req.blocks), False
         else:
             blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
@@ -171,14 +205,7 @@ class CausalLM:
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt))
 
-    def _slots(self, req: GenerationRequest, blocks: list[int], total: int) -> list[int]:
-        if req.slots:
-            if len(req.slots) < total:
-                raise ValueError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
-            limit = self.kv_cache.num_blocks * self.block_size
-            if max(req.slots) >= limit or min(req.slots) < 0:
-                raise ValueError(f"request {req.id}: slots must be in [0, {limit})")
-            return list(req.slots[:total])
+    def _slots(self, blocks: list[int], total: int) -> list[int]:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(total)]
 
@@ -203,6 +230,8 @@ class CausalLM:
             prefill_logits = None
         forward_done = time.perf_counter_ns()
 
+        if self._text_vocab < logits.shape[-1]:
+            logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
         next_ids, logprobs = batch.chooser(logits, batch.history, batch.history_lengths)
         rows = torch.arange(len(batch), device=next_ids.device)
         batch.history[rows, batch.history_lengths] = next_ids
@@ -299,6 +328,79 @@ class CausalLM:
         lps = prefill_logprobs(logits, torch.tensor(ids, device=logits.device)).tolist()
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return Tokens(list(ids), lps, texts, [t in self.special_ids for t in ids])
+
+    # -- warmup ----------------------------------------------------------------
+    @torch.inference_mode()
+    def warmup(
+        self,
+        requests: list[GenerationRequest],
+        max_input_tokens: int,
+        max_prefill_tokens: int,
+        max_total_tokens: int,
+        memory_fraction: float,
+        max_batch_total_tokens: int | None = None,
+    ) -> int:
+        """Runs a real prefill at the maximum size, then sizes the KV cache from what is left.
+
+        Returns the number of tokens the KV cache holds (max_supported_total_tokens).
+        Kernels that keep scratch space size it first (`prepare_scratch`), so the
+        memory measured afterwards is what requests really have.
+        """
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
+        if max_total_tokens > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_total_tokens {max_total_tokens} exceeds the model's max_position_embeddings "
+                f"({self.config.max_position_embeddings}); lower --max-total-tokens"
+            )
+        for module in self.model.modules():
+            prepare = getattr(module, "prepare_scratch", None)
+            if prepare is not None:
+                prepare(max_tokens=max_prefill_tokens, max_input_tokens=max_input_tokens)
+        self.kv_cache = None
+        self.allocator = None
+        try:
+            needed = 1 + sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests)
+            self.allocate_kv_cache(needed)
+            batch = self.make_batch(0, requests)
+            prefill_tokens = sum(s.input_length for s in batch.states)
+            _, next_batch, timings = self.generate_token(batch)
+            if next_batch is not None:
+                self.release(next_batch)
+        except Exception as exc:
+            self.kv_cache = None
+            self.allocator = None
+            if is_out_of_memory(exc):
+                raise WarmupError(
+                    f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens} does not fit in memory "
+                    f"({exc}); lower --max-batch-prefill-tokens"
+                ) from exc
+            raise
+        self.kv_cache = None
+        self.allocator = None
+        budget = int(available_bytes(self.device) * memory_fraction)
+        num_blocks = budget // self.kv_bytes_per_block
+        if max_batch_total_tokens is not None:
+            num_blocks = min(num_blocks, self.blocks_for(max_batch_total_tokens) + 1)
+        usable = (num_blocks - 1) * self.block_size  # block 0 is reserved
+        if usable < max_total_tokens:
+            raise WarmupError(
+                f"the KV cache fits {max(usable, 0)} tokens in {budget} bytes, fewer than max_total_tokens "
+                f"{max_total_tokens}; lower --max-total-tokens or --max-batch-prefill-tokens, or give the "
+                "KV cache more memory"
+            )
+        try:
+            self.allocate_kv_cache(num_blocks)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise WarmupError(f"allocating {num_blocks} KV blocks failed ({exc}); lower the memory fraction") from exc
+            raise
+        logger.info(
+            "warmup: prefill of {} tokens took {:.1f} ms; KV cache of {} blocks x {} tokens ({:.1f} MiB)",
+            prefill_tokens, timings.forward_ns / 1e6, num_blocks, self.block_size,
+            num_blocks * self.kv_bytes_per_block / 2**20,
+        )
+        return usable
 
     # -- convenience for the CLI and tests -----------------------------------------
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:

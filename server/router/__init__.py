@@ -1,0 +1,156 @@
+"""The router inside `serve`: shard discovery, warmup, the client API, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from loguru import logger
+
+from text_generation_server import __version__
+from text_generation_server.metrics import Metrics
+from text_generation_server.pb.generate.v3 import generate_pb2 as spb
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+from text_generation_server.router.client import ShardClient
+from text_generation_server.router.scheduler import RouterBlockPool, Scheduler, SchedulerLimits
+from text_generation_server.router.service import TextGenerationService
+from text_generation_server.router.validation import Limits
+from text_generation_server.serve_args import ServeArgs
+from text_generation_server.utils.checkpoint import Checkpoint
+
+SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+
+class RouterError(RuntimeError):
+    """Startup cannot go on; the message tells the user what to change."""
+
+
+def resolve_limits(args: ServeArgs, max_position_embeddings: int) -> tuple[int, int, int]:
+    """max_input_tokens, max_total_tokens, max_batch_prefill_tokens with TGI's defaults."""
+    max_total = args.max_total_tokens or min(max_position_embeddings, 4096)
+    if max_total > max_position_embeddings:
+        raise RouterError(
+            f"--max-total-tokens {max_total} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+        )
+    max_input = args.max_input_tokens or max_total - 1
+    if max_input >= max_total:
+        raise RouterError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
+    prefill = args.max_batch_prefill_tokens or max_input + 50
+    if prefill < max_input:
+        raise RouterError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
+    return max_input, max_total, prefill
+
+
+def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
+    """The batch TGI's router warms up with: "_test " prompts cut to fill max_prefill tokens."""
+    requests = []
+    tokens = 0
+    while tokens < max_prefill:
+        truncate = min(max_input, max_prefill - tokens)
+        params = spb.NextTokenChooserParameters(
+            temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False, seed=0,
+            repetition_penalty=1.2, frequency_penalty=0.1, watermark=False,
+        )
+        requests.append(spb.Request(
+            id=len(requests), inputs="_test " * max_input, truncate=truncate, parameters=params,
+            stopping_parameters=spb.StoppingCriteriaParameters(
+                max_new_tokens=max(1, max_total - truncate), ignore_eos_token=True),
+            prefill_logprobs=True, top_n_tokens=20, add_special_tokens=True,
+        ))
+        tokens += truncate
+    return spb.Batch(id=0, requests=requests, size=len(requests), max_tokens=0, max_blocks=0)
+
+
+async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event) -> None:
+    checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
+    max_pos = int(checkpoint.config.get("max_position_embeddings", 2048))
+    max_input, max_total, max_prefill = resolve_limits(args, max_pos)
+
+    client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
+    metrics_server = None
+    server = None
+    scheduler = None
+    try:
+        await client.clear_cache()
+        info = await client.info()
+        started = time.monotonic()
+        try:
+            warm = await client.warmup(spb.WarmupRequest(
+                batch=warmup_batch(max_input, max_prefill, max_total),
+                max_input_tokens=max_input, max_prefill_tokens=max_prefill, max_total_tokens=max_total,
+            ))
+        except grpc.aio.AioRpcError as exc:
+            raise RouterError(f"warmup failed: {exc.details()}") from exc
+        supported = warm.max_supported_total_tokens
+        batch_total = min(supported, args.max_batch_total_tokens or supported)
+        pool = RouterBlockPool(batch_total // info.block_size + 1, info.block_size)
+        logger.info(
+            "warmup done in {:.1f} s: max_input_tokens {}, max_total_tokens {}, max_batch_prefill_tokens {}, "
+            "max_batch_total_tokens {} ({} KV blocks of {})", time.monotonic() - started, max_input, max_total,
+            max_prefill, batch_total, pool.num_blocks - 1, info.block_size,
+        )
+        metrics = Metrics()
+        limits = Limits(
+            max_input_tokens=max_input, max_total_tokens=max_total, max_stop_sequences=args.max_stop_sequences,
+            max_stop_sequence_length=args.max_stop_sequence_length, max_top_n_tokens=args.max_top_n_tokens,
+            max_input_chars=args.max_input_chars,
+        )
+        scheduler = Scheduler(client, pool, SchedulerLimits(max_prefill, args.max_batch_size,
+                                                            args.max_concurrent_requests), metrics)
+        scheduler.start()
+        info_msg = cpb.InfoResponse(
+            model_id=checkpoint.model_id, model_dtype=info.dtype, model_device_type=info.device_type,
+            max_input_tokens=max_input, max_total_tokens=max_total,
+            max_concurrent_requests=args.max_concurrent_requests, max_stop_sequences=args.max_stop_sequences,
+            max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
+            quantize=args.quantize or "", version=__version__, block_size=info.block_size,
+        )
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", args.max_message_bytes),
+            ("grpc.max_send_message_length", max(args.max_message_bytes, 64 * 2**20)),
+        ])
+        cpb_grpc.add_TextGenerationServicer_to_server(
+            TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        address = f"{args.hostname}:{args.port}"
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise RouterError(f"cannot listen on {address} (port in use?)")
+        await server.start()
+        try:
+            metrics_server = metrics.serve(args.metrics_port, addr=args.hostname)
+        except OSError as exc:
+            raise RouterError(f"cannot serve metrics on {args.hostname}:{args.metrics_port}: {exc}") from exc
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving gRPC on {}:{}, metrics on http://{}:{}/metrics", args.hostname, port,
+                    args.hostname, metrics_server.server_port)
+
+        await shutdown.wait()
+        logger.info("shutting down: no new requests; draining {} in flight", scheduler.inflight)
+        scheduler.admitting = False
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + args.drain_timeout_s
+        while scheduler.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if scheduler.inflight:
+            logger.warning("drain timeout: {} requests still in flight are cancelled", scheduler.inflight)
+    finally:
+        if scheduler is not None:
+            await scheduler.stop()
+        if server is not None:
+            await server.stop(grace=1.0)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        await client.close()

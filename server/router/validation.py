@@ -1,0 +1,168 @@
+"""Validation of client requests, before anything is queued.
+
+Every rejection is a `ValidationError` whose message starts with the field name,
+so a client can tell exactly what to change; the service answers INVALID_ARGUMENT.
+Ranges follow TGI's HTTP API.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from text_generation_server.pb.generate.v3 import generate_pb2 as spb
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+
+
+class ValidationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int
+    max_stop_sequence_length: int
+    max_top_n_tokens: int
+    max_input_chars: int
+
+
+@dataclass
+class ValidRequest:
+    inputs: str
+    input_length: int
+    truncate: int
+    max_new_tokens: int
+    parameters: spb.NextTokenChooserParameters
+    stop: list[str]
+    details: bool
+    decoder_input_details: bool
+    top_n_tokens: int
+
+    def to_shard(self, request_id: int, blocks: list[int], slots: list[int]) -> spb.Request:
+        return spb.Request(
+            id=request_id,
+            inputs=self.inputs,
+            input_chunks=spb.Input(chunks=[spb.InputChunk(text=self.inputs)]),
+            truncate=self.truncate,
+            parameters=self.parameters,
+            stopping_parameters=spb.StoppingCriteriaParameters(
+                max_new_tokens=self.max_new_tokens, stop_sequences=self.stop, ignore_eos_token=False
+            ),
+            prefill_logprobs=self.decoder_input_details,
+            top_n_tokens=self.top_n_tokens,
+            blocks=blocks,
+            slots=slots,
+            add_special_tokens=True,
+        )
+
+
+def _positive_float(p: cpb.GenerateParameters, name: str, upper: float | None = None,
+                    upper_inclusive: bool = True) -> float | None:
+    if not p.HasField(name):
+        return None
+    value = getattr(p, name)
+    if not value > 0 or value != value:
+        raise ValidationError(f"parameters.{name} must be > 0, got {value}")
+    if upper is not None and (value > upper if upper_inclusive else value >= upper):
+        bound = f"<= {upper}" if upper_inclusive else f"< {upper}"
+        raise ValidationError(f"parameters.{name} must be {bound}, got {value}")
+    return value
+
+
+def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
+    """Checks every field; tokenizes once to know the input length. Runs off the event loop."""
+    inputs = request.inputs
+    if not inputs:
+        raise ValidationError("inputs must not be empty")
+    if len(inputs) > limits.max_input_chars:
+        raise ValidationError(f"inputs has {len(inputs)} characters, more than the limit of {limits.max_input_chars}")
+    p = request.parameters
+    temperature = _positive_float(p, "temperature")
+    top_p = _positive_float(p, "top_p", 1.0)
+    typical_p = _positive_float(p, "typical_p", 1.0)
+    repetition_penalty = _positive_float(p, "repetition_penalty")
+    frequency_penalty = 0.0
+    if p.HasField("frequency_penalty"):
+        frequency_penalty = p.frequency_penalty
+        if not -2.0 <= frequency_penalty <= 2.0:
+            raise ValidationError(f"parameters.frequency_penalty must be in [-2, 2], got {frequency_penalty}")
+    top_k = 0
+    if p.HasField("top_k"):
+        if p.top_k < 1:
+            raise ValidationError(f"parameters.top_k must be >= 1, got {p.top_k}")
+        top_k = p.top_k
+    if p.HasField("top_n_tokens") and p.top_n_tokens > limits.max_top_n_tokens:
+        raise ValidationError(f"parameters.top_n_tokens must be <= {limits.max_top_n_tokens}, got {p.top_n_tokens}")
+    stop = list(p.stop)
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"parameters.stop has {len(stop)} sequences, at most {limits.max_stop_sequences} allowed")
+    for s in stop:
+        if not s:
+            raise ValidationError("parameters.stop must not contain an empty sequence")
+        if len(s) > limits.max_stop_sequence_length:
+            raise ValidationError(
+                f"parameters.stop has a sequence of {len(s)} characters, at most {limits.max_stop_sequence_length}"
+            )
+    sampling_implied = (
+        (temperature is not None and temperature != 1.0) or top_k > 0
+        or (top_p is not None and top_p < 1.0) or (typical_p is not None and typical_p < 1.0)
+    )
+    do_sample = p.do_sample if p.HasField("do_sample") else sampling_implied
+    seed = p.seed if p.HasField("seed") else random.getrandbits(63)
+
+    truncate = None
+    if p.HasField("truncate"):
+        if p.truncate < 1:
+            raise ValidationError(f"parameters.truncate must be >= 1, got {p.truncate}")
+        if p.truncate > limits.max_input_tokens:
+            raise ValidationError(
+                f"parameters.truncate must be <= max_input_tokens ({limits.max_input_tokens}), got {p.truncate}"
+            )
+        truncate = p.truncate
+    length = len(tokenizer.encode(inputs, add_special_tokens=True).ids)
+    if truncate is not None:
+        length = min(length, truncate)
+    if length == 0:
+        raise ValidationError("inputs tokenize to zero tokens")
+    if length > limits.max_input_tokens:
+        raise ValidationError(
+            f"inputs has {length} tokens, more than max_input_tokens ({limits.max_input_tokens}); "
+            "shorten it or set parameters.truncate"
+        )
+    room = limits.max_total_tokens - length
+    if p.HasField("max_new_tokens"):
+        if p.max_new_tokens < 1:
+            raise ValidationError(f"parameters.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+        if p.max_new_tokens > room:
+            raise ValidationError(
+                f"parameters.max_new_tokens ({p.max_new_tokens}) + {length} input tokens exceeds "
+                f"max_total_tokens ({limits.max_total_tokens})"
+            )
+        max_new_tokens = p.max_new_tokens
+    else:
+        max_new_tokens = room
+    parameters = spb.NextTokenChooserParameters(
+        temperature=temperature if temperature is not None else 1.0,
+        top_k=top_k,
+        top_p=top_p if top_p is not None else 1.0,
+        typical_p=typical_p if typical_p is not None else 1.0,
+        do_sample=do_sample,
+        seed=seed,
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        frequency_penalty=frequency_penalty,
+    )
+    return ValidRequest(
+        inputs=inputs,
+        input_length=length,
+        truncate=length,
+        max_new_tokens=max_new_tokens,
+        parameters=parameters,
+        stop=stop,
+        details=p.details if p.HasField("details") else False,
+        decoder_input_details=p.decoder_input_details if p.HasField("decoder_input_details") else False,
+        top_n_tokens=p.top_n_tokens if p.HasField("top_n_tokens") else 0,
+    )

@@ -1,0 +1,316 @@
+"""The shard gRPC service (generate.v3.TextGenerationService), one per rank.
+
+Wire-compatible with TGI v3: the caller (our router or TGI's) owns the batch ids
+and the KV blocks; this service keeps a cache of live batches by id and runs the
+model on them. Model calls run one at a time on a worker thread, so Health and
+Info answer while a long prefill runs, and every rank executes the same sequence
+of collectives. A bad request answers INVALID_ARGUMENT and an unknown batch
+NOT_FOUND; the shard keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from loguru import logger
+
+from text_generation_server.generation.sampling import SamplingParams
+from text_generation_server.models.batch import Batch, OutOfBlocksError
+from text_generation_server.models.causal_lm import CausalLM, WarmupError
+from text_generation_server.models.types import CachedBatchInfo, Generation, GenerationRequest, StepTimings, Tokens
+from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
+
+
+def shard_uds(uds_path: str, rank: int) -> str:
+    return f"{uds_path}-{rank}"
+
+
+# -- protobuf <-> engine ----------------------------------------------------------
+def _or_default(value: float, default: float) -> float:
+    # proto3 scalars read 0 when unset; 0 is never a valid temperature/top_p/typical_p/penalty.
+    return default if value == 0 else value
+
+
+def request_from_pb(req: pb.Request) -> GenerationRequest:
+    if req.inputs:
+        inputs = req.inputs
+    else:
+        parts = []
+        for chunk in req.input_chunks.chunks:
+            if chunk.WhichOneof("chunk") == "image":
+                raise ValueError(f"request {req.id}: image inputs are not supported by text-only models")
+            parts.append(chunk.text)
+        inputs = "".join(parts)
+    p = req.parameters
+    if p.grammar or p.grammar_type:
+        raise ValueError(f"request {req.id}: grammar-constrained generation is not supported")
+    if p.logit_bias:
+        raise ValueError(f"request {req.id}: logit_bias is not supported")
+    sampling = SamplingParams(
+        temperature=_or_default(p.temperature, 1.0),
+        top_k=p.top_k,
+        top_p=_or_default(p.top_p, 1.0),
+        typical_p=_or_default(p.typical_p, 1.0),
+        do_sample=p.do_sample,
+        seed=p.seed if p.do_sample else None,
+        repetition_penalty=_or_default(p.repetition_penalty, 1.0),
+        frequency_penalty=p.frequency_penalty,
+    )
+    s = req.stopping_parameters
+    return GenerationRequest(
+        id=req.id,
+        inputs=inputs,
+        sampling=sampling,
+        max_new_tokens=s.max_new_tokens,
+        stop_sequences=list(s.stop_sequences),
+        ignore_eos_token=s.ignore_eos_token,
+        truncate=req.truncate,
+        prefill_logprobs=req.prefill_logprobs,
+        top_n_tokens=req.top_n_tokens,
+        blocks=list(req.blocks),
+        slots=list(req.slots),
+        add_special_tokens=req.add_special_tokens,
+        cache_len=req.cache_len,
+    )
+
+
+def _tokens_pb(tokens: Tokens) -> pb.Tokens:
+    return pb.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts, is_special=tokens.is_special)
+
+
+def generation_to_pb(gen: Generation) -> pb.Generation:
+    out = pb.Generation(request_id=gen.request_id, tokens=_tokens_pb(gen.tokens))
+    if gen.prefill_tokens is not None:
+        out.prefill_tokens.CopyFrom(_tokens_pb(gen.prefill_tokens))
+    for top in gen.top_tokens:
+        out.top_tokens.append(_tokens_pb(top))
+    if gen.generated_text is not None:
+        g = gen.generated_text
+        out.generated_text.CopyFrom(
+            pb.GeneratedText(text=g.text, generated_tokens=g.generated_tokens, finish_reason=int(g.finish_reason))
+        )
+        if g.seed is not None:
+            out.generated_text.seed = g.seed
+    return out
+
+
+def cached_batch_to_pb(info: CachedBatchInfo) -> pb.CachedBatch:
+    return pb.CachedBatch(
+        id=info.id, request_ids=info.request_ids, size=info.size, max_tokens=info.max_tokens,
+        current_tokens=info.current_tokens,
+    )
+
+
+class ShardError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
+    def __init__(
+        self,
+        model: CausalLM,
+        uds_path: str,
+        world_size: int,
+        memory_fraction: float,
+        max_batch_total_tokens: int | None = None,
+    ):
+        self.model = model
+        self.uds_path = uds_path
+        self.world_size = world_size
+        self.memory_fraction = memory_fraction
+        self.max_batch_total_tokens = max_batch_total_tokens
+        self.cache: dict[int, Batch] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def _run(self, context, fn, *args):
+        """Runs `fn` on the model thread; maps failures to gRPC statuses with clear messages."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, *args)
+        except ShardError as exc:
+            await context.abort(exc.code, str(exc))
+        except (ValueError, OutOfBlocksError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc))
+        except WarmupError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Exception as exc:  # a failure inside the model: report it, keep serving
+            logger.exception("shard call {} failed", getattr(fn, "__name__", fn))
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    # -- the eight RPCs ------------------------------------------------------------
+    async def Info(self, request, context):
+        m = self.model
+        window = m.config.sliding_window
+        info = pb.InfoResponse(
+            requires_padding=False,
+            dtype=str(m.dtype).removeprefix("torch."),
+            device_type=m.device.type,
+            speculate=0,
+            support_chunking=False,
+            use_prefix_caching=False,
+            attention_impl="paged",
+            block_size=m.block_size,
+        )
+        if window is not None:
+            info.window_size = window
+        return info
+
+    async def Health(self, request, context):
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        urls = [f"unix://{shard_uds(self.uds_path, r)}" for r in range(self.world_size)]
+        return pb.ServiceDiscoveryResponse(urls=urls)
+
+    async def ClearCache(self, request, context):
+        def clear():
+            if request.HasField("id"):
+                batch = self.cache.pop(request.id, None)
+                if batch is not None:
+                    self.model.release(batch)
+            else:
+                for batch in self.cache.values():
+                    self.model.release(batch)
+                self.cache.clear()
+
+        await self._run(context, clear)
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(self, request, context):
+        def filt():
+            batch = self._pop(request.batch_id)
+            kept = self.model.filter(batch, list(request.request_ids))
+            if kept is None:
+                return pb.FilterBatchResponse()
+            self.cache[kept.batch_id] = kept
+            return pb.FilterBatchResponse(batch=cached_batch_to_pb(kept.info()))
+
+        return await self._run(context, filt)
+
+    async def Warmup(self, request, context):
+        def warm():
+            if self.model.kv_cache is not None and self.cache:
+                raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup while batches are cached; ClearCache first")
+            requests = [request_from_pb(r) for r in request.batch.requests]
+            for r in requests:
+                r.blocks, r.slots = [], []  # warmup blocks are always assigned by the shard
+            max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
+            max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
+            limit = self.model.config.max_position_embeddings
+            if max_total is None:
+                max_total = min(limit, 4096)
+            if max_input is None:
+                max_input = max_total - 1
+            if not requests:
+                raise ValueError("the warmup batch has no requests")
+            supported = self.model.warmup(
+                requests, max_input, request.max_prefill_tokens, max_total, self.memory_fraction,
+                self.max_batch_total_tokens,
+            )
+            return pb.WarmupResponse(
+                max_supported_total_tokens=supported, max_input_tokens=max_input, max_total_tokens=max_total
+            )
+
+        return await self._run(context, warm)
+
+    async def Prefill(self, request, context):
+        def prefill():
+            if request.batch.id in self.cache:
+                raise ValueError(f"batch {request.batch.id} is already cached")
+            requests = [request_from_pb(r) for r in request.batch.requests]
+            batch = self.model.make_batch(request.batch.id, requests)
+            generations, next_batch, timings = self.model.generate_token(batch)
+            concat_ns = None
+            if request.HasField("cached_batch"):
+                cached = self._pop(request.cached_batch.id)
+                if next_batch is None:
+                    next_batch = cached
+                else:
+                    next_batch = Batch.concatenate([cached, next_batch])
+                    next_batch.batch_id = cached.batch_id
+                    concat_ns = 0
+            return self._step_response(pb.PrefillResponse, generations, next_batch, timings, concat_ns)
+
+        return await self._run(context, prefill)
+
+    async def Decode(self, request, context):
+        def decode():
+            if not request.batches:
+                raise ValueError("Decode needs at least one batch")
+            ids = [b.id for b in request.batches]
+            missing = [i for i in ids if i not in self.cache]
+            if missing:
+                raise KeyError(f"batch {missing[0]} not found")
+            batches = [self.cache.pop(i) for i in ids]
+            batch = Batch.concatenate(batches)
+            generations, next_batch, timings = self.model.generate_token(batch)
+            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
+
+        return await self._run(context, decode)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _pop(self, batch_id: int) -> Batch:
+        batch = self.cache.pop(batch_id, None)
+        if batch is None:
+            raise KeyError(f"batch {batch_id} not found")
+        return batch
+
+    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns):
+        resp = cls(
+            generations=[generation_to_pb(g) for g in generations],
+            forward_ns=timings.forward_ns,
+            decode_ns=timings.decode_ns,
+            total_ns=timings.total_ns,
+        )
+        if concat_ns is not None:
+            resp.concat_ns = concat_ns
+        if next_batch is not None:
+            self.cache[next_batch.batch_id] = next_batch
+            resp.batch.CopyFrom(cached_batch_to_pb(next_batch.info()))
+        return resp
+
+
+async def serve_shard(
+    model: CausalLM,
+    uds_path: str,
+    rank: int,
+    world_size: int,
+    memory_fraction: float,
+    max_batch_total_tokens: int | None,
+    stop: asyncio.Event,
+) -> None:
+    """Serves one rank on `unix://{uds_path}-{rank}` until `stop` is set."""
+    path = shard_uds(uds_path, rank)
+    if os.path.exists(path):
+        os.unlink(path)
+    server = grpc.aio.server(
+        options=[("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
+    )
+    service = TextGenerationService(model, uds_path, world_size, memory_fraction, max_batch_total_tokens)
+    pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
+    server.add_insecure_port(f"unix://{path}")
+    old_umask = os.umask(0o077)  # the socket is owner-only
+    try:
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    logger.info("shard {} listening on unix://{}", rank, path)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        service._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            Path(path).unlink()
+        except FileNotFoundError:
+            pass
