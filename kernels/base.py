@@ -1,0 +1,214 @@
+"""What every quantized-linear kernel agrees on.
+
+Loaders turn a checkpoint's packed layout into one canonical, layout-free form
+(`QuantizedWeight`: unsigned integer codes, group scales, optional zero points
+and each input row's group). Kernels read only the frozen `LinearSpec` to decide
+whether they can run a layer, and transform the canonical weight once, at load,
+into whatever layout they compute with. The reference kernel dequantizes; it is
+the ground truth every other kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from loguru import logger
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A quantized linear as kernels see it (this rank's partition)."""
+
+    in_features: int  # K of this partition
+    out_features: int  # N of this partition
+    bits: int
+    group_size: int  # rows per group; equal to in_features for per-channel
+    has_zeros: bool  # asymmetric (explicit zero points) or symmetric (implied 2^(bits-1))
+    act_order: bool  # g_idx is not k // group_size
+    act_dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda"
+    full_in_features: int | None = None
+    full_out_features: int | None = None
+
+
+@dataclass
+class QuantizedWeight:
+    """Canonical quantized weight: W[k, n] = scales[g, n] * (qweight[k, n] - zeros[g, n]), g = g_idx[k].
+
+    qweight: uint8 [K, N] codes in [0, 2^bits); scales: float [G, N]; zeros: float [G, N]
+    (integer-valued, None when symmetric: 2^(bits-1)); g_idx: int32 [K].
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"unsupported bits {self.bits}")
+        if self.qweight.dim() != 2:
+            raise ValueError(f"qweight must be 2-D [K, N], got shape {list(self.qweight.shape)}")
+        k, n = self.qweight.shape
+        if self.scales.dim() != 2 or self.scales.shape[1] != n:
+            raise ValueError(f"scales must be [groups, {n}], got {list(self.scales.shape)}")
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            raise ValueError(f"zeros must match scales {list(self.scales.shape)}, got {list(self.zeros.shape)}")
+        if self.g_idx.shape != (k,):
+            raise ValueError(f"g_idx must be [{k}], got {list(self.g_idx.shape)}")
+        if k and (int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= self.scales.shape[0]):
+            raise ValueError(f"g_idx values must be in [0, {self.scales.shape[0]})")
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (out_features, in_features), like a dense weight."""
+        return self.out_features, self.in_features
+
+    @property
+    def act_order(self) -> bool:
+        k = self.in_features
+        natural = torch.arange(k, dtype=torch.int32, device=self.g_idx.device) // self.group_size
+        return not torch.equal(self.g_idx.to(torch.int32) - self.g_idx.min().to(torch.int32), natural)
+
+    def zero_points(self) -> torch.Tensor:
+        if self.zeros is not None:
+            return self.zeros
+        return torch.full_like(self.scales, float(2 ** (self.bits - 1)))
+
+    def spec(self, act_dtype: torch.dtype, device_type: str) -> LinearSpec:
+        return LinearSpec(
+            in_features=self.in_features,
+            out_features=self.out_features,
+            bits=self.bits,
+            group_size=self.group_size,
+            has_zeros=self.zeros is not None,
+            act_order=self.act_order,
+            act_dtype=act_dtype,
+            device_type=device_type,
+        )
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ground truth: dense [N, K] weight (the nn.Linear convention)."""
+    g = w.g_idx.long()
+    scales = w.scales.float()[g]  # [K, N]
+    zeros = w.zero_points().float()[g]
+    dense = (w.qweight.float() - zeros) * scales
+    return dense.t().contiguous().to(dtype)
+
+
+class QuantKernel(ABC):
+    """A way to run a quantized linear. Subclasses are stateless; `build` returns the module."""
+
+    name: str = "kernel"
+
+    @classmethod
+    @abstractmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        """(True, "") when this kernel runs `spec` exactly; else (False, the reason)."""
+
+    @classmethod
+    @abstractmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        """Transforms the weight once (repack) and returns a module whose forward is one call."""
+
+
+class ReferenceLinear(torch.nn.Module):
+    # x: [tokens, K] -> [tokens, N]
+    kernel_name = "reference"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class ReferenceKernel(QuantKernel):
+    """Dequantizes once at load and runs a dense matmul: always correct, never compact."""
+
+    name = "reference"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        return ReferenceLinear(dequantize(weight, act_dtype), None if bias is None else bias.to(act_dtype))
+
+
+# Ordered, fastest first, per device type. Kernel modules append themselves on import.
+KERNELS: dict[str, list[type[QuantKernel]]] = {"cpu": [], "cuda": []}
+
+DISABLE_ENV = "TGS_DISABLE_KERNELS"
+
+
+def register(device_type: str, kernel: type[QuantKernel], position: int | None = None) -> None:
+    kernels = KERNELS.setdefault(device_type, [])
+    if kernel in kernels:
+        return
+    if position is None:
+        kernels.append(kernel)
+    else:
+        kernels.insert(position, kernel)
+
+
+def disabled_kernels() -> set[str]:
+    """Kernel names switched off with TGS_DISABLE_KERNELS=name1,name2 (or --disable-kernels)."""
+    return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+
+
+class NoKernelError(ValueError):
+    pass
+
+
+def choose_kernel(spec: LinearSpec) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
+    """The first kernel in the device's list that can run `spec`, with the reasons others were passed over."""
+    from text_generation_server.kernels import registry  # noqa: F401  (registers the built-in kernels)
+
+    disabled = disabled_kernels()
+    rejected: list[tuple[str, str]] = []
+    for kernel in KERNELS.get(spec.device_type, []) + [ReferenceKernel]:
+        if kernel.name in disabled:
+            rejected.append((kernel.name, f"disabled by {DISABLE_ENV}"))
+            continue
+        ok, reason = kernel.can_implement(spec)
+        if ok:
+            return kernel, rejected
+        rejected.append((kernel.name, reason))
+    raise NoKernelError("no kernel can run this layer: " + "; ".join(f"{n}: {r}" for n, r in rejected))
+
+
+_LOGGED: set[tuple] = set()
+
+
+def build_linear(weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 device_type: str, layer: str = "") -> torch.nn.Module:
+    """Chooses the kernel for this weight, logs the choice once per kind of layer, builds it."""
+    spec = weight.spec(act_dtype, device_type)
+    kernel, rejected = choose_kernel(spec)
+    key = (layer, spec.bits, spec.group_size, spec.has_zeros, spec.act_order, kernel.name)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        why = "; ".join(f"{n}: {r}" for n, r in rejected) or "first choice"
+        logger.info("{}{}-bit g{} {}{}: kernel {} ({})", f"{layer}: " if layer else "", spec.bits, spec.group_size,
+                    "asym" if spec.has_zeros else "sym", " act-order" if spec.act_order else "", kernel.name, why)
+    module = kernel.build(weight, bias, act_dtype)
+    module.kernel_name = kernel.name
+    return module
