@@ -58,10 +58,10 @@ def request_from_pb(req: pb.Request) -> GenerationRequest:
         top_p=_or_default(p.top_p, 1.0),
         typical_p=_or_default(p.typical_p, 1.0),
         do_sample=p.do_sample,
-        seed=p.seed if p.do_sample else None,
+        seed=p.seed,
         repetition_penalty=_or_default(p.repetition_penalty, 1.0),
         frequency_penalty=p.frequency_penalty,
-    )
+    ).with_tgi_sampling()  # TGI shards sample whenever a warper is set, whatever do_sample says
     s = req.stopping_parameters
     return GenerationRequest(
         id=req.id,

@@ -145,6 +145,9 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         max_new_tokens = p.max_new_tokens
     else:
         max_new_tokens = room
+    if not do_sample:
+        # Shards (TGI semantics) sample whenever a warper is set: greedy means neutral warpers.
+        temperature, top_k, top_p, typical_p = None, 0, None, None
     parameters = spb.NextTokenChooserParameters(
         temperature=temperature if temperature is not None else 1.0,
         top_k=top_k,

@@ -1,0 +1,410 @@
+"""Next-token selection for a batch whose requests carry different parameters.
+
+Every processor works on the whole batch at once with one tensor of per-row
+parameters; a row whose parameter is "off" passes through unchanged, so a request
+gets the same distribution whether it runs alone or beside others. The order is
+the one TGI uses: repetition penalty, frequency penalty, temperature, top-k,
+top-p, typical-p. Filters keep every token tied with the last one kept, so the
+result never depends on how a sort orders equal values.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+
+import torch
+from loguru import logger
+from torch import Tensor
+
+MAX_SEED = 2**64 - 1  # seeds travel as uint64 on the wire
+# Rows of [L, V] log-softmax computed at once by prefill_logprobs; bounds its memory.
+_PREFILL_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's token-selection parameters, as the client API and shard protocol carry them."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    do_sample: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+
+    def validate(self) -> None:
+        """Fail early with the offending field, rather than with NaNs deep inside a batch."""
+
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
+
+        def real(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not real(self.temperature) or self.temperature <= 0:
+            raise bad("temperature", "a finite number > 0")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 disables it)")
+        if not real(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1] (1 disables it)")
+        if not real(self.typical_p) or not 0 < self.typical_p <= 1:
+            raise bad("typical_p", "in (0, 1] (1 disables it)")
+        if not isinstance(self.do_sample, bool):
+            raise bad("do_sample", "a bool")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise bad("seed", f"None or an integer in [0, {MAX_SEED}]")
+        if not real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a finite number > 0 (1 disables it)")
+        if not real(self.frequency_penalty):
+            raise bad("frequency_penalty", "a finite number (0 disables it)")
+
+    def with_tgi_sampling(self) -> "SamplingParams":
+        """These parameters as TGI's shard would run them: sampling whenever a warper is set.
+
+        TGI samples a request whose temperature, top_k, top_p or typical_p is set
+        even when do_sample is false; the chooser here takes do_sample literally.
+        Requests from a TGI router should pass through this to behave the same.
+        """
+        warped = self.temperature != 1.0 or self.top_k != 0 or self.top_p < 1.0 or self.typical_p < 1.0
+        return self if self.do_sample or not warped else replace(self, do_sample=True)
+
+
+def _history_ids(history: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Make padded histories safe to gather/scatter with.
+
+    Returns (ids, valid), both [B, T]. Pad positions (whatever their value, even
+    -1 or >= V) are replaced by the row's first token, which is already in the
+    history, so writing a penalised value there again changes nothing. Rows with
+    an empty history get id 0; callers neutralise those rows.
+    """
+    positions = torch.arange(history.shape[1], device=history.device)
+    valid = positions[None, :] < lengths[:, None]
+    first = torch.where(lengths[:, None] > 0, history[:, :1], torch.zeros_like(history[:, :1]))
+    return torch.where(valid, history, first), valid
+
+
+def apply_repetition_penalty(scores: Tensor, history: Tensor, lengths: Tensor, penalty: Tensor) -> Tensor:
+    """CTRL-style penalty: divide positive logits, multiply negative ones, of tokens seen in the history.
+
+    scores: [B, V] float, history: [B, T] int64 right-padded, lengths: [B], penalty: [B].
+    """
+    if history.shape[1] == 0:
+        return scores
+    ids, _ = _history_ids(history, lengths)
+    # A row without history writes its placeholder id back unchanged.
+    penalty = torch.where(lengths > 0, penalty, torch.ones_like(penalty))[:, None]
+    picked = scores.gather(1, ids)  # [B, T]
+    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+    # Duplicate ids write identical values, so scatter's write order does not matter.
+    return scores.scatter(1, ids, picked)
+
+
+def apply_frequency_penalty(scores: Tensor, history: Tensor, lengths: Tensor, penalty: Tensor) -> Tensor:
+    """OpenAI-style penalty: subtract penalty * (occurrences of the token in the history).
+
+    Works in O(B * T) with a scatter-add rather than a [B, V] count table.
+    """
+    if history.shape[1] == 0:
+        return scores
+    ids, valid = _history_ids(history, lengths)
+    weights = valid.to(scores.dtype) * (-penalty)[:, None]  # pads add 0
+    return scores.scatter_add(1, ids, weights)
+
+
+def apply_temperature(scores: Tensor, temperature: Tensor) -> Tensor:
+    """Scale logits per row; temperature: [B] > 0."""
+    return scores / temperature[:, None]
+
+
+def apply_top_k(scores: Tensor, top_k: Tensor, max_k: int) -> Tensor:
+    """Keep each row's k highest logits (and ties with the k-th); k == 0 or k >= V keeps all.
+
+    top_k: [B] int64. max_k is the batch's largest k, known on the host so the
+    single topk call needs no device sync.
+    """
+    vocab = scores.shape[-1]
+    width = min(max_k, vocab)
+    if width <= 0:
+        return scores
+    values = scores.topk(width, dim=-1).values  # [B, width], descending
+    off = (top_k <= 0) | (top_k >= vocab)
+    kth = (top_k.clamp(min=1, max=width) - 1)[:, None]
+    threshold = values.gather(1, kth).masked_fill(off[:, None], -math.inf)
+    return scores.masked_fill(scores < threshold, -math.inf)
+
+
+def _count_until_mass(sorted_probs: Tensor, mass: Tensor) -> Tensor:
+    """How many leading entries are needed to reach `mass`: [B, 1] int64, always >= 1.
+
+    An entry is kept while the mass before it is still below the target, which is
+    the smallest prefix whose mass is >= target. The exclusive sum is built by
+    shifting the cumulative sum (not by subtracting), so it is monotone and the
+    count is a prefix length.
+    """
+    cumulative = sorted_probs.cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    return (before < mass[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def apply_top_p(scores: Tensor, top_p: Tensor, candidates: int | None = None) -> Tensor:
+    """Nucleus filtering: keep the most likely tokens whose mass first reaches top_p; 1 keeps all.
+
+    candidates: when top-k already left at most this many tokens in every row that
+    uses top-p (the usual top_k=50, top_p=0.9 request), only that many are sorted
+    instead of the whole vocabulary. Masses still use the full row's normaliser, so
+    tokens tied with the k-th beyond the candidates are counted, and kept, exactly.
+    """
+    vocab = scores.shape[-1]
+    if candidates is not None and 0 < candidates < vocab:
+        sorted_scores = scores.topk(candidates, dim=-1).values  # [B, candidates], descending
+    else:
+        sorted_scores = scores.sort(dim=-1, descending=True).values  # [B, V]
+    probs = (sorted_scores - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    count = _count_until_mass(probs, top_p)
+    threshold = sorted_scores.gather(1, count - 1)
+    threshold = threshold.masked_fill((top_p >= 1)[:, None], -math.inf)
+    return scores.masked_fill(scores < threshold, -math.inf)
+
+
+def apply_typical_p(scores: Tensor, typical_p: Tensor) -> Tensor:
+    """Locally typical filtering (Meister et al. 2022): keep the tokens whose surprisal is closest
+    to the entropy until their mass reaches typical_p; 1 keeps all."""
+    log_probs = scores.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)  # -inf * 0 = nan -> ignored
+    distance = (-log_probs - entropy).abs()  # filtered tokens: +inf, sorted last
+    sorted_distance, order = distance.sort(dim=-1)
+    count = _count_until_mass(probs.gather(1, order), typical_p)
+    threshold = sorted_distance.gather(1, count - 1)
+    threshold = threshold.masked_fill((typical_p >= 1)[:, None], math.inf)
+    return scores.masked_fill(distance > threshold, -math.inf)
+
+
+class HeterogeneousNextTokenChooser:
+    """Chooses the next token for every row of a batch whose rows have different parameters.
+
+    Each sampling row owns a torch.Generator seeded with its seed. filter() and
+    concatenate() hand the same generator objects to the new chooser, so a request
+    continues its own random stream across continuous-batching changes; the old
+    chooser must not be used after either call.
+    """
+
+    def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
+        for index, row in enumerate(params):
+            try:
+                row.validate()
+            except ValueError as error:
+                raise ValueError(f"request {index} in batch: {error}") from error
+        seeds: list[int] = []
+        generators: list[torch.Generator | None] = []
+        for row in params:
+            if row.do_sample:
+                seed = row.seed if row.seed is not None else secrets.randbits(64)
+                generator = torch.Generator(device=device)
+                generator.manual_seed(seed)
+                if row.seed is None:
+                    logger.debug("drew seed {} for a sampling request without one", seed)
+            else:
+                seed = row.seed if row.seed is not None else 0
+                generator = None
+            seeds.append(seed)
+            generators.append(generator)
+        self._setup(list(params), seeds, generators, torch.device(device))
+
+    @classmethod
+    def _from_parts(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        generators: list[torch.Generator | None],
+        device: torch.device,
+    ) -> "HeterogeneousNextTokenChooser":
+        chooser = cls.__new__(cls)
+        chooser._setup(params, seeds, generators, device)
+        return chooser
+
+    def _setup(
+        self,
+        params: list[SamplingParams],
+        seeds: list[int],
+        generators: list[torch.Generator | None],
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self._params = params
+        self._seeds = seeds
+        self._generators = generators
+
+        def column(name: str, off: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
+            values = [getattr(row, name) for row in params]
+            if all(value == off for value in values):
+                return None  # no row uses this processor: skip it entirely
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self._repetition = column("repetition_penalty", 1.0)
+        self._frequency = column("frequency_penalty", 0.0)
+        self._temperature = column("temperature", 1.0)
+        self._top_k = column("top_k", 0, torch.int64)
+        self._max_top_k = max((row.top_k for row in params), default=0)
+        self._top_p = column("top_p", 1.0)
+        self._typical_p = column("typical_p", 1.0)
+        # If every top-p row is also top-k limited, top-p need only sort the top max_k logits.
+        nucleus_rows = [row for row in params if row.top_p < 1.0]
+        self._top_p_candidates = (
+            self._max_top_k if nucleus_rows and all(row.top_k > 0 for row in nucleus_rows) else None
+        )
+        self._sample_rows = [index for index, row in enumerate(params) if row.do_sample]
+        self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    @property
+    def params(self) -> list[SamplingParams]:
+        return list(self._params)
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seed each row used (drawn ones included, so clients can replay); 0 for unseeded greedy rows."""
+        return list(self._seeds)
+
+    def __call__(self, scores: Tensor, history: Tensor, history_lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """Process the batch's last-position logits and pick one token per row.
+
+        scores: [B, V] logits; history: [B, T] token ids, right-padded with any
+        value; history_lengths: [B] valid lengths. Returns next_ids [B] int64 and
+        logprobs [B, V] float32, the log-softmax of the processed scores (filtered
+        tokens are -inf).
+        """
+        batch = len(self._params)
+        if scores.dim() != 2 or scores.shape[0] != batch:
+            raise ValueError(f"scores must be [{batch}, vocab], got {tuple(scores.shape)}")
+        if history.dim() != 2 or history.shape[0] != batch:
+            raise ValueError(f"history must be [{batch}, tokens], got {tuple(history.shape)}")
+        if tuple(history_lengths.shape) != (batch,):
+            raise ValueError(f"history_lengths must be [{batch}], got {tuple(history_lengths.shape)}")
+        scores = scores.to(torch.float32)
+        if self._repetition is not None or self._frequency is not None:
+            history = history.to(device=scores.device, dtype=torch.int64)
+            history_lengths = history_lengths.to(device=scores.device, dtype=torch.int64)
+        if self._repetition is not None:
+            scores = apply_repetition_penalty(scores, history, history_lengths, self._repetition)
+        if self._frequency is not None:
+            scores = apply_frequency_penalty(scores, history, history_lengths, self._frequency)
+        if self._temperature is not None:
+            scores = apply_temperature(scores, self._temperature)
+        if self._top_k is not None:
+            scores = apply_top_k(scores, self._top_k, self._max_top_k)
+        if self._top_p is not None:
+            scores = apply_top_p(scores, self._top_p, self._top_p_candidates)
+        if self._typical_p is not None:
+            scores = apply_typical_p(scores, self._typical_p)
+
+        logprobs = torch.log_softmax(scores, dim=-1)
+        next_ids = scores.argmax(dim=-1)
+        if self._sample_rows:
+            next_ids = next_ids.index_copy(0, self._sample_index, self._draw(logprobs))
+        return next_ids, logprobs
+
+    def _draw(self, logprobs: Tensor) -> Tensor:
+        """Sample every sampling row by inverting its CDF at one uniform from the row's own generator.
+
+        Only the uniforms come from a per-row loop; the CDF and search are batched
+        (several times faster than one torch.multinomial per row on large vocabularies).
+        The CDF is accumulated in float64 so late tokens keep their true mass.
+        """
+        # cdf: [S, V] for the S sampling rows
+        cdf = torch.cumsum(logprobs.index_select(0, self._sample_index).exp(), dim=-1, dtype=torch.float64)
+        uniforms = torch.cat(
+            [
+                torch.rand(1, generator=self._generators[row], dtype=torch.float64, device=cdf.device)
+                for row in self._sample_rows
+            ]
+        )
+        total = cdf[:, -1:]
+        # Stay strictly below the total, so the search never runs past the last token with mass.
+        target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        # First index whose cumulative mass exceeds the target: a token with mass > 0.
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+    def filter(self, indices: list[int]) -> "HeterogeneousNextTokenChooser":
+        """Keep the rows at `indices`, in that order (finished requests leave the batch)."""
+        size = len(self._params)
+        for index in indices:
+            if not isinstance(index, int) or not 0 <= index < size:
+                raise ValueError(f"filter index {index!r} out of range for a batch of {size}")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"filter indices repeat a row (a generator cannot be shared): {indices}")
+        return self._from_parts(
+            [self._params[i] for i in indices],
+            [self._seeds[i] for i in indices],
+            [self._generators[i] for i in indices],
+            self.device,
+        )
+
+    @classmethod
+    def concatenate(cls, choosers: list["HeterogeneousNextTokenChooser"]) -> "HeterogeneousNextTokenChooser":
+        """Merge batches, rows in the order given."""
+        if not choosers:
+            raise ValueError("concatenate needs at least one chooser")
+        devices = {chooser.device for chooser in choosers}
+        if len(devices) != 1:
+            raise ValueError(f"cannot concatenate choosers on different devices: {sorted(map(str, devices))}")
+        return cls._from_parts(
+            [row for chooser in choosers for row in chooser._params],
+            [seed for chooser in choosers for seed in chooser._seeds],
+            [generator for chooser in choosers for generator in chooser._generators],
+            choosers[0].device,
+        )
+
+
+def top_n_logprobs(logprobs: Tensor, top_n: list[int]) -> list[tuple[list[int], list[float]]]:
+    """Per row, the ids and logprobs of its top_n[row] most likely tokens (highest first).
+
+    One topk over the batch's largest n and one host transfer, instead of one per row.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [batch, vocab], got {tuple(logprobs.shape)}")
+    if len(top_n) != logprobs.shape[0]:
+        raise ValueError(f"top_n has {len(top_n)} entries for a batch of {logprobs.shape[0]}")
+    for n in top_n:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"top_n entries must be integers >= 0, got {n!r}")
+    width = min(max(top_n, default=0), logprobs.shape[1])
+    if width == 0:
+        return [([], []) for _ in top_n]
+    values, ids = logprobs.topk(width, dim=-1)
+    values_list, ids_list = values.tolist(), ids.tolist()
+    return [(ids_list[row][:n], values_list[row][:n]) for row, n in enumerate(top_n)]
+
+
+def prefill_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Log-probability of each prompt token given its prefix, from the raw model distribution.
+
+    logits: [L, V] for every prompt position, input_ids: [L]. Returns [L] float32
+    with NaN at position 0 (nothing predicts the first token). Works in row
+    chunks so a long prompt never materialises a full [L, V] float32 log-softmax.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [prompt_len, vocab], got {tuple(logits.shape)}")
+    if input_ids.dim() != 1 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"input_ids must be [{logits.shape[0]}] to match logits, got {tuple(input_ids.shape)}")
+    length, vocab = logits.shape
+    if length == 0:
+        raise ValueError("prefill_logprobs needs a prompt of at least one token")
+    out = torch.full((length,), math.nan, dtype=torch.float32, device=logits.device)
+    targets = input_ids[1:].to(device=logits.device, dtype=torch.int64)
+    chunk = max(1, _PREFILL_CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, length - 1, chunk):
+        stop = min(start + chunk, length - 1)  # the last position predicts nothing in the prompt
+        rows = logits[start:stop].to(torch.float32)  # [n, V], row i predicts token start + i + 1
+        wanted = targets[start:stop, None]
+        picked = rows.gather(1, wanted).squeeze(1) - torch.logsumexp(rows, dim=-1)
+        out[start + 1 : stop + 1] = picked
+    return out

@@ -1,0 +1,70 @@
+"""When a request stops generating: EOS, a stop sequence, or its token budget."""
+
+from __future__ import annotations
+
+import enum
+
+
+class FinishReason(enum.IntEnum):
+    """Values are the generate.v3 FinishReason wire values, so they go into protobuf unchanged."""
+
+    LENGTH = 0
+    EOS_TOKEN = 1
+    STOP_SEQUENCE = 2
+
+
+class StoppingCriteria:
+    """Per-request stop check, called once for every generated token.
+
+    When several reasons hold for the same token, the most specific one is
+    reported: EOS, then a stop sequence, then length. (TGI checks length first;
+    reporting the token the model actually chose is more useful to clients and
+    changes nothing about when generation ends.) Stop-sequence text stays in the
+    output, as in TGI.
+    """
+
+    def __init__(
+        self,
+        eos_token_ids: set[int],
+        stop_sequences: list[str],
+        max_new_tokens: int,
+        ignore_eos_token: bool = False,
+    ) -> None:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        for index, stop in enumerate(stop_sequences):
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop_sequences[{index}] must be a non-empty string, got {stop!r}")
+        for token in eos_token_ids:
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"eos_token_ids must hold token ids >= 0, got {token!r}")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_sequences = list(stop_sequences)
+        self.max_new_tokens = max_new_tokens
+        self.ignore_eos_token = ignore_eos_token
+        self.current_tokens = 0
+        # A stop sequence not yet seen can start at most (longest - 1) characters
+        # before the new text, so that is all the past text worth keeping.
+        self._keep = max((len(stop) for stop in self.stop_sequences), default=1) - 1
+        self._tail = ""
+
+    def __call__(self, token_id: int, text_delta: str) -> tuple[bool, FinishReason | None]:
+        """Count the token and say whether generation ends with it, and why.
+
+        text_delta is the text this token made visible (possibly "", when the
+        detokenizer holds back an incomplete character); a stop sequence may span
+        several deltas.
+        """
+        self.current_tokens += 1
+        if not self.ignore_eos_token and token_id in self.eos_token_ids:
+            return True, FinishReason.EOS_TOKEN
+        if self.stop_sequences and text_delta:
+            # Matches lying wholly in the old tail were reported on an earlier call,
+            # so any match found here ends in the new text.
+            window = self._tail + text_delta
+            self._tail = window[len(window) - self._keep :] if self._keep else ""
+            if any(stop in window for stop in self.stop_sequences):
+                return True, FinishReason.STOP_SEQUENCE
+        if self.current_tokens >= self.max_new_tokens:
+            return True, FinishReason.LENGTH
+        return False, None
