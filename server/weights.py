@@ -199,6 +199,13 @@ class DefaultWeightsLoader(WeightsLoader):
 
     def get_multi_weights_col(self, weights: "Weights", prefixes: list[str], dim: int) -> UnquantizedWeight:
         parts = [weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes]
+        others = {tuple(s for d, s in enumerate(t.shape) if d != dim) for t in parts}
+        if len(others) > 1:
+            shapes = ", ".join(f"'{p}.weight' {list(t.shape)}" for p, t in zip(prefixes, parts))
+            raise CheckpointError(
+                f"tensors fused along dim {dim} disagree in their other dimensions: {shapes} "
+                f"(in {weights.files_of(prefixes[0])})"
+            )
         return UnquantizedWeight(torch.cat(parts, dim=dim))
 
     def get_weights_row(self, weights: "Weights", prefix: str) -> UnquantizedWeight:
@@ -247,6 +254,13 @@ class Weights:
     def _where(self) -> str:
         files = sorted({self.source.describe(k) for k in list(self._keys)[:1000]})
         return ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
+
+    def files_of(self, prefix: str) -> str:
+        """The file(s) holding `prefix` or the tensors under `prefix.`, so shape errors say where to look."""
+        key = self._resolve(prefix, required=False)
+        names = [key] if key is not None else [k for k in self._keys if k.startswith(prefix + ".")]
+        files = sorted({self.source.describe(k) for k in names})
+        return ", ".join(files) if files else self._where()
 
     def get_shape(self, name: str) -> list[int]:
         return self.source.get_slice(self._resolve(name)).get_shape()

@@ -81,7 +81,7 @@ def write_checkpoint(folder: Path, name: str = "llama", seed: int = 0, dtype=tor
     tokenizer = build_tokenizer()
     config = hf_config(name, tokenizer.get_vocab_size(), **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; widen weights so tests see real differences between positions.
     with torch.no_grad():
         for p in model.parameters():

@@ -15,19 +15,21 @@ from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, Weights
 
 
-def _check_out_features(weight, expected: int, prefix: str) -> None:
+def _check_out_features(weights: Weights, weight, expected: int, prefix: str, label: str | None = None) -> None:
     shape = getattr(weight, "shape", None)
     if shape is not None and shape[0] != expected:
         raise CheckpointError(
-            f"'{prefix}': expected {expected} output features on this rank, the checkpoint gives {shape[0]}"
+            f"'{label or prefix}': expected {expected} output features on this rank, the checkpoint gives "
+            f"{shape[0]} (in {weights.files_of(prefix)})"
         )
 
 
-def _check_in_features(weight, expected: int, prefix: str) -> None:
+def _check_in_features(weights: Weights, weight, expected: int, prefix: str) -> None:
     shape = getattr(weight, "shape", None)
     if shape is not None and shape[1] != expected:
         raise CheckpointError(
-            f"'{prefix}': expected {expected} input features on this rank, the checkpoint gives {shape[1]}"
+            f"'{prefix}': expected {expected} input features on this rank, the checkpoint gives {shape[1]} "
+            f"(in {weights.files_of(prefix)})"
         )
 
 
@@ -41,8 +43,8 @@ class TensorParallelColumnLinear(torch.nn.Module):
     def load(cls, weights: Weights, prefix: str, bias: bool, out_features: int, in_features: int):
         world = weights.process_group.size
         w = weights.get_weights_col(prefix)
-        _check_out_features(w, out_features // world, prefix)
-        _check_in_features(w, in_features, prefix)
+        _check_out_features(weights, w, out_features // world, prefix)
+        _check_in_features(weights, w, in_features, prefix)
         b = weights.get_sharded(f"{prefix}.bias", dim=0) if bias else None
         return cls(w.get_linear(b))
 
@@ -53,8 +55,8 @@ class TensorParallelColumnLinear(torch.nn.Module):
         """A fused checkpoint tensor (Phi-3 qkv_proj, gate_up_proj) sharded part by part."""
         world = weights.process_group.size
         w = weights.get_weights_col_packed(prefix, block_sizes)
-        _check_out_features(w, sum(block_sizes) // world, prefix)
-        _check_in_features(w, in_features, prefix)
+        _check_out_features(weights, w, sum(block_sizes) // world, prefix)
+        _check_in_features(weights, w, in_features, prefix)
         b = weights.get_packed_sharded(f"{prefix}.bias", dim=0, block_sizes=block_sizes) if bias else None
         return cls(w.get_linear(b))
 
@@ -65,8 +67,9 @@ class TensorParallelColumnLinear(torch.nn.Module):
         """Separate checkpoint tensors (q, k, v) fused into one matmul."""
         world = weights.process_group.size
         w = weights.get_multi_weights_col(prefixes, dim=0)
-        _check_out_features(w, sum(out_features) // world, "+".join(prefixes))
-        _check_in_features(w, in_features, prefixes[0])
+        parts = "+".join(prefixes) + f" (parts of {out_features} rows)"
+        _check_out_features(weights, w, sum(out_features) // world, prefixes[0], label=parts)
+        _check_in_features(weights, w, in_features, prefixes[0])
         b = None
         if bias:
             b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
@@ -87,8 +90,8 @@ class TensorParallelRowLinear(torch.nn.Module):
     def load(cls, weights: Weights, prefix: str, bias: bool, out_features: int, in_features: int):
         pg = weights.process_group
         w = weights.get_weights_row(prefix)
-        _check_out_features(w, out_features, prefix)
-        _check_in_features(w, in_features // pg.size, prefix)
+        _check_out_features(weights, w, out_features, prefix)
+        _check_in_features(weights, w, in_features // pg.size, prefix)
         # The bias is added once: by rank 0, before the all-reduce sums the partial products.
         b = weights.get_tensor(f"{prefix}.bias") if bias and pg.rank == 0 else None
         return cls(w.get_linear(b), pg)
@@ -105,7 +108,9 @@ class TensorParallelEmbedding(torch.nn.Module):
         name = f"{prefix}.weight"
         shape = weights.get_shape(name)
         if shape != [vocab_size, hidden_size]:
-            raise CheckpointError(f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]}")
+            raise CheckpointError(
+                f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]} (in {weights.files_of(name)})"
+            )
         weight = weights.get_partial_sharded(name, dim=0)
         block = (vocab_size + pg.size - 1) // pg.size
         self.min_id = pg.rank * block
@@ -136,7 +141,9 @@ class TensorParallelHead(torch.nn.Module):
         name = f"{prefix}.weight"
         shape = weights.get_shape(name)
         if shape != [vocab_size, hidden_size]:
-            raise CheckpointError(f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]}")
+            raise CheckpointError(
+                f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]} (in {weights.files_of(name)})"
+            )
         pg = weights.process_group
         weight = weights.get_partial_sharded(name, dim=0)
         block = (vocab_size + pg.size - 1) // pg.size

@@ -195,14 +195,16 @@ class CausalLM:
                     )
 
     def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
-        if req.blocks:  # validated by _check_router_kv
-            blocks, owns = list(req.blocks), False
-        else:
-            blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
+        # Everything that can reject the request runs before blocks are taken: a block
+        # allocated here and then dropped by an exception would be lost for good.
         stopping = StoppingCriteria(
             self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
         )
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        if req.blocks:  # validated by _check_router_kv
+            blocks, owns = list(req.blocks), False
+        else:
+            blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
         return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt))
 
     def _slots(self, blocks: list[int], total: int) -> list[int]:
@@ -408,9 +410,10 @@ class CausalLM:
 
         Allocates a KV cache just large enough when none exists (the CLI path).
         """
-        if self.kv_cache is None:
-            needed = 1 + sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests)
-            self.allocate_kv_cache(needed)
+        needed = sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests if not r.blocks)
+        idle = self.allocator is not None and self.allocator.free_blocks == self.allocator.num_blocks - 1
+        if self.kv_cache is None or (idle and self.allocator.free_blocks < needed):
+            self.allocate_kv_cache(needed + 1)
         batch: Batch | None = self.make_batch(0, requests)
         steps: dict[int, list[Generation]] = {r.id: [] for r in requests}
         while batch is not None:

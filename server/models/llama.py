@@ -137,7 +137,10 @@ class RMSNorm(torch.nn.Module):
     def load(cls, weights: Weights, prefix: str, hidden: int, eps: float) -> "RMSNorm":
         w = weights.get_tensor(f"{prefix}.weight")
         if list(w.shape) != [hidden]:
-            raise CheckpointError(f"tensor '{prefix}.weight' has shape {list(w.shape)}, expected [{hidden}]")
+            raise CheckpointError(
+                f"tensor '{prefix}.weight' has shape {list(w.shape)}, expected [{hidden}] "
+                f"(in {weights.files_of(prefix + '.weight')})"
+            )
         return cls(w, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
