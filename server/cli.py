@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -10,6 +11,7 @@ from typing import List, Optional
 import typer
 from loguru import logger
 
+from text_generation_server.serve_args import ServeArgs
 from text_generation_server.utils.checkpoint import EMBEDDED_MODEL_ID
 
 app = typer.Typer(
@@ -108,6 +110,90 @@ def convert(
         fail(str(exc))
     for path in written:
         typer.echo(str(path))
+
+
+_SERVE_DEFAULTS = ServeArgs()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"environment variable {name} must be an integer, got {value!r}")
+
+
+@app.command()
+def serve(
+    model_dir: Optional[str] = typer.Argument(
+        None, metavar="MODEL_DIR", help=f"Checkpoint folder, or '{EMBEDDED_MODEL_ID}' (the embedded default)."
+    ),
+    hostname: str = typer.Option(_SERVE_DEFAULTS.hostname, "--hostname", help="Address of the client gRPC API."),
+    port: int = typer.Option(_SERVE_DEFAULTS.port, "--port", help="Port of the client gRPC API."),
+    metrics_port: int = typer.Option(_SERVE_DEFAULTS.metrics_port, "--metrics-port", help="Prometheus /metrics port."),
+    num_shard: int = typer.Option(_SERVE_DEFAULTS.num_shard, "--num-shard", help="Tensor-parallel ranks."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="Quantization method (default: from the checkpoint)."
+    ),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16."),
+    uds_path: str = typer.Option(_SERVE_DEFAULTS.uds_path, "--uds-path", help="Shard sockets are {uds_path}-{rank}."),
+    max_input_tokens: Optional[int] = typer.Option(None, "--max-input-tokens"),
+    max_total_tokens: Optional[int] = typer.Option(None, "--max-total-tokens"),
+    max_batch_prefill_tokens: Optional[int] = typer.Option(None, "--max-batch-prefill-tokens"),
+    max_batch_total_tokens: Optional[int] = typer.Option(None, "--max-batch-total-tokens"),
+    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size"),
+    max_concurrent_requests: int = typer.Option(_SERVE_DEFAULTS.max_concurrent_requests, "--max-concurrent-requests"),
+    max_stop_sequences: int = typer.Option(_SERVE_DEFAULTS.max_stop_sequences, "--max-stop-sequences"),
+    max_stop_sequence_length: int = typer.Option(
+        _SERVE_DEFAULTS.max_stop_sequence_length, "--max-stop-sequence-length"
+    ),
+    max_top_n_tokens: int = typer.Option(_SERVE_DEFAULTS.max_top_n_tokens, "--max-top-n-tokens"),
+    max_input_chars: int = typer.Option(_SERVE_DEFAULTS.max_input_chars, "--max-input-chars"),
+    max_message_bytes: int = typer.Option(_SERVE_DEFAULTS.max_message_bytes, "--max-message-bytes"),
+    block_size: int = typer.Option(_SERVE_DEFAULTS.block_size, "--block-size", help="KV cache block size in tokens."),
+    memory_fraction: Optional[float] = typer.Option(
+        None, "--memory-fraction", help="Share of free memory for the KV cache (default 0.1 on CPU, 0.9 on CUDA)."
+    ),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    drain_timeout_s: float = typer.Option(
+        _SERVE_DEFAULTS.drain_timeout_s, "--drain-timeout-s", min=0.0,
+        help="On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled.",
+    ),
+    logger_level: str = typer.Option(_SERVE_DEFAULTS.logger_level, "--logger-level"),
+    json_output: bool = typer.Option(False, "--json-output", help="Log lines as JSON objects."),
+    shard_only: bool = typer.Option(
+        False, "--shard-only",
+        help="Run one rank only (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).",
+    ),
+) -> None:
+    """Serve MODEL_DIR over gRPC: the router plus one process per tensor-parallel rank."""
+    from text_generation_server.launcher import (
+        check_logger_level, exit_process, launch, run_shard, shard_args_from_env,
+    )
+
+    args = ServeArgs(
+        model=model_dir, hostname=hostname, port=port, metrics_port=metrics_port, num_shard=num_shard,
+        quantize=quantize, dtype=dtype, uds_path=uds_path, max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
+        max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
+        max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences,
+        max_stop_sequence_length=max_stop_sequence_length, max_top_n_tokens=max_top_n_tokens,
+        max_input_chars=max_input_chars, max_message_bytes=max_message_bytes, block_size=block_size,
+        memory_fraction=memory_fraction, device=device, logger_level=logger_level, json_output=json_output,
+        shard_only=shard_only, drain_timeout_s=drain_timeout_s,
+    )
+    try:
+        if shard_only:
+            args = shard_args_from_env(args)
+        check_logger_level(args.logger_level)
+        args.validate()
+    except ValueError as exc:
+        fail(str(exc))
+    if shard_only:
+        exit_process(run_shard(args, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)))
+    raise typer.Exit(launch(args))
 
 
 def main() -> None:

@@ -1,0 +1,170 @@
+"""`serve` as a real process: rank supervision, signals, and no orphaned ranks.
+
+Each test starts `text-generation-server serve` on a random tiny Llama (see
+conftest.py) and breaks it the way production breaks it: a rank killed by the OOM
+killer, SIGTERM from an orchestrator during a request, a bad model folder, the
+launcher itself SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from conftest import clean_env, pid_alive, wait_until
+
+from text_generation_server.pb.generate.v3 import generate_pb2 as spb
+from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "The quick brown fox", "class Stack:"]
+
+
+def test_shard_only_answers_the_shard_protocol(tiny_model, start_serve):
+    """`--shard-only` without RANK/WORLD_SIZE is rank 0 of 1, as a TGI router would run it."""
+    server = start_serve(tiny_model, "--shard-only", "--block-size", "8")
+    server.wait_sockets()
+    path = server.socket_path(0)
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        stub = spb_grpc.TextGenerationServiceStub(channel)
+        info = stub.Info(spb.InfoRequest(), timeout=10)
+        assert (info.dtype, info.device_type, info.block_size) == ("float32", "cpu", 8)
+        stub.Health(spb.HealthRequest(), timeout=10)
+        urls = stub.ServiceDiscovery(spb.ServiceDiscoveryRequest(), timeout=10).urls
+        assert list(urls) == [f"unix://{path}"]
+    # A second server on the same --uds-path must not steal the live socket.
+    clash = start_serve(tiny_model, uds_path=server.uds_path)
+    assert clash.wait_exit(30) == 2
+    assert f"already listening on {path}" in clash.log()
+    assert server.proc.poll() is None and os.path.exists(path)
+    # Standalone (no launcher), Ctrl-C stops the shard cleanly and removes its socket.
+    server.proc.send_signal(signal.SIGINT)
+    assert server.wait_exit(15) == 0
+    assert not os.path.exists(path)
+    log = server.log()
+    assert "rank 0" in log and "world size 1" in log
+
+
+def test_shard_only_rejects_a_malformed_rank(tiny_model, start_serve):
+    """A bad RANK from an external launcher is an error naming the variable, never a silent rank 0."""
+    bad = start_serve(tiny_model, "--shard-only", env=clean_env(RANK="x"))
+    assert bad.wait_exit(30) == 2
+    assert "RANK" in bad.log()
+
+
+def test_killed_rank_stops_serve_with_its_rank_named(tiny_model, start_serve):
+    server = start_serve(tiny_model, num_shard=2)
+    server.wait_serving()
+    shards = server.shard_pids()
+    assert sorted(shards) == [0, 1], f"expected two ranks, found {shards}"
+
+    os.kill(shards[1], signal.SIGKILL)
+    started = time.monotonic()
+    code = server.wait_exit(15)
+    elapsed = time.monotonic() - started
+
+    assert code != 0
+    assert elapsed < 10, f"serve took {elapsed:.1f} s to notice the dead rank"
+    assert "shard rank 1 exited with code -9" in server.log()
+    assert not any(pid_alive(pid) for pid in shards.values()), "a rank outlived serve"
+    assert not any(os.path.exists(server.socket_path(r)) for r in range(2))
+
+
+def _long_greedy_prompt(stub) -> tuple[str, cpb.GenerateResponse]:
+    """A prompt whose greedy completion is long: a random model may emit EOS early on some prompts."""
+    params = cpb.GenerateParameters(max_new_tokens=200, details=True)
+    for prompt in PROMPTS:
+        answer = stub.Generate(cpb.GenerateRequest(inputs=prompt, parameters=params), timeout=60)
+        if answer.details.generated_tokens >= 50:
+            return prompt, answer
+    pytest.fail("no prompt gives a greedy completion of 50 tokens or more")
+
+
+def test_sigterm_lets_a_running_generate_finish(tiny_model, start_serve):
+    server = start_serve(tiny_model, num_shard=2)
+    server.wait_serving()
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    prompt, reference = _long_greedy_prompt(stub)
+
+    params = cpb.GenerateParameters(max_new_tokens=200, details=True)
+    stream = stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params), timeout=60)
+    messages = [next(stream)]  # generation is running
+    server.proc.send_signal(signal.SIGTERM)
+    messages += list(stream)
+
+    assert messages[-1].HasField("generated_text")
+    assert messages[-1].generated_text == reference.generated_text
+    assert len(messages) == reference.details.generated_tokens
+    assert server.wait_exit(30) == 0
+    assert "received SIGTERM" in server.log()
+
+
+def test_second_sigint_forces_a_quick_exit(tiny_model, start_serve):
+    server = start_serve(tiny_model, "--drain-timeout-s", "60")
+    server.wait_serving()
+    shards = server.shard_pids()
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    prompt, _ = _long_greedy_prompt(stub)
+    params = cpb.GenerateParameters(max_new_tokens=200)
+    stream = stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params), timeout=60)
+    next(stream)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # two signals sent at once may merge into one
+    server.proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    code = server.wait_exit(10)
+    assert time.monotonic() - started < 5
+    assert code == 130, server.log()[-2000:]
+    assert not any(pid_alive(pid) for pid in shards.values())
+
+
+def test_missing_model_folder_is_named(tmp_path, start_serve):
+    folder = tmp_path / "no-such-model"
+    server = start_serve(folder)
+    assert server.wait_exit(30) != 0
+    assert str(folder) in server.log()
+
+
+def test_broken_model_folder_fails_in_the_rank_and_serve_exits(tmp_path, start_serve):
+    """The rank reports what is wrong (one JSON log line, tagged with its rank); serve exits non-zero."""
+    folder = tmp_path / "broken-model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    server = start_serve(folder, "--json-output")
+    assert server.wait_exit(60) != 0
+    records = [json.loads(line)["record"] for line in server.log().splitlines() if line.startswith("{")]
+    errors = {(r["extra"]["component"], r["message"]) for r in records if r["level"]["name"] == "ERROR"}
+    assert ("rank 0", f"cannot start: {folder / 'config.json'} is missing") in errors
+    assert ("launcher", "shard rank 0 exited with code 2 during startup") in errors
+
+
+def test_sigkill_of_the_launcher_leaves_no_rank(tiny_model, start_serve):
+    server = start_serve(tiny_model, num_shard=2)
+    server.wait_serving()
+    shards = server.shard_pids()
+    assert sorted(shards) == [0, 1]
+
+    server.proc.kill()
+    server.proc.wait(timeout=5)
+    gone = wait_until(lambda: not any(pid_alive(pid) for pid in shards.values()), timeout_s=10)
+    assert gone, f"ranks {[r for r, p in shards.items() if pid_alive(p)]} outlived the launcher"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--port", "not-a-port"], "--port"),
+        (["--max-input-tokens", "300", "--max-total-tokens", "256"], "--max-input-tokens"),
+        (["--logger-level", "chatty"], "--logger-level"),
+        (["--dtype", "float64"], "--dtype"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(tiny_model, start_serve, flags, named):
+    server = start_serve(tiny_model, *flags, limits=False)
+    assert server.wait_exit(30) == 2
+    assert named in server.log()
