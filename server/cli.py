@@ -12,7 +12,7 @@ import typer
 from loguru import logger
 
 from text_generation_server.serve_args import ServeArgs
-from text_generation_server.utils.checkpoint import EMBEDDED_MODEL_ID
+from text_generation_server import EMBEDDED_MODEL_ID
 
 app = typer.Typer(
     add_completion=False,

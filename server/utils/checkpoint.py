@@ -12,9 +12,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from text_generation_server import EMBEDDED_MODEL_ID
 from text_generation_server.weights import CheckpointError
 
-EMBEDDED_MODEL_ID = "tiny-pycoder"
+__all__ = ["EMBEDDED_MODEL_ID", "Checkpoint", "embedded_model_path", "load_tokenizer", "read_json", "resolve_model"]
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
