@@ -44,6 +44,9 @@ def generate(
     ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
+    ),
     do_sample: bool = typer.Option(False, "--do-sample", help="Sample instead of greedy decoding."),
     temperature: float = typer.Option(1.0, "--temperature"),
     top_k: int = typer.Option(0, "--top-k"),
@@ -68,7 +71,7 @@ def generate(
     )
     try:
         sampling.validate()
-        lm = get_model(model, dtype=dtype)
+        lm = get_model(model, dtype=dtype, quantize=quantize)
         requests = [
             GenerationRequest(id=i, inputs=p, sampling=sampling, max_new_tokens=max_new_tokens, stop_sequences=stop)
             for i, p in enumerate(prompts)
