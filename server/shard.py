@@ -227,6 +227,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         def prefill():
             if request.batch.id in self.cache:
                 raise ValueError(f"batch {request.batch.id} is already cached")
+            if request.HasField("cached_batch") and request.cached_batch.id not in self.cache:
+                # Checked before the forward: afterwards the new batch (and blocks it owns) would be lost.
+                raise KeyError(f"batch {request.cached_batch.id} not found")
             requests = [request_from_pb(r) for r in request.batch.requests]
             batch = self.model.make_batch(request.batch.id, requests)
             generations, next_batch, timings = self.model.generate_token(batch)

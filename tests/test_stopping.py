@@ -101,3 +101,10 @@ def test_bad_input_names_the_field(kwargs: dict, field: str) -> None:
     arguments = {"eos_token_ids": {0}, "stop_sequences": [], "max_new_tokens": 5} | kwargs
     with pytest.raises(ValueError, match=field):
         StoppingCriteria(**arguments)
+
+
+def test_stop_sequence_completes_after_text_shorter_than_it():
+    """The first token is shorter than the stop sequence: the kept tail must hold all of it."""
+    crit = StoppingCriteria(set(), [" returnel"], max_new_tokens=10)
+    assert crit(1, " return") == (False, None)
+    assert crit(2, "el") == (True, FinishReason.STOP_SEQUENCE)

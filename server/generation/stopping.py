@@ -62,7 +62,7 @@ class StoppingCriteria:
             # Matches lying wholly in the old tail were reported on an earlier call,
             # so any match found here ends in the new text.
             window = self._tail + text_delta
-            self._tail = window[len(window) - self._keep :] if self._keep else ""
+            self._tail = window[-self._keep :] if self._keep else ""
             if any(stop in window for stop in self.stop_sequences):
                 return True, FinishReason.STOP_SEQUENCE
         if self.current_tokens >= self.max_new_tokens:

@@ -111,10 +111,12 @@ def decode_attention(
     block_size = key_cache.shape[1]
     kv_heads = key_cache.shape[2]
     blocks_needed = (max_seq_len + block_size - 1) // block_size
-    table = block_tables[:, :blocks_needed]
+    # index_select over the flattened table copies whole blocks; on CPU it is several times
+    # faster than advanced indexing (cache[table]), and this gather is the largest copy of a step.
+    index = block_tables[:, :blocks_needed].reshape(-1)
     length = blocks_needed * block_size
-    k = key_cache[table].view(batch, length, kv_heads, dim).transpose(1, 2)
-    v = value_cache[table].view(batch, length, kv_heads, dim).transpose(1, 2)
+    k = key_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = value_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
     pos = torch.arange(length, device=q.device)
     mask = pos[None, :] < seq_lens[:, None]
     if window is not None:

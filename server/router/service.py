@@ -101,8 +101,10 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
     async def Generate(self, request, context):
         entry = await self._submit(request, context)
         gens = [g async for g in self._events(entry, context)]
-        last = gens[-1].generated_text
-        return cpb.GenerateResponse(generated_text=last.text, details=self._details(entry, gens))
+        response = cpb.GenerateResponse(generated_text=gens[-1].generated_text.text)
+        if entry.request.details:  # the contract: Details only when asked for
+            response.details.CopyFrom(self._details(entry, gens))
+        return response
 
     async def GenerateStream(self, request, context):
         entry = await self._submit(request, context)
@@ -115,7 +117,8 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                 msg.top_tokens.extend(_tokens(top))
             if g.HasField("generated_text"):
                 msg.generated_text = g.generated_text.text
-                msg.details.CopyFrom(self._details(entry, gens))
+                if entry.request.details:
+                    msg.details.CopyFrom(self._details(entry, gens))
             yield msg
 
     async def Tokenize(self, request, context):

@@ -7,6 +7,7 @@ Ranges follow TGI's HTTP API.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -65,8 +66,8 @@ def _positive_float(p: cpb.GenerateParameters, name: str, upper: float | None = 
     if not p.HasField(name):
         return None
     value = getattr(p, name)
-    if not value > 0 or value != value:
-        raise ValidationError(f"parameters.{name} must be > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):  # NaN fails `> 0`; inf would silently flatten or zero logits
+        raise ValidationError(f"parameters.{name} must be a finite number > 0, got {value}")
     if upper is not None and (value > upper if upper_inclusive else value >= upper):
         bound = f"<= {upper}" if upper_inclusive else f"< {upper}"
         raise ValidationError(f"parameters.{name} must be {bound}, got {value}")
@@ -107,6 +108,10 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
             raise ValidationError(
                 f"parameters.stop has a sequence of {len(s)} characters, at most {limits.max_stop_sequence_length}"
             )
+    details = p.details if p.HasField("details") else False
+    decoder_input_details = p.decoder_input_details if p.HasField("decoder_input_details") else False
+    if decoder_input_details and not details:
+        raise ValidationError("parameters.decoder_input_details requires parameters.details")
     sampling_implied = (
         (temperature is not None and temperature != 1.0) or top_k > 0
         or (top_p is not None and top_p < 1.0) or (typical_p is not None and typical_p < 1.0)
@@ -165,7 +170,7 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         max_new_tokens=max_new_tokens,
         parameters=parameters,
         stop=stop,
-        details=p.details if p.HasField("details") else False,
-        decoder_input_details=p.decoder_input_details if p.HasField("decoder_input_details") else False,
+        details=details,
+        decoder_input_details=decoder_input_details,
         top_n_tokens=p.top_n_tokens if p.HasField("top_n_tokens") else 0,
     )
