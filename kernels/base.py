@@ -10,6 +10,7 @@ the ground truth every other kernel is tested against.
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ class LinearSpec:
     device_type: str  # "cpu" or "cuda"
     full_in_features: int | None = None
     full_out_features: int | None = None
+    # Group-wise kernels run a fixed group size; after sorting rows by group, a kernel group
+    # size s is exact when it divides every group's row count. None: assume `group_size` rows
+    # per group (the last group shorter when group_size does not divide in_features).
+    group_rows_gcd: int | None = None
+
+    def rows_per_group_gcd(self) -> int:
+        """The largest row count that tiles every group once rows are sorted by group."""
+        if self.group_rows_gcd is not None:
+            return self.group_rows_gcd
+        tail = self.in_features % self.group_size if self.group_size > 0 else 0
+        return math.gcd(self.group_size, tail) if tail else self.group_size
 
 
 @dataclass
@@ -52,6 +64,8 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"unsupported bits {self.bits}")
+        if self.group_size <= 0:
+            raise ValueError(f"group_size must be positive (in_features for per-channel), got {self.group_size}")
         if self.qweight.dim() != 2:
             raise ValueError(f"qweight must be 2-D [K, N], got shape {list(self.qweight.shape)}")
         k, n = self.qweight.shape
@@ -63,6 +77,9 @@ class QuantizedWeight:
             raise ValueError(f"g_idx must be [{k}], got {list(self.g_idx.shape)}")
         if k and (int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= self.scales.shape[0]):
             raise ValueError(f"g_idx values must be in [0, {self.scales.shape[0]})")
+        if self.qweight.numel() and (int(self.qweight.min()) < 0 or int(self.qweight.max()) >= 2**self.bits):
+            raise ValueError(f"qweight codes must be in [0, {2**self.bits}) for {self.bits}-bit, "
+                             f"got [{int(self.qweight.min())}, {int(self.qweight.max())}]")
 
     @property
     def in_features(self) -> int:
@@ -83,6 +100,11 @@ class QuantizedWeight:
         natural = torch.arange(k, dtype=torch.int32, device=self.g_idx.device) // self.group_size
         return not torch.equal(self.g_idx.to(torch.int32) - self.g_idx.min().to(torch.int32), natural)
 
+    def group_rows_gcd(self) -> int:
+        """GCD of the row counts of the groups in use: a kernel group size must divide it."""
+        counts = torch.bincount(self.g_idx.long(), minlength=self.scales.shape[0])
+        return math.gcd(*counts[counts > 0].tolist()) if self.in_features else 0
+
     def zero_points(self) -> torch.Tensor:
         if self.zeros is not None:
             return self.zeros
@@ -98,6 +120,7 @@ class QuantizedWeight:
             act_order=self.act_order,
             act_dtype=act_dtype,
             device_type=device_type,
+            group_rows_gcd=self.group_rows_gcd(),
         )
 
 

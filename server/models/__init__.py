@@ -7,6 +7,7 @@ from loguru import logger
 
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.utils.checkpoint import Checkpoint
 from text_generation_server.utils.dist import ProcessGroup, single_process_group
 from text_generation_server.weights import CheckpointError, Weights, safetensors_files
@@ -41,9 +42,13 @@ def get_model(
     config_path = checkpoint.folder / "config.json"
     config = LlamaConfig.from_dict(checkpoint.config, source=str(config_path))
     torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
-    if quantize is not None:
-        raise ValueError(f"--quantize {quantize}: quantized checkpoints are not supported yet")
-    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group)
+    # Read once: every linear is then built by the loader this config selects. The
+    # embedding and the head read their tensors directly, so they stay unquantized.
+    qconfig = read_quantization_config(checkpoint.folder, quantize)
+    if qconfig is not None and process_group.rank == 0:
+        logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
+    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
+                      loader=get_loader(qconfig))
     net = LlamaForCausalLM(config, weights).eval()
     if process_group.rank == 0:
         logger.info(
@@ -60,7 +65,7 @@ def get_model(
         dtype=torch_dtype,
         process_group=process_group,
         block_size=block_size,
-        quantize=quantize,
+        quantize=qconfig.method if qconfig is not None else None,
     )
 
 

@@ -1,0 +1,203 @@
+"""CPU kernels: torch's weight-only int4 and int8 matmuls.
+
+Both repack the canonical weight once at build time; forward is one op call plus, where
+needed, one input gather (act-order) or one row sum (int8 zero points).
+
+Exactness arguments, so the kernels can take more than the obvious cases:
+- int4 computes w = (q - 8) * s + zero per group. With zero = (8 - z) * s that is
+  s * (q - z) for any zero point z, so 2- and 3-bit codes (a subset of 0..15) run
+  exactly too. A checkpoint group may be split into several kernel groups with the same
+  scale, so per-channel and group sizes that are multiples of 32 map onto the op's
+  {32, 64, 128, 256}. Act-order: sorting rows by group makes every group contiguous;
+  permuting the input columns the same way leaves x @ W unchanged.
+- int8 computes y = (x @ q8^T) * s per output channel. With q8 = q - m, m = 2^(bits-1)
+  (fits int8 for any width up to 8), s * (q - z) = s * q8 + s * (m - z), so a zero point becomes a
+  per-channel constant times the row sum of x: exact for every bit width and zero point,
+  but only with one scale per output channel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The int4 and int8 ops accept float32 and float16 activations but run them 25-60x slower
+# than bf16 (only bf16 has a fast micro-kernel; measured on the reference Xeon: int4 4096x4096
+# batch 1 at 59 ms in fp32 and 57 ms in fp16 against 0.9 ms in bf16, slower than a dense fp32
+# matmul). So other activation dtypes are cast to bf16 around the call, scales are stored in
+# bf16 and the output is cast back. The added error (bf16 rounding, ~2^-9 relative) is an order
+# of magnitude below 4-bit quantization error. Set to False to call the ops in the model dtype.
+VIA_BF16 = True
+
+
+def _unsupported_common(spec: LinearSpec) -> str:
+    if spec.device_type != "cpu":
+        return f"device {spec.device_type}"
+    if spec.act_dtype not in _ACT_DTYPES:
+        return f"activation dtype {spec.act_dtype} not in bfloat16/float16/float32"
+    return ""
+
+
+def _compute_dtype(act_dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if VIA_BF16 else act_dtype
+
+
+def int4_group_size(spec: LinearSpec) -> int | None:
+    """The op group size to run `spec` with: the largest supported one tiling every group and K."""
+    rows = spec.rows_per_group_gcd()
+    for g in INT4_GROUP_SIZES:
+        if rows % g == 0 and spec.in_features % g == 0:
+            return g
+    return None
+
+
+class Int4PackLinear(torch.nn.Module):
+    # x: [..., K] -> [..., N]
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 perm: torch.Tensor | None, bias: torch.Tensor | None, act_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("packed", packed)  # uint8 [N, K/2], the op's blocked layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] compute dtype
+        self.register_buffer("perm", perm)  # int64 [K] or None: input column order
+        self.register_buffer("bias", bias)
+        self.group_size = group_size
+        self.act_dtype = act_dtype
+        self.compute_dtype = scales_and_zeros.dtype
+        self.in_features = packed.shape[1] * 2
+        self.out_features = packed.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        x = x.to(self.compute_dtype).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CpuInt4PackKernel(QuantKernel):
+    """torch._weight_int4pack_mm_for_cpu: weight stays 4-bit in memory (4x less than bf16)."""
+
+    name = "cpu-int4pack"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        reason = _unsupported_common(spec)
+        if reason:
+            return False, reason
+        if spec.bits > 4:
+            return False, f"needs at most 4-bit codes, got {spec.bits}-bit"
+        if spec.out_features % 16:
+            return False, f"out_features {spec.out_features} not a multiple of 16"
+        if int4_group_size(spec) is not None:
+            return True, ""
+        if spec.in_features % 32:
+            return False, f"in_features {spec.in_features} not a multiple of 32"
+        rows = spec.rows_per_group_gcd()
+        nominal = math.gcd(spec.group_size, spec.in_features % spec.group_size or spec.group_size)
+        if rows != nominal:
+            kind = "act-order groups" if spec.act_order else "groups"
+            return False, f"{kind} of unequal size (row counts share at most {rows} rows, need a multiple of 32)"
+        return False, f"group size {spec.group_size} not in {{32,64,128,256}} or a multiple of 32"
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        spec = weight.spec(act_dtype, "cpu")
+        ok, reason = cls.can_implement(spec)
+        if not ok:
+            raise ValueError(f"{cls.name} cannot run this weight: {reason}")
+        gs = int4_group_size(spec)
+        k = weight.in_features
+        g_idx = weight.g_idx.long()
+        perm = torch.argsort(g_idx, stable=True)
+        sorted_groups = g_idx[perm]
+        # Each kernel group must lie inside one checkpoint group; the spec promised it.
+        sub = sorted_groups.view(k // gs, gs)
+        if not torch.equal(sub, sub[:, :1].expand_as(sub)):
+            raise ValueError(f"{cls.name}: groups do not tile into {gs}-row blocks after sorting by g_idx")
+        src = sub[:, 0]  # checkpoint group of each kernel group
+        identity = torch.equal(perm, torch.arange(k))
+        codes = weight.qweight if identity else weight.qweight.index_select(0, perm)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.t().to(torch.int32).contiguous(), 2)
+        scales = weight.scales.float().index_select(0, src)  # [K/gs, N]
+        zeros = weight.zero_points().float().index_select(0, src)
+        compute = _compute_dtype(act_dtype)
+        sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1).to(compute).contiguous()
+        return Int4PackLinear(packed, sz, gs, None if identity else perm, None if bias is None else bias.to(act_dtype),
+                              act_dtype)
+
+
+class Int8Linear(torch.nn.Module):
+    # x: [..., K] -> [..., N]
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None,
+                 bias: torch.Tensor | None, act_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight)  # int8 [N, K]
+        self.register_buffer("scales", scales)  # [N] compute dtype
+        self.register_buffer("offset", offset)  # float32 [N]: s * (m - z), None when zero
+        self.register_buffer("bias", bias)
+        self.act_dtype = act_dtype
+        self.compute_dtype = scales.dtype
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        xc = x.to(self.compute_dtype).contiguous()
+        y = torch._weight_int8pack_mm(xc, self.weight, self.scales)
+        if self.offset is not None:
+            y = (y.float() + x.float().sum(dim=1, keepdim=True) * self.offset).to(self.act_dtype)
+        else:
+            y = y.to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CpuInt8Kernel(QuantKernel):
+    """torch._weight_int8pack_mm: one scale per output channel, any code width up to 8 bits."""
+
+    name = "cpu-int8"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        reason = _unsupported_common(spec)
+        if reason:
+            return False, reason
+        if spec.in_features % 16:
+            # torch 2.13's bf16 path reads past the row end for other K (inf or a crash).
+            return False, f"in_features {spec.in_features} not a multiple of 16"
+        if spec.rows_per_group_gcd() != spec.in_features:
+            return False, f"needs one group spanning K={spec.in_features} (per-channel), got group size {spec.group_size}"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        spec = weight.spec(act_dtype, "cpu")
+        ok, reason = cls.can_implement(spec)
+        if not ok:
+            raise ValueError(f"{cls.name} cannot run this weight: {reason}")
+        group = int(weight.g_idx[0])  # the only group in use
+        scales = weight.scales[group].float()  # [N]
+        zeros = weight.zero_points()[group].float()
+        mid = 2 ** (weight.bits - 1)  # q - mid fits int8 for any width up to 8 bits
+        q8 = (weight.qweight.t().to(torch.int16) - mid).to(torch.int8).contiguous()  # [N, K]
+        offset = scales * (mid - zeros)  # zero for symmetric weights
+        compute = _compute_dtype(act_dtype)
+        return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
+                          None if bias is None else bias.to(act_dtype), act_dtype)
+
+
+register("cpu", CpuInt4PackKernel)
+register("cpu", CpuInt8Kernel)

@@ -1,0 +1,433 @@
+"""Quantization configs: one frozen dataclass per method, read once at startup.
+
+A checkpoint says how it was quantized in one of three places (config.json
+`quantization_config`, quantize_config.json, quant_config.json), or, for the
+oldest GPTQ checkpoints, in tensors (`gptq_bits`, `gptq_groupsize`). Every value
+is checked here, so a checkpoint we cannot run fails before any weight is read,
+with a message that names the file and the key to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from text_generation_server.weights import CheckpointError, SafetensorsSource, Weights, safetensors_files
+
+# Methods the design names but this release cannot load yet: `--quantize` with one of
+# them, or a checkpoint declaring one, fails with "not yet supported" instead of "unknown".
+NOT_YET_SUPPORTED = ("marlin", "gptq-marlin", "exl2", "fp8", "fbgemm_fp8", "bitsandbytes",
+                     "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "hqq", "aqlm")
+
+CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json")
+
+# Legacy GPTQ checkpoints (text-generation-server's own early `quantize` output) carry
+# their parameters as tensors instead of a config file.
+LEGACY_GPTQ_TENSORS = ("gptq_bits", "gptq_groupsize", "gptq_sym")
+
+
+class _Keys:
+    """Typed reads from one config dict, with errors that name the file and the key."""
+
+    def __init__(self, data: dict, source: str, prefix: str = ""):
+        self.data = data
+        self.source = source
+        self.prefix = prefix
+
+    def where(self, key: str) -> str:
+        return f"{self.source}: '{self.prefix}{key}'"
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def int(self, key: str, default: int | None = None, aliases: tuple[str, ...] = ()) -> int:
+        for name in (key, *aliases):
+            if self.data.get(name) is not None:
+                key = name
+                break
+        value = self.data.get(key, default)
+        if value is None:
+            raise CheckpointError(f"{self.where(key)} is required")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{self.where(key)} must be an integer, got {value!r}")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.where(key)} must be true or false, got {value!r}")
+        return value
+
+    def str(self, key: str, default: str | None = None, aliases: tuple[str, ...] = ()) -> str | None:
+        for name in (key, *aliases):
+            if self.data.get(name) is not None:
+                key = name
+                break
+        value = self.data.get(key, default)
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{self.where(key)} must be a string, got {value!r}")
+        return value
+
+    def names(self, key: str) -> tuple[str, ...]:
+        value = self.data.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise CheckpointError(f"{self.where(key)} must be a list of module names, got {value!r}")
+        return tuple(value)
+
+    def unsupported(self, key: str, value: Any, method: str, supported: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.where(key)} = {value!r} is not yet supported for {method} (supported: {supported})"
+        )
+
+
+def _module_matches(pattern: str, prefix: str) -> bool:
+    """Whether a module-list entry names `prefix` (or a module containing it).
+
+    Entries are dotted module paths matched component-wise ("lm_head", "mlp.down_proj",
+    "model.layers.0"), so "gate" never matches "gate_proj"; "re:" entries are regular
+    expressions matched from the start, as compressed-tensors writes them.
+    """
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], prefix) is not None
+    parts, want = prefix.split("."), pattern.split(".")
+    return any(parts[i:i + len(want)] == want for i in range(len(parts) - len(want) + 1))
+
+
+@dataclass(frozen=True)
+class QuantizerConfig:
+    """What every method's config has: where it came from and which modules stay dense."""
+
+    method: ClassVar[str] = ""
+    source: str
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def quantizes(self, prefix: str) -> bool:
+        """False for modules the checkpoint left unquantized (loaded by the default loader)."""
+        return not any(_module_matches(p, prefix) for p in self.modules_to_not_convert)
+
+    def describe(self) -> str:
+        return self.method
+
+    def check_tensors(self, weights: Weights) -> None:
+        """Cross-checks the config against parameters some checkpoints also store as tensors."""
+
+
+GPTQ_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class GPTQConfig(QuantizerConfig):
+    method: ClassVar[str] = "gptq"
+    bits: int = 4
+    group_size: int = 128  # -1: one group per output column
+    desc_act: bool = False
+    sym: bool = True
+    static_groups: bool = False
+    checkpoint_format: str = "gptq"  # "gptq" (v1: zero points stored minus one) or "gptq_v2"
+    quantized_in_block: tuple[str, ...] | None = None  # modules_in_block_to_quantize, flattened
+
+    def __post_init__(self) -> None:
+        if self.bits not in GPTQ_BITS:
+            raise CheckpointError(f"{self.source}: {self.bits}-bit GPTQ is not yet supported "
+                                  f"(supported: {', '.join(map(str, GPTQ_BITS))})")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise CheckpointError(f"{self.source}: group size must be -1 or positive, got {self.group_size}")
+
+    @property
+    def zero_offset(self) -> int:
+        """What to add to a stored zero point: v1 writers subtract one before packing."""
+        return 1 if self.checkpoint_format == "gptq" else 0
+
+    def quantizes(self, prefix: str) -> bool:
+        if not super().quantizes(prefix):
+            return False
+        if self.quantized_in_block is None or ".layers." not in prefix:
+            return True
+        return any(_module_matches(name, prefix) for name in self.quantized_in_block)
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
+        order = " act-order" + (" static groups" if self.static_groups else "") if self.desc_act else ""
+        return (f"gptq ({self.checkpoint_format}) {self.bits}-bit {group} "
+                f"{'sym' if self.sym else 'asym'}{order}")
+
+    @classmethod
+    def from_config(cls, data: dict, source: str, prefix: str = "") -> "GPTQConfig":
+        keys = _Keys(data, source, prefix)
+        bits = keys.int("bits")
+        if bits not in GPTQ_BITS:
+            raise keys.unsupported("bits", bits, "gptq", ", ".join(map(str, GPTQ_BITS)))
+        group_size = keys.int("group_size", -1)
+        if group_size != -1 and group_size <= 0:
+            raise CheckpointError(f"{keys.where('group_size')} must be -1 or positive, got {group_size}")
+        fmt = keys.str("checkpoint_format", "gptq", aliases=("format",))
+        if keys.bool("is_marlin_format", False):
+            fmt = "marlin"
+        if fmt not in ("gptq", "gptq_v2"):
+            raise keys.unsupported("checkpoint_format", fmt, "gptq", "gptq, gptq_v2")
+        if keys.bool("lm_head", False):
+            raise keys.unsupported("lm_head", True, "gptq", "false: the head stays unquantized")
+        if data.get("dynamic"):
+            raise keys.unsupported("dynamic", data["dynamic"], "gptq", "no per-module overrides")
+        block = data.get("modules_in_block_to_quantize")
+        quantized_in_block = None
+        if block is not None:
+            flat = [name for group in block for name in (group if isinstance(group, list) else [group])]
+            if not all(isinstance(n, str) for n in flat):
+                raise CheckpointError(f"{keys.where('modules_in_block_to_quantize')} must list module names")
+            quantized_in_block = tuple(flat)
+        return cls(
+            source=source, bits=bits, group_size=group_size, desc_act=keys.bool("desc_act", False),
+            sym=keys.bool("sym", True), static_groups=keys.bool("static_groups", False), checkpoint_format=fmt,
+            modules_to_not_convert=keys.names("modules_to_not_convert"), quantized_in_block=quantized_in_block,
+        )
+
+    @classmethod
+    def from_tensors(cls, weights: Weights) -> "GPTQConfig":
+        """A legacy checkpoint: parameters in scalar tensors, asymmetric v1 layout, no act-order."""
+        values = {}
+        for name in LEGACY_GPTQ_TENSORS:
+            if weights.has_tensor(name):
+                tensor = weights.get_tensor(name, to_dtype=False)
+                if tensor.numel() != 1:
+                    raise CheckpointError(f"tensor '{name}' must hold one value, got shape {list(tensor.shape)} "
+                                          f"(in {weights.files_of(name)})")
+                values[name] = int(tensor.item())
+        for name in LEGACY_GPTQ_TENSORS[:2]:
+            if name not in values:
+                raise CheckpointError(f"tensor '{name}' not found (in {weights.files_of(name)}): without a "
+                                      "quantization config, a GPTQ checkpoint must carry gptq_bits and gptq_groupsize")
+        source = f"tensor 'gptq_bits' (in {weights.files_of('gptq_bits')})"
+        if values["gptq_bits"] not in GPTQ_BITS:
+            raise CheckpointError(f"tensor 'gptq_bits' = {values['gptq_bits']} is not yet supported for gptq "
+                                  f"(supported: {', '.join(map(str, GPTQ_BITS))}) (in {weights.files_of('gptq_bits')})")
+        return cls(source=source, bits=values["gptq_bits"], group_size=values["gptq_groupsize"],
+                   sym=bool(values.get("gptq_sym", 0)), desc_act=False, checkpoint_format="gptq")
+
+    def check_tensors(self, weights: Weights) -> None:
+        """A checkpoint with both a config and legacy tensors must agree with itself."""
+        for name, value in (("gptq_bits", self.bits), ("gptq_groupsize", self.group_size)):
+            if weights.has_tensor(name):
+                stored = int(weights.get_tensor(name, to_dtype=False).reshape(-1)[0])
+                if stored != value:
+                    raise CheckpointError(
+                        f"tensor '{name}' = {stored} (in {weights.files_of(name)}) disagrees with "
+                        f"{self.source} ({'bits' if name == 'gptq_bits' else 'group_size'} = {value})"
+                    )
+
+
+@dataclass(frozen=True)
+class AWQConfig(QuantizerConfig):
+    method: ClassVar[str] = "awq"
+    bits: int = 4
+    group_size: int = 128
+    zero_point: bool = True
+    version: str = "gemm"
+
+    def describe(self) -> str:
+        return f"awq ({self.version}) {self.bits}-bit group {self.group_size}"
+
+    @classmethod
+    def from_config(cls, data: dict, source: str, prefix: str = "") -> "AWQConfig":
+        keys = _Keys(data, source, prefix)
+        bits = keys.int("bits", aliases=("w_bit",))
+        if bits != 4:
+            raise keys.unsupported("w_bit" if keys.has("w_bit") else "bits", bits, "awq", "4")
+        group_size = keys.int("group_size", aliases=("q_group_size",))
+        if group_size <= 0:
+            raise CheckpointError(f"{keys.where('group_size')} must be positive, got {group_size}")
+        version = (keys.str("version", "gemm") or "gemm").lower()
+        if version != "gemm":
+            raise keys.unsupported("version", version, "awq", "gemm")
+        zero_point = keys.bool("zero_point", True)
+        if not zero_point:
+            raise keys.unsupported("zero_point", False, "awq", "true")
+        return cls(source=source, bits=bits, group_size=group_size, zero_point=zero_point, version=version,
+                   modules_to_not_convert=keys.names("modules_to_not_convert"))
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """One compressed-tensors config group's weight quantization."""
+
+    bits: int
+    strategy: str  # "group" or "channel"
+    group_size: int  # -1 for channel
+    symmetric: bool
+    targets: tuple[str, ...]
+
+
+CT_BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig(QuantizerConfig):
+    method: ClassVar[str] = "compressed-tensors"
+    schemes: tuple[WeightScheme, ...] = field(default_factory=tuple)
+
+    def scheme_for(self, prefix: str) -> WeightScheme | None:
+        """The scheme whose targets name `prefix`; None when the module is not quantized."""
+        if not super().quantizes(prefix):
+            return None
+        leaf = prefix.rsplit(".", 1)[-1]
+        for scheme in self.schemes:
+            for target in scheme.targets:
+                if target == "Linear" and leaf != "lm_head":
+                    return scheme
+                if target != "Linear" and _module_matches(target, prefix):
+                    return scheme
+        return None
+
+    def quantizes(self, prefix: str) -> bool:
+        return self.scheme_for(prefix) is not None
+
+    def describe(self) -> str:
+        parts = [f"int{s.bits} {s.strategy}{'' if s.group_size == -1 else f' {s.group_size}'} "
+                 f"{'sym' if s.symmetric else 'asym'}" for s in self.schemes]
+        return "compressed-tensors pack-quantized " + ", ".join(parts)
+
+    @classmethod
+    def from_config(cls, data: dict, source: str, prefix: str = "") -> "CompressedTensorsConfig":
+        keys = _Keys(data, source, prefix)
+        top_format = keys.str("format")
+        status = keys.str("quantization_status", "compressed")
+        if status != "compressed":
+            raise keys.unsupported("quantization_status", status, "compressed-tensors", "compressed")
+        sparsity = data.get("sparsity_config") or {}
+        if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+            raise keys.unsupported("sparsity_config.format", sparsity.get("format"), "compressed-tensors", "dense")
+        groups = data.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise CheckpointError(f"{keys.where('config_groups')} must be a non-empty object")
+        schemes = []
+        for name, group in groups.items():
+            gkeys = _Keys(group, source, f"{prefix}config_groups.{name}.")
+            fmt = gkeys.str("format", top_format)
+            if fmt != "pack-quantized":
+                owner = gkeys if group.get("format") is not None else keys
+                raise owner.unsupported("format", fmt, "compressed-tensors", "pack-quantized")
+            if group.get("input_activations") is not None:
+                raise gkeys.unsupported("input_activations", group["input_activations"], "compressed-tensors",
+                                        "null (weight-only W4A16/W8A16)")
+            targets = gkeys.names("targets")
+            if not targets:
+                raise CheckpointError(f"{gkeys.where('targets')} must list the modules it applies to")
+            w = group.get("weights")
+            if not isinstance(w, dict):
+                raise CheckpointError(f"{gkeys.where('weights')} must be an object")
+            wkeys = _Keys(w, source, f"{prefix}config_groups.{name}.weights.")
+            kind = wkeys.str("type", "int")
+            if kind != "int":
+                raise wkeys.unsupported("type", kind, "compressed-tensors", "int")
+            bits = wkeys.int("num_bits")
+            if bits not in CT_BITS:
+                raise wkeys.unsupported("num_bits", bits, "compressed-tensors", "4, 8")
+            strategy = wkeys.str("strategy", "tensor")
+            if strategy not in ("group", "channel"):
+                raise wkeys.unsupported("strategy", strategy, "compressed-tensors", "group, channel")
+            if wkeys.bool("dynamic", False):
+                raise wkeys.unsupported("dynamic", True, "compressed-tensors", "false")
+            group_size = wkeys.int("group_size") if strategy == "group" else -1
+            if strategy == "group" and group_size <= 0:
+                raise CheckpointError(f"{wkeys.where('group_size')} must be positive, got {group_size}")
+            schemes.append(WeightScheme(bits=bits, strategy=strategy, group_size=group_size,
+                                        symmetric=wkeys.bool("symmetric", True), targets=targets))
+        return cls(source=source, schemes=tuple(schemes), modules_to_not_convert=keys.names("ignore"))
+
+
+# How each method's name maps to its config type: the one place method strings are looked up.
+METHODS: dict[str, type[QuantizerConfig]] = {
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
+    "compressed-tensors": CompressedTensorsConfig,
+}
+_ALIASES = {"compressed_tensors": "compressed-tensors"}
+
+
+def method_of_flag(quantize: str) -> str:
+    """Normalises `--quantize`, failing for methods we do not (yet) load."""
+    name = _ALIASES.get(quantize.lower(), quantize.lower())
+    if name in METHODS:
+        return name
+    if name in NOT_YET_SUPPORTED:
+        raise ValueError(f"--quantize {quantize}: not yet supported (supported: {', '.join(METHODS)})")
+    raise ValueError(f"--quantize {quantize}: unknown quantization method (supported: {', '.join(METHODS)})")
+
+
+def _find_config(folder: Path) -> tuple[dict, str, str, str] | None:
+    """(dict, file, key prefix, method) of the first quantization config in the folder."""
+    for name in CONFIG_FILES:
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+        prefix = ""
+        if name == "config.json":
+            data = data.get("quantization_config")
+            if data is None:
+                continue
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{path}: 'quantization_config' must be an object")
+            prefix = "quantization_config."
+        method = data.get("quant_method")
+        if method is None:
+            # Older AutoGPTQ / AutoAWQ files do not name their method: their keys do.
+            method = "awq" if ("w_bit" in data or "version" in data) else "gptq" if "bits" in data else None
+        if not isinstance(method, str):
+            raise CheckpointError(f"{path}: '{prefix}quant_method' is missing and the keys do not identify a method")
+        return data, str(path), prefix, method.lower()
+    return None
+
+
+def _legacy_weights(folder: Path) -> Weights | None:
+    """The folder's tensors, if they carry legacy GPTQ parameters."""
+    try:
+        files = safetensors_files(folder)
+    except CheckpointError:
+        return None
+    weights = Weights(SafetensorsSource(files), torch.device("cpu"), torch.float32)
+    return weights if weights.has_tensor("gptq_bits") else None
+
+
+def read_quantization_config(folder: str | Path, quantize: str | None) -> QuantizerConfig | None:
+    """The checkpoint's quantization, checked against `--quantize`; None for a dense checkpoint."""
+    folder = Path(folder)
+    wanted = method_of_flag(quantize) if quantize is not None else None
+    found = _find_config(folder)
+    if found is None:
+        legacy = _legacy_weights(folder) if wanted in (None, "gptq") else None
+        if legacy is not None:
+            return GPTQConfig.from_tensors(legacy)
+        if wanted is not None:
+            raise CheckpointError(
+                f"--quantize {quantize}: {folder} is not a quantized checkpoint (no 'quantization_config' in "
+                f"config.json, no quantize_config.json or quant_config.json, no gptq_bits tensor)"
+            )
+        return None
+    data, path, prefix, method = found
+    if method not in METHODS:
+        known = "not yet supported" if method in NOT_YET_SUPPORTED else "unknown"
+        raise CheckpointError(f"{path}: '{prefix}quant_method' = '{method}' is {known} "
+                              f"(supported: {', '.join(METHODS)})")
+    if wanted is not None and wanted != method:
+        raise CheckpointError(f"--quantize {quantize} disagrees with the checkpoint: {path} says "
+                              f"'{prefix}quant_method' = '{method}'")
+    config = METHODS[method].from_config(data, path, prefix)
+    legacy = _legacy_weights(folder)
+    if legacy is not None:
+        config.check_tensors(legacy)
+    return config
