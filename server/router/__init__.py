@@ -13,6 +13,7 @@ from loguru import logger
 from text_generation_server import __version__
 from text_generation_server.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
+from text_generation_server.quantizers import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.router.client import ShardClient
@@ -67,6 +68,7 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
 
 async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event) -> None:
     checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
+    qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
     max_pos = int(checkpoint.config.get("max_position_embeddings", 2048))
     max_input, max_total, max_prefill = resolve_limits(args, max_pos)
 
@@ -107,7 +109,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_input_tokens=max_input, max_total_tokens=max_total,
             max_concurrent_requests=args.max_concurrent_requests, max_stop_sequences=args.max_stop_sequences,
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
-            quantize=args.quantize or "", version=__version__, block_size=info.block_size,
+            quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
         )
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", args.max_message_bytes),
