@@ -9,7 +9,7 @@ them. Written with plain torch ops, so the same code runs on CPU and CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,27 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     max_seq_len: int = 0
+    _decode_index: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict)
+
+    def decode_gather_index(self, block_size: int) -> tuple[torch.Tensor, int]:
+        """Flattened block ids covering max_seq_len, shared by every layer of the step."""
+        blocks_needed = (self.max_seq_len + block_size - 1) // block_size
+        if self._decode_index is None:
+            self._decode_index = self.block_tables[:, :blocks_needed].reshape(-1)
+        return self._decode_index, blocks_needed * block_size
+
+    def decode_mask(self, length: int, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, length] key mask, built once per step for each window size in use."""
+        mask = self._masks.get(window)
+        if mask is None:
+            pos = torch.arange(length, device=self.seq_lens.device)
+            mask = pos[None, :] < self.seq_lens[:, None]
+            if window is not None:
+                mask &= pos[None, :] >= (self.seq_lens[:, None] - window)
+            mask = mask[:, None, None, :]
+            self._masks[window] = mask
+        return mask
 
 
 def prefill_attention(
@@ -100,28 +121,20 @@ def decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
+    meta: AttentionMetadata,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
     # q: [B, heads, D]; caches: [blocks, block_size, kv_heads, D] -> [B, heads, D]
     batch, heads, dim = q.shape
-    block_size = key_cache.shape[1]
     kv_heads = key_cache.shape[2]
-    blocks_needed = (max_seq_len + block_size - 1) // block_size
     # index_select over the flattened table copies whole blocks; on CPU it is several times
     # faster than advanced indexing (cache[table]), and this gather is the largest copy of a step.
-    index = block_tables[:, :blocks_needed].reshape(-1)
-    length = blocks_needed * block_size
+    index, length = meta.decode_gather_index(key_cache.shape[1])
     k = key_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
     v = value_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
-    pos = torch.arange(length, device=q.device)
-    mask = pos[None, :] < seq_lens[:, None]
-    if window is not None:
-        mask &= pos[None, :] >= (seq_lens[:, None] - window)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=heads != kv_heads
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(length, window), scale=scale,
+        enable_gqa=heads != kv_heads,
     )
     return out.squeeze(2)

@@ -90,13 +90,19 @@ class RotaryEmbedding(torch.nn.Module):
     def _grow(self, length: int) -> None:
         positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos32, self._sin32 = emb.cos(), emb.sin()
+        # sin is stored with the sign of rotate_half folded in: [-sin, sin], so rotation is
+        # x * cos + roll(x, half) * signed_sin (see apply_rotary).
+        self._cos32 = torch.cat([freqs, freqs], dim=-1).cos()
+        self._sin32 = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
         self._dtype = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [tokens, 1, rotary_dim] in `dtype` for the given positions."""
-        needed = int(positions.max().item()) + 1 if positions.numel() else 0
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [tokens, 1, rotary_dim] in `dtype` for the given positions."""
+        if max_position is None:
+            max_position = int(positions.max().item()) if positions.numel() else 0
+        needed = max_position + 1
         if needed > self._cos32.shape[0]:
             self._grow(max(needed, 2 * self._cos32.shape[0]))
         if self._dtype != dtype:
@@ -105,15 +111,12 @@ class RotaryEmbedding(torch.nn.Module):
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's x * cos + rotate_half(x) * sin, with the sign of rotate_half inside `sin`."""
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+    rotated = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, dims=-1), sin)
+    return torch.cat([rotated, x_pass], dim=-1)

@@ -144,10 +144,10 @@ class RMSNorm(torch.nn.Module):
         return cls(w, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # HF semantics: normalise in float32, cast back, then scale by the weight.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class LlamaAttention(torch.nn.Module):
@@ -194,18 +194,17 @@ class LlamaAttention(torch.nn.Module):
         # hidden: [tokens, hidden] -> [tokens, hidden]
         tokens = hidden.shape[0]
         qkv = self.qkv(hidden)
-        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
-        q = apply_rotary(q.view(tokens, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.kv_heads, self.head_dim)
+        qk_size = (self.heads + self.kv_heads) * self.head_dim
+        # q and k heads share positions: one rotary call over both.
+        qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        q, k = qk[:, : self.heads], qk[:, self.heads:]
+        v = qkv[:, qk_size:].view(tokens, self.kv_heads, self.head_dim)
         cache.store(self.layer_id, meta.slots, k, v)
         if meta.is_prefill:
             out = prefill_attention(q, k, v, meta.prefill_lens, self.scale, self.window)
         else:
             out = decode_attention(
-                q, cache.keys[self.layer_id], cache.values[self.layer_id], meta.block_tables,
-                meta.seq_lens, meta.max_seq_len, self.scale, self.window,
+                q, cache.keys[self.layer_id], cache.values[self.layer_id], meta, self.scale, self.window
             )
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
 
@@ -285,7 +284,8 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        max_position = meta.max_seq_len - 1 if not meta.is_prefill else max(meta.prefill_lens) - 1
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, max_position)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, cache, meta)
         if logits_indices is not None:
