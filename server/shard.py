@@ -232,7 +232,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise KeyError(f"batch {request.cached_batch.id} not found")
             requests = [request_from_pb(r) for r in request.batch.requests]
             batch = self.model.make_batch(request.batch.id, requests)
-            generations, next_batch, timings = self.model.generate_token(batch)
+            generations, next_batch, timings = self._generate(batch)
             concat_ns = None
             if request.HasField("cached_batch"):
                 cached = self._pop(request.cached_batch.id)
@@ -256,12 +256,22 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise KeyError(f"batch {missing[0]} not found")
             batches = [self.cache.pop(i) for i in ids]
             batch = Batch.concatenate(batches)
-            generations, next_batch, timings = self.model.generate_token(batch)
+            generations, next_batch, timings = self._generate(batch)
             return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
 
         return await self._run(context, decode)
 
     # -- helpers ---------------------------------------------------------------------
+    def _generate(self, batch: Batch):
+        """One model step. A step that raises leaves the batch half-updated and out of the
+        cache for good (the caller fails its requests), so the KV blocks it assigned itself
+        go back to the pool here; otherwise every model failure would leak them."""
+        try:
+            return self.model.generate_token(batch)
+        except BaseException:
+            self.model.release(batch)
+            raise
+
     def _pop(self, batch_id: int) -> Batch:
         batch = self.cache.pop(batch_id, None)
         if batch is None:
@@ -301,12 +311,15 @@ async def serve_shard(
     )
     service = TextGenerationService(model, uds_path, world_size, memory_fraction, max_batch_total_tokens)
     pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
-    server.add_insecure_port(f"unix://{path}")
-    old_umask = os.umask(0o077)  # the socket is owner-only
+    # The socket is owner-only: anyone who can connect can drive the model. gRPC binds
+    # in add_insecure_port, so the umask must cover that call (start() is too late).
+    old_umask = os.umask(0o077)
     try:
-        await server.start()
+        server.add_insecure_port(f"unix://{path}")
     finally:
         os.umask(old_umask)
+    os.chmod(path, 0o600)
+    await server.start()
     logger.info("shard {} listening on unix://{}", rank, path)
     try:
         await stop.wait()

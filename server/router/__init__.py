@@ -18,7 +18,7 @@ from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.scheduler import RouterBlockPool, Scheduler, SchedulerLimits
-from text_generation_server.router.service import TextGenerationService
+from text_generation_server.router.service import MalformedRequestInterceptor, TextGenerationService
 from text_generation_server.router.validation import Limits
 from text_generation_server.serve_args import ServeArgs
 from text_generation_server.utils.checkpoint import Checkpoint
@@ -111,7 +111,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
             quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
         )
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[
             ("grpc.max_receive_message_length", args.max_message_bytes),
             ("grpc.max_send_message_length", max(args.max_message_bytes, 64 * 2**20)),
         ])

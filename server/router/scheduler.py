@@ -152,8 +152,9 @@ class Scheduler:
         if entry.blocks:
             self.pool.release(entry.blocks)
             entry.blocks = []
-        self.metrics.kv_blocks_free.set(self.pool.free)
-        self.metrics.kv_blocks_used.set(self.pool.used)
+        # All gauges at once (callers take the entry out of `running` first): a scrape between
+        # here and the end of the step must not see its blocks freed but its batch slot held.
+        self._refresh_gauges()
 
     def _fail(self, entry: Entry, code: grpc.StatusCode, message: str, reason: str) -> None:
         if not entry.done:
@@ -284,12 +285,12 @@ class Scheduler:
             self.running.pop(entry.id, None)
             self._fail(entry, grpc.StatusCode.INTERNAL if code != grpc.StatusCode.INVALID_ARGUMENT else code,
                        message, method)
+        self._refresh_gauges()  # before the awaits below, so /metrics never shows the failed batch as running
         for bid in batch_ids:
             try:
                 await self.client.clear_cache(bid)
             except grpc.aio.AioRpcError:
                 pass
-        self.metrics.batch_current_size.set(len(self.running))
 
     async def _dispatch(self, resp, entries_of_batch: list[Entry]) -> spb.CachedBatch | None:
         now = time.monotonic()

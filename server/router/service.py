@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 
 import grpc
+from google.protobuf.message import DecodeError
 from loguru import logger
 from tokenizers import Tokenizer
 
@@ -137,3 +139,60 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
 
     async def Info(self, request, context):
         return self.info
+
+
+class _Malformed:
+    """What a request message that does not parse turns into, so its call can say why."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Malformed(f"the request message does not parse: {exc}")
+
+    return parse
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT for a request message that does not parse.
+
+    gRPC's own answer is UNKNOWN ("Unexpected DecodeError"), which reads like a server
+    fault; corrupt bytes or bad UTF-8 are the client's error. Applies to every
+    unary-request method (the client API and health); streaming requests pass through.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = _lenient(handler.request_deserializer)
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=parse, response_serializer=handler.response_serializer)
+        inner = handler.unary_stream
+        if inspect.isasyncgenfunction(inner):
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for message in inner(request, context):
+                    yield message
+        else:  # a coroutine that writes with context.write (e.g. health's Watch)
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await inner(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=parse, response_serializer=handler.response_serializer)
