@@ -1,0 +1,48 @@
+"""A checkpoint written by `quantize` round-trips through `serve`: it loads, turns healthy, and generates.
+
+The quantized folder is produced by the real CLI (a subprocess, as a user runs it)
+from the random tiny Llama, then served by a real `serve` process; the tokens it
+returns over gRPC must be the ones the same checkpoint gives in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import clean_env
+from serve_client import client_stub, generate, request
+
+from text_generation_server.models import get_model
+from text_generation_server.models.types import GenerationRequest
+
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+NEW_TOKENS = 8
+
+
+def quantize_cli(model: Path, out: Path, *flags: str) -> None:
+    exe = Path(sys.executable).parent / "text-generation-server"
+    cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "text_generation_server.cli"])
+    done = subprocess.run(cmd + ["quantize", str(model), str(out), *flags], capture_output=True, text=True,
+                          timeout=180, env=clean_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_quantized_checkpoint_serves(tiny_model, tmp_path, start_serve):
+    out = tmp_path / "tiny-gptq"
+    # The tiny model's hidden size is 48 and its MLP 88: groups of 8 divide both.
+    quantize_cli(tiny_model, out, "--bits", "4", "--groupsize", "8", "--no-sym", "--act-order",
+                 "--nsamples", "8", "--seqlen", "64", "--logger-level", "WARNING")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["sym"] is False
+
+    server = start_serve(out)
+    server.wait_serving()
+    served = generate(client_stub(server), request(PROMPT, max_new_tokens=NEW_TOKENS))
+    assert "quantization: gptq" in server.log()
+
+    lm = get_model(str(out))
+    local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
+    assert served.token_ids == local.token_ids
+    assert len(served.token_ids) >= 1
