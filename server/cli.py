@@ -244,7 +244,9 @@ def quantize(
         "stdlib corpus train split; no download).",
     ),
     nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples."),
-    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Tokens per sample (default min(2048, max positions))."),
+    seqlen: Optional[int] = typer.Option(
+        None, "--seqlen", help="Tokens per sample (default min(2048, max positions))."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed for choosing the calibration samples."),
     method: str = typer.Option("gptq", "--method", help="gptq, or rtn (round-to-nearest, no calibration)."),
     checkpoint_format: str = typer.Option("gptq", "--checkpoint-format", help="gptq (v1) or gptq_v2."),

@@ -42,7 +42,7 @@ from text_generation_server.weights import CheckpointError, Weights, safetensors
 
 METHODS = ("gptq", "rtn")
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
-TOKENS_PER_FORWARD = 8192  # calibration rows per layer forward: bounds the attention scratch memory
+TOKENS_PER_FORWARD = 2048  # calibration rows per layer forward: bounds the forward's scratch memory
 
 
 class QuantizeError(ValueError):
