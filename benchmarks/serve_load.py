@@ -39,15 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "for i in range(10):\n    print(",
-    "def read_lines(path):\n    with open(path) as f:\n",
-    "# Sort a list of numbers in place using insertion sort.\ndef insertion_sort(values):\n",
-    "x = [i * i for i in range(",
-    "def is_prime(n: int) -> bool:\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n",
+from prompts import CODE_PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+PROMPTS = CODE_PROMPTS + [
     "async def fetch(session, url):\n",
     "def merge(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n",
     "import json\n\nwith open('config.json') as f:\n    config = ",
