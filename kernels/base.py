@@ -37,6 +37,9 @@ class LinearSpec:
     # size s is exact when it divides every group's row count. None: assume `group_size` rows
     # per group (the last group shorter when group_size does not divide in_features).
     group_rows_gcd: int | None = None
+    # "int": integer codes with group scales (a `QuantizedWeight`); other formats (fp8, ...)
+    # bring their own weight type, and a kernel must refuse formats it does not know.
+    weight_format: str = "int"
 
     def rows_per_group_gcd(self) -> int:
         """The largest row count that tiles every group once rows are sorted by group."""
@@ -169,6 +172,8 @@ class ReferenceKernel(QuantKernel):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if spec.weight_format != "int":
+            return False, f"dequantizes integer codes, not {spec.weight_format} weights"
         return True, ""
 
     @classmethod

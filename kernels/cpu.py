@@ -37,6 +37,8 @@ VIA_BF16 = True
 
 
 def _unsupported_common(spec: LinearSpec) -> str:
+    if spec.weight_format != "int":
+        return f"runs integer codes, not {spec.weight_format} weights"
     if spec.device_type != "cpu":
         return f"device {spec.device_type}"
     if spec.act_dtype not in _ACT_DTYPES:

@@ -1,8 +1,11 @@
 """Imports every kernel module so each registers itself in base.KERNELS, in priority order.
 
-Order matters: within a device list, earlier registration means preferred. The CUDA/Triton
-kernels will be imported here too; a module that cannot load on this machine (no Triton)
-must register nothing rather than fail the import.
+Order matters: within a device list, earlier registration means preferred. A module that
+cannot run on this machine (no Triton, no CUDA) still imports; its kernels then refuse
+every spec through can_implement, with the reason, rather than failing the import.
 """
 
+from text_generation_server.kernels import triton_gemm  # noqa: F401  (CUDA first choice: fused Triton)
 from text_generation_server.kernels import cpu  # noqa: F401
+from text_generation_server.kernels import marlin  # noqa: F401
+from text_generation_server.kernels import fp8  # noqa: F401

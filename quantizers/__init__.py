@@ -22,6 +22,8 @@ from text_generation_server.quantizers.config import (
     QuantizerConfig,
     read_quantization_config,
 )
+from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, marlin
+from text_generation_server.quantizers.config import METHODS
 from text_generation_server.quantizers.gptq import GPTQLoader, GPTQWeight
 from text_generation_server.weights import CheckpointError, DefaultWeightsLoader, Weights, WeightsLoader
 
@@ -37,6 +39,12 @@ LOADERS: dict[type[QuantizerConfig], Callable[[QuantizerConfig], WeightsLoader]]
     AWQConfig: AWQLoader,
     CompressedTensorsConfig: CompressedTensorsLoader,
 }
+
+# Formats in their own modules: each exports CONFIGS (method and flag names -> config type)
+# and LOADERS (config type -> loader factory).
+for _module in (marlin, exl2, fp8, bitsandbytes, eetq):
+    METHODS.update(_module.CONFIGS)
+    LOADERS.update(_module.LOADERS)
 
 
 class SelectiveLoader(WeightsLoader):

@@ -19,10 +19,9 @@ import torch
 
 from text_generation_server.weights import CheckpointError, SafetensorsSource, Weights, safetensors_files
 
-# Methods the design names but this release cannot load yet: `--quantize` with one of
-# them, or a checkpoint declaring one, fails with "not yet supported" instead of "unknown".
-NOT_YET_SUPPORTED = ("marlin", "gptq-marlin", "exl2", "fp8", "fbgemm_fp8", "bitsandbytes",
-                     "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "hqq", "aqlm")
+# Methods users know from other servers that this release cannot load: `--quantize` with
+# one of them, or a checkpoint declaring one, fails with "not yet supported", not "unknown".
+NOT_YET_SUPPORTED = ("hqq", "aqlm")
 
 CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json")
 
@@ -114,11 +113,27 @@ class QuantizerConfig:
         """False for modules the checkpoint left unquantized (loaded by the default loader)."""
         return not any(_module_matches(p, prefix) for p in self.modules_to_not_convert)
 
+    # Methods that can also quantize a dense checkpoint while loading it (`--quantize fp8`).
+    on_load: ClassVar[bool] = False
+
     def describe(self) -> str:
         return self.method
 
     def check_tensors(self, weights: Weights) -> None:
         """Cross-checks the config against parameters some checkpoints also store as tensors."""
+
+    def check_flag(self, flag: str) -> None:
+        """Raises CheckpointError when `--quantize flag` (same config type) contradicts the checkpoint.
+
+        Only methods with several flags for one config type (bitsandbytes int8 / nf4 / fp4)
+        have anything to check.
+        """
+
+    @classmethod
+    def for_dense_checkpoint(cls, flag: str, folder: Path) -> "QuantizerConfig":
+        """The config that quantizes a dense checkpoint on load, for methods with `on_load`."""
+        raise CheckpointError(f"--quantize {flag}: {folder} is not a {cls.method} checkpoint, and {cls.method} "
+                              "cannot quantize a dense checkpoint while loading it")
 
 
 GPTQ_BITS = (2, 3, 4, 8)
@@ -344,13 +359,24 @@ class CompressedTensorsConfig(QuantizerConfig):
         return cls(source=source, schemes=tuple(schemes), modules_to_not_convert=keys.names("ignore"))
 
 
-# How each method's name maps to its config type: the one place method strings are looked up.
+# How each method's name (a checkpoint's quant_method, or a `--quantize` flag) maps to its
+# config type: the one place method strings are looked up. Format modules outside this file
+# add theirs through `text_generation_server.quantizers` (each exports CONFIGS), which Python
+# always imports before this module is used.
 METHODS: dict[str, type[QuantizerConfig]] = {
     "gptq": GPTQConfig,
     "awq": AWQConfig,
     "compressed-tensors": CompressedTensorsConfig,
 }
 _ALIASES = {"compressed_tensors": "compressed-tensors"}
+
+
+def _checkpoint_method(data: dict, method: str) -> str:
+    """GPTQ checkpoints in Marlin layout say quant_method gptq: their format key decides."""
+    if method == "gptq" and (data.get("checkpoint_format") in ("marlin", "marlin_24")
+                             or data.get("is_marlin_format") is True):
+        return "marlin"
+    return method
 
 
 def method_of_flag(quantize: str) -> str:
@@ -389,7 +415,7 @@ def _find_config(folder: Path) -> tuple[dict, str, str, str] | None:
             method = "awq" if ("w_bit" in data or "version" in data) else "gptq" if "bits" in data else None
         if not isinstance(method, str):
             raise CheckpointError(f"{path}: '{prefix}quant_method' is missing and the keys do not identify a method")
-        return data, str(path), prefix, method.lower()
+        return data, str(path), prefix, _checkpoint_method(data, method.lower())
     return None
 
 
@@ -412,6 +438,8 @@ def read_quantization_config(folder: str | Path, quantize: str | None) -> Quanti
         legacy = _legacy_weights(folder) if wanted in (None, "gptq") else None
         if legacy is not None:
             return GPTQConfig.from_tensors(legacy)
+        if wanted is not None and METHODS[wanted].on_load:
+            return METHODS[wanted].for_dense_checkpoint(quantize, folder)
         if wanted is not None:
             raise CheckpointError(
                 f"--quantize {quantize}: {folder} is not a quantized checkpoint (no 'quantization_config' in "
@@ -423,10 +451,13 @@ def read_quantization_config(folder: str | Path, quantize: str | None) -> Quanti
         known = "not yet supported" if method in NOT_YET_SUPPORTED else "unknown"
         raise CheckpointError(f"{path}: '{prefix}quant_method' = '{method}' is {known} "
                               f"(supported: {', '.join(METHODS)})")
-    if wanted is not None and wanted != method:
+    if wanted is not None and METHODS[wanted] is not METHODS[method]:
         raise CheckpointError(f"--quantize {quantize} disagrees with the checkpoint: {path} says "
-                              f"'{prefix}quant_method' = '{method}'")
+                              f"'{prefix}quant_method' = '{data.get('quant_method', method)}'"
+                              + (f" (checkpoint_format '{data.get('checkpoint_format')}')" if method == "marlin" else ""))
     config = METHODS[method].from_config(data, path, prefix)
+    if wanted is not None:
+        config.check_flag(quantize)
     legacy = _legacy_weights(folder)
     if legacy is not None:
         config.check_tensors(legacy)

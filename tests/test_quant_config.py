@@ -71,14 +71,13 @@ QC = r"config\.json: 'quantization_config\."
 CT_W = QC + r"config_groups\.g\.weights\."
 BAD_CONFIGS = {
     "gptq-5bit": (GPTQ_QC | {"bits": 5}, QC + r"bits' = 5 is not yet supported for gptq \(supported: 2, 3, 4, 8\)"),
-    "gptq-marlin": (GPTQ_QC | {"checkpoint_format": "marlin"}, QC + r"checkpoint_format' = 'marlin' is not yet"),
     "gptq-bits-string": (GPTQ_QC | {"bits": "four"}, QC + r"bits' must be an integer"),
     "gptq-group-0": (GPTQ_QC | {"group_size": 0}, QC + r"group_size' must be -1 or positive"),
     "gptq-quantized-head": (GPTQ_QC | {"lm_head": True}, QC + r"lm_head' = True is not yet supported"),
     "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
                  QC + r"version' = 'gemv' is not yet supported for awq"),
     "awq-3bit": ({"quant_method": "awq", "bits": 3, "group_size": 128}, QC + r"bits' = 3 is not yet supported"),
-    "fp8": ({"quant_method": "fp8"}, QC + r"quant_method' = 'fp8' is not yet supported"),
+    "hqq": ({"quant_method": "hqq"}, QC + r"quant_method' = 'hqq' is not yet supported"),
     "unknown": ({"quant_method": "wizard"}, QC + r"quant_method' = 'wizard' is unknown"),
     "ct-float-format": (ct("float-quantized"), QC + r"format' = 'float-quantized' is not yet supported"),
     "ct-float-type": (ct(type="float"), CT_W + r"type' = 'float' is not yet supported"),
@@ -103,8 +102,8 @@ def test_quantize_flag_must_agree(tmp_path):
     with pytest.raises(ValueError, match=r"--quantize awq disagrees with the checkpoint: .*config\.json says "
                                          r"'quantization_config\.quant_method' = 'gptq'"):
         read_quantization_config(folder, "awq")
-    with pytest.raises(ValueError, match=r"--quantize exl2: not yet supported"):
-        read_quantization_config(folder, "exl2")
+    with pytest.raises(ValueError, match=r"--quantize aqlm: not yet supported"):
+        read_quantization_config(folder, "aqlm")
     with pytest.raises(ValueError, match=r"--quantize banana: unknown quantization method"):
         read_quantization_config(folder, "banana")
     dense = write_folder(tmp_path / "d", config={"model_type": "llama"}, tensors={"w.weight": torch.zeros(2)})

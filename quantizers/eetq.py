@@ -1,0 +1,4 @@
+"""Placeholder: this format's configs and loader are being written."""
+
+CONFIGS: dict = {}
+LOADERS: dict = {}
