@@ -6,6 +6,17 @@ model on them. Model calls run one at a time on a worker thread, so Health and
 Info answer while a long prefill runs, and every rank executes the same sequence
 of collectives. A bad request answers INVALID_ARGUMENT and an unknown batch
 NOT_FOUND; the shard keeps serving either way.
+
+Decode ahead: as soon as a step leaves a cached batch, the model thread computes that
+batch's next decode step on a fork (`Batch.fork`) while the response travels to the
+router and the router streams tokens, filters and asks for the next step. When the
+Decode for that batch arrives and the batch still holds exactly the rows the fork ran
+(the router's FilterBatch dropping the finished rows, or more, is allowed), the fork's
+result is the answer; otherwise (the batch was merged into a prefill, cleared, or kept
+a finished row) the fork is dropped and the step runs as usual. Either way the tokens
+are those of a plain step: forks copy every piece of state a step advances. Every rank
+sees the same RPCs in the same order, so every rank forks and commits alike and the
+collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import asyncio
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -113,6 +125,35 @@ class ShardError(Exception):
         self.code = code
 
 
+DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
+
+
+@dataclass
+class _Ahead:
+    """A decode step computed on a fork of a cached batch, waiting for its Decode."""
+
+    source: Batch  # the cached batch object it was forked from (identity shows it is unchanged)
+    request_ids: list[int]
+    generations: list[Generation] | None = None
+    next_batch: Batch | None = None
+    timings: StepTimings | None = None
+    error: BaseException | None = None
+
+    def restrict(self, batch: Batch) -> bool:
+        """Follows a FilterBatch of the source: keeps the rows still wanted. False: unusable."""
+        kept = batch.request_ids
+        if not set(kept) <= set(self.request_ids):
+            return False  # the router kept a row the fork did not run (a finished one)
+        if self.error is None and kept != self.request_ids:
+            wanted = set(kept)
+            self.generations = [g for g in self.generations if g.request_id in wanted]
+            if self.next_batch is not None:
+                alive = [rid for rid in kept if rid in set(self.next_batch.request_ids)]
+                self.next_batch = self.next_batch.filter(alive, None) if alive else None
+        self.source, self.request_ids = batch, kept
+        return True
+
+
 class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def __init__(
         self,
@@ -129,6 +170,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self.max_batch_total_tokens = max_batch_total_tokens
         self.cache: dict[int, Batch] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.decode_ahead = os.environ.get(DECODE_AHEAD_ENV, "1") not in ("0", "false", "no")
+        self._ahead: dict[int, _Ahead] = {}  # batch id -> its next step; touched on the model thread only
+        self.ahead_hits = 0
+        self.ahead_misses = 0
 
     async def _run(self, context, fn, *args):
         """Runs `fn` on the model thread; maps failures to gRPC statuses with clear messages."""
@@ -175,10 +220,12 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def ClearCache(self, request, context):
         def clear():
             if request.HasField("id"):
+                self._ahead.pop(request.id, None)
                 batch = self.cache.pop(request.id, None)
                 if batch is not None:
                     self.model.release(batch)
             else:
+                self._ahead.clear()
                 for batch in self.cache.values():
                     self.model.release(batch)
                 self.cache.clear()
@@ -189,10 +236,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def FilterBatch(self, request, context):
         def filt():
             batch = self._pop(request.batch_id)
+            ahead = self._ahead.pop(request.batch_id, None)
             kept = self.model.filter(batch, list(request.request_ids))
             if kept is None:
                 return pb.FilterBatchResponse()
             self.cache[kept.batch_id] = kept
+            if ahead is not None and ahead.restrict(kept):
+                self._ahead[kept.batch_id] = ahead
             return pb.FilterBatchResponse(batch=cached_batch_to_pb(kept.info()))
 
         return await self._run(context, filt)
@@ -235,6 +285,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             generations, next_batch, timings = self._generate(batch)
             concat_ns = None
             if request.HasField("cached_batch"):
+                self._ahead.pop(request.cached_batch.id, None)  # merged: its rows now step with the new ones
                 cached = self._pop(request.cached_batch.id)
                 if next_batch is None:
                     next_batch = cached
@@ -255,9 +306,43 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             if missing:
                 raise KeyError(f"batch {missing[0]} not found")
             batches = [self.cache.pop(i) for i in ids]
-            batch = Batch.concatenate(batches)
-            generations, next_batch, timings = self._generate(batch)
-            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
+            ready, rest = [], []
+            for b in batches:
+                ahead = self._ahead.pop(b.batch_id, None)
+                if ahead is not None and ahead.source is b and ahead.request_ids == b.request_ids:
+                    ready.append((b, ahead))
+                else:
+                    rest.append(b)
+            self.ahead_hits += len(ready)
+            self.ahead_misses += len(rest)
+            if not ready:
+                generations, next_batch, timings = self._generate(Batch.concatenate(batches))
+                return self._step_response(pb.DecodeResponse, generations, self._renumber(next_batch, ids[0]),
+                                           timings, None, ahead=True)
+            failed = next((a.error for _, a in ready if a.error is not None), None)
+            if failed is not None:
+                # The step itself failed: fail the call as the plain step would have, freeing every batch.
+                for b in batches:
+                    self.model.release(b)
+                raise failed
+            # Batches without a step ready (just prefilled) join without a token this time: running
+            # them alone would cost a forward of its own, and the next step carries every row.
+            generations, parts, timings = [], [], StepTimings(0, 0, 0)
+            ready_of = {id(b): a for b, a in ready}
+            for b in batches:
+                ahead = ready_of.get(id(b))
+                if ahead is None:
+                    parts.append(b)
+                    continue
+                generations += ahead.generations
+                timings = timings + ahead.timings
+                if ahead.next_batch is None:
+                    self.model.release(b)  # every row finished; the fork owned no blocks
+                else:
+                    ahead.next_batch.adopt_blocks(b)
+                    parts.append(ahead.next_batch)
+            next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
+            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None, ahead=True)
 
         return await self._run(context, decode)
 
@@ -272,13 +357,40 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             self.model.release(batch)
             raise
 
+    @staticmethod
+    def _renumber(batch: Batch | None, batch_id: int) -> Batch | None:
+        """A decode's next batch carries the id of the first batch asked for (TGI's rule)."""
+        if batch is not None:
+            batch.batch_id = batch_id
+        return batch
+
+    def _schedule_ahead(self, batch: Batch) -> None:
+        """Queues the batch's next decode step behind this call on the model thread."""
+        if not self.decode_ahead:
+            return
+        self._executor.submit(self._run_ahead, batch)
+
+    def _run_ahead(self, batch: Batch) -> None:
+        if self.cache.get(batch.batch_id) is not batch or batch.batch_id in self._ahead:
+            return  # cleared, filtered or merged before the model thread got here
+        alive = [s.request.id for s in batch.states if not s.finished]
+        if not alive:
+            return
+        ahead = _Ahead(source=batch, request_ids=alive)
+        try:
+            ahead.generations, ahead.next_batch, ahead.timings = self.model.generate_token(batch.fork(alive))
+        except Exception as exc:  # kept for the Decode that commits this step (a replay would fail alike)
+            logger.debug("decode ahead of batch {} failed: {!r}", batch.batch_id, exc)
+            ahead.error = exc
+        self._ahead[batch.batch_id] = ahead
+
     def _pop(self, batch_id: int) -> Batch:
         batch = self.cache.pop(batch_id, None)
         if batch is None:
             raise KeyError(f"batch {batch_id} not found")
         return batch
 
-    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns):
+    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns, ahead: bool = False):
         resp = cls(
             generations=[generation_to_pb(g) for g in generations],
             forward_ns=timings.forward_ns,
@@ -290,6 +402,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if next_batch is not None:
             self.cache[next_batch.batch_id] = next_batch
             resp.batch.CopyFrom(cached_batch_to_pb(next_batch.info()))
+            if ahead:  # not after a prefill: the next Decode merges that batch into a running one
+                self._schedule_ahead(next_batch)
         return resp
 
 

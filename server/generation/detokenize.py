@@ -11,6 +11,8 @@ complete and nothing is emitted; the offsets stay put until it is.
 
 from __future__ import annotations
 
+import copy
+
 import tokenizers
 
 # Prompt tokens that seed the window, so the first generated token is decoded in
@@ -44,6 +46,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._context_length = len(context)
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """An independent copy sharing the tokenizer (a step computed ahead works on the copy)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def _context_start(self, prompt_ids: list[int]) -> int:
         """Where the prompt context starts: a few tokens back, but never a context that misleads.

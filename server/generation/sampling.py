@@ -348,6 +348,21 @@ class HeterogeneousNextTokenChooser:
             self.device,
         )
 
+    def fork(self, indices: list[int]) -> "HeterogeneousNextTokenChooser":
+        """Like `filter`, but with copied generators: draws on the fork leave this chooser's
+        random streams where they were, so a step computed ahead can be thrown away."""
+        forked = self.filter(indices)
+        generators = []
+        for generator in forked._generators:
+            if generator is None:
+                generators.append(None)
+                continue
+            twin = torch.Generator(device=generator.device)
+            twin.set_state(generator.get_state())
+            generators.append(twin)
+        forked._generators = generators
+        return forked
+
     @classmethod
     def concatenate(cls, choosers: list["HeterogeneousNextTokenChooser"]) -> "HeterogeneousNextTokenChooser":
         """Merge batches, rows in the order given."""

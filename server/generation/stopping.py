@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 
 
@@ -47,6 +48,12 @@ class StoppingCriteria:
         # before the new text, so that is all the past text worth keeping.
         self._keep = max((len(stop) for stop in self.stop_sequences), default=1) - 1
         self._tail = ""
+
+    def fork(self) -> "StoppingCriteria":
+        """An independent copy: a step computed ahead must not advance the real counters."""
+        twin = copy.copy(self)
+        twin.stop_sequences = list(self.stop_sequences)
+        return twin
 
     def __call__(self, token_id: int, text_delta: str) -> tuple[bool, FinishReason | None]:
         """Count the token and say whether generation ends with it, and why.

@@ -8,6 +8,7 @@ decode step builds its inputs with a few tensor ops instead of per-request work.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,40 @@ class Batch:
             block_tables=self.block_tables.index_select(0, index)[:, :max_blocks],
             prefilled=self.prefilled,
         )
+
+    def fork(self, request_ids: list[int]) -> "Batch":
+        """An independent copy of the named rows, for a decode step computed ahead of its request.
+
+        Tensors, stopping counters, detokenizers and random streams are copied, so running
+        a step on the fork leaves this batch exactly as it was; the KV blocks are shared
+        (the fork writes only the next position of rows that own it, and a replayed step
+        writes the same values there). The fork never frees blocks: this batch owns them.
+        """
+        position = {rid: i for i, rid in enumerate(self.request_ids)}
+        keep = [position[rid] for rid in request_ids]
+        index = torch.tensor(keep, dtype=torch.long, device=self.history.device)
+        states = [
+            dataclasses.replace(self.states[i], blocks=list(self.states[i].blocks), owns_blocks=False,
+                                stopping=self.states[i].stopping.fork(), detokenizer=self.states[i].detokenizer.fork())
+            for i in keep
+        ]
+        return Batch(
+            batch_id=self.batch_id,
+            states=states,
+            chooser=self.chooser.fork(keep),
+            history=self.history.index_select(0, index),
+            history_lengths=self.history_lengths.index_select(0, index),
+            slot_table=self.slot_table.index_select(0, index),
+            block_tables=self.block_tables.index_select(0, index),
+            prefilled=self.prefilled,
+        )
+
+    def adopt_blocks(self, source: "Batch") -> None:
+        """Takes over block ownership from the batch this one was forked from (a committed fork)."""
+        owners = {s.request.id: s for s in source.states}
+        for state in self.states:
+            origin = owners[state.request.id]
+            state.owns_blocks, state.blocks = origin.owns_blocks, list(origin.blocks)
 
     def release(self, allocator: BlockAllocator | None) -> None:
         """Frees the blocks this batch assigned itself (ClearCache, or the end of a batch)."""

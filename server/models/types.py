@@ -69,6 +69,10 @@ class StepTimings:
     decode_ns: int
     total_ns: int
 
+    def __add__(self, other: "StepTimings") -> "StepTimings":
+        return StepTimings(self.forward_ns + other.forward_ns, self.decode_ns + other.decode_ns,
+                           self.total_ns + other.total_ns)
+
 
 @dataclass
 class Completion:
