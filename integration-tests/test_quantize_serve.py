@@ -15,8 +15,10 @@ from pathlib import Path
 from conftest import clean_env
 from serve_client import client_stub, generate, request
 
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.models import get_model
 from text_generation_server.models.types import GenerationRequest
+from text_generation_server.shard import model_kernels
 
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 NEW_TOKENS = 8
@@ -41,8 +43,11 @@ def test_quantized_checkpoint_serves(tiny_model, tmp_path, start_serve):
     server.wait_serving()
     served = generate(client_stub(server), request(PROMPT, max_new_tokens=NEW_TOKENS))
     assert "quantization: gptq" in server.log()
+    info = client_stub(server).Info(cpb.InfoRequest(), timeout=10)
 
     lm = get_model(str(out))
+    # Which kernels the layers run on reaches clients (8-row groups: the reference kernel here).
+    assert list(info.kernels) == model_kernels(lm.model) and "dense" not in info.kernels, list(info.kernels)
     local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
     assert served.token_ids == local.token_ids
     assert len(served.token_ids) >= 1

@@ -59,6 +59,7 @@ def test_info_health_and_reflection(server, stub, tiny_model):
     assert 0 < info.max_batch_total_tokens <= 4096
     assert (info.max_concurrent_requests, info.max_stop_sequences, info.num_shard) == (128, 4, 1)
     assert (info.block_size, info.quantize, info.version) == (16, "", text_generation_server.__version__)
+    assert list(info.kernels) == ["dense"]  # from the shard's Info trailing metadata
 
     health = health_pb2_grpc.HealthStub(server.channel())
     for name in ("", SERVICE):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from loguru import logger
 
 from text_generation_server.generation.sampling import SamplingParams
@@ -126,6 +127,14 @@ class ShardError(Exception):
 
 
 DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
+# The v3 InfoResponse has no field for kernels; they travel as trailing metadata, which a
+# TGI router ignores, so the message itself stays exactly TGI's.
+KERNELS_METADATA = "tgs-kernels"
+
+
+def model_kernels(model: torch.nn.Module) -> list[str]:
+    """Distinct kernel names the model's linears run on, sorted (dense layers say "dense")."""
+    return sorted({str(m.kernel_name) for m in model.modules() if getattr(m, "kernel_name", None)})
 
 
 @dataclass
@@ -208,6 +217,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         )
         if window is not None:
             info.window_size = window
+        context.set_trailing_metadata(((KERNELS_METADATA, ",".join(model_kernels(m.model))),))
         return info
 
     async def Health(self, request, context):

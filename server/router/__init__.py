@@ -110,6 +110,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_concurrent_requests=args.max_concurrent_requests, max_stop_sequences=args.max_stop_sequences,
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
             quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
+            kernels=await client.kernels(),
         )
         server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[
             ("grpc.max_receive_message_length", args.max_message_bytes),

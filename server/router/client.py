@@ -49,6 +49,17 @@ class ShardClient:
     async def info(self) -> pb.InfoResponse:
         return (await self._all("Info", pb.InfoRequest()))[0]
 
+    async def kernels(self) -> list[str]:
+        """Kernel names every rank reports (trailing metadata of Info; empty from a TGI shard)."""
+        names: set[str] = set()
+        for stub in self._stubs:
+            call = stub.Info(pb.InfoRequest())
+            await call
+            for key, value in (await call.trailing_metadata()) or ():
+                if key == "tgs-kernels" and value:
+                    names.update(value.split(","))
+        return sorted(names)
+
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", pb.HealthRequest(), timeout=timeout)
 
