@@ -238,6 +238,9 @@ class Weights:
         self.aliases = aliases or {}
 
     # -- lookups -------------------------------------------------------------
+    def tensor_names(self) -> set[str]:
+        return set(self._keys)
+
     def has_tensor(self, name: str) -> bool:
         return self._resolve(name, required=False) is not None
 

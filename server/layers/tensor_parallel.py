@@ -158,3 +158,38 @@ class TensorParallelHead(torch.nn.Module):
         if self.process_group.size > 1:
             logits = self.process_group.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits
+
+
+class QuantizedTensorParallelHead(torch.nn.Module):
+    """A head the checkpoint quantized (EXL2 always does; `head_bits`): split by vocabulary
+    like the dense head, each rank's part built by the format's loader and kernel."""
+
+    # hidden: [tokens, hidden] -> logits [tokens, vocab]
+    def __init__(self, linear: torch.nn.Module, vocab_size: int, process_group: ProcessGroup):
+        super().__init__()
+        self.linear = linear
+        self.vocab_size = vocab_size
+        self.process_group = process_group
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str, vocab_size: int, hidden_size: int):
+        pg = weights.process_group
+        if vocab_size % pg.size:
+            raise CheckpointError(f"quantized head '{prefix}': a vocabulary of {vocab_size} does not split into "
+                                  f"{pg.size} shards (use a world size that divides it)")
+        weight = weights.get_weights_col(prefix)
+        rows, cols = weight.shape
+        local = vocab_size // pg.size
+        # Formats that pad output columns (EXL2 to 32) leave extra rows past the vocabulary; on one
+        # rank they are cut from the logits, across ranks they would shift every later shard.
+        if cols != hidden_size or rows < local or (rows != local and pg.size > 1):
+            raise CheckpointError(f"quantized head '{prefix}' holds {(rows, cols)} (out, in) on rank {pg.rank}, "
+                                  f"expected {(local, hidden_size)} for vocabulary {vocab_size} and hidden size "
+                                  f"{hidden_size} at world size {pg.size}")
+        return cls(weight.get_linear(None), vocab_size, pg)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(hidden)[..., : self.vocab_size // self.process_group.size]
+        if self.process_group.size > 1:
+            logits = self.process_group.all_gather_last_dim(logits)
+        return logits

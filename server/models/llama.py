@@ -25,6 +25,7 @@ from text_generation_server.layers.tensor_parallel import (
     TensorParallelEmbedding,
     TensorParallelHead,
     TensorParallelRowLinear,
+    QuantizedTensorParallelHead,
 )
 from text_generation_server.weights import CheckpointError, Weights
 
@@ -251,6 +252,15 @@ class LlamaLayer(torch.nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def quantized_head(weights: Weights) -> bool:
+    """Whether the checkpoint stores the head quantized: no lm_head.weight, but the loader's
+    format claims the module and tensors under lm_head. are there."""
+    config = getattr(weights.loader, "config", None)
+    if config is None or not config.quantizes("lm_head"):
+        return False
+    return any(name.startswith("lm_head.") for name in weights.tensor_names())
+
+
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, config: LlamaConfig, weights: Weights):
         super().__init__()
@@ -264,11 +274,14 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.norm = RMSNorm.load(weights, "model.norm", config.hidden_size, config.rms_norm_eps)
         head_prefix = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        if not config.tie_word_embeddings and not weights.has_tensor("lm_head.weight"):
+        if config.tie_word_embeddings or weights.has_tensor("lm_head.weight"):
+            self.lm_head = TensorParallelHead.load(weights, head_prefix, config.vocab_size, config.hidden_size)
+        elif quantized_head(weights):
+            self.lm_head = QuantizedTensorParallelHead.load(weights, "lm_head", config.vocab_size, config.hidden_size)
+        else:
             raise CheckpointError(
                 "tensor 'lm_head.weight' not found and tie_word_embeddings is false in config.json"
             )
-        self.lm_head = TensorParallelHead.load(weights, head_prefix, config.vocab_size, config.hidden_size)
 
     @property
     def local_kv_heads(self) -> int:
