@@ -212,7 +212,10 @@ def choose_kernel(spec: LinearSpec) -> tuple[type[QuantKernel], list[tuple[str, 
 
     disabled = disabled_kernels()
     rejected: list[tuple[str, str]] = []
-    for kernel in KERNELS.get(spec.device_type, []) + [ReferenceKernel]:
+    candidates = KERNELS.get(spec.device_type, [])
+    if ReferenceKernel not in candidates:
+        candidates = candidates + [ReferenceKernel]  # the last resort, unless a device list ranks it
+    for kernel in candidates:
         if kernel.name in disabled:
             rejected.append((kernel.name, f"disabled by {DISABLE_ENV}"))
             continue

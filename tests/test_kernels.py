@@ -228,7 +228,6 @@ SELECTION = [
     (spec(dtype=torch.float64), "reference", [
         ("cpu-int4pack", "activation dtype torch.float64 not in bfloat16/float16/float32"),
         ("cpu-int8", "activation dtype torch.float64 not in bfloat16/float16/float32")]),
-    (spec(dev="cuda"), "reference", []),  # no CUDA kernels registered yet: straight to the reference
 ]
 
 
@@ -242,7 +241,30 @@ def test_selection_and_reasons(s, chosen, rejected, monkeypatch):
 
 def test_cpu_kernels_refuse_other_devices():
     for kernel in KERNELS["cpu"]:
+        if kernel.name in ("reference", "fp8-dequant"):
+            continue  # device-agnostic, or a different weight format (refused for that reason first)
         assert kernel.can_implement(spec(dev="cuda")) == (False, "device cuda")
+
+
+def test_cuda_candidates_without_a_gpu_give_reasons(monkeypatch):
+    """Every registered CUDA kernel says why it cannot run here; the reference takes the layer."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    kernel, why = choose_kernel(spec(dev="cuda"))
+    if torch.cuda.is_available():
+        assert kernel.name != "reference"
+        return
+    assert kernel.name == "reference"
+    assert [name for name, _ in why] == [k.name for k in KERNELS["cuda"]]
+    assert all(reason for _, reason in why)
+
+
+def test_reference_outranks_packed_cpu_kernels_unless_disabled(monkeypatch):
+    """marlin-layout keeps 8-bit grouped weights packed but dequantizes every forward: slower than
+    the dense reference, so it serves only when the reference is switched off (less memory)."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    assert choose_kernel(spec(bits=8, gs=128))[0].name == "reference"
+    monkeypatch.setenv(DISABLE_ENV, "reference")
+    assert choose_kernel(spec(bits=8, gs=128))[0].name == "marlin-layout"
 
 
 def test_cpu_kernel_order():
@@ -266,11 +288,12 @@ def test_disable_falls_through(monkeypatch):
 def test_no_kernel_lists_every_reason(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "reference")
     with pytest.raises(NoKernelError) as err:
-        choose_kernel(spec(bits=8, gs=128))
+        choose_kernel(spec(bits=8, gs=128, zeros=True))
     msg = str(err.value)
     assert "cpu-int4pack: needs at most 4-bit codes, got 8-bit" in msg
     assert "cpu-int8: needs one group spanning K=4096" in msg
     assert f"reference: disabled by {DISABLE_ENV}" in msg
+    assert "marlin-layout: " in msg and "asymmetric" in msg
 
 
 def test_build_linear_logs_choice_once(monkeypatch):
