@@ -1,4 +1,5 @@
-"""compressed-tensors pack-quantized checkpoints (W4A16, W8A16): codes packed along K.
+"""compressed-tensors checkpoints: pack-quantized (W4A16, W8A16 int codes packed along K)
+and float-quantized (fp8 e4m3: FP8, FP8_DYNAMIC, FP8_BLOCK and weight-only W8A16 fp8).
 
 Layout (specs/formats.md): weight_packed int32 [N, ceil(K/(32/b))], least
 significant first along K, values stored as signed + 2^(b-1); weight_scale [N, G]
@@ -6,6 +7,13 @@ significant first along K, values stored as signed + 2^(b-1); weight_scale [N, G
 packed the same way but along N: int32 [ceil(N/(32/b)), G]; optional weight_g_idx
 [K]; weight_shape [N, K]. Stored unsigned codes and zero points give
 W = s * (q - z) directly; symmetric means z = 2^(b-1).
+
+float-quantized: `weight` float8_e4m3fn [N, K], `weight_scale` [1] (tensor), [N, 1]
+(channel) or [ceil(N/bn), ceil(K/bk)] (block, block_structure [bn, bk]), `input_scale` [1]
+for static activations; an all-zero `weight_zero_point` may be stored. Those modules are
+read by the fp8 loader (quantizers/fp8.py). A weight-only group (input_activations null)
+runs with dynamic per-token activation scales where a kernel quantizes activations at all
+(fp8-scaled-mm): they need no calibration.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import QuantizedWeight, build_linear
 from text_generation_server.quantizers.config import CompressedTensorsConfig, WeightScheme
+from text_generation_server.quantizers.fp8 import Fp8CheckpointLoader, Fp8LinearWeight, Fp8Scheme
 from text_generation_server.quantizers.sharding import (
     check_g_idx,
     check_split,
@@ -87,10 +96,21 @@ class CompressedTensorsWeight:
 
 
 class CompressedTensorsLoader(WeightsLoader):
-    """Column layers split N (zero points by whole words); row layers split the packed K words."""
+    """Column layers split N (zero points by whole words); row layers split the packed K words.
+
+    Modules of a float-quantized group go to the fp8 loader with that group's layout.
+    """
 
     def __init__(self, config: CompressedTensorsConfig):
         self.config = config
+        self._fp8_loaders: dict[WeightScheme, Fp8CheckpointLoader] = {}
+
+    def _fp8(self, scheme: WeightScheme) -> Fp8CheckpointLoader:
+        if scheme not in self._fp8_loaders:
+            self._fp8_loaders[scheme] = Fp8CheckpointLoader(Fp8Scheme(
+                source=self.config.source, scale_name="weight_scale", strategy=scheme.strategy, block=scheme.block,
+                activation=scheme.activations or "dynamic-token", zero_point_name="weight_zero_point"))
+        return self._fp8_loaders[scheme]
 
     def describe(self) -> str:
         return f"CompressedTensorsLoader({self.config.describe()})"
@@ -142,8 +162,10 @@ class CompressedTensorsLoader(WeightsLoader):
                                        in_features=k, bits=scheme.bits, group_size=scheme.group_size, prefix=prefix,
                                        layer=layer, act_dtype=weights.dtype, device_type=weights.device.type)
 
-    def get_weights(self, weights: Weights, prefix: str) -> CompressedTensorsWeight:
+    def get_weights(self, weights: Weights, prefix: str) -> CompressedTensorsWeight | Fp8LinearWeight:
         scheme = self._scheme(prefix)
+        if scheme.type == "float":
+            return self._fp8(scheme).get_weights(weights, prefix)
         n, k, _ = self._check(weights, prefix, scheme)
         zp = None if scheme.symmetric else weights.get_tensor(f"{prefix}.weight_zero_point")
         return self._weight(weights, prefix, scheme, weights.get_tensor(f"{prefix}.weight_packed"),
@@ -151,8 +173,10 @@ class CompressedTensorsLoader(WeightsLoader):
                             self._g_idx(weights, prefix, k, scheme), k, layer_kind(prefix))
 
     def get_weights_col_packed(self, weights: Weights, prefix: str, block_sizes: int | list[int]
-                               ) -> CompressedTensorsWeight:
+                               ) -> CompressedTensorsWeight | Fp8LinearWeight:
         scheme = self._scheme(prefix)
+        if scheme.type == "float":
+            return self._fp8(scheme).get_weights_col_packed(weights, prefix, block_sizes)
         n, k, _ = self._check(weights, prefix, scheme)
         sizes = part_sizes(n, block_sizes, f"{prefix}.weight_packed")
         packed = weights.get_packed_sharded(f"{prefix}.weight_packed", dim=0, block_sizes=sizes)
@@ -163,13 +187,16 @@ class CompressedTensorsLoader(WeightsLoader):
         return self._weight(weights, prefix, scheme, packed, scale, zp, self._g_idx(weights, prefix, k, scheme), k,
                             layer_kind(prefix))
 
-    def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int) -> CompressedTensorsWeight:
+    def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int
+                              ) -> CompressedTensorsWeight | Fp8LinearWeight:
         if dim != 0:
             raise ValueError(f"compressed-tensors weights fuse along the output dimension (dim 0), not dim {dim}")
         schemes = [self._scheme(p) for p in prefixes]
         if len(set(schemes)) > 1:
             raise CheckpointError(f"{', '.join(prefixes)} use different quantization schemes in "
                                   f"{self.config.source}: they cannot be fused into one matmul")
+        if schemes[0].type == "float":
+            return self._fp8(schemes[0]).get_multi_weights_col(weights, prefixes, dim)
         parts = [self.get_weights_col(weights, p) for p in prefixes]
         first = parts[0]
         pack = 32 // first.bits
@@ -189,8 +216,10 @@ class CompressedTensorsLoader(WeightsLoader):
             layer=layer_kind(prefixes), act_dtype=weights.dtype, device_type=weights.device.type,
         )
 
-    def get_weights_row(self, weights: Weights, prefix: str) -> CompressedTensorsWeight:
+    def get_weights_row(self, weights: Weights, prefix: str) -> CompressedTensorsWeight | Fp8LinearWeight:
         scheme = self._scheme(prefix)
+        if scheme.type == "float":
+            return self._fp8(scheme).get_weights_row(weights, prefix)
         n, k, groups = self._check(weights, prefix, scheme)
         rows = rank_rows(weights, k, f"{prefix}.weight_packed")
         world = weights.process_group.size

@@ -275,13 +275,81 @@ class WeightScheme:
     """One compressed-tensors config group's weight quantization."""
 
     bits: int
-    strategy: str  # "group" or "channel"
-    group_size: int  # -1 for channel
+    strategy: str  # int: "group" or "channel"; float: "tensor", "channel" or "block"
+    group_size: int  # -1 unless the strategy is "group"
     symmetric: bool
     targets: tuple[str, ...]
+    type: str = "int"  # "int" (format pack-quantized) or "float" (float-quantized: fp8 e4m3)
+    block: tuple[int, int] | None = None  # float "block": block_structure (rows, columns) per scale
+    # float only: how the fp8 kernels quantize activations. None: weight-only (W8A16) checkpoint;
+    # "static" (input_scale per linear), "dynamic-token", "dynamic-tensor".
+    activations: str | None = None
+
+    def describe(self) -> str:
+        if self.type == "float":
+            block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
+            acts = f", {self.activations} activations" if self.activations else " weight-only"
+            return f"float-quantized fp8 {self.strategy}{block}{acts}"
+        group = "" if self.group_size == -1 else f" {self.group_size}"
+        return f"pack-quantized int{self.bits} {self.strategy}{group} {'sym' if self.symmetric else 'asym'}"
 
 
 CT_BITS = (4, 8)
+# Each compressed-tensors format and the weight type it stores.
+CT_FORMATS = {"pack-quantized": "int", "float-quantized": "float"}
+
+
+def _block_structure(value: Any, keys: _Keys) -> tuple[int, int]:
+    """block_structure as compressed-tensors writes it: [rows, columns] (older releases: "RxC")."""
+    if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
+        value = [int(v) for v in value.split("x")]
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise CheckpointError(f"{keys.where('block_structure')} must be two positive integers [rows, columns] "
+                              f"such as [128, 128], got {value!r}")
+    return value[0], value[1]
+
+
+def _ct_activations(acts: Any, keys: _Keys) -> str | None:
+    """The fp8 activation scheme of a float-quantized group's input_activations."""
+    if acts is None:
+        return None
+    if not isinstance(acts, dict):
+        raise CheckpointError(f"{keys.where('input_activations')} must be an object or null")
+    akeys = _Keys(acts, keys.source, keys.prefix + "input_activations.")
+    method = "compressed-tensors float-quantized activations"
+    kind = akeys.str("type", "float")
+    if kind != "float":
+        raise akeys.unsupported("type", kind, method, "float")
+    bits = akeys.int("num_bits")
+    if bits != 8:
+        raise akeys.unsupported("num_bits", bits, method, "8")
+    strategy = akeys.str("strategy", "tensor")
+    if akeys.bool("dynamic", False):
+        # Per-group (1x128) dynamic scales run per token: a dynamic scheme is not calibrated, and
+        # only the _scaled_mm path quantizes activations at all.
+        dynamic = {"token": "dynamic-token", "group": "dynamic-token", "tensor": "dynamic-tensor"}
+        if strategy not in dynamic:
+            raise akeys.unsupported("strategy", strategy, method + " (dynamic)", "token, group, tensor")
+        return dynamic[strategy]
+    if strategy != "tensor":
+        raise akeys.unsupported("strategy", strategy, method + " (static)", "tensor")
+    return "static"
+
+
+def _ct_float_scheme(group: dict, w: dict, wkeys: _Keys, gkeys: _Keys, targets: tuple[str, ...]) -> WeightScheme:
+    method = "compressed-tensors float-quantized"
+    bits = wkeys.int("num_bits")
+    if bits != 8:
+        raise wkeys.unsupported("num_bits", bits, method, "8")
+    strategy = wkeys.str("strategy", "tensor")
+    if strategy not in ("tensor", "channel", "block"):
+        raise wkeys.unsupported("strategy", strategy, method, "tensor, channel, block")
+    if not wkeys.bool("symmetric", True):
+        raise wkeys.unsupported("symmetric", False, method, "true")
+    block = _block_structure(w.get("block_structure"), wkeys) if strategy == "block" else None
+    return WeightScheme(bits=bits, strategy=strategy, group_size=-1, symmetric=True, targets=targets, type="float",
+                        block=block, activations=_ct_activations(group.get("input_activations"), gkeys))
 
 
 @dataclass(frozen=True)
@@ -306,9 +374,7 @@ class CompressedTensorsConfig(QuantizerConfig):
         return self.scheme_for(prefix) is not None
 
     def describe(self) -> str:
-        parts = [f"int{s.bits} {s.strategy}{'' if s.group_size == -1 else f' {s.group_size}'} "
-                 f"{'sym' if s.symmetric else 'asym'}" for s in self.schemes]
-        return "compressed-tensors pack-quantized " + ", ".join(parts)
+        return "compressed-tensors " + ", ".join(s.describe() for s in self.schemes)
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "CompressedTensorsConfig":
@@ -327,10 +393,10 @@ class CompressedTensorsConfig(QuantizerConfig):
         for name, group in groups.items():
             gkeys = _Keys(group, source, f"{prefix}config_groups.{name}.")
             fmt = gkeys.str("format", top_format)
-            if fmt != "pack-quantized":
+            if fmt not in CT_FORMATS:
                 owner = gkeys if group.get("format") is not None else keys
-                raise owner.unsupported("format", fmt, "compressed-tensors", "pack-quantized")
-            if group.get("input_activations") is not None:
+                raise owner.unsupported("format", fmt, "compressed-tensors", ", ".join(CT_FORMATS))
+            if fmt == "pack-quantized" and group.get("input_activations") is not None:
                 raise gkeys.unsupported("input_activations", group["input_activations"], "compressed-tensors",
                                         "null (weight-only W4A16/W8A16)")
             targets = gkeys.names("targets")
@@ -341,16 +407,19 @@ class CompressedTensorsConfig(QuantizerConfig):
                 raise CheckpointError(f"{gkeys.where('weights')} must be an object")
             wkeys = _Keys(w, source, f"{prefix}config_groups.{name}.weights.")
             kind = wkeys.str("type", "int")
-            if kind != "int":
-                raise wkeys.unsupported("type", kind, "compressed-tensors", "int")
+            if kind != CT_FORMATS[fmt]:
+                raise wkeys.unsupported("type", kind, f"compressed-tensors {fmt}", CT_FORMATS[fmt])
+            if wkeys.bool("dynamic", False):
+                raise wkeys.unsupported("dynamic", True, "compressed-tensors", "false")
+            if kind == "float":
+                schemes.append(_ct_float_scheme(group, w, wkeys, gkeys, targets))
+                continue
             bits = wkeys.int("num_bits")
             if bits not in CT_BITS:
                 raise wkeys.unsupported("num_bits", bits, "compressed-tensors", "4, 8")
             strategy = wkeys.str("strategy", "tensor")
             if strategy not in ("group", "channel"):
                 raise wkeys.unsupported("strategy", strategy, "compressed-tensors", "group, channel")
-            if wkeys.bool("dynamic", False):
-                raise wkeys.unsupported("dynamic", True, "compressed-tensors", "false")
             group_size = wkeys.int("group_size") if strategy == "group" else -1
             if strategy == "group" and group_size <= 0:
                 raise CheckpointError(f"{wkeys.where('group_size')} must be positive, got {group_size}")

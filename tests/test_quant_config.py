@@ -79,8 +79,10 @@ BAD_CONFIGS = {
     "awq-3bit": ({"quant_method": "awq", "bits": 3, "group_size": 128}, QC + r"bits' = 3 is not yet supported"),
     "hqq": ({"quant_method": "hqq"}, QC + r"quant_method' = 'hqq' is not yet supported"),
     "unknown": ({"quant_method": "wizard"}, QC + r"quant_method' = 'wizard' is unknown"),
-    "ct-float-format": (ct("float-quantized"), QC + r"format' = 'float-quantized' is not yet supported"),
-    "ct-float-type": (ct(type="float"), CT_W + r"type' = 'float' is not yet supported"),
+    "ct-float-4bit": (ct("float-quantized", type="float", num_bits=4, strategy="tensor"),
+                      CT_W + r"num_bits' = 4 is not yet supported for compressed-tensors float-quantized"),
+    "ct-float-type-packed": (ct(type="float"), CT_W + r"type' = 'float' is not yet supported for compressed-tensors "
+                                                     r"pack-quantized \(supported: int\)"),
     "ct-tensor-strategy": (ct(strategy="tensor"), CT_W + r"strategy' = 'tensor' is not yet supported"),
     "ct-3bit": (ct(num_bits=3), CT_W + r"num_bits' = 3 is not yet supported"),
     "ct-frozen": (ct() | {"quantization_status": "frozen"}, QC + r"quantization_status' = 'frozen' is not yet"),
