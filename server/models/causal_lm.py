@@ -345,8 +345,8 @@ class CausalLM:
         """Runs a real prefill at the maximum size, then sizes the KV cache from what is left.
 
         Returns the number of tokens the KV cache holds (max_supported_total_tokens).
-        Kernels that keep scratch space size it first (`prepare_scratch`), so the
-        memory measured afterwards is what requests really have.
+        Kernels that keep scratch space size it first (`prepare_scratch`, which may return
+        the bytes it reserved), so the memory measured afterwards is what requests really have.
         """
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
@@ -355,12 +355,24 @@ class CausalLM:
                 f"max_total_tokens {max_total_tokens} exceeds the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}); lower --max-total-tokens"
             )
-        for module in self.model.modules():
-            prepare = getattr(module, "prepare_scratch", None)
-            if prepare is not None:
-                prepare(max_tokens=max_prefill_tokens, max_input_tokens=max_input_tokens)
-        self.kv_cache = None
+        self.kv_cache = None  # a previous warmup's cache would crowd out the scratch sized next
         self.allocator = None
+        limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
+        scratch_bytes = 0
+        try:
+            for module in self.model.modules():
+                prepare = getattr(module, "prepare_scratch", None)
+                if prepare is not None:
+                    scratch_bytes += int(prepare(max_tokens=max_prefill_tokens, max_input_tokens=max_input_tokens) or 0)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise WarmupError(
+                    f"the kernels' scratch space for {limits} does not fit in memory ({exc}); lower "
+                    "--max-batch-prefill-tokens (it sizes the split-K and dequantized-weight buffers) or "
+                    "--max-input-tokens"
+                ) from exc
+            raise
+        scratch_note = f" with {scratch_bytes / 2**20:.1f} MiB of kernel scratch reserved" if scratch_bytes else ""
         try:
             needed = 1 + sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests)
             self.allocate_kv_cache(needed)
@@ -374,8 +386,8 @@ class CausalLM:
             self.allocator = None
             if is_out_of_memory(exc):
                 raise WarmupError(
-                    f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens} does not fit in memory "
-                    f"({exc}); lower --max-batch-prefill-tokens"
+                    f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} does not fit "
+                    f"in memory ({exc}); lower --max-batch-prefill-tokens"
                 ) from exc
             raise
         self.kv_cache = None
