@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import clean_env
 from serve_client import client_stub, generate, request
 
@@ -51,3 +52,20 @@ def test_quantized_checkpoint_serves(tiny_model, tmp_path, start_serve):
     local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
     assert served.token_ids == local.token_ids
     assert len(served.token_ids) >= 1
+
+
+@pytest.mark.parametrize("method", ["fp8", "eetq", "bitsandbytes-nf4"])
+def test_quantize_on_load_serves_sharded(tiny_model, start_serve, method):
+    """`serve --quantize METHOD` on a dense checkpoint: quantized while each rank loads its
+    shard; two ranks answer with the tokens one in-process model gives."""
+    server = start_serve(tiny_model, "--quantize", method, num_shard=2)
+    server.wait_serving()
+    stub = client_stub(server)
+    served = generate(stub, request(PROMPT, max_new_tokens=NEW_TOKENS))
+    info = stub.Info(cpb.InfoRequest(), timeout=10)
+    assert info.num_shard == 2 and info.quantize, info
+
+    lm = get_model(str(tiny_model), quantize=method)
+    local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
+    assert served.token_ids == local.token_ids
+    assert list(info.kernels) == model_kernels(lm.model), list(info.kernels)
