@@ -1,21 +1,49 @@
-"""CPU quantized-linear kernels against dense matmul on Llama-7B layer shapes.
+"""Every quantized CPU kernel path against dense matmul on Llama-7B layer shapes.
 
-Prints a markdown table: the kernel `build_linear` chooses for 4-bit g128 (symmetric,
-asymmetric, act-order) and 8-bit per-channel weights, each timed against dense F.linear in
-bf16 and fp32, all in one run so the ratios share the machine's state.
+Prints one markdown table per layer shape: a row per quantized format with the kernel the
+project's own selection picks for it (`module.kernel_name`), the module's resident bytes
+against a dense bf16 weight, its output error against its own dequantized weight, and its
+time at each batch as a ratio to dense F.linear in bf16 and in fp32. Every format runs in
+the same interleaved rounds, so the ratios share the machine's state.
 
-By default every timed call reads a different copy of the weights, cycling through enough
-copies to exceed --working-set-mib (default 640, above this machine's reported 480 MiB L3):
-that is the decode regime, where a model's weights stream from DRAM once per token. --hot
-reuses one copy (cache-resident weights, the best case for dense bf16).
+Formats (--formats picks a subset; fp32 and bf16 dense always run):
+  int4-sym, int4-asym, int4-act   4-bit g128 codes through build_linear (cpu-int4pack)
+  int8                            8-bit per-channel codes through build_linear (cpu-int8)
+  marlin4, marlin8                symmetric 4/8-bit g128 with cpu-int4pack, cpu-int8 and
+                                  reference switched off by TGS_DISABLE_KERNELS for that build
+                                  only, which is how a deployment reaches marlin-layout (it
+                                  ranks after the dense reference on CPU)
+  fp8                             e4m3 weight, per-channel scales (the --quantize fp8 path)
+  nf4                             bitsandbytes nf4, blocksize 64 (the on-load path):
+                                  bnb-cpu-4bit on AVX512-BF16 CPUs, else the reference
+  eetq                            --quantize eetq: int8 per-channel through ChannelInt8Weight
+  exl2-lo, exl2-hi                EXL2 act-order weights with 32-row groups of mixed widths:
+                                  2/3/4-bit (canonical 4-bit) and 4/5/6-bit (canonical 8-bit)
 
-    python benchmarks/kernels_cpu.py                  # full run, a few minutes
-    python benchmarks/kernels_cpu.py --quick          # 4096x4096 at batch 1 and 16
+Weights are random: uniform codes for the integer formats (speed does not depend on the
+values), N(0, 0.02) dense weights quantized the way the loaders do for fp8, nf4 and eetq.
+
+By default the weights are cold: each label has enough copies that between two reads of one
+copy the interleaved calls read at least --working-set-mib (default 640, above this machine's
+reported 480 MiB L3) of other weights, counting the dense fp32 and bf16 copies alone, so every
+timed call streams its weights from DRAM, as a decode step does. --hot reuses one copy
+(cache-resident, dense bf16's best case). Kernels that dequantize every call (marlin-layout,
+fp8-dequant) run tens of times slower than dense; after 3 rounds any format 10x slower than
+bf16 leaves the rounds, so it does not starve the others of samples.
+
+    python benchmarks/kernels_cpu.py                     # 4 shapes x batch 1, 4, 16, 64
+    python benchmarks/kernels_cpu.py --quick             # 4096x4096 at batch 1 and 16
+    python benchmarks/kernels_cpu.py --formats int4-sym,marlin4,nf4 --threads 1
+
+On a machine shared with other jobs prefer --threads 1: with every core's thread in each call,
+a call waits for the scheduler to run all of them, and on a loaded 2-core VM the medians of
+every row collapse to the scheduler's time slice (about 8 ms), hiding the kernels' differences.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import math
@@ -24,21 +52,24 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import DISABLE_ENV, QuantizedWeight, build_linear, dequantize
+from text_generation_server.kernels.fp8 import Fp8Weight, dequantize_fp8
+from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
+from text_generation_server.quantizers.exl2 import Exl2Weight
+from text_generation_server.quantizers.fp8 import Fp8LinearWeight, channel_scales, quantize_e4m3
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336)]  # (in K, out N)
 BATCHES = [1, 4, 16, 64]
-VARIANTS = [
-    # label, bits, group size (None: per-channel), symmetric, act-order
-    ("int4 g128 sym", 4, 128, True, False),
-    ("int4 g128 asym", 4, 128, False, False),
-    ("int4 g128 act-order", 4, 128, False, True),
-    ("int8 per-channel sym", 8, None, True, False),
-]
+ACT = torch.bfloat16
+DENSE = ("fp32", "bf16")
+MIN_ROUNDS = 3  # every label is timed at least this often
+SLOW_FACTOR = 10.0  # after MIN_ROUNDS, labels this many times slower than bf16 dense stop being timed
 
 
 def cpu_model() -> str:
@@ -52,10 +83,29 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+@contextlib.contextmanager
+def kernels_disabled(names: list[str]) -> Iterator[None]:
+    """TGS_DISABLE_KERNELS extended by `names` while building one module, then restored."""
+    old = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = ",".join(filter(None, [old, *names]))
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[DISABLE_ENV]
+        else:
+            os.environ[DISABLE_ENV] = old
+
+
+def layer(k: int, n: int) -> str:
+    return f"bench {k}x{n}"
+
+
+# -- weights, built the way each format's loader builds them ----------------------------------
 def random_weight(k: int, n: int, bits: int, group_size: int | None, sym: bool, act_order: bool) -> QuantizedWeight:
     gs = group_size or k
     groups = math.ceil(k / gs)
-    gen = torch.Generator().manual_seed(k * 31 + n)
+    gen = torch.Generator().manual_seed(k * 31 + n + bits)
     q = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=gen)
     scales = torch.rand(groups, n, generator=gen) * 0.01 + 0.001
     zeros = None if sym else torch.randint(0, 2**bits, (groups, n), generator=gen).float()
@@ -65,11 +115,123 @@ def random_weight(k: int, n: int, bits: int, group_size: int | None, sym: bool, 
     return QuantizedWeight(q, scales, zeros, g_idx, bits, gs)
 
 
-def module_bytes(m: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+def dense_weight(k: int, n: int) -> torch.Tensor:
+    """float32 [N, K] ~ N(0, 0.02), like a Llama projection."""
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)) * 0.02
+
+
+def int_format(bits: int, group_size: int | None, sym: bool, act_order: bool,
+               disable: tuple[str, ...] = ()) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+    def build(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+        w = random_weight(k, n, bits, group_size, sym, act_order)
+        with kernels_disabled(list(disable)):
+            module = build_linear(w, None, ACT, "cpu", layer=layer(k, n))
+        return module, dequantize(w)
+    return build
+
+
+def fp8_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    dense = dense_weight(k, n)
+    scales = channel_scales(dense)  # [N, 1], as Fp8OnLoadLoader quantizes
+    fp8 = Fp8Weight(weight=quantize_e4m3(dense, scales), scale=scales.contiguous(),
+                    row_block=torch.arange(n, dtype=torch.int32), col_block=torch.zeros(k, dtype=torch.int32),
+                    activation="dynamic-token")
+    return Fp8LinearWeight(fp8, "bench", layer(k, n), ACT, "cpu").get_linear(None), dequantize_fp8(fp8)
+
+
+def nf4_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from text_generation_server.quantizers.bitsandbytes import ON_LOAD_BLOCKSIZE, Bnb4bitWeight, bnb_functional
+
+    dense = dense_weight(k, n)
+    packed, state = bnb_functional().quantize_4bit(dense.contiguous(), blocksize=ON_LOAD_BLOCKSIZE,
+                                                   quant_type="nf4", compress_statistics=False)
+    w = Bnb4bitWeight(packed=packed.reshape(-1).contiguous(), absmax=state.absmax.float().contiguous(), rows=n,
+                      cols=k, quant_type="nf4", blocksize=ON_LOAD_BLOCKSIZE, prefix="bench", layer=layer(k, n),
+                      act_dtype=ACT, device_type="cpu")
+    return w.get_linear(None), w.dequantize()
+
+
+def eetq_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    dense = dense_weight(k, n)
+    q, scales = quantize_rows(dense, dense.abs().amax(dim=1))
+    w = ChannelInt8Weight(qweight=q, scales=scales, prefix="bench", layer=layer(k, n), act_dtype=ACT,
+                          device_type="cpu")
+    return w.get_linear(None), w.dequantize()
+
+
+def exl2_format(widths: tuple[int, ...], rows: int = 32) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+    """EXL2 weight with `rows`-row groups cycling through `widths`, rows in a random act-order."""
+    def build(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+        gen = torch.Generator().manual_seed(k * 7 + n + sum(widths))
+        groups = -(-k // rows)
+        group_widths = torch.tensor([widths[g % len(widths)] for g in range(groups)], dtype=torch.int32)
+        g_stored = torch.arange(k, dtype=torch.int32) // rows  # group of each stored row
+        half = (1 << (group_widths[g_stored.long()] - 1)).view(k, 1)  # 2^(b-1) per stored row
+        codes = (torch.rand(k, n, generator=gen) * 2 * half).floor().sub(half).to(torch.int8)  # [-2^(b-1), 2^(b-1))
+        order = torch.randperm(k, generator=gen)  # stored row j is original row order[j]
+        g_idx = torch.empty_like(g_stored)
+        g_idx[order] = g_stored
+        original = torch.empty_like(codes)
+        original[order] = codes
+        scales = torch.rand(groups, n, generator=gen) * 0.002 + 0.0005
+        w = Exl2Weight(codes=original, scales=scales, g_idx=g_idx, widths=group_widths, prefix="bench",
+                       layer=layer(k, n), act_dtype=ACT, device_type="cpu")
+        canonical = w.to_quantized()
+        return w.get_linear(None), dequantize(canonical)
+    return build
+
+
+@dataclass(frozen=True)
+class Format:
+    key: str
+    label: str
+    build: Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]  # (K, N) -> (module, fp32 [N, K] truth)
+
+
+FORMATS = [
+    Format("int4-sym", "int4 g128 sym", int_format(4, 128, True, False)),
+    Format("int4-asym", "int4 g128 asym", int_format(4, 128, False, False)),
+    Format("int4-act", "int4 g128 act-order", int_format(4, 128, False, True)),
+    Format("int8", "int8 per-channel", int_format(8, None, True, False)),
+    Format("marlin4", "marlin 4-bit g128 sym*", int_format(4, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
+    Format("marlin8", "marlin 8-bit g128 sym*", int_format(8, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
+    Format("fp8", "fp8 e4m3 per-channel", fp8_format),
+    Format("nf4", "bnb nf4 b64", nf4_format),
+    Format("eetq", "eetq int8 per-channel", eetq_format),
+    Format("exl2-lo", "exl2 2/3/4-bit g32 act", exl2_format((2, 3, 4, 4))),
+    Format("exl2-hi", "exl2 4/5/6-bit g32 act", exl2_format((4, 5, 6, 5))),
+]
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every tensor the module keeps: parameters, buffers, and tensors held in plain
+    attributes or state objects (bitsandbytes keeps absmax in a QuantState, not a buffer)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(value: object, depth: int) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.numel())
+            if key not in seen:
+                seen.add(key)
+                total += value.numel() * value.element_size()
+        elif depth < 2 and not isinstance(value, (torch.nn.Module, type)) and hasattr(value, "__dict__"):
+            for v in vars(value).values():
+                add(v, depth + 1)
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        add(t, 0)
+    for m in module.modules():
+        for v in vars(m).values():
+            add(v, 0)
+    return total
 
 
 class Dense(torch.nn.Module):
+    kernel_name = "F.linear"
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight)
@@ -78,41 +240,126 @@ class Dense(torch.nn.Module):
         return F.linear(x, self.weight)
 
 
-def with_copies(module: torch.nn.Module, working_set: int) -> list[torch.nn.Module]:
-    """The module and enough deep copies that cycling through them reads working_set bytes."""
-    count = max(1, math.ceil(working_set / module_bytes(module)))
-    return [module] + [copy.deepcopy(module) for _ in range(count - 1)]
+def relative_error(module: torch.nn.Module, truth: torch.Tensor, x: torch.Tensor) -> float:
+    """max |y - y_ref| / max |y_ref| against the module's own dequantized weight, both from bf16 x."""
+    with torch.inference_mode():
+        y = module(x.to(ACT)).float()
+        ref = F.linear(x.to(ACT).float(), truth)
+    return float((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
 
 def time_interleaved(copies: dict[str, list[torch.nn.Module]], inputs: dict[str, torch.Tensor], budget_s: float,
-                     max_rounds: int) -> dict[str, tuple[float, float]]:
-    """(median, min) seconds per call for each label. Rounds call every label once, each on its
-    next copy, so a change in machine load hits all labels alike; at least 3 rounds."""
+                     max_rounds: int, keep: tuple[str, ...] = DENSE) -> dict[str, list[float]]:
+    """Seconds per call for each label. Rounds call every label once, each on its next copy, so a
+    change in machine load hits all labels alike. After MIN_ROUNDS rounds, labels whose median is
+    SLOW_FACTOR times bf16's leave the rounds (a few samples say enough about a kernel that slow,
+    and they would starve the others of rounds); then rounds go on for `budget_s` or `max_rounds`."""
     times: dict[str, list[float]] = {label: [] for label in copies}
+    active = list(copies)
     with torch.inference_mode():
         for label, mods in copies.items():
             for m in mods[:2]:
                 m(inputs[label])  # warm up code paths and the allocator
-        start = time.perf_counter()
-        rounds = 0
-        while rounds < max_rounds and (rounds < 3 or time.perf_counter() - start < budget_s):
-            for label, mods in copies.items():
-                m, x = mods[rounds % len(mods)], inputs[label]
+        rounds, start = 0, math.inf
+        while rounds < max_rounds and (rounds < MIN_ROUNDS or time.perf_counter() - start < budget_s):
+            for label in active:
+                m, x = copies[label][rounds % len(copies[label])], inputs[label]
                 t0 = time.perf_counter()
                 m(x)
                 times[label].append(time.perf_counter() - t0)
             rounds += 1
-    return {label: (statistics.median(t), min(t)) for label, t in times.items()}
+            if rounds == MIN_ROUNDS:
+                bar = SLOW_FACTOR * statistics.median(times["bf16"])
+                active = [lbl for lbl in active if lbl in keep or statistics.median(times[lbl]) < bar]
+                start = time.perf_counter()
+    return times
+
+
+@dataclass
+class ShapeResult:
+    k: int
+    n: int
+    copies: int
+    kernels: dict[str, str]
+    nbytes: dict[str, int]
+    errors: dict[str, float]
+    times: dict[int, dict[str, list[float]]]  # batch -> label -> seconds per call
+
+
+def run_shape(k: int, n: int, formats: list[Format], batches: list[int], working_set: int, budget: float,
+              reps: int) -> ShapeResult:
+    modules: dict[str, torch.nn.Module] = {}
+    errors: dict[str, float] = {}
+    probe = torch.randn(4, k, generator=torch.Generator().manual_seed(k))
+    dense = dense_weight(k, n)
+    modules["fp32"], modules["bf16"] = Dense(dense), Dense(dense.to(torch.bfloat16))
+    del dense
+    for fmt in formats:
+        t0 = time.perf_counter()
+        module, truth = fmt.build(k, n)
+        errors[fmt.key] = relative_error(module, truth, probe)
+        del truth
+        modules[fmt.key] = module
+        print(f"{k}x{n} {fmt.key}: {module.kernel_name}, built in {time.perf_counter() - t0:.1f} s", flush=True)
+    nbytes = {label: resident_bytes(m) for label, m in modules.items()}
+    # Every round reads each label's next copy, so a copy is read again `count` rounds later,
+    # after at least count * (dense bytes) of other weights: the dense labels never leave the
+    # rounds (slow quantized ones may), so only their bytes are counted on.
+    round_bytes = sum(nbytes[label] for label in DENSE)
+    count = 1 if working_set == 0 else max(2, math.ceil(working_set / round_bytes))
+    copies = {label: [m] + [copy.deepcopy(m) for _ in range(count - 1)] for label, m in modules.items()}
+    kernels = {label: m.kernel_name for label, m in modules.items()}
+    del modules
+    times: dict[int, dict[str, list[float]]] = {}
+    for m in batches:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        inputs = {label: x if label == "fp32" else x.to(ACT) for label in copies}
+        times[m] = time_interleaved(copies, inputs, budget * (2 if m == 1 else 1), reps)
+        print(f"{k}x{n} batch {m}: " + ", ".join(f"{lbl} {1e3 * statistics.median(t):.2f} ms ({len(t)})"
+                                                 for lbl, t in times[m].items()), flush=True)
+    return ShapeResult(k, n, count, kernels, nbytes, errors, times)
+
+
+# -- report ------------------------------------------------------------------------------------
+def print_table(res: ShapeResult, formats: list[Format], stat: Callable[[list[float]], float]) -> None:
+    batches = list(res.times)
+    head = ["format", "kernel", "MiB (vs bf16)", "rel. err"] + [f"batch {m} ms (vs bf16 / vs fp32)" for m in batches]
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|---:|---:|" + "---:|" * len(batches))
+    rows = [(lbl, f"{lbl} dense") for lbl in DENSE] + [(f.key, f.label) for f in formats]
+    for key, label in rows:
+        mib = res.nbytes[key] / 2**20
+        err = f"{res.errors[key]:.1e}" if key in res.errors else "-"
+        cells = [label, res.kernels[key], f"{mib:.1f} ({res.nbytes[key] / res.nbytes['bf16']:.2f}x)", err]
+        for m in batches:
+            t = {lbl: 1e3 * stat(v) for lbl, v in res.times[m].items()}
+            cells.append(f"{t[key]:.2f} ({t['bf16'] / t[key]:.2f}x / {t['fp32'] / t[key]:.2f}x)")
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
+def parse_formats(spec: str) -> list[Format]:
+    by_key = {f.key: f for f in FORMATS}
+    if spec == "all":
+        return list(FORMATS)
+    keys = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in keys if s not in by_key]
+    if unknown or not keys:
+        raise SystemExit(f"--formats: unknown {', '.join(unknown) or '(empty)'}; choose from "
+                         f"{', '.join(by_key)} or 'all'")
+    return [by_key[s] for s in keys]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN list (in x out)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--formats", default="all", help="comma list of " + ", ".join(f.key for f in FORMATS))
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--budget", type=float, default=3.0, help="seconds of timing per shape and batch (doubled at batch 1)")
-    ap.add_argument("--reps", type=int, default=25, help="at most this many rounds (one call per kernel each)")
-    ap.add_argument("--working-set-mib", type=int, default=640)
+    ap.add_argument("--budget", type=float, default=3.0, help="seconds of timing per shape and batch after the first 3 rounds (doubled at batch 1)")
+    ap.add_argument("--reps", type=int, default=25, help="at most this many rounds (one call per format each)")
+    ap.add_argument("--working-set-mib", type=int, default=640,
+                    help="weights read between two reads of one copy (cold weights)")
     ap.add_argument("--hot", action="store_true", help="reuse one copy of the weights (cache-resident)")
     ap.add_argument("--quick", action="store_true", help="4096x4096, batch 1 and 16")
     args = ap.parse_args()
@@ -120,55 +367,36 @@ def main() -> None:
         args.shapes, args.batches = "4096x4096", "1,16"
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    formats = parse_formats(args.formats)
     torch.set_num_threads(args.threads)
     working_set = 0 if args.hot else args.working_set_mib << 20
 
     started = time.time()
-    rows = []
-    kernels: dict[str, str] = {}
-    for k, n in shapes:
-        copies: dict[str, list[torch.nn.Module]] = {}
-        dense = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)) * 0.02
-        copies["fp32"] = with_copies(Dense(dense), working_set)
-        copies["bf16"] = with_copies(Dense(dense.to(torch.bfloat16)), working_set)
-        del dense
-        for label, bits, gs, sym, act in VARIANTS:
-            module = build_linear(random_weight(k, n, bits, gs, sym, act), None, torch.bfloat16, "cpu",
-                                  layer=f"bench {k}x{n}")
-            kernels[label] = module.kernel_name
-            copies[label] = with_copies(module, working_set)
-        for m in batches:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            inputs = {label: x if label == "fp32" else x.to(torch.bfloat16) for label in copies}
-            res = time_interleaved(copies, inputs, args.budget * (2 if m == 1 else 1), args.reps)
-            ms = {label: 1e3 * r[0] for label, r in res.items()}
-            best = {label: 1e3 * r[1] for label, r in res.items()}
-            rows.append((k, n, m, ms, best))
-            print(f"{k}x{n} batch {m}: " + ", ".join(f"{lbl} {t:.2f} ms" for lbl, t in ms.items()), flush=True)
-        del copies
+    results = [run_shape(k, n, formats, batches, working_set, args.budget, args.reps) for k, n in shapes]
 
-    labels = [v[0] for v in VARIANTS]
     print()
     print(f"Command: `{' '.join(['python benchmarks/kernels_cpu.py'] + sys.argv[1:])}`")
-    print(f"Machine: {cpu_model()}, {torch.get_num_threads()} threads ({torch.get_num_threads()} of "
-          f"{os.cpu_count()} cores); torch {torch.__version__}; "
-          f"{datetime.date.today().isoformat()}; weights {'cache-resident (--hot)' if args.hot else f'cycled over {args.working_set_mib} MiB (DRAM-streaming)'}; "
-          f"median of up to {args.reps} interleaved rounds; run took {time.time() - started:.0f} s.")
-    print("Kernels chosen (bf16 activations): " + "; ".join(f"{lbl} -> {kernels[lbl]}" for lbl in labels))
+    regime = ("cache-resident (--hot)" if args.hot else
+              f"cold: >= {args.working_set_mib} MiB of weights read between two reads of one copy "
+              f"({', '.join(f'{r.k}x{r.n}: {r.copies} copies' for r in results)})")
+    threads = torch.get_num_threads()
+    print(f"Machine: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''} ({os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}); torch {torch.__version__}; {datetime.date.today().isoformat()}; "
+          f"weights {regime}; bf16 activations; up to {args.reps} interleaved rounds (formats over "
+          f"{SLOW_FACTOR:g}x slower than bf16 dense: {MIN_ROUNDS}); "
+          f"run took {time.time() - started:.0f} s.")
+    print("Speed-up = dense time / this time (higher is better). MiB: resident bytes of the module. "
+          "rel. err: max |y - y_ref| / max |y_ref| at batch 4 against the format's own dequantized weight.")
+    if any(f.key.startswith("marlin") for f in formats):
+        print(f"* built with {DISABLE_ENV}=cpu-int4pack,cpu-int8,reference (marlin-layout ranks after the dense "
+              "reference on CPU; a Marlin checkpoint otherwise runs on cpu-int4pack or the reference).")
     print()
-    for stat, idx in (("median", 3), ("minimum", 4)):
-        print(f"{stat.capitalize()} times in ms; speed-up = dense time / kernel time (higher is better).")
-        print()
-        head = ["K x N", "batch", "fp32", "bf16"] + [f"{lbl} (vs bf16 / vs fp32)" for lbl in labels]
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for row in rows:
-            k, n, m, t = row[0], row[1], row[2], row[idx]
-            cells = [f"{k} x {n}", str(m), f"{t['fp32']:.2f}", f"{t['bf16']:.2f}"]
-            for lbl in labels:
-                cells.append(f"{t[lbl]:.2f} ({t['bf16'] / t[lbl]:.2f}x / {t['fp32'] / t[lbl]:.2f}x)")
-            print("| " + " | ".join(cells) + " |")
-        print()
+    for stat, name in ((statistics.median, "Median"), (min, "Minimum")):
+        for res in results:
+            print(f"{name} times, K x N = {res.k} x {res.n}:")
+            print()
+            print_table(res, formats, stat)
+
 
 if __name__ == "__main__":
     main()

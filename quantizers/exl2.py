@@ -17,8 +17,10 @@ every group: q' = q - 2^(b-1) + 2^(B-1) in [0, 2^B), zero point 2^(B-1) (no zero
 That is exact for any B >= the widest group, and kernels see a plain symmetric B-bit weight
 with act-order g_idx. B is 4 when no group is wider than 4 bits and 8 otherwise: those are
 the widths the compact kernels run (cpu-int4pack takes 2- and 3-bit codes only as a subset
-of 4-bit ones; 5- and 6-bit codes have no kernel of their own), so a 5- or 6-bit layer still
-stays 8 bits per weight in memory instead of falling back to a dense reference copy.
+of 4-bit ones; 5- and 6-bit codes have no kernel of their own). A layer with 5- to 8-bit
+groups runs as 8-bit codes: on CUDA the Triton kernel keeps them packed; on CPU, where
+torch's int8 op takes only per-channel scales, it lands on the dense reference (speed
+first) or, with `reference` disabled, on marlin-layout (8 bits per weight).
 Per-group zero points at each group's own 2^(b-1) would be exact too, but cost a [G, N]
 zeros tensor and the asymmetric kernel path for nothing.
 
@@ -43,7 +45,7 @@ import torch
 
 from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import QuantizedWeight, build_linear
-from text_generation_server.quantizers.config import QuantizerConfig, _Keys
+from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
 from text_generation_server.weights import CheckpointError, DefaultWeightsLoader, Weights, WeightsLoader
 
@@ -74,7 +76,7 @@ class Exl2Config(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "Exl2Config":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         bits = data.get("bits")
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits <= 0):
             raise CheckpointError(f"{keys.where('bits')} must be a positive number (average bits per weight), "
