@@ -31,6 +31,7 @@ import torch
 from text_generation_server.kernels import triton_gemm as tg
 from text_generation_server.kernels.base import QuantizedWeight
 from text_generation_server.kernels.scratch import SCRATCH
+from text_generation_server.kernels.tinygemm import TinyGemmKernel
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # (in K, out N)
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -116,8 +117,8 @@ def bench_shape(k: int, n: int, batches: list[int], args: argparse.Namespace, ti
     if not ok:
         raise SystemExit(f"triton-gemm cannot run {k}x{n}: {why}")
     triton_mod = tg.TritonGemmKernel.build(w, None, torch.float16)
-    ok, tiny_why = tg.TinyGemmKernel.can_implement(w.spec(torch.bfloat16, "cuda"))
-    tiny_mod = tg.TinyGemmKernel.build(w, None, torch.bfloat16) if ok else None
+    ok, tiny_why = TinyGemmKernel.can_implement(w.spec(torch.bfloat16, "cuda"))
+    tiny_mod = TinyGemmKernel.build(w, None, torch.bfloat16) if ok else None
     if not ok:
         tiny_skipped.add(f"{k}x{n}: {tiny_why}")
     del w

@@ -6,6 +6,7 @@ every spec through can_implement, with the reason, rather than failing the impor
 """
 
 from text_generation_server.kernels import triton_gemm  # noqa: F401  (CUDA first choice: fused Triton)
+from text_generation_server.kernels import tinygemm  # noqa: F401  (CUDA: torch's int4 matmul, bf16 only)
 from text_generation_server.kernels import cpu  # noqa: F401
 from text_generation_server.kernels.base import ReferenceKernel, register
 

@@ -1,4 +1,4 @@
-"""CUDA kernels for integer-quantized linears: a fused Triton dequantize+GEMM, and torch's tinygemm.
+"""triton-gemm: a fused Triton dequantize+GEMM for integer-quantized linears on CUDA.
 
 triton-gemm runs every canonical `QuantizedWeight` (2 to 8 bits, any group size, symmetric or
 not, act-order), repacked once at build:
@@ -42,10 +42,8 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
-from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
-from text_generation_server.kernels.cpu import int4_group_size
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
 
 try:
@@ -87,7 +85,8 @@ def _cuda_capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability())
 
 
-def _layer_reason(spec: LinearSpec) -> str:
+def layer_reason(spec: LinearSpec) -> str:
+    """Why a layer is not one for a CUDA integer kernel ("" when it is); tinygemm shares it."""
     if spec.weight_format != "int":
         return f"runs integer codes, not {spec.weight_format} weights"
     if spec.device_type != "cuda":
@@ -95,8 +94,12 @@ def _layer_reason(spec: LinearSpec) -> str:
     return ""
 
 
-def _machine_reason() -> str:
-    """Why this machine's GPU cannot run the kernels of this module ("" when it can)."""
+def machine_reason() -> str:
+    """Why this machine's GPU cannot run triton-gemm ("" when it can).
+
+    tinygemm shares it: torch's int4 matmul (aten/src/ATen/native/cuda/int4mm.cu) runs sm80+
+    bfloat16 tensor-core tiles, and is not validated on ROCm here either.
+    """
     cap = _cuda_capability()
     if cap is None:
         return "no CUDA device"
@@ -586,7 +589,7 @@ class TritonGemmKernel(QuantKernel):
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
         # Every bit width (2..8), group size, zero point and order runs (see repack): only the
         # activation dtype can disqualify a layer.
-        reason = _layer_reason(spec) or triton_missing() or _machine_reason() or cls._dtype_reason(spec.act_dtype)
+        reason = layer_reason(spec) or triton_missing() or machine_reason() or cls._dtype_reason(spec.act_dtype)
         return (not reason), reason
 
     @staticmethod
@@ -606,124 +609,4 @@ class TritonGemmKernel(QuantKernel):
         return TritonGemmLinear(gw, None if bias is None else bias.to(act_dtype).contiguous(), act_dtype)
 
 
-# -- tinygemm ----------------------------------------------------------------------------------
-
-def _tinygemm_reason(spec: LinearSpec) -> str:
-    if spec.act_dtype != torch.bfloat16:
-        return f"needs bfloat16 activations, got {spec.act_dtype}"
-    if spec.bits > 4:
-        return f"needs at most 4-bit codes, got {spec.bits}-bit"
-    if int4_group_size(spec) is None:
-        if spec.in_features % 32:
-            return f"in_features {spec.in_features} not a multiple of 32 (padding K would copy every input)"
-        return f"groups of {spec.rows_per_group_gcd()} rows do not tile into 32, 64, 128 or 256"
-    return ""
-
-
-def _torch_reason() -> str:
-    if not (hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack")):
-        return "this torch has no _weight_int4pack_mm"
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
-        return "needs torch 2.5+ (uint8 input to _convert_weight_to_int4pack)"
-    return ""
-
-
-def tinygemm_layout(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
-    """(codes uint8 [Np, K/2], scales_and_zeros bf16 [K/g, Np, 2], g, perm) for torch's tinygemm.
-
-    The op dequantizes w = (q - 8) * scale + zero with the even-k code in a byte's high nibble
-    (aten/src/ATen/native/cuda/int4mm.cu), so zero = (8 - z) * scale. N pads to a multiple of 8.
-    """
-    spec = weight.spec(torch.bfloat16, "cuda")
-    gs = int4_group_size(spec)
-    if gs is None or weight.bits > 4:
-        raise ValueError(f"tinygemm cannot run this weight: {_tinygemm_reason(spec)}")
-    k, n = weight.in_features, weight.out_features
-    g_idx = weight.g_idx.long()
-    perm = torch.argsort(g_idx, stable=True)
-    sub = g_idx[perm].view(k // gs, gs)
-    if not torch.equal(sub, sub[:, :1].expand_as(sub)):
-        raise ValueError(f"tinygemm: groups do not tile into {gs}-row blocks after sorting by g_idx")
-    src = sub[:, 0]
-    identity = torch.equal(perm, torch.arange(k, device=perm.device))
-    codes = (weight.qweight if identity else weight.qweight.index_select(0, perm)).t()  # [N, K]
-    np_ = _cdiv(n, 8) * 8
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, np_ - n))
-    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    scales = weight.scales.float().index_select(0, src)
-    zeros = weight.zero_points().float().index_select(0, src)
-    sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1)
-    sz = torch.nn.functional.pad(sz, (0, 0, 0, np_ - n)).to(torch.bfloat16).contiguous()
-    return packed.contiguous(), sz, gs, None if identity else perm
-
-
-class TinyGemmLinear(torch.nn.Module):
-    # x: [..., K] bf16 -> [..., N] bf16
-    kernel_name = "tinygemm"
-
-    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, group_size: int, perm: torch.Tensor | None,
-                 bias: torch.Tensor | None, in_features: int, out_features: int, scratch: ScratchSpace | None = None):
-        super().__init__()
-        self.register_buffer("packed", packed)  # int32, the op's tensor-core layout
-        self.register_buffer("scales_and_zeros", sz)
-        self.register_buffer("perm", perm)
-        self.register_buffer("bias", bias)
-        self.group_size = group_size
-        self.in_features = in_features
-        self.out_features = out_features
-        self.scratch_device = packed.device
-        self.scratch = SCRATCH if scratch is None else scratch
-        self.scratch.register(self)
-
-    def scratch_needs(self, max_tokens: int, max_input_tokens: int) -> dict[str, int]:
-        """Act-order permutes the input: one bf16 [tokens, K] buffer for the largest forward."""
-        return {"act_order_input": 0 if self.perm is None else max_tokens * self.in_features * 2}
-
-    def prepare_scratch(self, max_tokens: int, max_input_tokens: int) -> int:
-        return self.scratch.prepare(max_tokens, max_input_tokens)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"{self.kernel_name}: input dtype {x.dtype}, needs torch.bfloat16")
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features)
-        m = x.shape[0]
-        if m == 0:
-            return x.new_empty(*lead, self.out_features)
-        if self.perm is not None:
-            buf = self.scratch.get("act_order_input", self.scratch_device, m * self.in_features * 2)
-            x = torch.index_select(x, 1, self.perm, out=typed_view(buf, torch.bfloat16, (m, self.in_features)))
-        else:
-            x = x.contiguous()
-        y = torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
-        y = y[:, :self.out_features]
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.reshape(*lead, self.out_features)
-
-
-class TinyGemmKernel(QuantKernel):
-    """torch._weight_int4pack_mm (gpt-fast's tinygemm): bf16 activations, 4-bit, groups of 32..256."""
-
-    name = "tinygemm"
-
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        reason = _layer_reason(spec) or _torch_reason() or _machine_reason() or _tinygemm_reason(spec)
-        return (not reason), reason
-
-    @classmethod
-    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
-        if act_dtype != torch.bfloat16:
-            raise ValueError(f"{cls.name} cannot run this weight: needs bfloat16 activations, got {act_dtype}")
-        codes, sz, gs, perm = tinygemm_layout(weight)
-        k = weight.in_features
-        inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
-        packed = torch._convert_weight_to_int4pack(codes, inner_k_tiles)
-        logger.debug("tinygemm: K={} N={} group {} inner_k_tiles {}", k, weight.out_features, gs, inner_k_tiles)
-        return TinyGemmLinear(packed, sz, gs, perm, None if bias is None else bias.to(torch.bfloat16),
-                              k, weight.out_features)
-
-
 register("cuda", TritonGemmKernel)
-register("cuda", TinyGemmKernel)

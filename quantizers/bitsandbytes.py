@@ -60,7 +60,7 @@ from text_generation_server.kernels.base import (
     ReferenceLinear,
     disabled_kernels,
 )
-from text_generation_server.quantizers.config import QuantizerConfig, _Keys
+from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.eetq import (
     ChannelInt8Weight,
     Int8OnLoadLoader,
@@ -131,6 +131,7 @@ class BnbConfig(QuantizerConfig):
 
     @property
     def flag(self) -> str:
+        """bitsandbytes (int8), bitsandbytes-nf4 or bitsandbytes-fp4: the method alone hides the kind."""
         return next(f for f, k in FLAGS.items() if k == self.kind)
 
     def describe(self) -> str:
@@ -151,7 +152,7 @@ class BnbConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "BnbConfig":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         in4 = keys.bool("load_in_4bit", False) or keys.bool("_load_in_4bit", False)
         in8 = keys.bool("load_in_8bit", False) or keys.bool("_load_in_8bit", False)
         if in4 == in8:
@@ -446,7 +447,7 @@ class _Checkpoint4bit(_Source4bit):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(f"{where} is not a bitsandbytes quant_state: {exc}") from exc
-        keys = _Keys(data, where)
+        keys = Keys(data, where)
         self.quant_type = keys.str("quant_type")
         if self.quant_type != config.kind:
             raise CheckpointError(f"{keys.where('quant_type')} = {self.quant_type!r} disagrees with the tensor name "
@@ -465,16 +466,16 @@ class _Checkpoint4bit(_Source4bit):
         self.absmax = self._read_absmax(weights, keys)
         self._check_quant_map(weights)
 
-    def _check_packed(self, weights: Weights, nbytes: int, keys: _Keys) -> None:
+    def _check_packed(self, weights: Weights, nbytes: int, keys: Keys) -> None:
         shape = weights.get_shape(self.name)
-        first = weights.source.get_slice(self.name)[0:1]
+        first = weights.get_slice(self.name, slice(0, 1))  # its dtype: uint8, or a bnb_4bit_quant_storage type
         self.storage = first.dtype
         have = int(torch.Size(shape).numel()) * first.element_size()
         if have != nbytes:
             raise CheckpointError(f"tensor '{self.name}' ({first.dtype} {shape}, in {self.files}) holds {have} bytes, "
                                   f"but {keys.where('shape')} [{self.n}, {self.k}] needs {nbytes} (two codes per byte)")
 
-    def _read_absmax(self, weights: Weights, keys: _Keys) -> torch.Tensor:
+    def _read_absmax(self, weights: Weights, keys: Keys) -> torch.Tensor:
         name = f"{self.name}.absmax"
         if not weights.has_tensor(name):
             raise CheckpointError(f"tensor '{name}' not found (in {self.files}): every 4-bit bitsandbytes weight "
@@ -520,11 +521,15 @@ class _Checkpoint4bit(_Source4bit):
                                       "table; custom 4-bit tables are not supported")
 
     def _bytes(self, weights: Weights, start: int, stop: int) -> torch.Tensor:
-        slice_ = weights.source.get_slice(self.name)
-        shape = slice_.get_shape()
-        if self.storage == torch.uint8 and (len(shape) == 1 or shape[1:] == [1]):
-            return slice_[start:stop].reshape(-1).to(weights.device)
-        return slice_[:].reshape(-1).view(torch.uint8)[start:stop].to(weights.device)
+        """Bytes [start, stop) of the flattened packed weight: from a flat tensor ([M] or [M, 1], as
+        bitsandbytes stores it) only the elements holding them are read, whatever the storage dtype."""
+        shape = weights.get_shape(self.name)
+        if len(shape) == 1 or shape[1:] == [1]:
+            size = torch.empty((), dtype=self.storage).element_size()
+            first, last = start // size, -(-stop // size)
+            window = weights.get_slice(self.name, slice(first, last)).reshape(-1).view(torch.uint8)
+            return window[start - first * size:stop - first * size]
+        return weights.get_tensor(self.name, to_dtype=False).reshape(-1).view(torch.uint8)[start:stop]
 
     def _dequant_rows(self, weights: Weights, r0: int, r1: int) -> torch.Tensor:
         e0, e1 = r0 * self.k, r1 * self.k
@@ -679,8 +684,7 @@ class BnbInt8Loader(WeightsLoader):
                                   "bitsandbytes weight stores its row scales there")
         fmt = f"{prefix}.weight_format"
         if weights.has_tensor(fmt):
-            # A 0-dim tensor, which Weights.get_tensor's `[:]` cannot read: `[...]` reads any rank.
-            value = weights.source.get_slice(fmt)[...].reshape(-1)
+            value = weights.get_tensor(fmt, to_dtype=False).reshape(-1)  # stored 0-dim
             if value.numel() != 1 or int(value[0]) != 0:
                 raise CheckpointError(f"tensor '{fmt}' = {value.tolist()} (in {weights.files_of(fmt)}) is not yet "
                                       "supported (supported: 0, row-major)")

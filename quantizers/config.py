@@ -30,8 +30,12 @@ CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json")
 LEGACY_GPTQ_TENSORS = ("gptq_bits", "gptq_groupsize", "gptq_sym")
 
 
-class _Keys:
-    """Typed reads from one config dict, with errors that name the file and the key."""
+class Keys:
+    """Typed reads from one config dict, with errors that name the file and the key.
+
+    Every method's `from_config` (here and in the format modules) reads through it, so
+    all of them report a missing, mistyped or unsupported key the same way.
+    """
 
     def __init__(self, data: dict, source: str, prefix: str = ""):
         self.data = data
@@ -116,11 +120,29 @@ class QuantizerConfig:
     # Methods that can also quantize a dense checkpoint while loading it (`--quantize fp8`).
     on_load: ClassVar[bool] = False
 
+    @property
+    def flag(self) -> str:
+        """The `--quantize` value naming this kind of quantization; what a loaded model reports.
+
+        The method, except where one method has several kinds that flags tell apart
+        (bitsandbytes int8 / nf4 / fp4), so a report says which one is running.
+        """
+        return self.method
+
     def describe(self) -> str:
         return self.method
 
     def check_tensors(self, weights: Weights) -> None:
         """Cross-checks the config against parameters some checkpoints also store as tensors."""
+
+    def accepts_flag(self, method: str) -> bool:
+        """Whether `--quantize` naming another config type's method still describes this checkpoint.
+
+        `method` is the normalised flag (`method_of_flag`). False by default: a flag of another
+        type disagrees with the checkpoint. A config says yes where its checkpoint is also,
+        truthfully, of that method (a GPTQ checkpoint in Marlin layout says quant_method gptq).
+        """
+        return False
 
     def check_flag(self, flag: str) -> None:
         """Raises CheckpointError when `--quantize flag` (same config type) contradicts the checkpoint.
@@ -177,7 +199,7 @@ class GPTQConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "GPTQConfig":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         bits = keys.int("bits")
         if bits not in GPTQ_BITS:
             raise keys.unsupported("bits", bits, "gptq", ", ".join(map(str, GPTQ_BITS)))
@@ -253,7 +275,7 @@ class AWQConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "AWQConfig":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         bits = keys.int("bits", aliases=("w_bit",))
         if bits != 4:
             raise keys.unsupported("w_bit" if keys.has("w_bit") else "bits", bits, "awq", "4")
@@ -299,7 +321,7 @@ CT_BITS = (4, 8)
 CT_FORMATS = {"pack-quantized": "int", "float-quantized": "float"}
 
 
-def _block_structure(value: Any, keys: _Keys) -> tuple[int, int]:
+def _block_structure(value: Any, keys: Keys) -> tuple[int, int]:
     """block_structure as compressed-tensors writes it: [rows, columns] (older releases: "RxC")."""
     if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
         value = [int(v) for v in value.split("x")]
@@ -310,13 +332,13 @@ def _block_structure(value: Any, keys: _Keys) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _ct_activations(acts: Any, keys: _Keys) -> str | None:
+def _ct_activations(acts: Any, keys: Keys) -> str | None:
     """The fp8 activation scheme of a float-quantized group's input_activations."""
     if acts is None:
         return None
     if not isinstance(acts, dict):
         raise CheckpointError(f"{keys.where('input_activations')} must be an object or null")
-    akeys = _Keys(acts, keys.source, keys.prefix + "input_activations.")
+    akeys = Keys(acts, keys.source, keys.prefix + "input_activations.")
     method = "compressed-tensors float-quantized activations"
     kind = akeys.str("type", "float")
     if kind != "float":
@@ -337,7 +359,7 @@ def _ct_activations(acts: Any, keys: _Keys) -> str | None:
     return "static"
 
 
-def _ct_float_scheme(group: dict, w: dict, wkeys: _Keys, gkeys: _Keys, targets: tuple[str, ...]) -> WeightScheme:
+def _ct_float_scheme(group: dict, w: dict, wkeys: Keys, gkeys: Keys, targets: tuple[str, ...]) -> WeightScheme:
     method = "compressed-tensors float-quantized"
     bits = wkeys.int("num_bits")
     if bits != 8:
@@ -376,9 +398,13 @@ class CompressedTensorsConfig(QuantizerConfig):
     def describe(self) -> str:
         return "compressed-tensors " + ", ".join(s.describe() for s in self.schemes)
 
+    def accepts_flag(self, method: str) -> bool:
+        """`--quantize fp8` on a float-quantized checkpoint: every weight it quantizes is fp8 e4m3."""
+        return method == "fp8" and bool(self.schemes) and all(s.type == "float" for s in self.schemes)
+
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "CompressedTensorsConfig":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         top_format = keys.str("format")
         status = keys.str("quantization_status", "compressed")
         if status != "compressed":
@@ -391,7 +417,7 @@ class CompressedTensorsConfig(QuantizerConfig):
             raise CheckpointError(f"{keys.where('config_groups')} must be a non-empty object")
         schemes = []
         for name, group in groups.items():
-            gkeys = _Keys(group, source, f"{prefix}config_groups.{name}.")
+            gkeys = Keys(group, source, f"{prefix}config_groups.{name}.")
             fmt = gkeys.str("format", top_format)
             if fmt not in CT_FORMATS:
                 owner = gkeys if group.get("format") is not None else keys
@@ -405,7 +431,7 @@ class CompressedTensorsConfig(QuantizerConfig):
             w = group.get("weights")
             if not isinstance(w, dict):
                 raise CheckpointError(f"{gkeys.where('weights')} must be an object")
-            wkeys = _Keys(w, source, f"{prefix}config_groups.{name}.weights.")
+            wkeys = Keys(w, source, f"{prefix}config_groups.{name}.weights.")
             kind = wkeys.str("type", "int")
             if kind != CT_FORMATS[fmt]:
                 raise wkeys.unsupported("type", kind, f"compressed-tensors {fmt}", CT_FORMATS[fmt])
@@ -520,13 +546,17 @@ def read_quantization_config(folder: str | Path, quantize: str | None) -> Quanti
         known = "not yet supported" if method in NOT_YET_SUPPORTED else "unknown"
         raise CheckpointError(f"{path}: '{prefix}quant_method' = '{method}' is {known} "
                               f"(supported: {', '.join(METHODS)})")
-    if wanted is not None and METHODS[wanted] is not METHODS[method]:
-        raise CheckpointError(f"--quantize {quantize} disagrees with the checkpoint: {path} says "
-                              f"'{prefix}quant_method' = '{data.get('quant_method', method)}'"
-                              + (f" (checkpoint_format '{data.get('checkpoint_format')}')" if method == "marlin" else ""))
+    # Parsed before the flag is compared: whether a flag of another type still fits can depend on
+    # the config's content (compressed-tensors is fp8 only when every scheme is float-quantized).
     config = METHODS[method].from_config(data, path, prefix)
     if wanted is not None:
-        config.check_flag(quantize)
+        if METHODS[wanted] is type(config):
+            config.check_flag(quantize)
+        elif not config.accepts_flag(wanted):
+            declared = data.get("quant_method")
+            says = (f"says '{prefix}quant_method' = '{declared}' ({config.describe()})" if declared is not None
+                    else f"names no '{prefix}quant_method'; its keys describe {config.describe()}")
+            raise CheckpointError(f"--quantize {quantize} disagrees with the checkpoint: {path} {says}")
     legacy = _legacy_weights(folder)
     if legacy is not None:
         config.check_tensors(legacy)

@@ -123,7 +123,7 @@ def matrix_shape(weights: Weights, name: str) -> tuple[int, int]:
 def read_block(weights: Weights, name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
     """Rows x columns of a 2-D checkpoint tensor, reading only that block (safetensors slices), in its own dtype."""
     matrix_shape(weights, name)
-    return weights.source.get_slice(name)[rows, cols].to(weights.device)
+    return weights.get_slice(name, (rows, cols))
 
 
 def full_row_absmax(weights: Weights, name: str) -> torch.Tensor:

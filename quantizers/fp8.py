@@ -39,7 +39,7 @@ import torch
 
 from text_generation_server.kernels import registry  # noqa: F401  (kernel priority is registration order)
 from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, build_fp8_linear, dequantize_fp8
-from text_generation_server.quantizers.config import QuantizerConfig, _Keys
+from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
 from text_generation_server.weights import CheckpointError, SafetensorsSource, Weights, WeightsLoader, safetensors_files
 
@@ -76,7 +76,7 @@ class Fp8Config(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "Fp8Config":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         method = (keys.str("quant_method", "fp8") or "fp8").lower()
         dense = keys.names("ignored_layers") + keys.names("modules_to_not_convert")
         if method == "fbgemm_fp8":
@@ -171,14 +171,6 @@ def _blocks(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]
     return used, local.to(torch.int32)
 
 
-def _get_small(weights: Weights, name: str) -> torch.Tensor:
-    """A scale tensor as stored. AutoFP8 writes scalar (0-dim) scales, which Weights.get_tensor's
-    `[:]` cannot slice, so those are read whole with `[...]`."""
-    if weights.get_shape(name) == []:
-        return weights.source.get_slice(name)[...].to(weights.device)
-    return weights.get_tensor(name, to_dtype=False)
-
-
 def _check_fp8(tensor: torch.Tensor, name: str, weights: Weights, source: str) -> torch.Tensor:
     if tensor.dtype != FP8_DTYPE:
         raise CheckpointError(f"tensor '{name}' is {str(tensor.dtype).removeprefix('torch.')} (in "
@@ -232,7 +224,7 @@ class Fp8CheckpointLoader(WeightsLoader):
     def _grid(self, weights: Weights, prefix: str, strategy: str, n: int) -> torch.Tensor:
         """The full scale grid, float32 [R, C]."""
         name = f"{prefix}.{self.scheme.scale_name}"
-        scale = _get_small(weights, name)
+        scale = weights.get_tensor(name, to_dtype=False)
         if not scale.is_floating_point() or scale.dtype == FP8_DTYPE:
             raise CheckpointError(f"tensor '{name}' is {scale.dtype}, expected float32 (or another wide float) scales")
         scale = scale.float()
@@ -265,7 +257,7 @@ class Fp8CheckpointLoader(WeightsLoader):
         if not weights.has_tensor(name):
             raise CheckpointError(f"tensor '{name}' not found (in {weights.files_of(prefix)}): static activation "
                                   f"scales are stored per linear ({self.scheme.source})")
-        scale = _get_small(weights, name)
+        scale = weights.get_tensor(name, to_dtype=False)
         if scale.numel() != 1 or not scale.is_floating_point() or not float(scale) > 0:
             raise CheckpointError(f"tensor '{name}' must hold one positive float, got {scale.dtype} "
                                   f"{list(scale.shape)} (in {weights.files_of(name)})")
@@ -275,7 +267,7 @@ class Fp8CheckpointLoader(WeightsLoader):
         if self.scheme.zero_point_name is None:
             return
         name = f"{prefix}.{self.scheme.zero_point_name}"
-        if weights.has_tensor(name) and bool(_get_small(weights, name).float().ne(0).any()):
+        if weights.has_tensor(name) and bool(weights.get_tensor(name, to_dtype=False).float().ne(0).any()):
             raise CheckpointError(f"tensor '{name}' holds non-zero zero points (in {weights.files_of(name)}): "
                                   "asymmetric fp8 weights are not yet supported (supported: symmetric)")
 

@@ -43,7 +43,7 @@ from text_generation_server.kernels.marlin import (
     unpack_marlin_weight,
     unpermute_scales,
 )
-from text_generation_server.quantizers.config import QuantizerConfig, _Keys
+from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes
 from text_generation_server.weights import CheckpointError, Weights, WeightsLoader
 
@@ -58,6 +58,7 @@ class MarlinConfig(QuantizerConfig):
     bits: int = 4
     group_size: int = 128  # -1: one group over all of K
     checkpoint_format: str = "marlin"  # or "marlin_24"
+    quant_method: str = "marlin"  # as the checkpoint says: "gptq" for AutoGPTQ / GPTQModel's Marlin layouts
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in FORMATS:
@@ -78,9 +79,13 @@ class MarlinConfig(QuantizerConfig):
         group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
         return f"marlin ({self.checkpoint_format}) {self.bits}-bit {group} sym"
 
+    def accepts_flag(self, method: str) -> bool:
+        """`--quantize gptq` on a checkpoint that says quant_method gptq, whatever its layout."""
+        return method == self.quant_method
+
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "MarlinConfig":
-        keys = _Keys(data, source, prefix)
+        keys = Keys(data, source, prefix)
         quant_method = (keys.str("quant_method", "gptq") or "gptq").lower()
         fmt = keys.str("checkpoint_format", aliases=("format",))
         if fmt is None:
@@ -101,7 +106,7 @@ class MarlinConfig(QuantizerConfig):
             raise keys.unsupported("desc_act", True, fmt, "false: Marlin checkpoints store no g_idx")
         if keys.bool("lm_head", False):
             raise keys.unsupported("lm_head", True, fmt, "false: the head stays unquantized")
-        return cls(source=source, bits=bits, group_size=group_size, checkpoint_format=fmt,
+        return cls(source=source, bits=bits, group_size=group_size, checkpoint_format=fmt, quant_method=quant_method,
                    modules_to_not_convert=keys.names("modules_to_not_convert"))
 
 
@@ -187,12 +192,11 @@ class MarlinLoader(WeightsLoader):
     def _window(self, weights: Weights, name: str, rows: slice, cols: slice,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """rows x cols of a 2-D tensor, reading nothing else; `dtype` None: any floating dtype."""
-        # Weights has no public window read yet; _resolve only maps an alias to the stored key.
-        tensor = weights.source.get_slice(weights._resolve(name))[rows, cols]
+        tensor = weights.get_slice(name, (rows, cols))
         if (tensor.dtype != dtype) if dtype is not None else not tensor.dtype.is_floating_point:
             raise CheckpointError(f"tensor '{name}' must be {dtype or 'floating point'}, got {tensor.dtype} "
                                   f"(in {weights.files_of(name)})")
-        return tensor.to(weights.device)
+        return tensor
 
     def _read(self, weights: Weights, prefix: str, geo: _Geometry, k0: int, k1: int, n0: int,
               n1: int) -> QuantizedWeight:

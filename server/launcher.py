@@ -473,7 +473,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int) -> int:
             "model {} | dtype {} | device {} | quantize {} | world size {} | block size {} | memory fraction {} | "
             "max_input_tokens {} | max_total_tokens {} | max_batch_prefill_tokens {} | max_batch_total_tokens {} | "
             "max_batch_size {}",
-            model.model_id, str(model.dtype).removeprefix("torch."), device, args.quantize or "none", world_size,
+            model.model_id, str(model.dtype).removeprefix("torch."), device, model.quantize or "none", world_size,
             args.block_size, memory_fraction, args.max_input_tokens, args.max_total_tokens,
             args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
         )

@@ -215,6 +215,53 @@ class DefaultWeightsLoader(WeightsLoader):
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _format_index(index: tuple) -> str:
+    def one(entry) -> str:
+        if entry is Ellipsis:
+            return "..."
+        if isinstance(entry, slice):
+            text = f"{'' if entry.start is None else entry.start}:{'' if entry.stop is None else entry.stop}"
+            return text + ("" if entry.step in (None, 1) else f":{entry.step}")
+        return str(entry)
+
+    return "[" + ", ".join(one(e) for e in index) + "]"
+
+
+def _checked_index(index, shape: list[int], what: str) -> tuple:
+    """`index` as a tuple, every int and slice bound checked against `shape`.
+
+    Python clips slices that run past the end; a window read from a checkpoint must not, so
+    any bound outside [-size, size] (ints: outside [-size, size)) is a CheckpointError.
+    """
+    entries = index if isinstance(index, tuple) else (index,)
+    for entry in entries:
+        if not (entry is Ellipsis or isinstance(entry, slice)
+                or (isinstance(entry, int) and not isinstance(entry, bool))):
+            raise TypeError(f"window index entries must be ints, slices or ..., got {entry!r}")
+    ellipses = sum(entry is Ellipsis for entry in entries)
+    if ellipses > 1:
+        raise TypeError(f"window index {_format_index(entries)} has more than one '...'")
+    rank = len(entries) - ellipses
+    if rank > len(shape):
+        raise CheckpointError(f"{what} has shape {shape}: window {_format_index(entries)} indexes {rank} dimensions")
+    dims = list(entries)
+    if ellipses:
+        at = dims.index(Ellipsis)
+        dims[at:at + 1] = [slice(None)] * (len(shape) - rank)
+    for dim, (entry, size) in enumerate(zip(dims, shape)):
+        if isinstance(entry, slice):
+            bounds = [b for b in (entry.start, entry.stop) if b is not None]
+            if entry.step is not None and entry.step <= 0:
+                raise TypeError(f"window index {_format_index(entries)}: slices must step forward")
+            ok = all(-size <= b <= size for b in bounds)
+        else:
+            ok = -size <= entry < size
+        if not ok:
+            raise CheckpointError(f"{what} has shape {shape}: window {_format_index(entries)} reaches past "
+                                  f"dimension {dim} (size {size})")
+    return entries
+
+
 class Weights:
     """Checkpoint tensors for one rank: lookups, sharding, and the active loader."""
 
@@ -274,13 +321,39 @@ class Weights:
             tensor = tensor.to(dtype=self.dtype)
         return tensor.to(device=self.device)
 
-    def get_tensor(self, name: str, to_dtype: bool = True) -> torch.Tensor:
-        key = self._resolve(name)
+    def _read(self, key: str, slice_: TensorSlice, index) -> torch.Tensor:
+        """`slice_[index]` of the stored tensor `key`; a file that fails mid-read names the tensor."""
         try:
-            tensor = self.source.get_slice(key)[:]
+            return slice_[index]
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read tensor '{key}' from {self.source.describe(key)}: {exc}") from exc
-        return self._finish(tensor, to_dtype)
+
+    def _shardable(self, key: str, shape: list[int], dim: int) -> None:
+        if not -len(shape) <= dim < len(shape):
+            raise CheckpointError(f"tensor '{key}' has shape {shape}: no dimension {dim} to shard "
+                                  f"(in {self.source.describe(key)})")
+
+    def get_tensor(self, name: str, to_dtype: bool = True) -> torch.Tensor:
+        """The whole tensor, of any rank: `[...]`, unlike `[:]`, also reads 0-dim scalars
+        (AutoFP8's per-tensor scales, bitsandbytes' weight_format)."""
+        key = self._resolve(name)
+        return self._finish(self._read(key, self.source.get_slice(key), ...), to_dtype)
+
+    def get_slice(self, name: str, index, to_dtype: bool = False) -> torch.Tensor:
+        """`tensor[index]` of a checkpoint tensor, reading only that window from the file.
+
+        For loaders whose shards are not one block of one dimension (Marlin tiles, whole
+        bitsandbytes blocks, dense weights quantized on load a column range at a time).
+        `index` is basic indexing: an int, a slice, `...`, or a tuple of them. A slice that
+        reaches past the tensor raises instead of being clipped as Python would clip it, so a
+        layout computed from a wrong config never yields a silently short window. Like
+        `get_tensor`, the result is on this rank's device; `to_dtype` casts floating tensors
+        to the model dtype (off by default: windows are mostly packed codes and scales).
+        """
+        key = self._resolve(name)
+        slice_ = self.source.get_slice(key)
+        index = _checked_index(index, slice_.get_shape(), f"tensor '{key}' (in {self.source.describe(key)})")
+        return self._finish(self._read(key, slice_, index), to_dtype)
 
     def get_partial_sharded(self, name: str, dim: int, to_dtype: bool = True) -> torch.Tensor:
         """This rank's block of `dim`, blocks of ceil(size / world); the last may be short."""
@@ -288,21 +361,19 @@ class Weights:
         slice_ = self.source.get_slice(key)
         shape = slice_.get_shape()
         rank, world = self.process_group.rank, self.process_group.size
-        if dim >= len(shape):
-            raise CheckpointError(f"tensor '{key}' has shape {shape}: no dimension {dim} to shard")
+        self._shardable(key, shape, dim)
         block = (shape[dim] + world - 1) // world
         start, stop = rank * block, min((rank + 1) * block, shape[dim])
         index = [slice(None)] * len(shape)
         index[dim] = slice(start, stop)
-        return self._finish(slice_[tuple(index)], to_dtype)
+        return self._finish(self._read(key, slice_, tuple(index)), to_dtype)
 
     def get_sharded(self, name: str, dim: int, to_dtype: bool = True) -> torch.Tensor:
         """This rank's equal share of `dim`; the size must divide by the world size."""
         key = self._resolve(name)
         shape = self.source.get_slice(key).get_shape()
         world = self.process_group.size
-        if dim >= len(shape):
-            raise CheckpointError(f"tensor '{key}' has shape {shape}: no dimension {dim} to shard")
+        self._shardable(key, shape, dim)
         if shape[dim] % world != 0:
             raise CheckpointError(
                 f"tensor '{key}' has {shape[dim]} entries along dim {dim}, "
@@ -321,6 +392,7 @@ class Weights:
         key = self._resolve(name)
         slice_ = self.source.get_slice(key)
         shape = slice_.get_shape()
+        self._shardable(key, shape, dim)
         total = shape[dim]
         if isinstance(block_sizes, int):
             if total % block_sizes != 0:
@@ -342,7 +414,7 @@ class Weights:
             shard = size // world
             index = [slice(None)] * len(shape)
             index[dim] = slice(offset + rank * shard, offset + (rank + 1) * shard)
-            pieces.append(slice_[tuple(index)])
+            pieces.append(self._read(key, slice_, tuple(index)))
             offset += size
         return self._finish(torch.cat(pieces, dim=dim), to_dtype)
 

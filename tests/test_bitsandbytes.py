@@ -167,9 +167,12 @@ def test_flags_against_checkpoints(tmp_path):
         read_quantization_config(nf4, "bitsandbytes")
     assert read_quantization_config(nf4, "bitsandbytes-nf4").kind == "nf4"
     assert read_quantization_config(int8, None).kind == "int8"
+    # What a loaded model reports (`flag`) tells the kinds apart; `method` is the same for all three.
+    assert [read_quantization_config(f, None).flag for f in (int8, nf4)] == ["bitsandbytes", "bitsandbytes-nf4"]
     for flag, kind in (("bitsandbytes", "int8"), ("bitsandbytes-nf4", "nf4"), ("Bitsandbytes-FP4", "fp4")):
         config = read_quantization_config(dense, flag)
-        assert (config.kind, config.prequantized) == (kind, False)
+        assert (config.kind, config.prequantized, config.flag) == (kind, False, flag.lower())
+        assert config.method == "bitsandbytes"
     with pytest.raises(CheckpointError, match=r"--quantize eetq disagrees with the checkpoint"):
         read_quantization_config(nf4, "eetq")
 
@@ -591,7 +594,8 @@ def original_logprobs(folders) -> torch.Tensor:
 def test_reference_path_equals_dequantized_checkpoint(folders, original_logprobs, name, monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())
     lm = load_variant(folders, name)
-    assert lm.quantize == "bitsandbytes"
+    # The reported flag names the kind: nf4, fp4 and int8 are all quant_method bitsandbytes.
+    assert lm.quantize == {"int8": "bitsandbytes", "nf4": "bitsandbytes-nf4", "fp4": "bitsandbytes-fp4"}[kind_of(name)]
     assert kernel_names(lm) <= {"reference", "dense"}
     got = prompt_logprobs(lm)
     want = prompt_logprobs(get_model(str(folders[name]["ref"]), dtype="float32"))

@@ -322,3 +322,65 @@ def test_dtypes_and_aliases():
     assert weights.get_tensor("packed").dtype == torch.int32  # integer data is never cast
     assert weights.has_tensor("lm_head.weight")
     assert torch.equal(weights.get_tensor("lm_head.weight"), tensors["f"].to(torch.bfloat16))
+
+
+def test_zero_dim_tensors_from_a_safetensors_file(tmp_path):
+    """AutoFP8's per-tensor scales and bitsandbytes' weight_format are stored 0-dim: `[:]` cannot read them."""
+    path = tmp_path / "model.safetensors"
+    save_file({"scale": torch.tensor(0.25), "fmt": torch.tensor(0, dtype=torch.uint8),
+               "fp8": torch.tensor(1.5).to(torch.float8_e4m3fn), "w": torch.arange(6.0).reshape(2, 3)}, str(path))
+    weights = Weights([path], torch.device("cpu"), torch.bfloat16, ProcessGroup(rank=1, size=2),
+                      aliases={"layer.input_scale": ["scale"]})
+    scale = weights.get_tensor("layer.input_scale")
+    assert scale.shape == () and scale.dtype == torch.bfloat16 and scale.item() == 0.25
+    assert weights.get_tensor("scale", to_dtype=False).dtype == torch.float32
+    fmt = weights.get_tensor("fmt")
+    assert fmt.shape == () and fmt.dtype == torch.uint8 and fmt.item() == 0
+    assert weights.get_tensor("fp8").dtype == torch.float8_e4m3fn and weights.get_tensor("fp8").float().item() == 1.5
+    assert torch.equal(weights.get_tensor("w", to_dtype=False), torch.arange(6.0).reshape(2, 3))
+    # Sharding a scalar is a clear error naming the tensor and the file, whichever sharding call asks.
+    for shard in (lambda: weights.get_sharded("scale", dim=0), lambda: weights.get_partial_sharded("scale", dim=0),
+                  lambda: weights.get_packed_sharded("scale", dim=0, block_sizes=2)):
+        with pytest.raises(CheckpointError, match=r"'scale' has shape \[\]: no dimension 0 .*model\.safetensors"):
+            shard()
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_get_slice_reads_a_window(tmp_path, on_disk):
+    g = torch.Generator().manual_seed(5)
+    tensors = {"packed": torch.randint(-2**31, 2**31 - 1, (6, 8), dtype=torch.int32, generator=g),
+               "s": torch.randn(3, 8, generator=g), "flat": torch.arange(10, dtype=torch.uint8),
+               "scalar": torch.tensor(2.0)}
+    if on_disk:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        source = [tmp_path / "model.safetensors"]
+        where = "model.safetensors"
+    else:
+        source = DictTensorSource(tensors, name="memory.safetensors")
+        where = "memory.safetensors"
+    weights = Weights(source, torch.device("cpu"), torch.bfloat16, aliases={"layer.B": ["packed"]})
+
+    window = weights.get_slice("layer.B", (slice(2, 4), slice(1, 7)))  # alias resolved
+    assert torch.equal(window, tensors["packed"][2:4, 1:7]) and window.dtype == torch.int32
+    assert torch.equal(weights.get_slice("packed", slice(4, None)), tensors["packed"][4:])
+    assert torch.equal(weights.get_slice("packed", (..., slice(6, 8))), tensors["packed"][:, 6:8])
+    assert torch.equal(weights.get_slice("packed", -1), tensors["packed"][-1])
+    assert torch.equal(weights.get_slice("flat", slice(3, 10)), tensors["flat"][3:])
+    s = weights.get_slice("s", (slice(1, 2), slice(None)))
+    assert s.dtype == torch.float32 and torch.equal(s, tensors["s"][1:2])  # no cast unless asked
+    cast = weights.get_slice("s", (slice(1, 2), slice(0, 4)), to_dtype=True)
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, tensors["s"][1:2, :4].to(torch.bfloat16))
+    assert weights.get_slice("scalar", ...).item() == 2.0
+
+    # Python would clip these to a shorter window; a checkpoint read must refuse instead.
+    bad = [((slice(4, 7), slice(None)), r"window \[4:7, :\] reaches past dimension 0 \(size 6\)"),
+           ((slice(0, 1), slice(0, 9)), r"window \[0:1, 0:9\] reaches past dimension 1 \(size 8\)"),
+           ((6,), r"window \[6\] reaches past dimension 0"),
+           ((0, 0, 0), r"window \[0, 0, 0\] indexes 3 dimensions")]
+    for index, message in bad:
+        with pytest.raises(CheckpointError, match=rf"tensor 'packed' \(in .*{where}\) has shape \[6, 8\]: {message}"):
+            weights.get_slice("layer.B", index)
+    with pytest.raises(CheckpointError, match=r"'missing' not found"):
+        weights.get_slice("missing", slice(0, 1))
+    with pytest.raises(TypeError, match="ints, slices or"):
+        weights.get_slice("packed", [0, 1])

@@ -632,6 +632,8 @@ def test_quantize_fp8_on_load(folders, original_logprobs, arch):
 
 def test_quantize_flag(folders, tmp_path):
     assert get_model(str(folders["fbgemm-channel"]), quantize="fp8").quantize == "fp8"
+    # A compressed-tensors float-quantized checkpoint is fp8 too; it loads as the config it is.
+    assert get_model(str(folders["ct-fp8-dynamic"]), quantize="fp8").quantize == "compressed-tensors"
     assert read_quantization_config(folders["deepseek-block"], "fbgemm_fp8").weight_block_size == (128, 128)
     gptq = tmp_path / "gptq"
     shutil.copytree(folders["llama"], gptq)

@@ -244,8 +244,14 @@ def test_marlin_method_with_another_format_and_the_gptq_flag(tmp_path):
                           {"quant_method": "marlin", "checkpoint_format": "gptq"})
     with pytest.raises(CheckpointError, match=r"quantize_config\.json: 'checkpoint_format' = 'gptq' .* marlin_24"):
         read_quantization_config(folder, None)
+    # The checkpoint says gptq, so --quantize gptq fits it; the Marlin layout decides the loader.
     folder = write_config(tmp_path / "b", "quantize_config.json", GPTQ_MARLIN)
-    with pytest.raises(CheckpointError, match=r"--quantize gptq disagrees .*\(checkpoint_format 'marlin'\)"):
+    config = read_quantization_config(folder, "gptq")
+    assert isinstance(config, MarlinConfig) and config.quant_method == "gptq" and config.flag == "marlin"
+    # TGI's own Marlin checkpoints say marlin: a gptq flag contradicts them.
+    folder = write_config(tmp_path / "c", "config.json", {"quant_method": "marlin", "group_size": 128})
+    with pytest.raises(CheckpointError, match=r"--quantize gptq disagrees .*\.quant_method' = 'marlin' "
+                                              r"\(marlin \(marlin\) 4-bit group 128 sym\)"):
         read_quantization_config(folder, "gptq")
 
 

@@ -111,3 +111,53 @@ def test_quantize_flag_must_agree(tmp_path):
     dense = write_folder(tmp_path / "d", config={"model_type": "llama"}, tensors={"w.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"--quantize gptq: .* is not a quantized checkpoint"):
         read_quantization_config(dense, "gptq")
+
+
+def ct_float(**weights) -> dict:
+    scheme = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False} | weights
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"g": {"targets": ["Linear"], "weights": scheme,
+                                    "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
+                                                          "strategy": "token"}}}}
+
+
+def test_flags_another_method_accepts(tmp_path):
+    """A flag of another config type passes only where the checkpoint truly is of that method."""
+    from text_generation_server.quantizers.marlin import MarlinConfig
+
+    gptq_marlin = GPTQ_QC | {"checkpoint_format": "marlin", "desc_act": False, "sym": True}
+    for name, config in (("marlin", gptq_marlin), ("marlin-24", gptq_marlin | {"checkpoint_format": "marlin_24"}),
+                         ("is-marlin", {"bits": 4, "group_size": 128, "is_marlin_format": True})):
+        folder = write_folder(tmp_path / name, config={"quantization_config": config})
+        cfg = read_quantization_config(folder, "gptq")
+        assert isinstance(cfg, MarlinConfig) and cfg == read_quantization_config(folder, None)
+        assert read_quantization_config(folder, "marlin") == cfg
+        says = (r"says 'quantization_config\.quant_method' = 'gptq' \(" if "quant_method" in config
+                else r"names no 'quantization_config\.quant_method'; its keys describe ")
+        with pytest.raises(ValueError, match=r"--quantize awq disagrees with the checkpoint: .*config\.json "
+                                             + says + r"marlin \(marlin"):
+            read_quantization_config(folder, "awq")
+
+    fp8 = write_folder(tmp_path / "fp8", config={"quantization_config": ct_float()})
+    cfg = read_quantization_config(fp8, "fp8")
+    assert cfg == read_quantization_config(fp8, None) and cfg.method == "compressed-tensors"
+    assert cfg == read_quantization_config(fp8, "compressed-tensors")
+    with pytest.raises(ValueError, match=r"--quantize fbgemm_fp8 disagrees .*'compressed-tensors' \(compressed-tensors "
+                                         r"float-quantized fp8 channel"):
+        read_quantization_config(fp8, "fbgemm_fp8")
+
+
+@pytest.mark.parametrize("config,flag,says", [
+    (GPTQ_QC, "fp8", r"'gptq' \(gptq \(gptq_v2\) 4-bit"),
+    (GPTQ_QC, "marlin", r"'gptq' \(gptq"),  # a GPTQ layout is not a Marlin one
+    (ct(), "fp8", r"'compressed-tensors' \(compressed-tensors pack-quantized int4 group 128 sym\)"),
+    ({**ct(), "config_groups": {"int": ct()["config_groups"]["g"] | {"targets": ["re:.*mlp.*"]},
+                                "float": ct_float()["config_groups"]["g"] | {"format": "float-quantized"}}},
+     "fp8", r"'compressed-tensors' \(compressed-tensors pack-quantized int4 .*, float-quantized fp8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "gptq", r"'awq' \(awq \(gemm\)"),
+])
+def test_flags_of_another_method_still_disagree(tmp_path, config, flag, says):
+    folder = write_folder(tmp_path, config={"quantization_config": config})
+    with pytest.raises(ValueError, match=rf"--quantize {flag} disagrees with the checkpoint: .*config\.json says "
+                                         rf"'quantization_config\.quant_method' = {says}"):
+        read_quantization_config(folder, flag)

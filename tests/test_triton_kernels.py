@@ -1,4 +1,5 @@
-"""CUDA kernels (kernels/triton_gemm.py) and the shared scratch space (kernels/scratch.py).
+"""CUDA integer kernels (kernels/triton_gemm.py, kernels/tinygemm.py) and the shared scratch space
+(kernels/scratch.py).
 
 Tier 1 (CPU, always): every Triton path under TRITON_INTERPRET=1 against the reference
 dequantize, the repacked layout, plans, scratch sizing and the no-allocation-after-warmup
@@ -21,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from text_generation_server.kernels import tinygemm as tgm
 from text_generation_server.kernels import triton_gemm as tg
 from text_generation_server.kernels.base import (
     DISABLE_ENV,
@@ -299,15 +301,17 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["cap"])
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setitem(KERNELS, "cuda", [tg.TritonGemmKernel, tg.TinyGemmKernel])
+    monkeypatch.setitem(KERNELS, "cuda", [tg.TritonGemmKernel, tgm.TinyGemmKernel])
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     return lambda cap: state.update(cap=cap)
 
 
 def test_registered_in_cuda_list_in_order():
+    import importlib
+
+    importlib.import_module("text_generation_server.kernels.registry")
     names = [k.name for k in KERNELS["cuda"]]
-    assert "triton-gemm" in names and "tinygemm" in names
-    assert names.index("triton-gemm") < names.index("tinygemm")
+    assert names[:2] == ["triton-gemm", "tinygemm"]  # the registry's import order is the priority
 
 
 SELECTION = [
@@ -343,7 +347,7 @@ def test_cuda_selection_and_reasons(s, disabled, chosen, rejected, gpu, monkeypa
 def test_cuda_kernels_refuse_machines_they_cannot_run_on(gpu, monkeypatch):
     s = cuda_spec()
     gpu((7, 5))
-    for kernel in (tg.TritonGemmKernel, tg.TinyGemmKernel):
+    for kernel in (tg.TritonGemmKernel, tgm.TinyGemmKernel):
         assert kernel.can_implement(s) == (False, "needs compute capability 8.0+, got 7.5")
         assert kernel.can_implement(cuda_spec(dev="cpu")) == (False, "device cpu")
         assert kernel.can_implement(cuda_spec(fmt="fp8")) == (False, "runs integer codes, not fp8 weights")
@@ -353,13 +357,14 @@ def test_cuda_kernels_refuse_machines_they_cannot_run_on(gpu, monkeypatch):
     assert tg.TritonGemmKernel.can_implement(s) == (False, "ROCm devices are not validated for this kernel")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tg.TinyGemmKernel.can_implement(s) == (False, "no CUDA device")
+    assert tgm.TinyGemmKernel.can_implement(s) == (False, "no CUDA device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tg, "triton", None)
     assert tg.TritonGemmKernel.can_implement(s) == (False, "triton is not installed")
-    assert tg.TinyGemmKernel.can_implement(s) == (True, "")
+    assert tgm.TinyGemmKernel.can_implement(s) == (True, "")
     monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
-    assert tg.TinyGemmKernel.can_implement(s) == (False, "needs torch 2.5+ (uint8 input to _convert_weight_to_int4pack)")
+    assert tgm.TinyGemmKernel.can_implement(s) == (False,
+                                                  "needs torch 2.5+ (uint8 input to _convert_weight_to_int4pack)")
 
 
 def test_imports_and_refuses_without_triton():
@@ -375,11 +380,15 @@ def test_imports_and_refuses_without_triton():
         "                    torch.arange(256, dtype=torch.int32) // 128, 4, 128)\n"
         "try:\n    tg.TritonGemmKernel.build(w, None, torch.float16)\n"
         "except ValueError as e:\n    print(e)\n"
+        "from text_generation_server.kernels import registry, tinygemm\n"
+        "from text_generation_server.kernels.base import KERNELS\n"
+        "print([k.name for k in KERNELS['cuda']][:2])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["(False, 'triton is not installed')",
-                                       "triton-gemm cannot run this weight: triton is not installed"]
+                                       "triton-gemm cannot run this weight: triton is not installed",
+                                       "['triton-gemm', 'tinygemm']"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +406,7 @@ def _tinygemm_emulated(codes: torch.Tensor, sz: torch.Tensor, gs: int, perm, x: 
                                                  (256, 24, 256, False, False, 3), (384, 40, 32, False, True, 4)])
 def test_tinygemm_layout_matches_reference(k, n, gs, sym, act, bits):
     w = make_weight(k, n, bits, gs, sym, act, seed=k + n)
-    codes, sz, kgs, perm = tg.tinygemm_layout(w)
+    codes, sz, kgs, perm = tgm.tinygemm_layout(w)
     assert codes.dtype == torch.uint8 and codes.shape == (tg._cdiv(n, 8) * 8, k // 2)
     assert sz.dtype == torch.bfloat16 and sz.shape == (k // kgs, codes.shape[0], 2)
     assert (perm is not None) == act
@@ -524,12 +533,12 @@ def test_cuda_paths_match_reference(case):
 
 @needs_gpu
 def test_cuda_tinygemm_matches_reference():
-    if tg.TinyGemmKernel.can_implement(cuda_spec(k=256, n=64, zeros=True, act=True))[0] is False:
+    if tgm.TinyGemmKernel.can_implement(cuda_spec(k=256, n=64, zeros=True, act=True))[0] is False:
         pytest.skip("this GPU or torch has no tinygemm")
     dev = torch.device("cuda")
     w = make_weight(256, 64, 4, 128, False, True, seed=1)
     w = QuantizedWeight(w.qweight.to(dev), w.scales.to(dev), w.zeros.to(dev), w.g_idx.to(dev), 4, 128)
-    module = tg.TinyGemmKernel.build(w, None, torch.bfloat16)
+    module = tgm.TinyGemmKernel.build(w, None, torch.bfloat16)
     module.prepare_scratch(max_tokens=64, max_input_tokens=64)
     x = torch.randn(9, 256, device=dev).bfloat16()
     assert rel_err(w, module(x), x, None) < BOUND[torch.bfloat16]

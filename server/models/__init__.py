@@ -65,7 +65,7 @@ def get_model(
         dtype=torch_dtype,
         process_group=process_group,
         block_size=block_size,
-        quantize=qconfig.method if qconfig is not None else None,
+        quantize=qconfig.flag if qconfig is not None else None,  # bitsandbytes-nf4, not just bitsandbytes
     )
 
 
