@@ -427,6 +427,15 @@ def shard_args_from_env(flag_args: ServeArgs) -> ServeArgs:
         raise ValueError(f"{SERVE_ARGS_ENV} does not hold valid serve settings: {exc}") from exc
 
 
+def cpu_threads_per_rank(cores: int, world_size: int) -> int:
+    """Torch threads for each CPU rank: the cores split between ranks, one kept back for the
+    router and gRPC. A rank using every core stalls each time the router runs (its threads
+    wait on the one that was descheduled), and the decode step computed ahead overlaps the
+    router only if there is a core to overlap on (on 2 cores, see BENCHMARKS.md: 1 thread with
+    decode ahead outran 2 threads with or without it, at concurrency 1 and 32)."""
+    return max(1, (cores - 1) // world_size) if cores > 1 else 1
+
+
 def run_shard(args: ServeArgs, rank: int, world_size: int) -> int:
     """The body of `serve --shard-only`: one rank's model behind its unix-socket gRPC service."""
     configure_logging(args.logger_level, args.json_output, f"rank {rank}")
@@ -453,10 +462,10 @@ def run_shard(args: ServeArgs, rank: int, world_size: int) -> int:
     try:
         args.validate()
         device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
-        if device.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch
 
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
         from text_generation_server.models import get_model
         from text_generation_server.utils.dist import initialize_process_group
 

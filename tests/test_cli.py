@@ -106,3 +106,10 @@ def test_convert_then_generate(model_dir, tmp_path):
     empty.mkdir()
     failed = cli("convert", str(empty))
     assert failed.returncode != 0 and "error:" in failed.stderr and str(empty) in failed.stderr
+
+
+@pytest.mark.parametrize("cores,world,threads", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 2, 7), (3, 4, 1)])
+def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
+    from text_generation_server.launcher import cpu_threads_per_rank
+
+    assert cpu_threads_per_rank(cores, world) == threads
