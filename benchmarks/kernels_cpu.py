@@ -13,7 +13,9 @@ Formats (--formats picks a subset; fp32 and bf16 dense always run):
                                   reference switched off by TGS_DISABLE_KERNELS for that build
                                   only, which is how a deployment reaches marlin-layout (it
                                   ranks after the dense reference on CPU)
-  fp8                             e4m3 weight, per-channel scales (the --quantize fp8 path)
+  fp8                             e4m3 weight, per-channel scales (the --quantize fp8 path):
+                                  fp8-dense by default (dequantized once at load)
+  fp8-resident                    the same with fp8-dense disabled: fp8-dequant keeps e4m3
   nf4                             bitsandbytes nf4, blocksize 64 (the on-load path):
                                   bnb-cpu-4bit on AVX512-BF16 CPUs, else the reference
   eetq                            --quantize eetq: int8 per-channel through ChannelInt8Weight
@@ -130,13 +132,17 @@ def int_format(bits: int, group_size: int | None, sym: bool, act_order: bool,
     return build
 
 
-def fp8_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    dense = dense_weight(k, n)
-    scales = channel_scales(dense)  # [N, 1], as Fp8OnLoadLoader quantizes
-    fp8 = Fp8Weight(weight=quantize_e4m3(dense, scales), scale=scales.contiguous(),
-                    row_block=torch.arange(n, dtype=torch.int32), col_block=torch.zeros(k, dtype=torch.int32),
-                    activation="dynamic-token")
-    return Fp8LinearWeight(fp8, "bench", layer(k, n), ACT, "cpu").get_linear(None), dequantize_fp8(fp8)
+def fp8_format(disable: tuple[str, ...] = ()) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+    def build(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+        dense = dense_weight(k, n)
+        scales = channel_scales(dense)  # [N, 1], as Fp8OnLoadLoader quantizes
+        fp8 = Fp8Weight(weight=quantize_e4m3(dense, scales), scale=scales.contiguous(),
+                        row_block=torch.arange(n, dtype=torch.int32), col_block=torch.zeros(k, dtype=torch.int32),
+                        activation="dynamic-token")
+        with kernels_disabled(list(disable)):
+            module = Fp8LinearWeight(fp8, "bench", layer(k, n), ACT, "cpu").get_linear(None)
+        return module, dequantize_fp8(fp8)
+    return build
 
 
 def nf4_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -195,7 +201,8 @@ FORMATS = [
     Format("int8", "int8 per-channel", int_format(8, None, True, False)),
     Format("marlin4", "marlin 4-bit g128 sym*", int_format(4, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
     Format("marlin8", "marlin 8-bit g128 sym*", int_format(8, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
-    Format("fp8", "fp8 e4m3 per-channel", fp8_format),
+    Format("fp8", "fp8 e4m3 per-channel", fp8_format()),
+    Format("fp8-resident", "fp8 e4m3 per-channel*", fp8_format(("fp8-dense",))),
     Format("nf4", "bnb nf4 b64", nf4_format),
     Format("eetq", "eetq int8 per-channel", eetq_format),
     Format("exl2-lo", "exl2 2/3/4-bit g32 act", exl2_format((2, 3, 4, 4))),
@@ -390,6 +397,8 @@ def main() -> None:
     if any(f.key.startswith("marlin") for f in formats):
         print(f"* built with {DISABLE_ENV}=cpu-int4pack,cpu-int8,reference (marlin-layout ranks after the dense "
               "reference on CPU; a Marlin checkpoint otherwise runs on cpu-int4pack or the reference).")
+    if any(f.key == "fp8-resident" for f in formats):
+        print(f"* fp8-resident: built with {DISABLE_ENV}=fp8-dense (fp8-dequant keeps the weight in e4m3).")
     print()
     for stat, name in ((statistics.median, "Median"), (min, "Minimum")):
         for res in results:

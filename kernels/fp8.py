@@ -17,6 +17,8 @@ Kernels (registered in this order, chosen through base.choose_kernel like the in
   scales computed at run time (per token, or per tensor when the checkpoint says so;
   fbgemm's activation_scale_ub caps the per-token maximum). Weights with one scale
   column (per-tensor, per-channel) only: block scales go to fp8-dequant.
+- fp8-dense (CPU, first there): dequantized once at load into the activation dtype; dense
+  speed, dense memory (CPUs have no fp8 arithmetic).
 - fp8-dequant (CPU and CUDA, always): dequantizes the weight per forward, a few rows at a
   time, into the activation dtype and runs a dense matmul. Activations are NOT quantized
   on this path, whatever the checkpoint's activation scheme: it computes x @ W^T with the
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from text_generation_server.kernels.base import LinearSpec, QuantKernel, choose_kernel, register
+from text_generation_server.kernels.base import LinearSpec, QuantKernel, ReferenceLinear, choose_kernel, register
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value
@@ -224,6 +226,23 @@ class Fp8DequantCudaKernel(Fp8DequantKernel):
     device: ClassVar[str] = "cuda"
 
 
+class Fp8DenseKernel(Fp8DequantKernel):
+    """Dequantize once at load into the activation dtype and run torch's dense matmul.
+
+    The CPU default, by the same rule as the integer `reference`: speed first. CPUs have no
+    fp8 arithmetic, and fp8-dequant's per-forward conversion runs at 0.08x bf16 dense at
+    batch 1 on 7B-sized layers (BENCHMARKS.md); this path runs at dense speed, exactly the
+    same weights, with activation-dtype memory. TGS_DISABLE_KERNELS=fp8-dense keeps the
+    weights in fp8 (half of bf16) on fp8-dequant instead.
+    """
+
+    name = "fp8-dense"
+
+    @classmethod
+    def build(cls, weight: Fp8Weight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        return ReferenceLinear(dequantize_fp8(weight, act_dtype), None if bias is None else bias.to(act_dtype))
+
+
 # -- fp8-scaled-mm ----------------------------------------------------------------------------
 def _round16(n: int) -> int:
     return -(-n // 16) * 16
@@ -328,6 +347,7 @@ class Fp8ScaledMMKernel(QuantKernel):
 
 register("cuda", Fp8ScaledMMKernel)
 register("cuda", Fp8DequantCudaKernel)
+register("cpu", Fp8DenseKernel)
 register("cpu", Fp8DequantKernel)
 
 _LOGGED: set[tuple] = set()

@@ -147,6 +147,14 @@ METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 
 
+@pytest.fixture(autouse=True)
+def fp8_resident(monkeypatch):
+    """On CPU fp8-dense (dequantized once at load) ranks first; these tests run the fp8-resident
+    kernel the way a user who disables it does (test_cpu_default_dequantizes_once_at_load
+    covers the default)."""
+    monkeypatch.setenv(DISABLE_ENV, "fp8-dense")
+
+
 @pytest.fixture(scope="module")
 def cases() -> dict:
     out = {}
@@ -301,6 +309,22 @@ def fp8_weight(n=96, k=100, kind="channel", activation="dynamic-token", input_sc
                      None if input_scale is None else torch.tensor(input_scale), ub)
 
 
+def test_cpu_default_dequantizes_once_at_load(cases, monkeypatch):
+    """CPUs have no fp8 arithmetic: by default the weight is dequantized once (dense speed),
+    giving exactly what the fp8-resident kernel computes."""
+    monkeypatch.delenv(DISABLE_ENV)
+    case = cases["fp8-block"]
+    weight = weights_for(case[0], case[2], 0, 1, torch.float32).get_weights_row("m.qkv")
+    bias = torch.randn(N)
+    dense = weight.get_linear(bias)
+    assert dense.kernel_name == "fp8-dense" and dense.weight.dtype == torch.float32
+    monkeypatch.setenv(DISABLE_ENV, "fp8-dense")
+    resident = weight.get_linear(bias)
+    assert resident.kernel_name == "fp8-dequant"
+    x = torch.randn(5, dense.weight.shape[1])
+    torch.testing.assert_close(dense(x), resident(x), atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_choice():
     cpu = fp8_weight().spec(torch.float32, "cpu")
     kernel, rejected = choose_kernel(cpu)
@@ -318,12 +342,9 @@ def test_kernel_choice():
         assert "block scales" in reasons["fp8-scaled-mm"]
     else:
         assert "CUDA" in reasons["fp8-scaled-mm"] or "capability" in reasons["fp8-scaled-mm"]
-    os.environ[DISABLE_ENV] = "fp8-dequant"
-    try:
-        with pytest.raises(NoKernelError, match="fp8-dequant: disabled"):
-            choose_kernel(cpu)
-    finally:
-        del os.environ[DISABLE_ENV]
+    os.environ[DISABLE_ENV] = "fp8-dense,fp8-dequant"
+    with pytest.raises(NoKernelError, match="fp8-dequant: disabled"):
+        choose_kernel(cpu)
 
 
 def emulate_scaled_mm(w: Fp8Weight, x: torch.Tensor) -> torch.Tensor:
