@@ -1,15 +1,32 @@
-"""Test-side builders: small random checkpoints and tokenizers, written to disk.
+"""Test-side builders and runners shared by the test files.
 
-transformers is used here (test time only) to create reference models and to
-save them in the exact Hugging Face layout our loader reads.
+- small random checkpoints and tokenizers, written to disk: transformers is used here
+  (test time only) to create reference models and to save them in the exact Hugging
+  Face layout our loader reads;
+- what the end-to-end tests ask of a loaded model (prompt log-probs, greedy tokens,
+  the kernel each linear runs) and the kernel modes they compare;
+- world size N: gloo ranks in spawned processes (`run_ranks`, `rank_process_group`);
+- the loader matrix: one tensor loaded whole, by columns, fused or by rows, and the
+  shards put back together.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SAMPLE_TEXT = [
@@ -91,3 +108,222 @@ def write_checkpoint(folder: Path, name: str = "llama", seed: int = 0, dtype=tor
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     return model
+
+
+PT = {"format": "pt"}  # the safetensors metadata torch-side tools write
+
+
+def write_model_folder(folder: Path, original: Path, tensors: dict[str, torch.Tensor], config: dict,
+                       metadata: dict[str, str] | None = PT) -> Path:
+    """A new checkpoint folder: `tensors`, `config` as config.json, and the tokenizer and generation config
+    of the checkpoint in `original`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    for extra in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(original / extra, folder / extra)
+    save_file(tensors, str(folder / "model.safetensors"), metadata=metadata)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# -- end to end: what the tests ask of a loaded model ------------------------------------------------
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
+
+
+def prompt_logprobs(lm) -> torch.Tensor:
+    """log p(token_i | prefix) of every prompt token after the first, all prompts concatenated."""
+    from text_generation_server.models.types import GenerationRequest
+
+    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
+                for i, p in enumerate(PROMPTS)]
+    lm.allocate_kv_cache(16)  # generate() sizes a cache for its first call only
+    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
+
+
+def greedy(lm, tokens: int = 8) -> list[list[int]]:
+    from text_generation_server.models.types import GenerationRequest
+
+    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=tokens, ignore_eos_token=True)
+                for i, p in enumerate(PROMPTS)]
+    lm.allocate_kv_cache(16)
+    return [done.token_ids for done in lm.generate(requests)]
+
+
+def kernel_names(lm) -> dict[str, str]:
+    """module name -> the kernel its linear runs."""
+    modules = lm.model.named_modules()
+    return {name: m.kernel_name for name, m in modules if isinstance(getattr(m, "kernel_name", None), str)}
+
+
+def kernels_used(lm) -> set[str]:
+    return set(kernel_names(lm).values())
+
+
+def fast_kernels(*extra: str) -> str:
+    """Every registered CPU kernel but the reference (and `extra`), as TGS_DISABLE_KERNELS wants them
+    to leave only the reference."""
+    from text_generation_server.kernels.base import KERNELS
+
+    importlib.import_module("text_generation_server.kernels.registry")  # registers the kernels
+    return ",".join([k.name for k in KERNELS["cpu"] if k.name != "reference"] + list(extra))
+
+
+def assert_bfloat16_close(lm, reference: Path | str, atol: float = 0.1) -> None:
+    """`lm`, loaded with bfloat16 activations, gives finite prompt log-probs within `atol` of those of the dense
+    float32 checkpoint `reference` (its weights dequantized)."""
+    from text_generation_server.models import get_model
+
+    got = prompt_logprobs(lm)
+    want = prompt_logprobs(get_model(str(reference), dtype="float32"))
+    assert torch.isfinite(got).all(), got
+    assert (got - want).abs().max() < atol, kernel_names(lm)
+
+
+# Two ranks against one process: float32 summation order on the reference kernel, bf16 activations on the
+# chosen kernels.
+MODE_ATOL = {"reference": 1e-4, "chosen": 0.05}
+
+
+def kernel_modes(setenv: Callable[[str, str], None] = os.environ.__setitem__, extra: tuple[str, ...] = ()
+                 ) -> Iterator[str]:
+    """Yields "reference" after disabling every fast CPU kernel (`fast_kernels(*extra)`), then "chosen" after
+    disabling none; `setenv` sets TGS_DISABLE_KERNELS (monkeypatch.setenv in a test, os.environ in a rank)."""
+    from text_generation_server.kernels.base import DISABLE_ENV
+
+    for mode in MODE_ATOL:
+        setenv(DISABLE_ENV, fast_kernels(*extra) if mode == "reference" else "")
+        yield mode
+
+
+def _logprobs_and_tokens_per_mode(pg, folders: dict[str, str], tokens: int) -> dict:
+    """A rank's work in `run_ranks_per_mode`."""
+    from text_generation_server.models import get_model
+
+    results = {}
+    for mode in kernel_modes():
+        for name, folder in folders.items():
+            lm = get_model(folder, dtype="float32", process_group=pg)
+            results[mode, name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm, tokens)}
+    return results
+
+
+def run_ranks_per_mode(folders: dict, names, world: int, out_dir: Path | str, timeout_s: float, tokens: int = 8
+                       ) -> list[dict]:
+    """Each rank's prompt log-probs and greedy tokens of the checkpoints `folders[name]` for `names`, per kernel
+    mode: {(mode, name): {"logprobs": ..., "tokens": ...}}, in rank order."""
+    paths = {name: str(folders[name]) for name in names}
+    return run_ranks(_logprobs_and_tokens_per_mode, (paths, tokens), world, out_dir, timeout_s)
+
+
+def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, monkeypatch, tokens: int = 8) -> None:
+    """What `run_ranks_per_mode` gave on each rank equals one process: the same greedy tokens on the
+    reference kernel, log-probs within MODE_ATOL."""
+    from text_generation_server.models import get_model
+
+    for mode in kernel_modes(monkeypatch.setenv):
+        lm = get_model(folder, dtype="float32")
+        want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm, tokens)
+        for rank in ranks:
+            got = rank[mode, name]
+            if mode == "reference":
+                assert got["tokens"] == want_tokens, (mode, got["tokens"], want_tokens)
+            assert math.isfinite(got["logprobs"].sum().item()), (mode, got["logprobs"])
+            torch.testing.assert_close(got["logprobs"], want_logprobs, atol=MODE_ATOL[mode], rtol=0)
+
+
+# -- world size N: gloo ranks in spawned processes ---------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def rank_process_group(rank: int, port: int, world: int, timeout_s: float = 60):
+    """In a spawned rank: one torch thread, the gloo group on 127.0.0.1:`port` (yielded), destroyed on exit."""
+    from text_generation_server.utils.dist import initialize_process_group
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    pg = initialize_process_group(rank, world, torch.device("cpu"), timeout_s=timeout_s)
+    try:
+        yield pg
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_entry(rank: int, target: Callable, args: tuple, world: int, port: int, out_dir: str,
+                group_timeout_s: float) -> None:
+    with rank_process_group(rank, port, world, group_timeout_s) as pg:
+        torch.save(target(pg, *args), Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(target: Callable, args: tuple, world: int, out_dir: Path | str, timeout_s: float,
+              group_timeout_s: float = 60) -> list:
+    """Runs `target(pg, *args)` in `world` spawned gloo ranks and returns what each rank returned, in rank
+    order (saved as out_dir/rank{r}.pt). `target` must be a module-level function (the ranks unpickle it).
+    Past `timeout_s` the ranks are killed and the test fails; `group_timeout_s` bounds each collective."""
+    ctx = mp.spawn(_rank_entry, args=(target, args, world, free_port(), str(out_dir), group_timeout_s),
+                   nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"the {world} gloo ranks did not finish within {timeout_s} s")
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+
+
+# -- the loader matrix: "m.qkv" (and its parts "m.q", "m.k", ...) loaded every way a layer asks --------
+METHODS = ["full", "col", "col_packed", "multi_col", "row"]
+
+
+def load_qkv(weights, method: str, parts: dict[str, int]):
+    """The typed weight that `method` loads from `weights`: whole, by output columns, by columns of each part
+    (col_packed: of the fused tensor; multi_col: of the separate part tensors, fused) or by input rows."""
+    if method == "full":
+        return weights.get_weights("m.qkv")
+    if method == "col":
+        return weights.get_weights_col("m.qkv")
+    if method == "col_packed":
+        return weights.get_weights_col_packed("m.qkv", list(parts.values()))
+    if method == "multi_col":
+        return weights.get_multi_weights_col([f"m.{p}" for p in parts], dim=0)
+    return weights.get_weights_row("m.qkv")
+
+
+def join_shards(method: str, shards: list[torch.Tensor], parts: dict[str, int]) -> torch.Tensor:
+    """The ranks' dense shards put back together (full: rank 0's)."""
+    if method == "full":
+        return shards[0]
+    if method == "col":
+        return torch.cat(shards)
+    if method == "row":
+        return torch.cat(shards, dim=1)
+    local = [n // len(shards) for n in parts.values()]  # fused: each rank holds its share of every part, in order
+    return torch.cat([torch.cat([s.split(local)[i] for s in shards]) for i in range(len(parts))])
+
+
+def qkv_of(method: str, dense: dict[str, torch.Tensor], parts: dict[str, int]) -> torch.Tensor:
+    """What the joined shards of `method` must equal, from the dense weights by prefix."""
+    return torch.cat([dense[f"m.{p}"] for p in parts]) if method == "multi_col" else dense["m.qkv"]
+
+
+# -- kernels ------------------------------------------------------------------------------------------
+def make_weight(k: int, n: int, bits: int, group_size: int, sym: bool, act_order: bool, seed: int = 0,
+                g_idx: torch.Tensor | None = None):
+    """A random canonical QuantizedWeight [n, k] (act_order: a shuffled g_idx; `g_idx` given: that one)."""
+    from text_generation_server.kernels.base import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group_size) if g_idx is None else int(g_idx.max()) + 1
+    q = torch.randint(0, 2**bits, (k, n), generator=gen).to(torch.uint8)
+    scales = (torch.rand(groups, n, generator=gen) + 0.5) / 2**bits
+    zeros = None if sym else torch.randint(0, 2**bits, (groups, n), generator=gen).float()
+    if g_idx is None:
+        g_idx = torch.arange(k, dtype=torch.int32) // group_size
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return QuantizedWeight(q, scales, zeros, g_idx.to(torch.int32), bits, group_size)

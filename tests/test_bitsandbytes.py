@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 import bitsandbytes.functional as bnb_f
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, join_shards, kernel_modes, kernels_used,
+                     load_qkv, prompt_logprobs, run_ranks, write_checkpoint, write_model_folder)
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, dequantize
+from text_generation_server.kernels.base import DISABLE_ENV, dequantize
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.bitsandbytes import (
     Bnb4bitWeight,
@@ -39,7 +34,7 @@ from text_generation_server.quantizers.bitsandbytes import (
     choose_4bit_kernel,
 )
 from text_generation_server.quantizers.eetq import ChannelInt8Weight
-from text_generation_server.utils.dist import ProcessGroup, initialize_process_group
+from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, UnquantizedWeight, Weights
 
 torch.set_num_threads(1)
@@ -191,7 +186,6 @@ def test_missing_package_is_a_clear_error(monkeypatch):
 
 
 # -- loader matrix --------------------------------------------------------------------------------
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 
 
@@ -249,28 +243,7 @@ def weights_for(tensors: dict, config: BnbConfig, rank: int = 0, world: int = 1)
 
 
 def load(tensors, config, parts, method: str, rank: int, world: int):
-    w = weights_for(tensors, config, rank, world)
-    if method == "full":
-        return w.get_weights("m.qkv")
-    if method == "col":
-        return w.get_weights_col("m.qkv")
-    if method == "col_packed":
-        return w.get_weights_col_packed("m.qkv", list(parts.values()))
-    if method == "multi_col":
-        return w.get_multi_weights_col([f"m.{p}" for p in parts], dim=0)
-    return w.get_weights_row("m.qkv")
-
-
-def reassemble(method: str, shards: list[torch.Tensor], parts: dict[str, int]) -> torch.Tensor:
-    world = len(shards)
-    if method == "full":
-        return shards[0]
-    if method == "col":
-        return torch.cat(shards)
-    if method == "row":
-        return torch.cat(shards, dim=1)
-    local = [n // world for n in parts.values()]
-    return torch.cat([torch.cat([s.split(local)[i] for s in shards]) for i in range(len(parts))])
+    return load_qkv(weights_for(tensors, config, rank, world), method, parts)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -286,7 +259,7 @@ def test_loader_matrix(cases, name, method, world):
         assert tuple(w.shape) == want_shape
         if k % 64 == 0:  # compact everywhere: no shard falls back to a dense weight
             assert isinstance(w, ChannelInt8Weight if "int8" in name else Bnb4bitWeight), type(w)
-    got = reassemble(method, [dense_of(w) for w in weights], parts)
+    got = join_shards(method, [dense_of(w) for w in weights], parts)
     if config.prequantized:
         want = torch.cat([dense[f"m.{p}"] for p in parts]) if method == "multi_col" else dense["m.qkv"]
     else:  # on load: sharded equals unsharded, which is within quantization error of the checkpoint
@@ -497,7 +470,6 @@ def test_bad_int8_checkpoints_name_the_tensor():
 SHAPE = dict(hidden_size=192, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
 # name -> (flag for get_model, how the checkpoint was quantized, modules left dense)
 VARIANTS = {
     "onload-nf4": ("bitsandbytes-nf4", None, ()),
@@ -544,13 +516,7 @@ def write_variant(original: Path, root: Path, name: str) -> dict[str, Path]:
     if qconfig:
         folders.append(("ckpt", quantized, config | {"quantization_config": hf_config(**qconfig)}))
     for label, tensors, cfg in folders:
-        folder = root / f"{name}.{label}"
-        folder.mkdir()
-        for extra in ("tokenizer.json", "generation_config.json"):
-            (folder / extra).write_bytes((original / extra).read_bytes())
-        save_file(tensors, str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(cfg))
-        out[label] = folder
+        out[label] = write_model_folder(root / f"{name}.{label}", original, tensors, cfg, metadata=None)
     out.setdefault("ckpt", original)
     return out
 
@@ -562,27 +528,11 @@ def folders(tmp_path_factory) -> dict:
     return {"original": root / "llama"} | {name: write_variant(root / "llama", root, name) for name in VARIANTS}
 
 
-def prompt_logprobs(lm) -> torch.Tensor:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
-
-
-def kernel_names(lm) -> set[str]:
-    return {m.kernel_name for _, m in lm.model.named_modules() if isinstance(getattr(m, "kernel_name", None), str)}
-
-
 def load_variant(folders, name: str, **kwargs):
     return get_model(str(folders[name]["ckpt"]), dtype="float32", quantize=VARIANTS[name][0], **kwargs)
 
 
-def fast_kernels() -> str:
-    import importlib
-
-    importlib.import_module("text_generation_server.kernels.registry")
-    names = [k.name for k in KERNELS["cpu"] if k.name != "reference"]
-    return ",".join(names + ["bnb-cpu-4bit", "bnb-matmul-4bit"])
+BNB_FAST = ("bnb-cpu-4bit", "bnb-matmul-4bit")  # the 4-bit kernels, outside kernels.base.KERNELS
 
 
 @pytest.fixture(scope="module")
@@ -592,11 +542,11 @@ def original_logprobs(folders) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_reference_path_equals_dequantized_checkpoint(folders, original_logprobs, name, monkeypatch):
-    monkeypatch.setenv(DISABLE_ENV, fast_kernels())
+    monkeypatch.setenv(DISABLE_ENV, fast_kernels(*BNB_FAST))
     lm = load_variant(folders, name)
     # The reported flag names the kind: nf4, fp4 and int8 are all quant_method bitsandbytes.
     assert lm.quantize == {"int8": "bitsandbytes", "nf4": "bitsandbytes-nf4", "fp4": "bitsandbytes-fp4"}[kind_of(name)]
-    assert kernel_names(lm) <= {"reference", "dense"}
+    assert kernels_used(lm) <= {"reference", "dense"}
     got = prompt_logprobs(lm)
     want = prompt_logprobs(get_model(str(folders[name]["ref"]), dtype="float32"))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
@@ -608,7 +558,7 @@ def test_reference_path_equals_dequantized_checkpoint(folders, original_logprobs
 def test_chosen_kernels_stay_close(folders, name, monkeypatch):
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     lm = load_variant(folders, name)
-    kernels = kernel_names(lm)
+    kernels = kernels_used(lm)
     if kind_of(name) == "int8":
         assert kernels == {"cpu-int8"}
     else:  # without AVX512-BF16 the dense reference outruns bnb-matmul-4bit's dequantize per call
@@ -622,54 +572,28 @@ def test_chosen_kernels_stay_close(folders, name, monkeypatch):
 
 
 def test_bfloat16_model(folders):
-    want = prompt_logprobs(get_model(str(folders["nf4-dq"]["ref"]), dtype="float32"))
-    got = prompt_logprobs(get_model(str(folders["nf4-dq"]["ckpt"]), dtype="bfloat16"))
-    assert torch.isfinite(got).all() and (got - want).abs().max() < 0.1
+    assert_bfloat16_close(get_model(str(folders["nf4-dq"]["ckpt"]), dtype="bfloat16"), folders["nf4-dq"]["ref"])
 
 
 # -- world size 2 ------------------------------------------------------------------------------
-def _rank_main(rank: int, port: int, folders: dict, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=120)
-    results = {}
-    try:
-        for mode, disabled in (("reference", fast_kernels()), ("chosen", "")):
-            os.environ[DISABLE_ENV] = disabled
-            for name in VARIANTS:
-                results[mode, name] = prompt_logprobs(load_variant(folders, name, process_group=pg))
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_main(pg, folders: dict) -> dict:
+    return {(mode, name): prompt_logprobs(load_variant(folders, name, process_group=pg))
+            for mode in kernel_modes(extra=BNB_FAST) for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("bnb_tp")
-    ctx = mp.spawn(_rank_main, args=(free_port(), folders, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank_main, (folders,), WORLD, tmp_path_factory.mktemp("bnb_tp"), SPAWN_TIMEOUT_S,
+                     group_timeout_s=120)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_world_size_2_matches_world_size_1(folders, world2, name, monkeypatch):
     """Shards hold the unsharded blocks (o_proj's 96 columns per rank are padded to whole blocks), so on the
     reference kernel two ranks reproduce one up to float32 summation order; the chosen kernels up to bf16."""
-    for mode, atol in (("reference", 1e-4), ("chosen", 0.05)):
-        monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
+    for mode in kernel_modes(monkeypatch.setenv, BNB_FAST):
         want = prompt_logprobs(load_variant(folders, name))
         for rank in range(WORLD):
             got = world2[rank][mode, name]
             assert math.isfinite(got.sum().item())
-            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            torch.testing.assert_close(got, want, atol=MODE_ATOL[mode], rtol=0)

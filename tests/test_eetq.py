@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, join_shards, kernel_modes, kernels_used,
+                     load_qkv, prompt_logprobs, run_ranks, write_checkpoint)
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, dequantize
+from text_generation_server.kernels.base import DISABLE_ENV, dequantize
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, EetqConfig
-from text_generation_server.utils.dist import ProcessGroup, initialize_process_group
+from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
 
 torch.set_num_threads(1)
@@ -35,7 +30,6 @@ torch.set_num_threads(1)
 K = 384
 PARTS = {"q": 256, "k": 128, "v": 128}
 N = sum(PARTS.values())
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 CONFIG = EetqConfig(source="test")
 
@@ -68,33 +62,16 @@ def dense_of(w: ChannelInt8Weight) -> torch.Tensor:
 
 
 def load(tensors, method: str, rank: int, world: int) -> ChannelInt8Weight:
-    w = weights_for(tensors, rank, world)
-    if method == "full":
-        return w.get_weights("m.qkv")
-    if method == "col":
-        return w.get_weights_col("m.qkv")
-    if method == "col_packed":
-        return w.get_weights_col_packed("m.qkv", list(PARTS.values()))
-    if method == "multi_col":
-        return w.get_multi_weights_col([f"m.{p}" for p in PARTS], dim=0)
-    return w.get_weights_row("m.qkv")
+    return load_qkv(weights_for(tensors, rank, world), method, PARTS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("method", METHODS)
 def test_loader_matrix(tensors, method, world):
     shards = [load(tensors, method, rank, world) for rank in range(world)]
-    dense = [dense_of(s) for s in shards]
-    if method == "full":
-        got = dense[0]
-    elif method == "row":
+    if method == "row":
         assert all(s.shape == (N, K // world) for s in shards)
-        got = torch.cat(dense, dim=1)
-    elif method == "col":
-        got = torch.cat(dense)
-    else:
-        local = [n // world for n in PARTS.values()]
-        got = torch.cat([torch.cat([d.split(local)[i] for d in dense]) for i in range(len(PARTS))])
+    got = join_shards(method, [dense_of(s) for s in shards], PARTS)
     if method == "multi_col":
         want = torch.cat([int8_reference(tensors[f"m.{p}.weight"]) for p in PARTS])
     else:
@@ -169,7 +146,6 @@ def test_config(tmp_path):
 SHAPE = dict(hidden_size=192, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
 WORLD = 2
 SPAWN_TIMEOUT_S = 180
 
@@ -190,30 +166,12 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"original": original, "ref": ref}
 
 
-def prompt_logprobs(lm) -> torch.Tensor:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
-
-
-def kernel_names(lm) -> set[str]:
-    return {m.kernel_name for _, m in lm.model.named_modules() if isinstance(getattr(m, "kernel_name", None), str)}
-
-
-def fast_kernels() -> str:
-    import importlib
-
-    importlib.import_module("text_generation_server.kernels.registry")
-    return ",".join(k.name for k in KERNELS["cpu"] if k.name != "reference")
-
-
 @pytest.mark.parametrize("mode", ["reference", "chosen"])
 def test_eetq_equals_int8_dequant_reference(folders, mode, monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
     lm = get_model(str(folders["original"]), dtype="float32", quantize="eetq")
     assert lm.quantize == "eetq"
-    assert kernel_names(lm) == ({"reference"} if mode == "reference" else {"cpu-int8"})
+    assert kernels_used(lm) == ({"reference"} if mode == "reference" else {"cpu-int8"})
     got = prompt_logprobs(lm)
     want = prompt_logprobs(get_model(str(folders["ref"]), dtype="float32"))
     if mode == "reference":
@@ -225,44 +183,19 @@ def test_eetq_equals_int8_dequant_reference(folders, mode, monkeypatch):
 
 
 def test_bfloat16_model(folders):
-    got = prompt_logprobs(get_model(str(folders["original"]), dtype="bfloat16", quantize="eetq"))
-    want = prompt_logprobs(get_model(str(folders["ref"]), dtype="float32"))
-    assert torch.isfinite(got).all() and (got - want).abs().max() < 0.1
+    assert_bfloat16_close(get_model(str(folders["original"]), dtype="bfloat16", quantize="eetq"), folders["ref"])
 
 
-def _rank_main(rank: int, port: int, folder: str, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=60)
-    results = {}
-    try:
-        for mode, disabled in (("reference", fast_kernels()), ("chosen", "")):
-            os.environ[DISABLE_ENV] = disabled
-            results[mode] = prompt_logprobs(get_model(folder, dtype="float32", quantize="eetq", process_group=pg))
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_main(pg, folder: str) -> dict:
+    return {mode: prompt_logprobs(get_model(folder, dtype="float32", quantize="eetq", process_group=pg))
+            for mode in kernel_modes()}
 
 
 def test_world_size_2_matches_world_size_1(folders, tmp_path, monkeypatch):
     """o_proj and down_proj shard their input columns: full-row scales keep every rank on the unsharded grid."""
-    ctx = mp.spawn(_rank_main, args=(free_port(), str(folders["original"]), str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for mode, atol in (("reference", 1e-4), ("chosen", 0.05)):
-        monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
+    ranks = run_ranks(_rank_main, (str(folders["original"]),), WORLD, tmp_path, SPAWN_TIMEOUT_S)
+    for mode in kernel_modes(monkeypatch.setenv):
         want = prompt_logprobs(get_model(str(folders["original"]), dtype="float32", quantize="eetq"))
         for rank in range(WORLD):
             assert math.isfinite(ranks[rank][mode].sum().item())
-            torch.testing.assert_close(ranks[rank][mode], want, atol=atol, rtol=0)
+            torch.testing.assert_close(ranks[rank][mode], want, atol=MODE_ATOL[mode], rtol=0)

@@ -9,28 +9,24 @@ back in original order through the permutation.
 from __future__ import annotations
 
 import json
-import math
-import os
-import shutil
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from exl2_packer import Exl2Layer, exl2_tensors, pack_columns, pack_rows_4, quantize_exl2
-from helpers import write_checkpoint
-from safetensors.torch import load_file, save_file
-from test_quant_e2e import SHAPE, fast_kernels, free_port, greedy, kernel_names, prompt_logprobs
+from helpers import (METHODS, assert_bfloat16_close, assert_ranks_match_one_process, fast_kernels, join_shards,
+                     kernel_names, load_qkv, prompt_logprobs, qkv_of, run_ranks_per_mode, write_checkpoint,
+                     write_model_folder)
+from safetensors.torch import load_file
+from test_quant_e2e import SHAPE
 
 from text_generation_server.kernels.base import DISABLE_ENV, dequantize
 from text_generation_server.kernels.cpu import CpuInt4PackKernel
 from text_generation_server.models import get_model
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.exl2 import Exl2Config, Exl2Weight
-from text_generation_server.utils.dist import ProcessGroup, initialize_process_group
+from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, UnquantizedWeight, Weights
 
 torch.set_num_threads(1)
@@ -39,7 +35,6 @@ K = 384  # 96 rows per rank at world size 4
 PARTS = {"q": 256, "k": 128, "v": 128}
 N = sum(PARTS.values())
 WORLDS = [1, 2, 4]
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 CONFIG = Exl2Config(source="test")
 
 # Every width in one tensor, groups of 32 to 128 rows, widest first as the converter orders them.
@@ -159,16 +154,7 @@ def test_scales_follow_exllamav2_fp16_rounding():
 
 # -- loader matrix -------------------------------------------------------------------------------
 def load(tensors: dict, method: str, rank: int, world: int) -> torch.Tensor:
-    w = weights_for(tensors, rank, world)
-    if method == "full":
-        return dense_of(w.get_weights("m.qkv"))
-    if method == "col":
-        return dense_of(w.get_weights_col("m.qkv"))
-    if method == "col_packed":
-        return dense_of(w.get_weights_col_packed("m.qkv", list(PARTS.values())))
-    if method == "multi_col":
-        return dense_of(w.get_multi_weights_col([f"m.{p}" for p in PARTS], dim=0))
-    return dense_of(w.get_weights_row("m.qkv"))
+    return dense_of(load_qkv(weights_for(tensors, rank, world), method, PARTS))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -179,17 +165,9 @@ def test_loader_matrix(cases, name, method, world):
     shards = [load(tensors, method, rank, world) for rank in range(world)]
     if method == "full":
         assert all(torch.equal(s, shards[0]) for s in shards)
-        got, want = shards[0], dense["m.qkv"]
-    elif method == "col":
-        got, want = torch.cat(shards), dense["m.qkv"]
     elif method == "row":
         assert all(s.shape == (N, K // world) for s in shards)
-        got, want = torch.cat(shards, dim=1), dense["m.qkv"]
-    else:  # each rank holds its share of every part, parts in order
-        local = [n // world for n in PARTS.values()]
-        got = torch.cat([torch.cat([s.split(local)[i] for s in shards]) for i in range(len(PARTS))])
-        want = dense["m.qkv"] if method == "col_packed" else torch.cat([dense[f"m.{p}"] for p in PARTS])
-    assert torch.equal(got, want)
+    assert torch.equal(join_shards(method, shards, PARTS), qkv_of(method, dense, PARTS))
 
 
 def test_row_shards_keep_only_the_groups_their_rows_use(cases):
@@ -416,12 +394,8 @@ def write_exl2(original: Path, folder: Path, reference: Path, plans: dict, seed:
         quantized |= exl2_tensors(prefix, layer)
         dense[name] = layer.dense()
     config = json.loads((original / "config.json").read_text()) | {"torch_dtype": "float16"}
-    for out, tensors, qc in ((folder, quantized, exllamav2_config()), (reference, dense, None)):
-        out.mkdir(parents=True)
-        for extra in ("tokenizer.json", "generation_config.json"):
-            shutil.copy(original / extra, out / extra)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(config | ({"quantization_config": qc} if qc else {})))
+    write_model_folder(folder, original, quantized, config | {"quantization_config": exllamav2_config()})
+    write_model_folder(reference, original, dense, config)
 
 
 @pytest.fixture(scope="module")
@@ -487,55 +461,16 @@ def test_chosen_kernels_stay_close_to_the_reference(folders, name):
 
 @pytest.mark.parametrize("name", list(E2E_PLANS))
 def test_bfloat16_activations(folders, name):
-    lm = get_model(str(folders[name]), dtype="bfloat16")
-    got = prompt_logprobs(lm)
-    want = prompt_logprobs(get_model(str(folders[f"{name}.dense"]), dtype="float32"))
-    assert torch.isfinite(got).all()
-    assert (got - want).abs().max() < 0.1, kernel_names(lm)
-
-
-def _rank_main(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=60)
-    results = {}
-    try:
-        for mode, disabled in (("reference", fast_kernels()), ("chosen", "")):
-            os.environ[DISABLE_ENV] = disabled
-            for name, folder in folders.items():
-                lm = get_model(folder, dtype="float32", process_group=pg)
-                results[mode, name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm)}
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+    assert_bfloat16_close(get_model(str(folders[name]), dtype="bfloat16"), folders[f"{name}.dense"])
 
 
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("exl2_tp")
-    names = {name: str(folders[name]) for name in E2E_PLANS}
-    ctx = mp.spawn(_rank_main, args=(free_port(), names, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks_per_mode(folders, E2E_PLANS, WORLD, tmp_path_factory.mktemp("exl2_tp"), SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", list(E2E_PLANS))
 def test_world_size_2_matches_world_size_1(folders, world2, name, monkeypatch):
     """Sharded EXL2 (TGI refuses it) reproduces one process: exactly up to float32 summation order
     on the reference kernel, up to bf16 activation rounding on the chosen kernels."""
-    for mode, atol in (("reference", 1e-4), ("chosen", 0.05)):
-        monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
-        lm = get_model(str(folders[name]), dtype="float32")
-        want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm)
-        for rank in range(WORLD):
-            got = world2[rank][mode, name]
-            if mode == "reference":
-                assert got["tokens"] == want_tokens
-            assert math.isfinite(got["logprobs"].sum().item())
-            torch.testing.assert_close(got["logprobs"], want_logprobs, atol=atol, rtol=0)
+    assert_ranks_match_one_process(world2, name, str(folders[name]), monkeypatch)

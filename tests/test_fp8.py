@@ -16,15 +16,12 @@ import json
 import math
 import os
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import (METHODS, assert_bfloat16_close, greedy, join_shards, kernel_names, load_qkv, prompt_logprobs,
+                     qkv_of, run_ranks, write_checkpoint, write_model_folder)
 from safetensors.torch import load_file, save_file
 
 from text_generation_server.kernels import registry  # noqa: F401  (registers every kernel in priority order)
@@ -37,11 +34,10 @@ from text_generation_server.kernels.fp8 import (
     fp8_to_float32,
 )
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.config import CompressedTensorsConfig
 from text_generation_server.quantizers.fp8 import Fp8Config
-from text_generation_server.utils.dist import ProcessGroup, initialize_process_group
+from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
 
 torch.set_num_threads(1)
@@ -143,7 +139,6 @@ def config_of(qconfig: dict):
 K = 320  # 80 columns per rank at world size 4: row shards cut the 128-column blocks
 PARTS = {"q": 192, "k": 96, "v": 96}  # fused qkv: block rows 128..255 span q and k
 N = sum(PARTS.values())
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 
 
@@ -177,31 +172,15 @@ def weights_for(tensors: dict, config, rank: int = 0, world: int = 1, dtype=torc
 
 
 def load(case, method: str, rank: int, world: int):
-    w = weights_for(case[0], case[2], rank, world)
-    if method == "full":
-        return w.get_weights("m.qkv")
-    if method == "col":
-        return w.get_weights_col("m.qkv")
-    if method == "col_packed":
-        return w.get_weights_col_packed("m.qkv", list(PARTS.values()))
-    if method == "multi_col":
-        return w.get_multi_weights_col([f"m.{p}" for p in PARTS], dim=0)
-    return w.get_weights_row("m.qkv")
+    return load_qkv(weights_for(case[0], case[2], rank, world), method, PARTS)
 
 
 def reassemble(method: str, shards: list, want: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the ranks' dequantized weights put back together, the dense weight they must equal)."""
     world, dense = len(shards), [s.dequantize() for s in shards]
-    if method == "full":
-        return dense[0], want["m.qkv"]
-    if method == "col":
-        return torch.cat(dense), want["m.qkv"]
     if method == "row":
         assert all(d.shape == (N, K // world) for d in dense)
-        return torch.cat(dense, dim=1), want["m.qkv"]
-    local = [n // world for n in PARTS.values()]  # fused: each rank holds its share of every part
-    got = torch.cat([torch.cat([d.split(local)[i] for d in dense]) for i in range(len(PARTS))])
-    return got, want["m.qkv"] if method == "col_packed" else torch.cat([want[f"m.{p}"] for p in PARTS])
+    return join_shards(method, dense, PARTS), qkv_of(method, want, PARTS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -528,7 +507,6 @@ def test_bad_tensors_name_the_tensor(cases, name):
 SHAPE = dict(hidden_size=192, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.qkv_proj", "mlp.gate_up_proj")
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
 DENSE_MLP1 = ["model.layers.1.mlp"]
 # name -> (architecture, layout, quantization_config, modules left dense)
 VARIANTS = {
@@ -566,12 +544,8 @@ def write_variant(original: Path, folder: Path, reference: Path, layout: str, qc
     outputs = [(reference, dense)] + ([] if layout == "on-load" else [(folder, quantized)])
     config = json.loads((original / "config.json").read_text())
     for out, tensors in outputs:
-        out.mkdir(parents=True)
-        for extra in ("tokenizer.json", "generation_config.json"):
-            shutil.copy(original / extra, out / extra)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         qc = {"quantization_config": qconfig} if out == folder else {}
-        (out / "config.json").write_text(json.dumps(config | {"torch_dtype": "float16"} | qc))
+        write_model_folder(out, original, tensors, config | {"torch_dtype": "float16"} | qc)
 
 
 @pytest.fixture(scope="module")
@@ -590,25 +564,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         write_variant(out[arch], out[arch], root / f"{arch}.on-load.dense", "on-load", None)
         out[f"{arch}.on-load.dense"] = root / f"{arch}.on-load.dense"
     return out
-
-
-def prompt_logprobs(lm) -> torch.Tensor:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
-
-
-def greedy(lm, tokens: int = 6) -> list[list[int]]:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=tokens, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return [done.token_ids for done in lm.generate(requests)]
-
-
-def kernel_names(lm) -> dict[str, str]:
-    return {name: m.kernel_name for name, m in lm.model.named_modules()
-            if isinstance(getattr(m, "kernel_name", None), str)}
 
 
 @pytest.fixture(scope="module")
@@ -674,36 +629,22 @@ def test_quantize_flag(folders, tmp_path):
 
 
 def test_bfloat16_activations(folders):
-    lm = get_model(str(folders["ct-fp8-block-phi3"]), dtype="bfloat16")
-    got = prompt_logprobs(lm)
-    want = prompt_logprobs(get_model(str(folders["ct-fp8-block-phi3.dense"]), dtype="float32"))
-    assert torch.isfinite(got).all() and (got - want).abs().max() < 0.1
+    assert_bfloat16_close(get_model(str(folders["ct-fp8-block-phi3"]), dtype="bfloat16"),
+                          folders["ct-fp8-block-phi3.dense"])
 
 
 # -- world size 2 ------------------------------------------------------------------------------
 WORLD = 2
 SPAWN_TIMEOUT_S = 180
+TOKENS = 6  # greedy tokens compared
 
 
-def _rank_main(rank: int, port: int, runs: dict[str, tuple[str, str | None]], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=60)
+def _rank_main(pg, runs: dict[str, tuple[str, str | None]]) -> dict:
     results = {}
-    try:
-        for name, (folder, quantize) in runs.items():
-            lm = get_model(folder, dtype="float32", process_group=pg, quantize=quantize)
-            results[name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm)}
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for name, (folder, quantize) in runs.items():
+        lm = get_model(folder, dtype="float32", process_group=pg, quantize=quantize)
+        results[name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm, TOKENS)}
+    return results
 
 
 def world2_runs(folders) -> dict[str, tuple[str, str | None]]:
@@ -712,15 +653,7 @@ def world2_runs(folders) -> dict[str, tuple[str, str | None]]:
 
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("fp8_tp")
-    ctx = mp.spawn(_rank_main, args=(free_port(), world2_runs(folders), str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank_main, (world2_runs(folders),), WORLD, tmp_path_factory.mktemp("fp8_tp"), SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [*VARIANTS, "on-load"])
@@ -728,7 +661,7 @@ def test_world_size_2_matches_world_size_1(folders, world2, name):
     """Block scales cut by the rank boundary (q rows 96.., o_proj/down_proj columns 96..) included."""
     folder, quantize = world2_runs(folders)[name]
     lm = get_model(folder, dtype="float32", quantize=quantize)
-    want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm)
+    want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm, TOKENS)
     for rank in range(WORLD):
         got = world2[rank][name]
         assert got["tokens"] == want_tokens

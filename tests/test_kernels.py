@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from helpers import make_weight
 
 from text_generation_server.kernels import cpu, packing
 from text_generation_server.kernels.base import (
@@ -27,20 +28,6 @@ from text_generation_server.kernels.base import (
 )
 
 torch.set_num_threads(1)
-
-
-def make_weight(k: int, n: int, bits: int, group_size: int, sym: bool, act_order: bool, seed: int = 0,
-                g_idx: torch.Tensor | None = None) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    groups = -(-k // group_size) if g_idx is None else int(g_idx.max()) + 1
-    q = torch.randint(0, 2**bits, (k, n), generator=gen).to(torch.uint8)
-    scales = (torch.rand(groups, n, generator=gen) + 0.5) / 2**bits
-    zeros = None if sym else torch.randint(0, 2**bits, (groups, n), generator=gen).float()
-    if g_idx is None:
-        g_idx = torch.arange(k, dtype=torch.int32) // group_size
-        if act_order:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
-    return QuantizedWeight(q, scales, zeros, g_idx.to(torch.int32), bits, group_size)
 
 
 def rel_err(w: QuantizedWeight, module: torch.nn.Module, dtype: torch.dtype, bias: torch.Tensor | None,

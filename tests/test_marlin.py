@@ -7,20 +7,13 @@ and layout test compares two independent implementations of the format.
 
 from __future__ import annotations
 
-import importlib
 import json
-import math
-import os
-import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import (METHODS, assert_ranks_match_one_process, fast_kernels, join_shards, kernels_used, load_qkv,
+                     prompt_logprobs, qkv_of, run_ranks_per_mode, write_checkpoint, write_model_folder)
 from marlin_packers import (
     compress_24,
     marlin24_tensors,
@@ -31,16 +24,15 @@ from marlin_packers import (
     tile_and_pack,
 )
 from quant_packers import awq_tensors, gptq_tensors, quantize_rtn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from text_generation_server.kernels import marlin as km
 from text_generation_server.quantizers import marlin as qm
 from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, LinearSpec, NoKernelError, choose_kernel, dequantize
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
 from text_generation_server.quantizers import GPTQConfig, get_loader, read_quantization_config
 from text_generation_server.quantizers.marlin import MarlinConfig, MarlinWeight
-from text_generation_server.utils.dist import ProcessGroup, initialize_process_group
+from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
 
 torch.set_num_threads(1)
@@ -259,7 +251,6 @@ def test_marlin_method_with_another_format_and_the_gptq_flag(tmp_path):
 K = 384  # 3 groups of 128; 96 rows per rank at world size 4 (groups straddle ranks)
 PARTS = {"q": 256, "k": 128, "v": 128}  # k and v: 32 columns per rank at world size 4, half a layout block
 N = sum(PARTS.values())
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 CASES = {f"{fmt}-{bits}bit-{'g128' if g == 128 else 'channel'}": (fmt, bits, g)
          for fmt, bits in (("marlin", 4), ("marlin_24", 4), ("marlin_24", 8)) for g in (128, -1)}
@@ -294,17 +285,7 @@ def weights_for(tensors: dict, config, rank: int = 0, world: int = 1) -> Weights
 
 
 def load(tensors, config, method: str, rank: int, world: int) -> torch.Tensor:
-    w = weights_for(tensors, config, rank, world)
-    if method == "full":
-        loaded = w.get_weights("m.qkv")
-    elif method == "col":
-        loaded = w.get_weights_col("m.qkv")
-    elif method == "col_packed":
-        loaded = w.get_weights_col_packed("m.qkv", list(PARTS.values()))
-    elif method == "multi_col":
-        loaded = w.get_multi_weights_col([f"m.{p}" for p in PARTS], dim=0)
-    else:
-        loaded = w.get_weights_row("m.qkv")
+    loaded = load_qkv(weights_for(tensors, config, rank, world), method, PARTS)
     assert isinstance(loaded, MarlinWeight)
     return dequantize(loaded.to_quantized())
 
@@ -316,16 +297,10 @@ def test_loader_matrix(cases, name, method, world):
     tensors, dense, config = cases[name]
     shards = [load(tensors, config, method, rank, world) for rank in range(world)]
     if method == "full":
-        got, want = shards[0], dense["m.qkv"]
-        assert all(torch.equal(s, got) for s in shards)
+        assert all(torch.equal(s, shards[0]) for s in shards)
     elif method in ("col", "row"):
-        got, want = torch.cat(shards, dim=1 if method == "row" else 0), dense["m.qkv"]
         assert shards[0].shape == ((N, K // world) if method == "row" else (N // world, K))
-    else:
-        local = [n // world for n in PARTS.values()]
-        got = torch.cat([torch.cat([s.split(local)[i] for s in shards]) for i in range(len(PARTS))])
-        want = dense["m.qkv"] if method == "col_packed" else torch.cat([dense[f"m.{p}"] for p in PARTS])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(join_shards(method, shards, PARTS), qkv_of(method, dense, PARTS), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["marlin-4bit-g128", "marlin_24-8bit-g128"])
@@ -496,7 +471,6 @@ def test_marlin24_uses_the_sparse_kernel_on_cuda(cases):
 SHAPE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
 VARIANTS = {
     # AutoGPTQ's Marlin export: quant_method gptq, checkpoint_format marlin (and the old is_marlin_format).
     "marlin-4bit-g128": dict(fmt="marlin", bits=4, group=128, files={
@@ -505,7 +479,9 @@ VARIANTS = {
         "config.json": GPTQ_MARLIN | {"checkpoint_format": "marlin_24", "bits": 8, "group_size": -1}}),
 }
 QUANT_ERROR = {4: 0.25, 8: 0.02}  # mean |logprob difference| against the unquantized (pruned) model
+WORLD = 2
 SPAWN_TIMEOUT_S = 180
+TOKENS = 6  # greedy tokens compared at world size 2
 
 
 def write_variant(original: Path, root: Path, name: str, spec: dict) -> None:
@@ -525,19 +501,12 @@ def write_variant(original: Path, root: Path, name: str, spec: dict) -> None:
         out[".float"][key] = w
     config = json.loads((original / "config.json").read_text())
     for suffix, tensors in out.items():
-        folder = root / f"{name}{suffix}"
-        folder.mkdir(parents=True)
-        for extra in ("tokenizer.json", "generation_config.json"):
-            shutil.copy(original / extra, folder / extra)
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        content = dict(config)
-        if suffix == "":
-            for file, quant in spec["files"].items():
-                if file == "config.json":
-                    content["quantization_config"] = quant
-                else:
-                    (folder / file).write_text(json.dumps(quant))
-        (folder / "config.json").write_text(json.dumps(content))
+        files = spec["files"] if suffix == "" else {}
+        content = config | ({"quantization_config": files["config.json"]} if "config.json" in files else {})
+        folder = write_model_folder(root / f"{name}{suffix}", original, tensors, content)
+        for file, quant in files.items():
+            if file != "config.json":
+                (folder / file).write_text(json.dumps(quant))
 
 
 @pytest.fixture(scope="module")
@@ -549,35 +518,11 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {p.name: p for p in root.iterdir()}
 
 
-def prompt_logprobs(lm) -> torch.Tensor:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
-
-
-def greedy(lm, tokens: int = 6) -> list[list[int]]:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=tokens, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return [done.token_ids for done in lm.generate(requests)]
-
-
-def kernel_names(lm) -> set[str]:
-    return {m.kernel_name for _, m in lm.model.named_modules() if isinstance(getattr(m, "kernel_name", None), str)}
-
-
-def fast_kernels() -> str:
-    """Every registered CPU kernel but the reference: disabling them leaves the reference."""
-    importlib.import_module("text_generation_server.kernels.registry")
-    return ",".join(k.name for k in KERNELS["cpu"] if k.name != "reference")
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_e2e_reference_path_equals_dequantized_checkpoint(folders, monkeypatch, name):
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())
     lm = get_model(str(folders[name]), dtype="float32")
-    assert lm.quantize == "marlin" and kernel_names(lm) <= {"reference", "dense"}
+    assert lm.quantize == "marlin" and kernels_used(lm) <= {"reference", "dense"}
     got = prompt_logprobs(lm)
     torch.testing.assert_close(got, prompt_logprobs(get_model(str(folders[f"{name}.dense"]), dtype="float32")),
                                atol=2e-5, rtol=0)
@@ -591,57 +536,16 @@ def test_e2e_reference_path_equals_dequantized_checkpoint(folders, monkeypatch, 
 def test_e2e_chosen_kernels_stay_close_to_the_reference(folders, monkeypatch, name, disabled, kernel):
     monkeypatch.setenv(DISABLE_ENV, disabled)
     lm = get_model(str(folders[name]), dtype="float32")
-    assert kernel in kernel_names(lm)
+    assert kernel in kernels_used(lm)
     want = prompt_logprobs(get_model(str(folders[f"{name}.dense"]), dtype="float32"))
     assert (prompt_logprobs(lm) - want).abs().max() < 0.05
 
 
-def _rank_main(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, 2, torch.device("cpu"), timeout_s=60)
-    results = {}
-    try:
-        for mode, disabled in (("reference", fast_kernels()), ("chosen", "")):
-            os.environ[DISABLE_ENV] = disabled
-            for name, folder in folders.items():
-                lm = get_model(folder, dtype="float32", process_group=pg)
-                results[mode, name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm)}
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("marlin_tp")
-    names = {name: str(folders[name]) for name in VARIANTS}
-    ctx = mp.spawn(_rank_main, args=(free_port(), names, str(out_dir)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the 2 gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return run_ranks_per_mode(folders, VARIANTS, WORLD, tmp_path_factory.mktemp("marlin_tp"), SPAWN_TIMEOUT_S, TOKENS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_e2e_world_size_2_matches_world_size_1(folders, world2, monkeypatch, name):
-    for mode, atol in (("reference", 1e-4), ("chosen", 0.05)):
-        monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
-        lm = get_model(str(folders[name]), dtype="float32")
-        want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm)
-        for rank in range(2):
-            got = world2[rank][mode, name]
-            if mode == "reference":
-                assert got["tokens"] == want_tokens
-            assert math.isfinite(got["logprobs"].sum().item())
-            torch.testing.assert_close(got["logprobs"], want_logprobs, atol=atol, rtol=0)
+    assert_ranks_match_one_process(world2, name, str(folders[name]), monkeypatch, TOKENS)

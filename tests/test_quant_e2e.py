@@ -12,27 +12,18 @@ the config files real tools write. For each one:
 
 from __future__ import annotations
 
-import importlib
 import json
-import math
-import os
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import (PROMPTS, assert_bfloat16_close, assert_ranks_match_one_process, fast_kernels, greedy,
+                     kernel_names, prompt_logprobs, run_ranks_per_mode, write_checkpoint, write_model_folder)
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
-from safetensors.torch import save_file
 
-from text_generation_server.kernels.base import DISABLE_ENV, KERNELS
+from text_generation_server.kernels.base import DISABLE_ENV
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.utils.dist import initialize_process_group
 
 torch.set_num_threads(1)
 
@@ -42,7 +33,6 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.qkv_proj", "mlp.gate_up_proj")
 SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
                 "mlp.up_proj": "mlp.gate_proj"}  # layers that see the same activations share an act-order
-PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)", "import os\nimport sys"]
 WORLD = 2
 SPAWN_TIMEOUT_S = 180
 
@@ -114,19 +104,14 @@ def write_variant(original: Path, folder: Path, reference: Path, spec: dict, see
         quantized |= spec["pack"](prefix, q)
         dense[name] = q.dense()
     quantized |= spec.get("extra", {})
-    for out, tensors in ((folder, quantized), (reference, dense)):
-        out.mkdir(parents=True)
-        for extra in ("tokenizer.json", "generation_config.json"):
-            shutil.copy(original / extra, out / extra)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((original / "config.json").read_text()) | {"torch_dtype": "float16"}
-    (reference / "config.json").write_text(json.dumps(config))
+    write_model_folder(reference, original, dense, config)
+    if "config.json" in spec["files"]:
+        config = config | {"quantization_config": spec["files"]["config.json"]}
+    write_model_folder(folder, original, quantized, config)
     for name, content in spec["files"].items():
-        if name == "config.json":
-            config = config | {"quantization_config": content}
-        else:
+        if name != "config.json":
             (folder / name).write_text(json.dumps(content))
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -144,35 +129,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def prompt_logprobs(lm) -> torch.Tensor:
-    """log p(token_i | prefix) of every prompt token after the first, all prompts concatenated."""
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)  # generate() sizes a cache for its first call only
-    return torch.cat([torch.tensor(done.steps[0].prefill_tokens.logprobs[1:]) for done in lm.generate(requests)])
-
-
-def greedy(lm, tokens: int = 8) -> list[list[int]]:
-    requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=tokens, ignore_eos_token=True)
-                for i, p in enumerate(PROMPTS)]
-    lm.allocate_kv_cache(16)
-    return [done.token_ids for done in lm.generate(requests)]
-
-
-def kernel_names(lm) -> dict[str, str]:
-    modules = lm.model.named_modules()
-    return {name: m.kernel_name for name, m in modules if isinstance(getattr(m, "kernel_name", None), str)}
-
-
 @pytest.fixture(scope="module")
 def original_logprobs(folders) -> dict[str, torch.Tensor]:
     return {arch: prompt_logprobs(get_model(str(folders[arch]), dtype="float32")) for arch in ("llama", "phi3_fused")}
-
-
-def fast_kernels() -> str:
-    """Every registered CPU kernel, as TGS_DISABLE_KERNELS wants them to leave only the reference."""
-    importlib.import_module("text_generation_server.kernels.registry")  # registers the kernels
-    return ",".join(k.name for k in KERNELS["cpu"] if k.name != "reference")
 
 
 @pytest.fixture
@@ -207,11 +166,7 @@ def test_chosen_kernels_stay_close_to_the_reference(folders, name):
 
 @pytest.mark.parametrize("name", ["gptq-v1-4bit-g64-asym", "gptq-v2-4bit-g64-sym-actorder", "ct-w8a16-channel-sym"])
 def test_bfloat16_activations(folders, name):
-    lm = get_model(str(folders[name]), dtype="bfloat16")
-    got = prompt_logprobs(lm)
-    want = prompt_logprobs(get_model(str(folders[f"{name}.dense"]), dtype="float32"))
-    assert torch.isfinite(got).all()
-    assert (got - want).abs().max() < 0.1, kernel_names(lm)
+    assert_bfloat16_close(get_model(str(folders[name]), dtype="bfloat16"), folders[f"{name}.dense"])
 
 
 def test_modules_to_not_convert_stay_dense(folders):
@@ -257,41 +212,9 @@ def test_generate_cli_json(folders):
 
 
 # -- world size 2 -----------------------------------------------------------------------------
-def _rank_main(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=60)
-    results = {}
-    try:
-        for mode, disabled in (("reference", fast_kernels()), ("chosen", "")):
-            os.environ[DISABLE_ENV] = disabled
-            for name, folder in folders.items():
-                lm = get_model(folder, dtype="float32", process_group=pg)
-                results[mode, name] = {"logprobs": prompt_logprobs(lm), "tokens": greedy(lm)}
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("quant_tp")
-    names = {name: str(folders[name]) for name in VARIANTS}
-    ctx = mp.spawn(_rank_main, args=(free_port(), names, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks_per_mode(folders, VARIANTS, WORLD, tmp_path_factory.mktemp("quant_tp"), SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -299,13 +222,4 @@ def test_world_size_2_matches_world_size_1(folders, world2, name, monkeypatch):
     """On the reference kernel the ranks reproduce one process up to float32 summation order
     (act-order row shards and groups straddling ranks included); on the chosen kernels up to
     their bf16 activation rounding."""
-    for mode, atol in (("reference", 1e-4), ("chosen", 0.05)):
-        monkeypatch.setenv(DISABLE_ENV, fast_kernels() if mode == "reference" else "")
-        lm = get_model(str(folders[name]), dtype="float32")
-        want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm)
-        for rank in range(WORLD):
-            got = world2[rank][mode, name]
-            if mode == "reference":
-                assert got["tokens"] == want_tokens
-            assert math.isfinite(got["logprobs"].sum().item())
-            torch.testing.assert_close(got["logprobs"], want_logprobs, atol=atol, rtol=0)
+    assert_ranks_match_one_process(world2, name, str(folders[name]), monkeypatch)

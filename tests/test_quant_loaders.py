@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import METHODS, join_shards, load_qkv, qkv_of
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.kernels.base import dequantize
@@ -30,7 +31,6 @@ torch.set_num_threads(1)
 K = 384  # divisible by every group size below; 96 rows per rank at world size 4
 PARTS = {"q": 256, "k": 128, "v": 128}  # fused qkv: 64 + 32 + 32 columns per rank at world size 4
 N = sum(PARTS.values())
-METHODS = ["full", "col", "col_packed", "multi_col", "row"]
 WORLDS = [1, 2, 4]
 
 
@@ -128,34 +128,15 @@ def dense_of(weight) -> torch.Tensor:
 
 
 def load(case: Case, method: str, rank: int, world: int) -> torch.Tensor:
-    w = weights_for(case, rank, world)
-    if method == "full":
-        return dense_of(w.get_weights("m.qkv"))
-    if method == "col":
-        return dense_of(w.get_weights_col("m.qkv"))
-    if method == "col_packed":
-        return dense_of(w.get_weights_col_packed("m.qkv", list(PARTS.values())))
-    if method == "multi_col":
-        return dense_of(w.get_multi_weights_col([f"m.{p}" for p in PARTS], dim=0))
-    return dense_of(w.get_weights_row("m.qkv"))
+    return dense_of(load_qkv(weights_for(case, rank, world), method, PARTS))
 
 
 def reassemble(method: str, shards: list[torch.Tensor], case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(what the ranks hold put back together, what it must equal)."""
-    world = len(shards)
     if method == "full":
         for s in shards[1:]:
             assert torch.equal(s, shards[0])
-        return shards[0], case.dense["m.qkv"]
-    if method == "col":
-        return torch.cat(shards, dim=0), case.dense["m.qkv"]
-    if method == "row":
-        return torch.cat(shards, dim=1), case.dense["m.qkv"]
-    # Fused: each rank holds its share of every part, parts in order.
-    local = [n // world for n in PARTS.values()]
-    per_part = [torch.cat([s.split(local)[i] for s in shards]) for i in range(len(PARTS))]
-    want = case.dense["m.qkv"] if method == "col_packed" else torch.cat([case.dense[f"m.{p}"] for p in PARTS])
-    return torch.cat(per_part), want
+    return join_shards(method, shards, PARTS), qkv_of(method, case.dense, PARTS)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import write_checkpoint
+from helpers import run_ranks, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models import get_model
 from text_generation_server.models.types import GenerationRequest
-from text_generation_server.utils.dist import initialize_process_group
 from text_generation_server.weights import CheckpointError
 
 torch.set_num_threads(1)
@@ -82,34 +76,21 @@ def run(lm) -> dict:
     }
 
 
-def _rank_main(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    pg = initialize_process_group(rank, WORLD, torch.device("cpu"), timeout_s=60)
+def _rank_main(pg, folders: dict[str, str]) -> dict[str, object]:
     results: dict[str, object] = {}
-    try:
-        for name, folder in folders.items():
-            try:
-                lm = get_model(folder, dtype="float32", process_group=pg)
-            except CheckpointError as exc:  # raised on every rank before any collective
-                results[name] = f"CheckpointError: {exc}"
-                continue
-            results[name] = run(lm)
-            results[name]["shapes"] = {
-                "embed": list(lm.model.embed_tokens.weight.shape),
-                "head": list(lm.model.lm_head.weight.shape),
-                "kv_heads": lm.model.local_kv_heads,
-            }
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for name, folder in folders.items():
+        try:
+            lm = get_model(folder, dtype="float32", process_group=pg)
+        except CheckpointError as exc:  # raised on every rank before any collective
+            results[name] = f"CheckpointError: {exc}"
+            continue
+        results[name] = run(lm)
+        results[name]["shapes"] = {
+            "embed": list(lm.model.embed_tokens.weight.shape),
+            "head": list(lm.model.lm_head.weight.shape),
+            "kv_heads": lm.model.local_kv_heads,
+        }
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +107,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
     """What each of the two ranks generated, per model."""
-    out_dir = tmp_path_factory.mktemp("tp_out")
-    ctx = mp.spawn(_rank_main, args=(free_port(), folders, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank_main, (folders,), WORLD, tmp_path_factory.mktemp("tp_out"), SPAWN_TIMEOUT_S)
 
 
 def world1(folder: str) -> dict:

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from helpers import make_weight
 
 from text_generation_server.kernels import tinygemm as tgm
 from text_generation_server.kernels import triton_gemm as tg
@@ -52,20 +53,6 @@ def fresh_scratch():
     SCRATCH.reset()
     yield
     SCRATCH.reset()
-
-
-def make_weight(k: int, n: int, bits: int, group_size: int, sym: bool, act_order: bool, seed: int = 0,
-                g_idx: torch.Tensor | None = None) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    groups = -(-k // group_size) if g_idx is None else int(g_idx.max()) + 1
-    q = torch.randint(0, 2**bits, (k, n), generator=gen).to(torch.uint8)
-    scales = (torch.rand(groups, n, generator=gen) + 0.5) / 2**bits
-    zeros = None if sym else torch.randint(0, 2**bits, (groups, n), generator=gen).float()
-    if g_idx is None:
-        g_idx = torch.arange(k, dtype=torch.int32) // group_size
-        if act_order:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
-    return QuantizedWeight(q, scales, zeros, g_idx.to(torch.int32), bits, group_size)
 
 
 def rel_err(w: QuantizedWeight, y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> float:
