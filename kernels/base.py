@@ -206,15 +206,25 @@ class NoKernelError(ValueError):
     pass
 
 
-def choose_kernel(spec: LinearSpec) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
-    """The first kernel in the device's list that can run `spec`, with the reasons others were passed over."""
-    from text_generation_server.kernels import registry  # noqa: F401  (registers the built-in kernels)
+def choose_kernel(
+    spec: LinearSpec,
+    kernels: dict[str, list[type[QuantKernel]]] | None = None,
+    fallback: type[QuantKernel] = ReferenceKernel,
+) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
+    """The first kernel in the device's list that can run `spec`, with the reasons others were passed over.
 
+    `kernels` defaults to the registry of canonical-weight kernels; a format with its own
+    weight layout (bitsandbytes 4-bit) passes its own lists and last resort.
+    """
+    if kernels is None:
+        from text_generation_server.kernels import registry  # noqa: F401  (registers the built-in kernels)
+
+        kernels = KERNELS
     disabled = disabled_kernels()
     rejected: list[tuple[str, str]] = []
-    candidates = KERNELS.get(spec.device_type, [])
-    if ReferenceKernel not in candidates:
-        candidates = candidates + [ReferenceKernel]  # the last resort, unless a device list ranks it
+    candidates = kernels.get(spec.device_type, [])
+    if fallback not in candidates:
+        candidates = candidates + [fallback]  # the last resort, unless a device list ranks it
     for kernel in candidates:
         if kernel.name in disabled:
             rejected.append((kernel.name, f"disabled by {DISABLE_ENV}"))

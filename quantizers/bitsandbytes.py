@@ -52,14 +52,7 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from text_generation_server.kernels.base import (
-    DISABLE_ENV,
-    LinearSpec,
-    NoKernelError,
-    QuantKernel,
-    ReferenceLinear,
-    disabled_kernels,
-)
+from text_generation_server.kernels.base import LinearSpec, QuantKernel, ReferenceLinear, choose_kernel
 from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.eetq import (
     ChannelInt8Weight,
@@ -364,20 +357,7 @@ KERNELS_4BIT: dict[str, list[type[QuantKernel]]] = {
 
 def choose_4bit_kernel(spec: LinearSpec) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
     """The first 4-bit kernel that can run `spec`, with the reasons the others were passed over."""
-    disabled = disabled_kernels()
-    rejected: list[tuple[str, str]] = []
-    candidates = KERNELS_4BIT.get(spec.device_type, [])
-    if Bnb4bitReferenceKernel not in candidates:
-        candidates = candidates + [Bnb4bitReferenceKernel]
-    for kernel in candidates:
-        if kernel.name in disabled:
-            rejected.append((kernel.name, f"disabled by {DISABLE_ENV}"))
-            continue
-        ok, reason = kernel.can_implement(spec)
-        if ok:
-            return kernel, rejected
-        rejected.append((kernel.name, reason))
-    raise NoKernelError("no kernel can run this layer: " + "; ".join(f"{n}: {r}" for n, r in rejected))
+    return choose_kernel(spec, KERNELS_4BIT, Bnb4bitReferenceKernel)
 
 
 # -- reading 4-bit tensors ---------------------------------------------------------------------------
