@@ -381,6 +381,80 @@ def test_samples_follow_the_processed_distribution() -> None:
     torch.testing.assert_close(counts, probs.double(), atol=0.025, rtol=0)
 
 
+# Upper 0.1% point of the chi-square distribution with 5 degrees of freedom.
+CHI2_DF5_P001 = 20.52
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+def test_one_seeded_stream_is_unbiased() -> None:
+    """4,000 steps of one request's stream: frequencies pass a chi-square test against its distribution.
+
+    The stream is seeded, so the test is deterministic; a sampler that skews mass towards the
+    likeliest tokens (argmax-leaning), away from them, or off by one token scores far above the bound.
+    """
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    scores = probs.log()[None, :]
+    history, lengths = padded_history([[0]], 0)
+    chooser = HeterogeneousNextTokenChooser([SamplingParams(do_sample=True, seed=2024)], "cpu")
+    draws = [chooser(scores, history, lengths)[0].item() for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=6)
+    assert chi_square(counts, probs) < CHI2_DF5_P001, counts.tolist()
+
+
+def test_exponential_race_matches_the_distribution_and_its_edges() -> None:
+    generator = torch.Generator().manual_seed(5)
+    probs = torch.tensor([0.05, 0.5, 0.2, 0.15, 0.0, 0.1])  # token 4 filtered
+    rows = 20000
+    uniforms = torch.rand(rows, 6, generator=generator)
+    picks = sampling.exponential_race(probs.expand(rows, 6), uniforms)
+    counts = torch.bincount(picks, minlength=6)
+    assert counts[4] == 0
+    kept = probs > 0
+    assert chi_square(counts[kept], probs[kept]) < CHI2_DF5_P001 - 2.0  # 4 degrees of freedom: bound 18.47
+    # Rows need not be normalised: scaling a row changes nothing.
+    again = sampling.exponential_race(7.0 * probs.expand(rows, 6), torch.rand(rows, 6, generator=torch.Generator().manual_seed(5)))
+    assert torch.equal(again, picks)
+    # A uniform of exactly 0 (E = +inf) must not let a filtered token win: the one token with mass
+    # wins even when its own uniform is 0, and a tiny-mass token is not lifted by the largest uniform.
+    only = torch.tensor([[0.0, 1.0, 0.0]])
+    assert sampling.exponential_race(only, torch.zeros(1, 3)).item() == 1
+    tail = torch.tensor([[1.0, 1e-12]])
+    assert sampling.exponential_race(tail, torch.tensor([[0.5, 1.0 - 2.0**-24]])).item() == 0
+    assert sampling.exponential_race(tail, torch.tensor([[0.0, 1.0 - 2.0**-24]])).item() == 0
+
+
+def test_sampling_runs_no_float64_and_no_vocabulary_cumsum() -> None:
+    """Every op of a sampling step, as the dispatcher sees it: float32 only (GPUs run float64 at a
+    small fraction of the float32 rate) and no cumulative sum when no top-p/typical-p row asks for one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, set[torch.dtype]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            results = out if isinstance(out, (tuple, list)) else [out]
+            self.ops.append((str(func), {t.dtype for t in results if isinstance(t, torch.Tensor)}))
+            return out
+
+    params = [SamplingParams(do_sample=True, seed=s, temperature=0.7, top_k=20) for s in range(3)] + [SamplingParams()]
+    history, lengths = padded_history([[0]] * 4, 0)
+    chooser = HeterogeneousNextTokenChooser(params, "cpu")
+    scores = torch.randn(4, 300)
+    with Record() as record:
+        ids, _ = chooser(scores, history, lengths)
+    assert ids.shape == (4,)
+    assert any("uniform" in op for op, _ in record.ops)  # the recorder saw the draw
+    assert not [op for op, dtypes in record.ops if torch.float64 in dtypes]
+    assert not [op for op, _ in record.ops if "cumsum" in op]
+
+
 def test_top_n_logprobs_against_direct_sort() -> None:
     logprobs = torch.log_softmax(torch.randn(4, 15), -1)
     got = top_n_logprobs(logprobs, [0, 3, 1, 20])

@@ -186,6 +186,23 @@ def apply_typical_p(scores: Tensor, typical_p: Tensor) -> Tensor:
     return scores.masked_fill(distance > threshold, -math.inf)
 
 
+def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row drawn from `probs` ([S, V], rows need not be normalised): argmax(p / E).
+
+    With E_i = -log(U_i) ~ Exp(1) independent, E_i / p_i is exponential with rate p_i and
+    the smallest of them is token i with probability p_i / sum(p) exactly, so no CDF is
+    built: elementwise float32 work and one argmax, no cumulative sum over the vocabulary
+    and no float64 (slow on GPUs).
+
+    uniforms: [S, V] in [0, 1), overwritten with the noise. U is clamped away from 0 so E is
+    finite and a token with mass always beats the filtered ones (p = 0). E's smallest value,
+    about 6e-8 (the 24-bit grid of float32 uniforms), is the floor torch's CUDA exponential_
+    has too; it only shaves tokens whose probability is far below 1e-7.
+    """
+    noise = uniforms.clamp_(min=torch.finfo(uniforms.dtype).tiny).log_().neg_()  # E: (0, 87.4]
+    return (probs / noise).argmax(dim=-1)
+
+
 class HeterogeneousNextTokenChooser:
     """Chooses the next token for every row of a batch whose rows have different parameters.
 
@@ -313,25 +330,17 @@ class HeterogeneousNextTokenChooser:
         return next_ids, logprobs
 
     def _draw(self, logprobs: Tensor) -> Tensor:
-        """Sample every sampling row by inverting its CDF at one uniform from the row's own generator.
+        """Sample every sampling row by `exponential_race`, with uniforms from the row's own generator.
 
-        Only the uniforms come from a per-row loop; the CDF and search are batched
-        (several times faster than one torch.multinomial per row on large vocabularies).
-        The CDF is accumulated in float64 so late tokens keep their true mass.
+        Each row draws V uniforms in one call per step, so a seeded stream depends only on
+        its seed and the vocabulary size, never on the rows beside it; only that fill is a
+        per-row loop, the rest is batched.
         """
-        # cdf: [S, V] for the S sampling rows
-        cdf = torch.cumsum(logprobs.index_select(0, self._sample_index).exp(), dim=-1, dtype=torch.float64)
-        uniforms = torch.cat(
-            [
-                torch.rand(1, generator=self._generators[row], dtype=torch.float64, device=cdf.device)
-                for row in self._sample_rows
-            ]
-        )
-        total = cdf[:, -1:]
-        # Stay strictly below the total, so the search never runs past the last token with mass.
-        target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-        # First index whose cumulative mass exceeds the target: a token with mass > 0.
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+        probs = logprobs.index_select(0, self._sample_index).exp()  # [S, V]
+        uniforms = torch.empty_like(probs)
+        for index, row in enumerate(self._sample_rows):
+            uniforms[index].uniform_(generator=self._generators[row])
+        return exponential_race(probs, uniforms)
 
     def filter(self, indices: list[int]) -> "HeterogeneousNextTokenChooser":
         """Keep the rows at `indices`, in that order (finished requests leave the batch)."""
