@@ -146,10 +146,12 @@ class MetricsSnapshot:
                 self.samples[(s.name, frozenset(s.labels.items()))] = s.value
 
     def value(self, sample: str, default: float | None = 0.0, **labels: str) -> float:
-        """A sample's value; counters and labelled series not yet created read as `default`."""
-        key = (sample, frozenset(labels.items()))
-        if key in self.samples:
-            return self.samples[key]
+        """The sum over the sample's series that carry `labels` (others, e.g. model_name, are
+        summed over); counters and labelled series not yet created read as `default`."""
+        wanted = set(labels.items())
+        found = [v for (name, series), v in self.samples.items() if name == sample and wanted <= series]
+        if found:
+            return sum(found)
         if default is None:
             raise KeyError(f"no sample {sample}{labels or ''} in /metrics")
         return default

@@ -6,8 +6,7 @@ import asyncio
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2_grpc
 from loguru import logger
 
 from text_generation_server import __version__
@@ -17,6 +16,8 @@ from text_generation_server.quantizers import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.router.client import ShardClient
+from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
+from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.scheduler import RouterBlockPool, Scheduler, SchedulerLimits
 from text_generation_server.router.service import MalformedRequestInterceptor, TextGenerationService
 from text_generation_server.router.validation import Limits
@@ -76,6 +77,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     metrics_server = None
     server = None
     scheduler = None
+    monitor = None
     try:
         await client.clear_cache()
         info = await client.info()
@@ -95,7 +97,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             "max_batch_total_tokens {} ({} KV blocks of {})", time.monotonic() - started, max_input, max_total,
             max_prefill, batch_total, pool.num_blocks - 1, info.block_size,
         )
-        metrics = Metrics()
+        metrics = Metrics(model_name=checkpoint.model_id)
+        metrics.batch_max_total_tokens.set(batch_total)
         limits = Limits(
             max_input_tokens=max_input, max_total_tokens=max_total, max_stop_sequences=args.max_stop_sequences,
             max_stop_sequence_length=args.max_stop_sequence_length, max_top_n_tokens=args.max_top_n_tokens,
@@ -110,7 +113,9 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_concurrent_requests=args.max_concurrent_requests, max_stop_sequences=args.max_stop_sequences,
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
             quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
-            kernels=await client.kernels(),
+            kernels=await client.kernels(), attention_backend=await client.attention_backend(),
+            prefix_caching=info.use_prefix_caching and getattr(args, "prefix_caching", True),
+            chunked_prefill=info.support_chunking,
         )
         server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[
             ("grpc.max_receive_message_length", args.max_message_bytes),
@@ -119,12 +124,9 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         cpb_grpc.add_TextGenerationServicer_to_server(
             TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics), server
         )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
-        )
+        health = RouterHealth(["", SERVICE_NAME])
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        enable_reflection(server, [SERVICE_NAME, HEALTH_SERVICE_NAME])
         address = f"{args.hostname}:{args.port}"
         port = server.add_insecure_port(address)
         if port == 0:
@@ -134,22 +136,26 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             metrics_server = metrics.serve(args.metrics_port, addr=args.hostname)
         except OSError as exc:
             raise RouterError(f"cannot serve metrics on {args.hostname}:{args.metrics_port}: {exc}") from exc
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health.update(started=True)
+        monitor = ShardHealthMonitor(client, health, metrics,
+                                     interval_s=getattr(args, "shard_health_interval_s", 5.0),
+                                     timeout_s=getattr(args, "shard_health_timeout_s", 5.0))
+        monitor.start()
         logger.info("serving gRPC on {}:{}, metrics on http://{}:{}/metrics", args.hostname, port,
                     args.hostname, metrics_server.server_port)
 
         await shutdown.wait()
         logger.info("shutting down: no new requests; draining {} in flight", scheduler.inflight)
         scheduler.admitting = False
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await health.update(draining=True)
         deadline = time.monotonic() + args.drain_timeout_s
         while scheduler.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if scheduler.inflight:
             logger.warning("drain timeout: {} requests still in flight are cancelled", scheduler.inflight)
     finally:
+        if monitor is not None:
+            await monitor.stop()
         if scheduler is not None:
             await scheduler.stop()
         if server is not None:

@@ -49,19 +49,33 @@ class ShardClient:
     async def info(self) -> pb.InfoResponse:
         return (await self._all("Info", pb.InfoRequest()))[0]
 
-    async def kernels(self) -> list[str]:
-        """Kernel names every rank reports (trailing metadata of Info; empty from a TGI shard)."""
-        names: set[str] = set()
+    async def _info_metadata(self, key: str) -> list[str]:
+        """The comma-separated values every rank puts under `key` in Info's trailing metadata."""
+        values: list[str] = []
         for stub in self._stubs:
             call = stub.Info(pb.InfoRequest())
             await call
-            for key, value in (await call.trailing_metadata()) or ():
-                if key == "tgs-kernels" and value:
-                    names.update(value.split(","))
-        return sorted(names)
+            for k, value in (await call.trailing_metadata()) or ():
+                if k == key and value:
+                    values.extend(value.split(","))
+        return values
+
+    async def kernels(self) -> list[str]:
+        """Kernel names every rank reports (trailing metadata of Info; empty from a TGI shard)."""
+        return sorted(set(await self._info_metadata("tgs-kernels")))
+
+    async def attention_backend(self) -> str:
+        """The attention implementation the ranks report (`tgs-attention`); "" when none says."""
+        return ",".join(sorted(set(await self._info_metadata("tgs-attention"))))
 
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", pb.HealthRequest(), timeout=timeout)
+
+    async def health_by_rank(self, timeout: float) -> list[BaseException | None]:
+        """Every rank's Health at once: None where it answered, else its error (DEADLINE_EXCEEDED...)."""
+        calls = [stub.Health(pb.HealthRequest(), timeout=timeout) for stub in self._stubs]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in results]
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from loguru import logger
 
-from text_generation_server.metrics import Metrics
+from text_generation_server.metrics import CONCAT_REASON, FINISH_REASONS, Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.validation import ValidRequest
@@ -66,6 +66,7 @@ class Entry:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
+    first_token: float | None = None
     last_token: float | None = None
     blocks: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -106,8 +107,7 @@ class Scheduler:
         self._inflight = 0
         self._task: asyncio.Task | None = None
         self.admitting = True
-        metrics.kv_blocks_free.set(pool.free)
-        metrics.kv_blocks_used.set(pool.used)
+        metrics.set_kv_blocks(pool.used, pool.free)
 
     # -- the client-facing side --------------------------------------------------------
     @property
@@ -138,6 +138,7 @@ class Scheduler:
             return
         entry.cancelled = True
         self.metrics.request_cancelled.inc()
+        self.metrics.request_failure.labels(err="dropped").inc()  # TGI's name for a client gone away
         if entry in self.queue:
             self.queue.remove(entry)
             self.metrics.queue_size.set(len(self.queue))
@@ -198,8 +199,7 @@ class Scheduler:
             prefill_tokens += entry.request.input_length
             taken.append(entry)
         self.metrics.queue_size.set(len(self.queue))
-        self.metrics.kv_blocks_free.set(self.pool.free)
-        self.metrics.kv_blocks_used.set(self.pool.used)
+        self.metrics.set_kv_blocks(self.pool.used, self.pool.free)
         return taken
 
     async def _run(self) -> None:
@@ -227,6 +227,8 @@ class Scheduler:
         """Admits what fits (prefilled as a new batch), then decodes everything running once."""
         batches: list[spb.CachedBatch] = [cached] if cached is not None else []
         new = self._admit(len(self.running))
+        if new and batches:
+            self.metrics.batch_concat.labels(reason=CONCAT_REASON).inc()
         if new:
             new_cached = await self._prefill(new)
             if new_cached is not None:
@@ -248,31 +250,43 @@ class Scheduler:
             max_blocks=max(len(e.blocks) for e in entries),
         )
         self.metrics.batch_next_size.observe(len(entries))
+        self.metrics.batch_inference_count.labels(method="prefill").inc()
         start = time.monotonic()
         try:
             resp = await self.client.prefill(batch)
         except grpc.aio.AioRpcError as exc:
             await self._step_failed("prefill", [batch_id], entries, exc)
             return None
-        self._observe("prefill", start, resp)
-        return await self._dispatch(resp, entries_of_batch=entries)
+        self.metrics.prompt_tokens.inc(sum(e.request.input_length for e in entries))
+        filtering = time.monotonic()
+        cached = await self._dispatch(resp, entries_of_batch=entries)
+        self._observe("prefill", start, filtering, resp)
+        return cached
 
     async def _decode(self, batches: list[spb.CachedBatch]) -> spb.CachedBatch | None:
         entries = [self.running[i] for b in batches for i in b.request_ids if i in self.running]
+        self.metrics.batch_inference_count.labels(method="decode").inc()
         start = time.monotonic()
         try:
             resp = await self.client.decode(batches)
         except grpc.aio.AioRpcError as exc:
             await self._step_failed("decode", [b.id for b in batches], entries, exc)
             return None
-        self._observe("decode", start, resp)
-        return await self._dispatch(resp, entries_of_batch=entries)
+        filtering = time.monotonic()
+        cached = await self._dispatch(resp, entries_of_batch=entries)
+        self._observe("decode", start, filtering, resp)
+        return cached
 
-    def _observe(self, method: str, start: float, resp) -> None:
+    def _observe(self, method: str, start: float, filtering: float, resp) -> None:
+        """A successful step, timed as TGI does: inference = call + filtering, filter = after the call."""
         m = self.metrics
-        m.batch_inference_duration.labels(method=method).observe(time.monotonic() - start)
+        now = time.monotonic()
+        m.batch_inference_duration.labels(method=method).observe(now - start)
+        m.batch_filter_duration.labels(method=method).observe(now - filtering)
         m.batch_forward_duration.labels(method=method).observe(resp.forward_ns / 1e9)
         m.batch_decode_duration.labels(method=method).observe(resp.decode_ns / 1e9)
+        if resp.HasField("concat_ns"):  # TGI labels every concatenation "decode", prefill-time ones too
+            m.batch_concat_duration.labels(method="decode").observe(resp.concat_ns / 1e9)
         m.batch_inference_success.labels(method=method).inc()
 
     async def _step_failed(self, method: str, batch_ids: list[int], entries: list[Entry], exc) -> None:
@@ -294,11 +308,15 @@ class Scheduler:
 
     async def _dispatch(self, resp, entries_of_batch: list[Entry]) -> spb.CachedBatch | None:
         now = time.monotonic()
+        generated = 0
         for gen in resp.generations:
             entry = self.running.get(gen.request_id)
             if entry is None or entry.done:
                 continue
+            generated += len(gen.tokens.ids)
+            self.metrics.request_skipped_tokens.observe(max(len(gen.tokens.ids) - 1, 0))
             if entry.last_token is None:
+                entry.first_token = now
                 self.metrics.time_to_first_token.observe(now - entry.arrived)
             else:
                 self.metrics.inter_token_latency.observe(now - entry.last_token)
@@ -309,6 +327,7 @@ class Scheduler:
                 self.running.pop(entry.id, None)
                 self._record_success(entry, gen, now)
                 self._finish(entry)
+        self.metrics.generation_tokens.inc(generated)
         for entry in entries_of_batch:
             if entry.cancelled and not entry.done:
                 self.running.pop(entry.id, None)
@@ -331,18 +350,18 @@ class Scheduler:
         m = self.metrics
         m.batch_current_size.set(len(self.running))
         m.batch_current_max_tokens.set(sum(e.total_tokens for e in self.running.values()))
-        m.kv_blocks_free.set(self.pool.free)
-        m.kv_blocks_used.set(self.pool.used)
+        m.set_kv_blocks(self.pool.used, self.pool.free)
 
     def _record_success(self, entry: Entry, gen, now: float) -> None:
         m = self.metrics
         generated = gen.generated_text.generated_tokens
-        m.request_success.inc()
+        m.request_success.labels(finish_reason=FINISH_REASONS.get(gen.generated_text.finish_reason, "unknown")).inc()
         m.request_duration.observe(now - entry.arrived)
         if entry.admitted is not None:
             m.request_inference_duration.observe(now - entry.admitted)
             if generated:
                 m.mean_time_per_token.observe((now - entry.admitted) / generated)
-        m.input_length.observe(entry.request.input_length)
+            if entry.first_token is not None:
+                m.request_prefill_duration.observe(entry.first_token - entry.admitted)
+                m.request_decode_duration.observe(now - entry.first_token)
         m.generated_tokens.observe(generated)
-        m.max_new_tokens.observe(entry.request.max_new_tokens)

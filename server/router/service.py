@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,11 +41,15 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
 
     async def _submit(self, request: cpb.GenerateRequest, context) -> Entry:
         self.metrics.request_count.inc()
+        started = time.monotonic()
         try:
             valid = await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
         except ValidationError as exc:
             self.metrics.request_failure.labels(err="validation").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.metrics.request_validation_duration.observe(time.monotonic() - started)
+        self.metrics.input_length.observe(valid.input_length)  # per valid request, as TGI's validation does
+        self.metrics.max_new_tokens.observe(valid.max_new_tokens)
         try:
             entry = self.scheduler.submit(valid)
         except StepFailed as exc:
