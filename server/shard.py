@@ -22,8 +22,8 @@ collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,15 @@ from loguru import logger
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models.batch import Batch, OutOfBlocksError
 from text_generation_server.models.causal_lm import CausalLM, WarmupError
-from text_generation_server.models.types import CachedBatchInfo, Generation, GenerationRequest, StepTimings, Tokens
+from text_generation_server.models.types import (
+    BatchNotFound,
+    CachedBatchInfo,
+    Generation,
+    GenerationRequest,
+    RequestError,
+    StepTimings,
+    Tokens,
+)
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 
@@ -51,6 +59,16 @@ def _or_default(value: float, default: float) -> float:
 
 
 def request_from_pb(req: pb.Request) -> GenerationRequest:
+    """The engine's request; any field the engine cannot honour is a RequestError naming it."""
+    try:
+        return _request_from_pb(req)
+    except RequestError:
+        raise
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def _request_from_pb(req: pb.Request) -> GenerationRequest:
     if req.inputs:
         inputs = req.inputs
     else:
@@ -90,6 +108,8 @@ def request_from_pb(req: pb.Request) -> GenerationRequest:
         slots=list(req.slots),
         add_special_tokens=req.add_special_tokens,
         cache_len=req.cache_len,
+        chunk_len=req.chunk_len if req.HasField("chunk_len") else None,
+        input_ids=list(req.input_ids) if req.input_ids else None,
     )
 
 
@@ -130,6 +150,7 @@ DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
 # The v3 InfoResponse has no field for kernels; they travel as trailing metadata, which a
 # TGI router ignores, so the message itself stays exactly TGI's.
 KERNELS_METADATA = "tgs-kernels"
+ATTENTION_METADATA = "tgs-attention"
 
 
 def model_kernels(model: torch.nn.Module) -> list[str]:
@@ -171,35 +192,68 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         world_size: int,
         memory_fraction: float,
         max_batch_total_tokens: int | None = None,
+        prefix_caching: bool = True,
+        stall_timeout_s: float = 300.0,
     ):
         self.model = model
         self.uds_path = uds_path
         self.world_size = world_size
         self.memory_fraction = memory_fraction
         self.max_batch_total_tokens = max_batch_total_tokens
+        self.prefix_caching = prefix_caching
+        self.stall_timeout_s = stall_timeout_s
         self.cache: dict[int, Batch] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.decode_ahead = os.environ.get(DECODE_AHEAD_ENV, "1") not in ("0", "false", "no")
         self._ahead: dict[int, _Ahead] = {}  # batch id -> its next step; touched on the model thread only
         self.ahead_hits = 0
         self.ahead_misses = 0
+        self.busy_since: float | None = None  # monotonic start of the model thread's current call
+
+    def _on_model_thread(self, fn, *args):
+        self.busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_since = None
 
     async def _run(self, context, fn, *args):
-        """Runs `fn` on the model thread; maps failures to gRPC statuses with clear messages."""
+        """Runs `fn` on the model thread; maps failures to gRPC statuses with clear messages.
+
+        Only the caller's mistakes are INVALID_ARGUMENT (a RequestError: a field, an id, a block)
+        or NOT_FOUND (an unknown batch); anything raised inside the model or a kernel is INTERNAL,
+        whatever its type, so a client never blames itself for a server fault.
+        """
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, fn, *args)
+            return await loop.run_in_executor(self._executor, self._on_model_thread, fn, *args)
         except ShardError as exc:
             await context.abort(exc.code, str(exc))
-        except (ValueError, OutOfBlocksError) as exc:
+        except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except KeyError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc))
-        except WarmupError as exc:
+        except BatchNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except (WarmupError, OutOfBlocksError) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception as exc:  # a failure inside the model: report it, keep serving
             logger.exception("shard call {} failed", getattr(fn, "__name__", fn))
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    async def _requests(self, context, batch: pb.Batch) -> list[GenerationRequest]:
+        """The batch's requests, tokenized on a thread of their own: the model thread only runs steps."""
+        def convert() -> list[GenerationRequest]:
+            requests = [request_from_pb(r) for r in batch.requests]
+            for req in requests:
+                if req.input_ids is None:
+                    req.input_ids = self.model.tokenizer.encode(
+                        req.inputs, add_special_tokens=req.add_special_tokens).ids
+            return requests
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, convert)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     # -- the eight RPCs ------------------------------------------------------------
     async def Info(self, request, context):
@@ -210,17 +264,30 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             dtype=str(m.dtype).removeprefix("torch."),
             device_type=m.device.type,
             speculate=0,
-            support_chunking=False,
-            use_prefix_caching=False,
+            support_chunking=True,
+            use_prefix_caching=self.prefix_caching,
             attention_impl="paged",
             block_size=m.block_size,
         )
         if window is not None:
             info.window_size = window
-        context.set_trailing_metadata(((KERNELS_METADATA, ",".join(model_kernels(m.model))),))
+        context.set_trailing_metadata((
+            (KERNELS_METADATA, ",".join(model_kernels(m.model))),
+            (ATTENTION_METADATA, m.attention.name),
+        ))
         return info
 
     async def Health(self, request, context):
+        """Fails while the model thread has been inside one call for longer than the stall limit:
+        a rank blocked in a collective (its peer hung or died) answers nothing else, so its
+        router can tell orchestrators that this replica stopped serving."""
+        busy = self.busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the model has been inside one call for {time.monotonic() - busy:.0f} s (limit "
+                f"{self.stall_timeout_s:.0f} s, --rank-stall-timeout-s): a collective is probably stuck",
+            )
         return pb.HealthResponse()
 
     async def ServiceDiscovery(self, request, context):
@@ -247,7 +314,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         def filt():
             batch = self._pop(request.batch_id)
             ahead = self._ahead.pop(request.batch_id, None)
-            kept = self.model.filter(batch, list(request.request_ids))
+            try:
+                kept = self.model.filter(batch, list(request.request_ids))
+            except RequestError:
+                self.cache[batch.batch_id] = batch  # a bad filter leaves the batch as it was
+                if ahead is not None:
+                    self._ahead[batch.batch_id] = ahead
+                raise
             if kept is None:
                 return pb.FilterBatchResponse()
             self.cache[kept.batch_id] = kept
@@ -258,12 +331,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return await self._run(context, filt)
 
     async def Warmup(self, request, context):
+        requests = await self._requests(context, request.batch)
+
         def warm():
             if self.model.kv_cache is not None and self.cache:
                 raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup while batches are cached; ClearCache first")
-            requests = [request_from_pb(r) for r in request.batch.requests]
-            for r in requests:
-                r.blocks, r.slots = [], []  # warmup blocks are always assigned by the shard
             max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
             max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
             limit = self.model.config.max_position_embeddings
@@ -272,7 +344,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             if max_input is None:
                 max_input = max_total - 1
             if not requests:
-                raise ValueError("the warmup batch has no requests")
+                raise RequestError("the warmup batch has no requests")
+            if request.max_prefill_tokens < 1:
+                raise RequestError("max_prefill_tokens must be >= 1")
+            # TGI's router sends every warmup request with id 0 and no blocks: the warmup batch is
+            # the shard's own, numbered and placed by CausalLM.warmup.
             supported = self.model.warmup(
                 requests, max_input, request.max_prefill_tokens, max_total, self.memory_fraction,
                 self.max_batch_total_tokens,
@@ -284,75 +360,77 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return await self._run(context, warm)
 
     async def Prefill(self, request, context):
+        requests = await self._requests(context, request.batch)
+
         def prefill():
             if request.batch.id in self.cache:
-                raise ValueError(f"batch {request.batch.id} is already cached")
-            if request.HasField("cached_batch") and request.cached_batch.id not in self.cache:
+                raise RequestError(f"batch {request.batch.id} is already cached")
+            cached_id = request.cached_batch.id if request.HasField("cached_batch") else None
+            if cached_id is not None:
                 # Checked before the forward: afterwards the new batch (and blocks it owns) would be lost.
-                raise KeyError(f"batch {request.cached_batch.id} not found")
-            requests = [request_from_pb(r) for r in request.batch.requests]
+                if cached_id not in self.cache:
+                    raise BatchNotFound(f"batch {cached_id} not found")
+                clash = set(self.cache[cached_id].request_ids) & {r.id for r in requests}
+                if clash:
+                    raise RequestError(f"request ids {sorted(clash)[:4]} are already in batch {cached_id}")
             batch = self.model.make_batch(request.batch.id, requests)
-            generations, next_batch, timings = self._generate(batch)
-            concat_ns = None
-            if request.HasField("cached_batch"):
-                self._ahead.pop(request.cached_batch.id, None)  # merged: its rows now step with the new ones
-                cached = self._pop(request.cached_batch.id)
-                if next_batch is None:
-                    next_batch = cached
-                else:
-                    next_batch = Batch.concatenate([cached, next_batch])
-                    next_batch.batch_id = cached.batch_id
-                    concat_ns = 0
-            return self._step_response(pb.PrefillResponse, generations, next_batch, timings, concat_ns)
+            if cached_id is None:
+                generations, next_batch, timings = self._generate(batch)
+                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None)
+            # TGI's contract: one token for the cached batch and the new one. A step computed ahead
+            # for the cached batch is that token; otherwise both run as one forward.
+            cached = self._pop(cached_id)
+            ahead = self._take_ahead(cached)
+            concat_start = time.perf_counter_ns()
+            if ahead is None:
+                merged = Batch.concatenate([cached, batch])
+                concat_ns = time.perf_counter_ns() - concat_start
+                generations, next_batch, timings = self._generate(merged)
+            else:
+                generations, parts, timings = self._commit_ahead(cached, ahead)
+                new_gens, new_next, new_timings = self._generate(batch)
+                generations += new_gens
+                timings = timings + new_timings
+                if new_next is not None:
+                    parts.append(new_next)
+                concat_start = time.perf_counter_ns()
+                next_batch = Batch.concatenate(parts) if parts else None
+                concat_ns = time.perf_counter_ns() - concat_start
+            return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
+                                       timings, concat_ns)
 
         return await self._run(context, prefill)
 
     async def Decode(self, request, context):
         def decode():
             if not request.batches:
-                raise ValueError("Decode needs at least one batch")
+                raise RequestError("Decode needs at least one batch")
             ids = [b.id for b in request.batches]
+            if len(set(ids)) != len(ids):
+                raise RequestError(f"Decode names batch ids {ids}: each batch at most once")
             missing = [i for i in ids if i not in self.cache]
             if missing:
-                raise KeyError(f"batch {missing[0]} not found")
+                raise BatchNotFound(f"batch {missing[0]} not found")
             batches = [self.cache.pop(i) for i in ids]
-            ready, rest = [], []
-            for b in batches:
-                ahead = self._ahead.pop(b.batch_id, None)
-                if ahead is not None and ahead.source is b and ahead.request_ids == b.request_ids:
-                    ready.append((b, ahead))
-                else:
-                    rest.append(b)
-            self.ahead_hits += len(ready)
-            self.ahead_misses += len(rest)
+            ready = {id(b): a for b in batches if (a := self._take_ahead(b)) is not None}
             if not ready:
                 generations, next_batch, timings = self._generate(Batch.concatenate(batches))
                 return self._step_response(pb.DecodeResponse, generations, self._renumber(next_batch, ids[0]),
-                                           timings, None, ahead=True)
-            failed = next((a.error for _, a in ready if a.error is not None), None)
-            if failed is not None:
-                # The step itself failed: fail the call as the plain step would have, freeing every batch.
-                for b in batches:
-                    self.model.release(b)
-                raise failed
+                                           timings, None)
             # Batches without a step ready (just prefilled) join without a token this time: running
             # them alone would cost a forward of its own, and the next step carries every row.
             generations, parts, timings = [], [], StepTimings(0, 0, 0)
-            ready_of = {id(b): a for b, a in ready}
             for b in batches:
-                ahead = ready_of.get(id(b))
+                ahead = ready.get(id(b))
                 if ahead is None:
                     parts.append(b)
                     continue
-                generations += ahead.generations
-                timings = timings + ahead.timings
-                if ahead.next_batch is None:
-                    self.model.release(b)  # every row finished; the fork owned no blocks
-                else:
-                    ahead.next_batch.adopt_blocks(b)
-                    parts.append(ahead.next_batch)
+                gens, kept, step = self._commit_ahead(b, ahead)
+                generations += gens
+                parts += kept
+                timings = timings + step
             next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
-            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None, ahead=True)
+            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
 
         return await self._run(context, decode)
 
@@ -367,18 +445,40 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             self.model.release(batch)
             raise
 
+    def _take_ahead(self, batch: Batch) -> "_Ahead | None":
+        """The step computed ahead for `batch`, if it ran on exactly the batch's rows (counted)."""
+        ahead = self._ahead.pop(batch.batch_id, None)
+        if ahead is not None and ahead.source is batch and ahead.request_ids == batch.request_ids:
+            self.ahead_hits += 1
+            return ahead
+        self.ahead_misses += 1
+        return None
+
+    def _commit_ahead(self, batch: Batch, ahead: "_Ahead") -> tuple[list[Generation], list[Batch], StepTimings]:
+        """Makes a step computed ahead the batch's real step: its generations, and its next batch
+        (which takes over the blocks) or nothing when every row finished."""
+        if ahead.error is not None:
+            # The step itself failed: fail the call as the plain step would have.
+            self.model.release(batch)
+            raise ahead.error
+        if ahead.next_batch is None:
+            self.model.release(batch)  # every row finished; the fork owned no blocks
+            return list(ahead.generations), [], ahead.timings
+        ahead.next_batch.adopt_blocks(batch)
+        return list(ahead.generations), [ahead.next_batch], ahead.timings
+
     @staticmethod
     def _renumber(batch: Batch | None, batch_id: int) -> Batch | None:
-        """A decode's next batch carries the id of the first batch asked for (TGI's rule)."""
+        """A step's next batch carries the id of the first batch it continues (TGI's rule)."""
         if batch is not None:
             batch.batch_id = batch_id
         return batch
 
     def _schedule_ahead(self, batch: Batch) -> None:
-        """Queues the batch's next decode step behind this call on the model thread."""
+        """Queues the batch's next step behind this call on the model thread."""
         if not self.decode_ahead:
             return
-        self._executor.submit(self._run_ahead, batch)
+        self._executor.submit(self._on_model_thread, self._run_ahead, batch)
 
     def _run_ahead(self, batch: Batch) -> None:
         if self.cache.get(batch.batch_id) is not batch or batch.batch_id in self._ahead:
@@ -389,7 +489,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         ahead = _Ahead(source=batch, request_ids=alive)
         try:
             ahead.generations, ahead.next_batch, ahead.timings = self.model.generate_token(batch.fork(alive))
-        except Exception as exc:  # kept for the Decode that commits this step (a replay would fail alike)
+        except Exception as exc:  # kept for the call that commits this step (a replay would fail alike)
             logger.debug("decode ahead of batch {} failed: {!r}", batch.batch_id, exc)
             ahead.error = exc
         self._ahead[batch.batch_id] = ahead
@@ -397,10 +497,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def _pop(self, batch_id: int) -> Batch:
         batch = self.cache.pop(batch_id, None)
         if batch is None:
-            raise KeyError(f"batch {batch_id} not found")
+            raise BatchNotFound(f"batch {batch_id} not found")
         return batch
 
-    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns, ahead: bool = False):
+    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns):
         resp = cls(
             generations=[generation_to_pb(g) for g in generations],
             forward_ns=timings.forward_ns,
@@ -412,8 +512,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if next_batch is not None:
             self.cache[next_batch.batch_id] = next_batch
             resp.batch.CopyFrom(cached_batch_to_pb(next_batch.info()))
-            if ahead:  # not after a prefill: the next Decode merges that batch into a running one
-                self._schedule_ahead(next_batch)
+            self._schedule_ahead(next_batch)
         return resp
 
 
@@ -425,6 +524,8 @@ async def serve_shard(
     memory_fraction: float,
     max_batch_total_tokens: int | None,
     stop: asyncio.Event,
+    prefix_caching: bool = True,
+    stall_timeout_s: float = 300.0,
 ) -> None:
     """Serves one rank on `unix://{uds_path}-{rank}` until `stop` is set."""
     path = shard_uds(uds_path, rank)
@@ -433,7 +534,8 @@ async def serve_shard(
     server = grpc.aio.server(
         options=[("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
     )
-    service = TextGenerationService(model, uds_path, world_size, memory_fraction, max_batch_total_tokens)
+    service = TextGenerationService(model, uds_path, world_size, memory_fraction, max_batch_total_tokens,
+                                    prefix_caching, stall_timeout_s)
     pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
     # The socket is owner-only: anyone who can connect can drive the model. gRPC binds
     # in add_insecure_port, so the umask must cover that call (start() is too late).
@@ -450,6 +552,7 @@ async def serve_shard(
     finally:
         await server.stop(grace=1.0)
         service._executor.shutdown(wait=False, cancel_futures=True)
+        service._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         try:
             Path(path).unlink()
         except FileNotFoundError:

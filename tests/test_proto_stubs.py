@@ -64,7 +64,11 @@ DecodeRequest: repeated CachedBatch batches = 1
 """
 # Beyond the spec table: TGI's own v3 proto also carries this field, and newer TGI
 # routers send it (see the comment on it in generate.proto).
-SHARD_EXTRAS = {"NextTokenChooserParameters": {("logit_bias", 12, "LogitBiasEntry", "repeated", None)}}
+SHARD_EXTRAS = {
+    "NextTokenChooserParameters": {("logit_bias", 12, "LogitBiasEntry", "repeated", None)},
+    # Ours alone, far from TGI's numbers: the router's token ids (a TGI router never sets it).
+    "Request": {("input_ids", 1001, "uint32", "repeated", None)},
+}
 
 SHARD_RPCS = {
     "Info": ("InfoRequest", "InfoResponse"),

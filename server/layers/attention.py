@@ -1,14 +1,23 @@
-"""Paged KV cache and attention over it.
+"""Paged KV cache, the metadata of one forward, and the attention backends over them.
 
-The cache of each layer is [num_blocks, block_size, kv_heads, head_dim] for keys
-and values. A token's K/V lives at a *slot* (block_id * block_size + offset); a
-request's block table lists its blocks in order. The router (or the model itself
-when no router hands blocks in) decides blocks and slots; attention only reads
-them. Written with plain torch ops, so the same code runs on CPU and CUDA.
+The cache of each layer is [num_blocks, block_size, kv_heads, head_dim] for keys and values.
+A token's K/V lives at a *slot* (block_id * block_size + offset); a sequence's block table
+lists its blocks in order. The router (or the model itself when no router hands blocks in)
+decides blocks and slots; attention only reads them.
+
+One forward covers any mix of sequences: each has `cache_len` tokens already in the cache
+(a cached prefix, or the chunks of its prompt prefilled earlier, or everything generated so
+far) and `q_len` new tokens whose K/V the layer stores before attending. A decode step is the
+case q_len == 1 for every sequence; a plain prefill is cache_len == 0 for every sequence.
+
+Backends (`attention_backends.py` keeps the ordered registry, `triton-paged` among them) implement `prefill` (any
+q_len, over the flattened new tokens) and `decode` (q_len == 1). This module holds the
+torch backend, which runs everywhere and is the reference for the others.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,91 +59,277 @@ class KVCache:
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about the batch of one forward pass.
+    """What attention needs to know about the sequences of one forward.
 
-    Prefill: `cu_seqlens` [B+1] over the flattened new tokens (no cached prefix).
-    Decode: one new token per sequence; `block_tables` [B, max_blocks] and
-    `seq_lens` [B] (tokens in cache after this step, the new one included).
+    Prefill (is_prefill): `prefill_lens` [B] new tokens per sequence, flattened in order;
+    `cache_lens` [B] tokens each already has in the cache (None: all zero, and then the
+    block tables are not needed). Decode: one new token per sequence; `block_tables`
+    [B, max_blocks] and `seq_lens` [B] (tokens in cache after this step, the new one
+    included). `max_seq_len` bounds seq_lens; host ints never need a device sync.
+    `backend` is the attention backend the model's layers call (None: torch).
     """
 
     is_prefill: bool
     slots: torch.Tensor
-    cu_seqlens: torch.Tensor | None = None
     prefill_lens: list[int] | None = None
+    cache_lens: list[int] | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     max_seq_len: int = 0
-    _decode_index: torch.Tensor | None = None
-    _masks: dict = field(default_factory=dict)
+    backend: "AttentionBackend | None" = None
+    _memo: dict = field(default_factory=dict, repr=False)
 
-    def decode_gather_index(self, block_size: int) -> tuple[torch.Tensor, int]:
-        """Flattened block ids covering max_seq_len, shared by every layer of the step."""
-        blocks_needed = (self.max_seq_len + block_size - 1) // block_size
-        if self._decode_index is None:
-            self._decode_index = self.block_tables[:, :blocks_needed].reshape(-1)
-        return self._decode_index, blocks_needed * block_size
+    @property
+    def has_prefix(self) -> bool:
+        """Whether some sequence attends over K/V computed by an earlier forward."""
+        return self.is_prefill and self.cache_lens is not None and any(self.cache_lens)
 
-    def decode_mask(self, length: int, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, length] key mask, built once per step for each window size in use."""
-        mask = self._masks.get(window)
-        if mask is None:
-            pos = torch.arange(length, device=self.seq_lens.device)
-            mask = pos[None, :] < self.seq_lens[:, None]
-            if window is not None:
-                mask &= pos[None, :] >= (self.seq_lens[:, None] - window)
-            mask = mask[:, None, None, :]
-            self._masks[window] = mask
-        return mask
+    @property
+    def max_position(self) -> int:
+        if self.is_prefill:
+            caches = self.cache_lens or [0] * len(self.prefill_lens)
+            return max(c + n for c, n in zip(caches, self.prefill_lens)) - 1
+        return self.max_seq_len - 1
+
+    def memo(self, key, build):
+        """Per-forward values shared by every layer (gather indices, masks, device copies)."""
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = build()
+        return value
+
+    def cu_seqlens_q(self, device: torch.device) -> torch.Tensor:
+        def build() -> torch.Tensor:
+            cu = [0]
+            for n in self.prefill_lens:
+                cu.append(cu[-1] + n)
+            return torch.tensor(cu, dtype=torch.int32, device=device)
+
+        return self.memo("cu_seqlens_q", build)
 
 
-def prefill_attention(
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend must support for one model on one device (like kernels' LinearSpec)."""
+
+    device_type: str
+    dtype: torch.dtype
+    heads: int  # per rank
+    kv_heads: int  # per rank
+    head_dim: int
+    block_size: int
+    windowed: bool
+    device_capability: tuple[int, int] | None = None
+
+
+class AttentionBackend:
+    """Attention over the paged cache. Subclasses set `name` and implement the two calls.
+
+    graph_safe: every call has shapes fixed by the batch size alone and no host syncs, so a
+    decode step through it can be captured in a CUDA graph.
+    """
+
+    name = "abstract"
+    graph_safe = False
+
+    def __init__(self, spec: AttentionSpec | None = None):
+        self.spec = spec
+
+    @classmethod
+    def can_implement(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def prefill(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+                window: int | None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (the new tokens, already stored) -> [T, H, D]."""
+        raise NotImplementedError
+
+    def decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
+        """q: [B, H, D] -> [B, H, D]."""
+        raise NotImplementedError
+
+    def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
+        """Memory a decode step may take beyond its activations, given the KV cache size
+        (gathered copies of K/V): warmup keeps it free."""
+        return 0
+
+
+def _blocks_of(block_tables: torch.Tensor, row: int, length: int, block_size: int) -> torch.Tensor:
+    return block_tables[row, : (length + block_size - 1) // block_size]
+
+
+def _gather_sequence(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    # cache: [num_blocks, bs, KVH, D] -> [length, KVH, D]
+    return cache.index_select(0, blocks).view(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def _band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, k] bool: causal (key at or before the query), within the window when there is one."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+def sequence_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lens: list[int],
+    cache_len: int,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D] -> [tokens, heads, D]
-    heads, kv_heads = q.shape[1], k.shape[1]
-    gqa = heads != kv_heads
-    out = torch.empty_like(q)
-    start = 0
-    for length in lens:
-        end = start + length
-        qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1)
-        vs = v[start:end].transpose(0, 1)
-        if window is not None and window < length:
-            pos = torch.arange(length, device=q.device)
-            diff = pos[:, None] - pos[None, :]
-            mask = (diff >= 0) & (diff < window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    """One sequence's causal attention: q [n, H, D] at positions cache_len.., k/v [cache_len + n,
+    KVH, D] -> [n, H, D]. 4-D inputs, so CUDA can take its fused kernels. With a window shorter
+    than the context the queries are taken in tiles of `window` rows, each against the <= 2 *
+    window keys it can see, so no [L, L] mask is ever built."""
+    n, heads, _ = q.shape
+    total = k.shape[0]
+    gqa = heads != k.shape[1]
+    q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    k4 = k.transpose(0, 1).unsqueeze(0)
+    v4 = v.transpose(0, 1).unsqueeze(0)
+    if window is None or window >= total:
+        if cache_len == 0:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
-        start = end
+            pos = torch.arange(total, device=q.device)
+            mask = _band_mask(pos[cache_len:], pos, None)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
+    out = torch.empty_like(q)
+    for start in range(0, n, window):
+        stop = min(start + window, n)
+        first_pos = cache_len + start
+        key_lo = max(0, first_pos - window + 1)
+        key_hi = cache_len + stop
+        q_pos = torch.arange(first_pos, cache_len + stop, device=q.device)
+        k_pos = torch.arange(key_lo, key_hi, device=q.device)
+        mask = _band_mask(q_pos, k_pos, window)
+        o = F.scaled_dot_product_attention(
+            q4[:, :, start:stop], k4[:, :, key_lo:key_hi], v4[:, :, key_lo:key_hi], attn_mask=mask, scale=scale,
+            enable_gqa=gqa,
+        )
+        out[start:stop] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def decode_attention(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    # q: [B, heads, D]; caches: [blocks, block_size, kv_heads, D] -> [B, heads, D]
+class TorchAttention(AttentionBackend):
+    """torch.nn.functional.scaled_dot_product_attention per sequence: the CPU path and the
+    reference for every other backend.
+
+    Decode on CPU gathers every sequence's blocks padded to the longest and runs one SDPA (the
+    fastest plain-torch form there). On CUDA that padded copy would dominate the step, so decode
+    works block by block instead: scores for each (sequence, block) pair in one batched matmul,
+    a softmax across a sequence's blocks with scatter reductions, no padding past the last block.
+    """
+
+    name = "torch-sdpa"
+
+    @classmethod
+    def can_implement(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        return True, ""
+
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window):
+        lens = meta.prefill_lens
+        caches = meta.cache_lens if meta.has_prefix else None
+        out = torch.empty_like(q)
+        start = 0
+        bs = key_cache.shape[1]
+        for row, n in enumerate(lens):
+            stop = start + n
+            cached = caches[row] if caches is not None else 0
+            if cached:
+                blocks = _blocks_of(meta.block_tables, row, cached + n, bs)
+                ks = _gather_sequence(key_cache, blocks, cached + n)
+                vs = _gather_sequence(value_cache, blocks, cached + n)
+            else:
+                ks, vs = k[start:stop], v[start:stop]
+            out[start:stop] = sequence_attention(q[start:stop], ks, vs, cached, scale, window)
+            start = stop
+        return out
+
+    def decode(self, q, key_cache, value_cache, meta, scale, window):
+        if q.device.type == "cuda":
+            return blockwise_decode(q, key_cache, value_cache, meta, scale, window)
+        return padded_decode(q, key_cache, value_cache, meta, scale, window)
+
+    def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
+        # One layer's K and V of every live token gathered at once, and its scores.
+        return 2 * kv_cache_bytes // max(num_layers, 1)
+
+
+def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    # q: [B, H, D]; caches: [blocks, block_size, KVH, D] -> [B, H, D]
     batch, heads, dim = q.shape
     kv_heads = key_cache.shape[2]
+    bs = key_cache.shape[1]
+    blocks_needed = (meta.max_seq_len + bs - 1) // bs
+    length = blocks_needed * bs
     # index_select over the flattened table copies whole blocks; on CPU it is several times
-    # faster than advanced indexing (cache[table]), and this gather is the largest copy of a step.
-    index, length = meta.decode_gather_index(key_cache.shape[1])
+    # faster than advanced indexing (cache[table]).
+    index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
     k = key_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
     v = value_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(length, window), scale=scale,
-        enable_gqa=heads != kv_heads,
-    )
+
+    def build_mask() -> torch.Tensor:
+        pos = torch.arange(length, device=q.device)
+        mask = pos[None, :] < meta.seq_lens[:, None]
+        if window is not None:
+            mask &= pos[None, :] >= (meta.seq_lens[:, None] - window)
+        return mask[:, None, None, :]
+
+    mask = meta.memo(("padded_mask", window), build_mask)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=heads != kv_heads)
     return out.squeeze(2)
+
+
+def _block_layout(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """Every (sequence, block) pair a decode step reads, flattened: the block ids, the row each
+    belongs to and the block's index in its row. Sizes come from host-side lengths: no sync."""
+    lengths = meta.memo("host_seq_lens", lambda: meta.seq_lens.tolist())
+    counts = [(n + block_size - 1) // block_size for n in lengths]
+    total = sum(counts)
+    count_t = torch.tensor(counts, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(counts), device=device), count_t, output_size=total)
+    starts = torch.cumsum(count_t, 0) - count_t
+    index_in_row = torch.arange(total, device=device) - starts[rows]
+    block_ids = meta.block_tables[rows, index_in_row]
+    return block_ids, rows, index_in_row
+
+
+def blockwise_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    # q: [B, H, D] -> [B, H, D]; reads each sequence's blocks once, no padding to the longest.
+    batch, heads, dim = q.shape
+    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    block_ids, rows, index_in_row = meta.memo(("block_layout", bs), lambda: _block_layout(meta, bs, q.device))
+    keys = key_cache.index_select(0, block_ids)  # [NB, bs, KVH, D]
+    values = value_cache.index_select(0, block_ids)
+    qb = q.view(batch, kv_heads, group, dim).index_select(0, rows).float()  # [NB, KVH, G, D]
+    scores = torch.einsum("nkgd,nbkd->nkgb", qb, keys.float()) * scale  # [NB, KVH, G, bs]
+
+    def build_valid() -> torch.Tensor:
+        pos = index_in_row[:, None] * bs + torch.arange(bs, device=q.device)[None, :]  # [NB, bs]
+        limit = meta.seq_lens.index_select(0, rows)[:, None]
+        valid = pos < limit
+        if window is not None:
+            valid &= pos >= limit - window
+        return valid[:, None, None, :]
+
+    valid = meta.memo(("block_valid", window), build_valid)
+    scores = scores.masked_fill(~valid, -math.inf)
+    block_max = scores.amax(dim=-1)  # [NB, KVH, G]
+    row_max = torch.full((batch, kv_heads, group), -math.inf, device=q.device)
+    row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
+    probs = torch.exp(scores - row_max.index_select(0, rows)[..., None])
+    denom = torch.zeros(batch, kv_heads, group, device=q.device).index_add_(0, rows, probs.sum(-1))
+    partial = torch.einsum("nkgb,nbkd->nkgd", probs, values.float())
+    out = torch.zeros(batch, kv_heads, group, dim, device=q.device).index_add_(0, rows, partial)
+    return (out / denom[..., None]).view(batch, heads, dim).to(q.dtype)
+
+
+DEFAULT_BACKEND = TorchAttention()  # what a forward without a chosen backend (tools, tests) uses

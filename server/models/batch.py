@@ -16,7 +16,7 @@ import torch
 from text_generation_server.generation.detokenize import IncrementalDetokenizer
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
-from text_generation_server.models.types import CachedBatchInfo, GenerationRequest
+from text_generation_server.models.types import CachedBatchInfo, GenerationRequest, RequestError
 
 
 class OutOfBlocksError(RuntimeError):
@@ -60,10 +60,32 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     length: int  # tokens in the sequence so far (prompt + generated)
     finished: bool = False
+    # Prompt tokens whose K/V are in the cache: the cached prefix the request arrived with
+    # (cache_len), then each prefilled chunk. The prompt is done when it reaches input_length.
+    prefilled: int = 0
+    chunk: int = 0  # prompt tokens the next forward processes (0 once the prompt is done)
+    prompt_logprobs: list[float] | None = None  # gathered chunk by chunk for prefill_logprobs
 
     @property
     def input_length(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt_ids)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the next forward computes for this request."""
+        return self.chunk if self.prefilling else 1
+
+    def fork(self) -> "RequestState":
+        """A copy whose progress can advance without touching this one (blocks stay ours)."""
+        return dataclasses.replace(
+            self, blocks=list(self.blocks), owns_blocks=False, stopping=self.stopping.fork(),
+            detokenizer=self.detokenizer.fork(),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+        )
 
     @property
     def max_length(self) -> int:
@@ -80,7 +102,6 @@ class Batch:
         history_lengths: torch.Tensor,
         slot_table: torch.Tensor,
         block_tables: torch.Tensor,
-        prefilled: bool,
     ):
         self.batch_id = batch_id
         self.states = states
@@ -89,7 +110,11 @@ class Batch:
         self.history_lengths = history_lengths  # [B] int64
         self.slot_table = slot_table  # [B, T] int64: KV slot of each position (-1 past the end)
         self.block_tables = block_tables  # [B, max_blocks] int64
-        self.prefilled = prefilled
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether some request still has prompt tokens to prefill (the next step is not a pure decode)."""
+        return any(s.prefilling for s in self.states)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -104,7 +129,8 @@ class Batch:
             request_ids=self.request_ids,
             size=len(self.states),
             max_tokens=sum(s.max_length for s in self.states),
-            current_tokens=sum(s.length for s in self.states),
+            # TGI's meaning: tokens the next forward computes (a router budgets prefill with it).
+            current_tokens=sum(s.step_tokens for s in self.states if not s.finished),
         )
 
     def filter(self, request_ids: list[int], allocator: BlockAllocator | None) -> "Batch":
@@ -112,9 +138,9 @@ class Batch:
         position = {rid: i for i, rid in enumerate(self.request_ids)}
         unknown = [rid for rid in request_ids if rid not in position]
         if unknown:
-            raise KeyError(f"batch {self.batch_id} has no requests {unknown}")
+            raise RequestError(f"batch {self.batch_id} has no requests {unknown}")
         if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat")
+            raise RequestError("request_ids must not repeat")
         keep = [position[rid] for rid in request_ids]
         kept = set(keep)
         for i, state in enumerate(self.states):
@@ -132,7 +158,6 @@ class Batch:
             history_lengths=self.history_lengths.index_select(0, index),
             slot_table=self.slot_table.index_select(0, index)[:, :max_len],
             block_tables=self.block_tables.index_select(0, index)[:, :max_blocks],
-            prefilled=self.prefilled,
         )
 
     def fork(self, request_ids: list[int]) -> "Batch":
@@ -146,11 +171,7 @@ class Batch:
         position = {rid: i for i, rid in enumerate(self.request_ids)}
         keep = [position[rid] for rid in request_ids]
         index = torch.tensor(keep, dtype=torch.long, device=self.history.device)
-        states = [
-            dataclasses.replace(self.states[i], blocks=list(self.states[i].blocks), owns_blocks=False,
-                                stopping=self.states[i].stopping.fork(), detokenizer=self.states[i].detokenizer.fork())
-            for i in keep
-        ]
+        states = [self.states[i].fork() for i in keep]
         return Batch(
             batch_id=self.batch_id,
             states=states,
@@ -159,7 +180,6 @@ class Batch:
             history_lengths=self.history_lengths.index_select(0, index),
             slot_table=self.slot_table.index_select(0, index),
             block_tables=self.block_tables.index_select(0, index),
-            prefilled=self.prefilled,
         )
 
     def adopt_blocks(self, source: "Batch") -> None:
@@ -182,8 +202,6 @@ class Batch:
             raise ValueError("cannot concatenate zero batches")
         if len(batches) == 1:
             return batches[0]
-        if not all(b.prefilled for b in batches):
-            raise ValueError("only prefilled batches can be concatenated")
         width = max(b.history.shape[1] for b in batches)
         blocks = max(b.block_tables.shape[1] for b in batches)
 
@@ -200,5 +218,4 @@ class Batch:
             history_lengths=torch.cat([b.history_lengths for b in batches]),
             slot_table=torch.cat([pad(b.slot_table, width, -1) for b in batches]),
             block_tables=torch.cat([pad(b.block_tables, blocks, 0) for b in batches]),
-            prefilled=True,
         )

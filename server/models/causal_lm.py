@@ -9,27 +9,27 @@ FilterBatch), so the shard never drops work on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
 from text_generation_server.generation.detokenize import IncrementalDetokenizer
-from text_generation_server.generation.sampling import (
-    HeterogeneousNextTokenChooser,
-    prefill_logprobs,
-    top_n_logprobs,
-)
+from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
-from text_generation_server.layers.attention import AttentionMetadata, KVCache
+from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache
+from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.models.types import (
     GeneratedText,
     Generation,
     Completion,
     GenerationRequest,
+    RequestError,
     StepTimings,
     Tokens,
 )
@@ -39,6 +39,16 @@ from text_generation_server.utils.memory import available_bytes, is_out_of_memor
 
 class WarmupError(RuntimeError):
     """Warmup cannot honour the requested limits; the message says which to lower."""
+
+
+@dataclass
+class _PromptSpan:
+    """Logit rows of one prefilling request whose prompt-token logprobs were asked for."""
+
+    state: RequestState
+    row: int  # first of its rows in the forward's logits
+    count: int  # prompt tokens these rows score (the row at prompt position p scores token p + 1)
+    values: torch.Tensor | None = None
 
 
 class CausalLM:
@@ -53,6 +63,7 @@ class CausalLM:
         process_group: ProcessGroup,
         block_size: int = 16,
         quantize: str | None = None,
+        attention_backend: str | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -73,6 +84,18 @@ class CausalLM:
         # Many checkpoints pad vocab_size past the tokenizer (Qwen2, Phi-3); those ids have no
         # text, so they are never chosen (the detokenizer could not stream them).
         self._text_vocab = min(self._vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+        # Prompt tokens one forward may compute (set by warmup); later chunks of a long prompt
+        # are sized within it. None: no limit (the CLI and tests without warmup).
+        self.max_prefill_tokens: int | None = None
+        spec = AttentionSpec(
+            device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
+            kv_heads=model.local_kv_heads, head_dim=self.config.head_dim, block_size=block_size,
+            windowed=any(w is not None for w in self.config.layer_windows),
+            device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        )
+        self.attention, rejected = choose_attention_backend(spec, attention_backend)
+        if process_group.rank == 0:
+            log_choice(self.attention, rejected)
 
     # -- KV cache ------------------------------------------------------------
     @property
@@ -95,45 +118,64 @@ class CausalLM:
 
     # -- batches -------------------------------------------------------------
     def tokenize(self, request: GenerationRequest) -> list[int]:
-        ids = self.tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens).ids
+        """The prompt's ids: the router's when it sent them, else tokenized here; truncated."""
+        if request.input_ids is not None:
+            ids = list(request.input_ids)
+        else:
+            ids = self.tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens).ids
         if request.truncate and len(ids) > request.truncate:
             ids = ids[-request.truncate:]
         if not ids:
-            raise ValueError(f"request {request.id}: inputs tokenize to zero tokens")
+            raise RequestError(f"request {request.id}: inputs tokenize to zero tokens")
         return ids
 
     def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch:
-        """Tokenizes and validates new requests, and gives them KV blocks and slots."""
+        """Tokenizes and validates new requests, and gives them KV blocks and slots.
+
+        Every rejection is a RequestError naming the request and field: the caller's input
+        was wrong, and nothing (no block) has been taken yet.
+        """
         if not requests:
-            raise ValueError("a batch needs at least one request")
+            raise RequestError("a batch needs at least one request")
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated (call warmup or allocate_kv_cache first)")
         ids_seen: set[int] = set()
         prepared = []
         for req in requests:
             if req.id in ids_seen:
-                raise ValueError(f"request id {req.id} appears twice in the batch")
+                raise RequestError(f"request id {req.id} appears twice in the batch")
             ids_seen.add(req.id)
             if req.max_new_tokens < 1:
-                raise ValueError(f"request {req.id}: max_new_tokens must be >= 1")
-            if req.cache_len:
-                raise ValueError(f"request {req.id}: cache_len must be 0 (prefix caching is not supported)")
+                raise RequestError(f"request {req.id}: max_new_tokens must be >= 1")
             if req.top_n_tokens < 0 or req.top_n_tokens > self._vocab_size:
-                raise ValueError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
-            req.sampling.validate()
+                raise RequestError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
+            try:
+                req.sampling.validate()
+            except ValueError as exc:
+                raise RequestError(f"request {req.id}: {exc}") from exc
             prompt = self.tokenize(req)
-            if max(prompt) >= self._vocab_size:
-                raise ValueError(
-                    f"request {req.id}: token id {max(prompt)} from the tokenizer is outside the model's "
-                    f"vocabulary of {self._vocab_size}"
+            if max(prompt) >= self._vocab_size or min(prompt) < 0:
+                bad = max(prompt) if max(prompt) >= self._vocab_size else min(prompt)
+                raise RequestError(
+                    f"request {req.id}: token id {bad} is outside the model's vocabulary of {self._vocab_size}"
                 )
             total = len(prompt) + req.max_new_tokens
             limit = self.config.max_position_embeddings
             if total > limit:
-                raise ValueError(
+                raise RequestError(
                     f"request {req.id}: {len(prompt)} input tokens + max_new_tokens {req.max_new_tokens} = {total} "
                     f"exceeds the model's max_position_embeddings ({limit})"
                 )
+            if req.cache_len:
+                if not req.blocks:
+                    raise RequestError(f"request {req.id}: cache_len {req.cache_len} needs the blocks that hold it")
+                if req.cache_len >= len(prompt):
+                    raise RequestError(
+                        f"request {req.id}: cache_len {req.cache_len} must be less than its {len(prompt)} input "
+                        "tokens (the last one is always computed)"
+                    )
+            if req.chunk_len is not None and req.chunk_len < 1:
+                raise RequestError(f"request {req.id}: chunk_len must be >= 1, got {req.chunk_len}")
             self._check_router_kv(req, total)
             prepared.append((req, prompt, total))
         states: list[RequestState] = []
@@ -163,33 +205,32 @@ class CausalLM:
             history_lengths=lengths.to(self.device),
             slot_table=slot_table.to(self.device),
             block_tables=block_tables.to(self.device),
-            prefilled=False,
         )
 
     def _check_router_kv(self, req: GenerationRequest, total: int) -> None:
         """Validates router-provided blocks and slots before any block is allocated, so a bad
-        request leaves the allocator untouched. Decode reads the cache through the block
+        request leaves the allocator untouched. Attention reads the cache through the block
         table, so a slot that is not `blocks[p // block_size] * block_size + p % block_size`
         would be written where attention never looks: such slots are rejected."""
         if req.slots and not req.blocks:
-            raise ValueError(f"request {req.id}: slots were given without the blocks that hold them")
+            raise RequestError(f"request {req.id}: slots were given without the blocks that hold them")
         if not req.blocks:
             return
         num_blocks = self.kv_cache.num_blocks
         bad = [b for b in req.blocks if not 0 <= b < num_blocks]
         if bad:
-            raise ValueError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
+            raise RequestError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
         if len(req.blocks) * self.block_size < total:
-            raise ValueError(
+            raise RequestError(
                 f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {total} tokens"
             )
         if req.slots:
             if len(req.slots) < total:
-                raise ValueError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
+                raise RequestError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
             expected = self._slots(req.blocks, total)
             for position, (got, want) in enumerate(zip(req.slots, expected)):
                 if got != want:
-                    raise ValueError(
+                    raise RequestError(
                         f"request {req.id}: slot {got} for position {position} does not match its blocks "
                         f"(expected {want})"
                     )
@@ -197,15 +238,21 @@ class CausalLM:
     def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
         # Everything that can reject the request runs before blocks are taken: a block
         # allocated here and then dropped by an exception would be lost for good.
-        stopping = StoppingCriteria(
-            self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
-        )
+        try:
+            stopping = StoppingCriteria(
+                self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
+            )
+        except ValueError as exc:
+            raise RequestError(f"request {req.id}: {exc}") from exc
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         if req.blocks:  # validated by _check_router_kv
             blocks, owns = list(req.blocks), False
         else:
             blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
-        return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt))
+        remaining = len(prompt) - req.cache_len
+        chunk = remaining if req.chunk_len is None else min(req.chunk_len, remaining)
+        return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt),
+                            prefilled=req.cache_len, chunk=chunk)
 
     def _slots(self, blocks: list[int], total: int) -> list[int]:
         bs = self.block_size
@@ -223,30 +270,42 @@ class CausalLM:
     # -- the step --------------------------------------------------------------
     @torch.inference_mode()
     def generate_token(self, batch: Batch) -> tuple[list[Generation], Batch | None, StepTimings]:
+        """One forward over the batch: decoding requests get their next token; requests still
+        prefilling compute their next prompt chunk and get a token only with their last one."""
         start = time.perf_counter_ns()
-        prefill = not batch.prefilled
-        if prefill:
-            logits, prefill_logits = self._prefill_forward(batch)
+        if batch.prefilling:
+            logits, emit, prompt_spans = self._prefill_forward(batch)
         else:
-            logits = self._decode_forward(batch)
-            prefill_logits = None
+            logits, emit, prompt_spans = self._decode_forward(batch), None, []
         forward_done = time.perf_counter_ns()
 
         if self._text_vocab < logits.shape[-1]:
             logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
-        next_ids, logprobs = batch.chooser(logits, batch.history, batch.history_lengths)
-        rows = torch.arange(len(batch), device=next_ids.device)
-        batch.history[rows, batch.history_lengths] = next_ids
-        batch.history_lengths += 1
-        chosen_logprobs = logprobs[rows, next_ids].tolist()
-        next_list = next_ids.tolist()
-        top_n = [s.request.top_n_tokens for s in batch.states]
-        tops = top_n_logprobs(logprobs, top_n) if any(top_n) else None
-        seeds = batch.chooser.seeds
+        if emit is None:
+            chooser, history, lengths, emit_rows = batch.chooser, batch.history, batch.history_lengths, None
+        else:
+            # Only requests that finish their prompt draw: a seeded request's random stream must
+            # not advance while its prompt is still being prefilled.
+            emit_rows = torch.tensor(emit, dtype=torch.long, device=self.device)
+            chooser = batch.chooser.filter(emit)
+            history = batch.history.index_select(0, emit_rows)
+            lengths = batch.history_lengths.index_select(0, emit_rows)
+        next_ids, logprobs = chooser(logits, history, lengths)
+        rows = torch.arange(len(next_ids), device=next_ids.device)
+        if emit_rows is None:
+            batch.history[rows, lengths] = next_ids
+            batch.history_lengths += 1
+        else:
+            batch.history[emit_rows, lengths] = next_ids
+            batch.history_lengths.index_add_(0, emit_rows, torch.ones_like(emit_rows))
+        emitting = batch.states if emit is None else [batch.states[i] for i in emit]
+        top_n = [s.request.top_n_tokens for s in emitting]
+        next_list, chosen_logprobs, tops, prompt_lps = self._to_host(next_ids, logprobs, top_n, prompt_spans)
+        seeds = chooser.seeds
 
+        self._advance_prompts(batch, prompt_spans, prompt_lps)
         generations: list[Generation] = []
-        all_stopped = True
-        for i, state in enumerate(batch.states):
+        for i, state in enumerate(emitting):
             token = next_list[i]
             state.length += 1
             text = state.detokenizer.step(token)
@@ -257,8 +316,9 @@ class CausalLM:
                 request_id=state.request.id,
                 tokens=Tokens([token], [chosen_logprobs[i]], [text], [token in self.special_ids]),
             )
-            if prefill and state.request.prefill_logprobs:
-                gen.prefill_tokens = self._prefill_tokens(state, prefill_logits[i])
+            if state.prompt_logprobs is not None and len(state.prompt_logprobs) == state.input_length:
+                gen.prefill_tokens = self._prefill_tokens(state)
+                state.prompt_logprobs = None  # sent once, with the first token
             if tops is not None and top_n[i]:
                 ids, lps = tops[i]
                 gen.top_tokens = [
@@ -274,44 +334,123 @@ class CausalLM:
                     finish_reason=reason,
                     seed=seeds[i] if state.request.sampling.do_sample else None,
                 )
-            else:
-                all_stopped = False
             generations.append(gen)
-        batch.prefilled = True
+        self._plan_chunks(batch)
+        all_stopped = all(s.finished for s in batch.states)
         if all_stopped:
             batch.release(self.allocator)
         end = time.perf_counter_ns()
         timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
         return generations, (None if all_stopped else batch), timings
 
-    def _prefill_forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """One forward over every prompt, flattened; logits at last positions (all positions
-        only for requests that asked for prefill logprobs)."""
-        ids, positions, slots, logit_rows, lens = [], [], [], [], []
+    def _to_host(self, next_ids, logprobs, top_n: list[int], prompt_spans):
+        """Everything the step's Python side needs from the device, in one transfer: chosen ids
+        and their logprobs, the top-n alternatives, and prompt-token logprobs."""
+        rows = torch.arange(len(next_ids), device=next_ids.device)
+        parts = [next_ids.to(torch.float64), logprobs[rows, next_ids].to(torch.float64)]
+        width = min(max(top_n, default=0), logprobs.shape[1])
+        if width:
+            values, ids = logprobs.topk(width, dim=-1)
+            parts += [ids.flatten().to(torch.float64), values.flatten().to(torch.float64)]
+        parts += [span.values.to(torch.float64) for span in prompt_spans]
+        flat = torch.cat(parts).tolist()
+        n = len(next_ids)
+        next_list = [int(x) for x in flat[:n]]
+        chosen = flat[n:2 * n]
+        offset = 2 * n
+        tops = None
+        if width:
+            ids_flat = flat[offset:offset + n * width]
+            vals_flat = flat[offset + n * width:offset + 2 * n * width]
+            offset += 2 * n * width
+            tops = [([int(t) for t in ids_flat[r * width:r * width + k]], vals_flat[r * width:r * width + k])
+                    for r, k in enumerate(top_n)]
+        prompt_lps = []
+        for span in prompt_spans:
+            count = span.values.shape[0]
+            prompt_lps.append(flat[offset:offset + count])
+            offset += count
+        return next_list, chosen, tops, prompt_lps
+
+    def _advance_prompts(self, batch: Batch, spans: list["_PromptSpan"], logprob_lists: list[list[float]]) -> None:
+        """Moves every prefilling request past the chunk this step computed."""
+        for span, lps in zip(spans, logprob_lists):
+            if span.state.prompt_logprobs is not None:
+                span.state.prompt_logprobs.extend(lps)
+        for state in batch.states:
+            if state.prefilling:
+                state.prefilled += state.chunk
+                state.chunk = 0
+
+    def _plan_chunks(self, batch: Batch) -> None:
+        """Sizes the next prompt chunk of every request still prefilling: within
+        max_batch_prefill_tokens, after one token for each decoding request, oldest first.
+        Requests past the budget wait a step (chunk 0); the first always moves on."""
+        waiting = [s for s in batch.states if s.prefilling]
+        if not waiting:
+            return
+        decoding = sum(1 for s in batch.states if not s.prefilling and not s.finished)
+        budget = (self.max_prefill_tokens or math.inf) - decoding
+        for index, state in enumerate(waiting):
+            remaining = state.input_length - state.prefilled
+            state.chunk = int(max(1 if index == 0 else 0, min(remaining, budget)))
+            budget -= state.chunk
+
+    def _prefill_forward(self, batch: Batch) -> tuple[torch.Tensor, list[int], list["_PromptSpan"]]:
+        """One forward over every request's new tokens, flattened: prompt chunks for requests
+        still prefilling (over their cached prefix), the last token for decoding ones."""
+        ids, positions, slots, q_lens, cache_lens, logit_rows = [], [], [], [], [], []
+        emit: list[int] = []
         last_rows: list[int] = []
-        spans: list[tuple[int, int] | None] = []
+        spans: list[_PromptSpan] = []
         offset = 0
+        included: list[int] = []  # rows with tokens in this forward (a prompt may wait a step)
         for i, state in enumerate(batch.states):
-            n = state.input_length
-            lens.append(n)
-            ids.append(batch.history[i, :n])
-            slots.append(batch.slot_table[i, :n])
-            positions.append(torch.arange(n, device=self.device))
-            if state.request.prefill_logprobs:
-                spans.append((len(logit_rows), n))
-                logit_rows.extend(range(offset, offset + n))
+            if state.prefilling and state.chunk == 0:
+                continue
+            included.append(i)
+            if state.prefilling:
+                first, n = state.prefilled, state.chunk
+                done = first + n >= state.input_length
+                if state.request.prefill_logprobs:
+                    if state.prompt_logprobs is None:
+                        # Nothing predicts the first token; a cached prefix has no logits here.
+                        state.prompt_logprobs = [math.nan] * (first + 1)
+                    # Row p predicts token p + 1; the prompt's last row predicts the first new token.
+                    scored = min(n, state.input_length - 1 - first)
+                    spans.append(_PromptSpan(state, len(logit_rows), scored))
+                    logit_rows.extend(range(offset, offset + n))
+                elif done:
+                    logit_rows.append(offset + n - 1)
             else:
-                spans.append(None)
-                logit_rows.append(offset + n - 1)
-            last_rows.append(len(logit_rows) - 1)
+                first, n, done = state.length - 1, 1, True
+                logit_rows.append(offset)
+            if done:
+                emit.append(i)
+                last_rows.append(len(logit_rows) - 1)  # the row its token is drawn from
+            ids.append(batch.history[i, first:first + n])
+            slots.append(batch.slot_table[i, first:first + n])
+            positions.append(torch.arange(first, first + n, device=self.device))
+            q_lens.append(n)
+            cache_lens.append(first)
             offset += n
-        meta = AttentionMetadata(is_prefill=True, slots=torch.cat(slots), prefill_lens=lens)
+        tables = batch.block_tables
+        if len(included) != len(batch.states):
+            tables = tables.index_select(0, torch.tensor(included, dtype=torch.long, device=self.device))
+        meta = AttentionMetadata(
+            is_prefill=True, slots=torch.cat(slots), prefill_lens=q_lens, cache_lens=cache_lens,
+            block_tables=tables, backend=self.attention,
+        )
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         all_logits = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows)
-        per_request = [None if sp is None else all_logits[sp[0]:sp[0] + sp[1]] for sp in spans]
+        for span in spans:
+            first = span.state.prefilled
+            wanted = torch.tensor(span.state.prompt_ids[first + 1:first + 1 + span.count], device=self.device)
+            rows_logits = all_logits[span.row:span.row + span.count]
+            span.values = rows_logits.gather(1, wanted[:, None]).squeeze(1) - torch.logsumexp(rows_logits, dim=-1)
         if len(last_rows) == all_logits.shape[0]:
-            return all_logits, per_request
-        return all_logits[torch.tensor(last_rows, device=self.device)], per_request
+            return all_logits, emit, spans
+        return all_logits[torch.tensor(last_rows, dtype=torch.long, device=self.device)], emit, spans
 
     def _decode_forward(self, batch: Batch) -> torch.Tensor:
         positions = batch.history_lengths - 1
@@ -321,15 +460,15 @@ class CausalLM:
         max_len = max(s.length for s in batch.states)
         meta = AttentionMetadata(
             is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=batch.history_lengths,
-            max_seq_len=max_len,
+            max_seq_len=max_len, backend=self.attention,
         )
         return self.model(input_ids, positions, self.kv_cache, meta)
 
-    def _prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> Tokens:
+    def _prefill_tokens(self, state: RequestState) -> Tokens:
         ids = state.prompt_ids
-        lps = prefill_logprobs(logits, torch.tensor(ids, device=logits.device)).tolist()
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        return Tokens(list(ids), lps, texts, [t in self.special_ids for t in ids])
+        return Tokens(list(ids), list(state.prompt_logprobs), texts, [t in self.special_ids for t in ids])
+
 
     # -- warmup ----------------------------------------------------------------
     @torch.inference_mode()
@@ -355,6 +494,9 @@ class CausalLM:
                 f"max_total_tokens {max_total_tokens} exceeds the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}); lower --max-total-tokens"
             )
+        # TGI's router sends every warmup request with id 0: ids are the shard's to give here.
+        requests = [dataclasses.replace(r, id=i, blocks=[], slots=[], cache_len=0, chunk_len=None)
+                    for i, r in enumerate(requests)]
         self.kv_cache = None  # a previous warmup's cache would crowd out the scratch sized next
         self.allocator = None
         limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
@@ -409,6 +551,7 @@ class CausalLM:
             if is_out_of_memory(exc):
                 raise WarmupError(f"allocating {num_blocks} KV blocks failed ({exc}); lower the memory fraction") from exc
             raise
+        self.max_prefill_tokens = max_prefill_tokens
         logger.info(
             "warmup: prefill of {} tokens took {:.1f} ms; KV cache of {} blocks x {} tokens ({:.1f} MiB)",
             prefill_tokens, timings.forward_ns / 1e6, num_blocks, self.block_size,

@@ -13,12 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.layers.attention import (
-    AttentionMetadata,
-    KVCache,
-    decode_attention,
-    prefill_attention,
-)
+from text_generation_server.layers.attention import DEFAULT_BACKEND, AttentionMetadata, KVCache
 from text_generation_server.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary, rope_config_from_hf
 from text_generation_server.layers.tensor_parallel import (
     TensorParallelColumnLinear,
@@ -201,12 +196,12 @@ class LlamaAttention(torch.nn.Module):
         q, k = qk[:, : self.heads], qk[:, self.heads:]
         v = qkv[:, qk_size:].view(tokens, self.kv_heads, self.head_dim)
         cache.store(self.layer_id, meta.slots, k, v)
+        backend = meta.backend or DEFAULT_BACKEND
+        key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
         if meta.is_prefill:
-            out = prefill_attention(q, k, v, meta.prefill_lens, self.scale, self.window)
+            out = backend.prefill(q, k, v, key_cache, value_cache, meta, self.scale, self.window)
         else:
-            out = decode_attention(
-                q, cache.keys[self.layer_id], cache.values[self.layer_id], meta, self.scale, self.window
-            )
+            out = backend.decode(q, key_cache, value_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
 
 
@@ -268,7 +263,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.process_group = weights.process_group
         self.embed_tokens = TensorParallelEmbedding(weights, "model.embed_tokens", config.vocab_size,
                                                     config.hidden_size)
-        self.rotary = RotaryEmbedding(config.rope, min(config.max_position_embeddings, 4096), weights.device)
+        # The whole table at load: a step never grows it (no allocation inside a CUDA graph).
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings, weights.device)
         self.layers = torch.nn.ModuleList(
             LlamaLayer(config, weights, i, self.rotary) for i in range(config.num_hidden_layers)
         )
@@ -297,8 +293,7 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
         hidden = self.embed_tokens(input_ids)
-        max_position = meta.max_seq_len - 1 if not meta.is_prefill else max(meta.prefill_lens) - 1
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, max_position)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, meta.max_position)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, cache, meta)
         if logits_indices is not None:

@@ -12,6 +12,21 @@ from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.generation.stopping import FinishReason
 
 
+class RequestError(ValueError):
+    """A request (or batch) as sent is invalid: the caller's fault, reported as INVALID_ARGUMENT.
+
+    Anything else raised during a step is the server's fault (INTERNAL), even a ValueError
+    from deep inside a kernel.
+    """
+
+
+class BatchNotFound(KeyError):
+    """A call names a batch the shard does not hold (NOT_FOUND)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "batch not found"
+
+
 @dataclass
 class GenerationRequest:
     id: int
@@ -26,7 +41,15 @@ class GenerationRequest:
     blocks: list[int] = field(default_factory=list)  # KV blocks handed in by a router; empty = model allocates
     slots: list[int] = field(default_factory=list)
     add_special_tokens: bool = True
+    # Tokens at the start of the prompt whose K/V are already in `blocks` (a prefix cache hit):
+    # the shard computes only the rest.
     cache_len: int = 0
+    # Prompt tokens to prefill in the first forward (chunked prefill); None = the whole prompt.
+    # Later chunks are sized by the shard within its max_batch_prefill_tokens.
+    chunk_len: int | None = None
+    # The prompt as token ids, when the router tokenized it already (then `inputs` is not
+    # tokenized again); truncation still applies.
+    input_ids: list[int] | None = None
 
 
 @dataclass

@@ -148,7 +148,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_chunks", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len")
+    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_chunks", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len", "input_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class Request(_message.Message):
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     truncate: int
@@ -177,7 +178,8 @@ class Request(_message.Message):
     cache_len: int
     add_special_tokens: bool
     chunk_len: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., chunk_len: _Optional[int] = ...) -> None: ...
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., chunk_len: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
