@@ -56,6 +56,7 @@ MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # a split reads at least this many positions: partials stay a small share of K/V bytes
 PROGRAMS_PER_SM = 2  # decode splits aim at this many programs per SM (memory-bound: latency hiding)
 DEFAULT_SMS = 132  # H100 SXM: decode_splits' default, so the answer never depends on the machine
+MAX_GRID_Z = 65535  # prefill's grid puts sequences on z, whose CUDA limit this is
 NO_WINDOW = 1 << 30  # passed as the window when there is none (masks become no-ops)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # K/V tile bytes per stage (one of K or V). Two 16 KiB tiles double-buffered are 64 KiB of shared
@@ -526,6 +527,8 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
                          f"{list(cu_seqlens_q.shape)}")
     if not isinstance(max_q_len, int) or max_q_len < 0:
         raise ValueError(f"{name}: max_q_len must be a non-negative int, got {max_q_len!r}")
+    if batch > MAX_GRID_Z:
+        raise ValueError(f"{name}: {batch} sequences in one launch, at most {MAX_GRID_Z} (CUDA's grid z limit)")
     out = _check_out(name, out, q)
     if q.device.type == "cpu":
         _check_lengths_cpu(name, seq_lens, block_tables.shape[1] * block_size)

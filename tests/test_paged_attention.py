@@ -353,6 +353,9 @@ BAD_PREFILL = [
     (dict(max_q_len=None), r"max_q_len must be a non-negative int, got None"),
     (dict(seq_lens=torch.tensor([2, 2], dtype=torch.int32)), r"more new tokens than positions in cache"),
     (dict(window=-3), r"window must be None or a positive int, got -3"),
+    (dict(block_tables=torch.zeros(65536, 1, dtype=torch.int32), seq_lens=torch.ones(65536, dtype=torch.int32),
+          cu_seqlens_q=torch.arange(65537, dtype=torch.int32), q=torch.zeros(65536, 4, 32).half(), max_q_len=1),
+     r"65536 sequences in one launch, at most 65535"),
     (dict(out=torch.empty(5, 4, 32, dtype=torch.bfloat16)), r"out must be torch.float16 \[5, 4, 32\]"),
 ]
 
