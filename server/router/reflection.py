@@ -69,7 +69,20 @@ class ChainedPool:
         return self._first("FindFileByName", name)
 
     def FindFileContainingSymbol(self, name: str):  # noqa: N802
-        return self._first("FindFileContainingSymbol", name)
+        try:
+            return self._first("FindFileContainingSymbol", name)
+        except KeyError:
+            pass
+        # "<package>.<service>.<method>" is a valid symbol in the protocol; the pools only know
+        # services and types, so a method resolves through its service.
+        service_name, _, method = name.rpartition(".")
+        try:
+            service = self._first("FindServiceByName", service_name)
+        except KeyError:
+            raise KeyError(name) from None
+        if method not in service.methods_by_name:
+            raise KeyError(name)
+        return service.file
 
     def FindMessageTypeByName(self, name: str):  # noqa: N802
         return self._first("FindMessageTypeByName", name)
