@@ -151,20 +151,24 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def _prefill_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill; max_rows = max_q_len x group.
 
-    On GPU the FlashAttention-2 shape: 128 x 64 tiles with 8 warps at fp16/bf16 up to head_dim
-    128; wider rows (head_dim 256, fp32) shrink both tiles so K/V stages stay within _TILE_BYTES
-    and the whole kernel within the 99 KiB of shared memory of sm86/sm89 parts. BLOCK_M
-    shrinks to the rows there are (batches of short rows), with 4 warps below 128 rows. The
-    interpreter uses 16 x 16 tiles (see _decode_config).
+    On GPU the FlashAttention-2 shape, 128 x 64 tiles, at fp16/bf16 up to head_dim 128; head_dim
+    256 and fp32 (wider rows) halve both, so K/V stages stay within _TILE_BYTES and the kernel
+    within the 99 KiB of shared memory of sm86/sm89 parts. BLOCK_M shrinks to the rows there
+    are (batches of short rows). Eight warps once the Q tile and its fp32 accumulator reach
+    32 KiB: with four, ptxas spills registers at those sizes (cuobjdump, sm86). Two stages
+    overlap the next K/V tile's loads with this one's dots. The interpreter uses 16 x 16 tiles
+    (see _decode_config).
     """
     if _interpreting():
         return 16, 16, 4, 1
     dp = max(16, _pow2(head_dim))
-    block_n = max(16, min(64, _TILE_BYTES // (dp * dtype.itemsize)))
-    row_bytes = dp * dtype.itemsize
-    block_m = 128 if row_bytes <= 256 else 64 if row_bytes <= 512 else 32
+    wide = dtype == torch.float32
+    block_m, block_n = (128, 64) if dp <= 128 else (64, 32)
+    if wide:
+        block_m, block_n = block_m // 2, block_n // 2
     block_m = max(16, min(block_m, _pow2(max_rows)))
-    return block_m, block_n, (8 if block_m >= 128 else 4), 2
+    warps = 8 if block_m * dp * (dtype.itemsize + 4) >= 32 * 1024 else 4
+    return block_m, block_n, warps, 2
 
 
 # -- Triton kernels ----------------------------------------------------------------------------

@@ -449,8 +449,10 @@ def test_tile_configs_on_gpu(monkeypatch):
     assert pa._decode_config(128, torch.float32) == (32, 4, 2)
     assert pa._prefill_config(4096, 128, torch.float16) == (128, 64, 8, 2)
     assert pa._prefill_config(4096, 80, torch.bfloat16) == (128, 64, 8, 2)
-    assert pa._prefill_config(4096, 256, torch.float16) == (64, 32, 4, 2)
-    assert pa._prefill_config(4096, 256, torch.float32) == (32, 16, 4, 2)
+    assert pa._prefill_config(4096, 256, torch.float16) == (64, 32, 8, 2)
+    assert pa._prefill_config(4096, 64, torch.float32) == (64, 32, 8, 2)
+    assert pa._prefill_config(4096, 256, torch.float32) == (32, 16, 8, 2)
+    assert pa._prefill_config(4096, 32, torch.float16) == (128, 64, 4, 2)
     assert pa._prefill_config(12, 128, torch.float16) == (16, 64, 4, 2)  # short rows: a small M tile
 
 
