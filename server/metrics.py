@@ -43,9 +43,10 @@ FINISH_REASONS = {0: "length", 1: "eos_token", 2: "stop_sequence"}
 # away, generation) plus ours: the step that failed (prefill, decode), internal, unavailable
 # (draining), shutdown (stopped with the request in flight).
 FAILURE_REASONS = ("validation", "overloaded", "unavailable", "dropped", "prefill", "decode", "internal", "shutdown")
-# tgi_batch_concat{reason}: TGI's "wait_exceeded" is a new batch joining the running one with
-# no minimum size asked, which is how this scheduler always admits.
-CONCAT_REASON = "wait_exceeded"
+# tgi_batch_concat{reason}, TGI's reasons for a new batch joining the running one: "backpressure"
+# (enough requests waited), "wait_exceeded" (one waited max_waiting_tokens steps), "chunking"
+# (chunked prefill: every admission joins the running batch).
+CONCAT_REASONS = ("backpressure", "wait_exceeded", "chunking")
 
 
 class Metrics:
@@ -163,7 +164,8 @@ class Metrics:
                            self.batch_filter_duration):
                 family.labels(method=method)
         self.batch_concat_duration.labels(method="decode")  # TGI labels every concatenation "decode"
-        self.batch_concat.labels(reason=CONCAT_REASON)
+        for reason in CONCAT_REASONS:
+            self.batch_concat.labels(reason=reason)
         for reason in FINISH_REASONS.values():
             self.request_success.labels(finish_reason=reason)
         for err in FAILURE_REASONS:

@@ -8,7 +8,15 @@ types of grpc/reflection/v1/reflection.proto), in a private descriptor pool.
 
 from __future__ import annotations
 
+import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+from text_generation_server.router.health import HEALTH_SERVICE_NAME
+from text_generation_server.router.reflection import V1_FILE, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME
+
+SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 PACKAGE = "grpc.reflection.v1"
 SERVICE = f"{PACKAGE}.ServerReflection"
@@ -96,3 +104,51 @@ def ask(channel, requests: list) -> list:
 def files_of(response) -> list[descriptor_pb2.FileDescriptorProto]:
     return [descriptor_pb2.FileDescriptorProto.FromString(raw)
             for raw in response.file_descriptor_response.file_descriptor_proto]
+
+
+ALL_SERVICES = sorted([SERVICE_NAME, HEALTH_SERVICE_NAME, V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME])
+
+
+def check_reflection(channel: grpc.Channel) -> None:
+    """Both protocols: list services, file containing a symbol, file by name, unknown names."""
+    answers = ask(channel, [
+        Request(list_services=""),
+        Request(file_containing_symbol=SERVICE_NAME),
+        Request(file_by_filename=cpb.DESCRIPTOR.name),
+        Request(file_containing_symbol=V1_SERVICE_NAME),
+        Request(file_containing_symbol="no.such.Symbol"),
+        Request(file_containing_symbol=f"{SERVICE_NAME}.NoSuchMethod"),
+    ])
+    listed, by_symbol, by_name, own, missing, no_method = answers
+    assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
+    assert listed.original_request.HasField("list_services")
+    for answer in (by_symbol, by_name):
+        files = files_of(answer)
+        assert [f.name for f in files] == [cpb.DESCRIPTOR.name]
+        methods = {m.name for s in files[0].service for m in s.method}
+        assert methods == {"Generate", "GenerateStream", "Tokenize", "Info"}
+    assert by_symbol.original_request.file_containing_symbol == SERVICE_NAME
+    # The v1 service describes itself with the published v1 layout.
+    [v1_file] = files_of(own)
+    assert (v1_file.name, v1_file.package) == (V1_FILE, "grpc.reflection.v1")
+    assert layout_of(v1_file) == V1_LAYOUT
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(v1_file)  # a well-formed file: every type it names resolves
+    method = pool.FindServiceByName(V1_SERVICE_NAME).methods_by_name["ServerReflectionInfo"]
+    assert method.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    for answer in (missing, no_method):
+        assert answer.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    listed, by_symbol, by_name = list(stub.ServerReflectionInfo(iter([
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=f"{SERVICE_NAME}.Generate"),
+        reflection_pb2.ServerReflectionRequest(file_by_filename="grpc_health/v1/health.proto"),
+    ]), timeout=10))
+    assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in by_symbol.file_descriptor_response.file_descriptor_proto]
+    assert files[0].name == cpb.DESCRIPTOR.name
+    [health_file] = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                     for raw in by_name.file_descriptor_response.file_descriptor_proto]
+    assert {m.name for m in health_file.service[0].method} == {"Check", "List", "Watch"}

@@ -122,6 +122,8 @@ def test_known_label_values_start_at_zero(metrics):
             assert (name, (("method", method),)) in present
         assert ("tgi_batch_filter_duration_count", (("method", method),)) in present
     assert ("tgi_batch_concat_duration_count", (("method", "decode"),)) in present
+    for reason in ("backpressure", "wait_exceeded", "chunking"):
+        assert ("tgi_batch_concat", (("reason", reason),)) in present
     for reason in ("length", "eos_token", "stop_sequence"):
         assert ("tgi_request_success", (("finish_reason", reason),)) in present
     for err in ("validation", "overloaded", "dropped", "prefill", "decode"):

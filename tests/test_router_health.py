@@ -12,21 +12,18 @@ from pathlib import Path
 import grpc
 import pytest
 import reflection_v1_client as v1
-from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from loguru import logger
 
 from text_generation_server.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
-from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router import SERVICE_NAME
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import (
     HEALTH_SERVICE_NAME, NOT_SERVING, SERVING, RouterHealth, ShardHealthMonitor,
 )
-from text_generation_server.router.reflection import V1_FILE, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, enable_reflection
+from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.service import MalformedRequestInterceptor
 
 
@@ -251,54 +248,6 @@ def test_health_list_check_and_watch(router_like):
     unknown.cancel()
 
 
-ALL_SERVICES = sorted([SERVICE_NAME, HEALTH_SERVICE_NAME, V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME])
-
-
-def check_reflection(channel: grpc.Channel) -> None:
-    """Both protocols: list services, file containing a symbol, file by name, unknown names."""
-    answers = v1.ask(channel, [
-        v1.Request(list_services=""),
-        v1.Request(file_containing_symbol=SERVICE_NAME),
-        v1.Request(file_by_filename=cpb.DESCRIPTOR.name),
-        v1.Request(file_containing_symbol=V1_SERVICE_NAME),
-        v1.Request(file_containing_symbol="no.such.Symbol"),
-        v1.Request(file_containing_symbol=f"{SERVICE_NAME}.NoSuchMethod"),
-    ])
-    listed, by_symbol, by_name, own, missing, no_method = answers
-    assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
-    assert listed.original_request.HasField("list_services")
-    for answer in (by_symbol, by_name):
-        files = v1.files_of(answer)
-        assert [f.name for f in files] == [cpb.DESCRIPTOR.name]
-        methods = {m.name for s in files[0].service for m in s.method}
-        assert methods == {"Generate", "GenerateStream", "Tokenize", "Info"}
-    assert by_symbol.original_request.file_containing_symbol == SERVICE_NAME
-    # The v1 service describes itself with the published v1 layout.
-    [v1_file] = v1.files_of(own)
-    assert (v1_file.name, v1_file.package) == (V1_FILE, "grpc.reflection.v1")
-    assert v1.layout_of(v1_file) == v1.V1_LAYOUT
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(v1_file)  # a well-formed file: every type it names resolves
-    method = pool.FindServiceByName(V1_SERVICE_NAME).methods_by_name["ServerReflectionInfo"]
-    assert method.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
-    for answer in (missing, no_method):
-        assert answer.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
-
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    listed, by_symbol, by_name = list(stub.ServerReflectionInfo(iter([
-        reflection_pb2.ServerReflectionRequest(list_services=""),
-        reflection_pb2.ServerReflectionRequest(file_containing_symbol=f"{SERVICE_NAME}.Generate"),
-        reflection_pb2.ServerReflectionRequest(file_by_filename="grpc_health/v1/health.proto"),
-    ]), timeout=10))
-    assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
-    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
-             for raw in by_symbol.file_descriptor_response.file_descriptor_proto]
-    assert files[0].name == cpb.DESCRIPTOR.name
-    [health_file] = [descriptor_pb2.FileDescriptorProto.FromString(raw)
-                     for raw in by_name.file_descriptor_response.file_descriptor_proto]
-    assert {m.name for m in health_file.service[0].method} == {"Check", "List", "Watch"}
-
-
 def test_reflection_v1_and_v1alpha(router_like):
     _, channel = router_like
-    check_reflection(channel)
+    v1.check_reflection(channel)
