@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
+from datetime import datetime
 
 import grpc
 import pytest
-from conftest import clean_env, pid_alive, wait_until
+from conftest import SMALL_LIMITS, ServeProcess, clean_env, free_port, pid_alive, serve_command, wait_until
 
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
@@ -137,8 +139,8 @@ def test_broken_model_folder_fails_in_the_rank_and_serve_exits(tmp_path, start_s
     (folder / "tokenizer.json").write_text("{}")
     server = start_serve(folder, "--json-output")
     assert server.wait_exit(60) != 0
-    records = [json.loads(line)["record"] for line in server.log().splitlines() if line.startswith("{")]
-    errors = {(r["extra"]["component"], r["message"]) for r in records if r["level"]["name"] == "ERROR"}
+    records = [json.loads(line) for line in server.log().splitlines()]
+    errors = {(r["component"], r["message"]) for r in records if r["level"] == "ERROR"}
     assert ("rank 0", f"cannot start: {folder / 'config.json'} is missing") in errors
     assert ("launcher", "shard rank 0 exited with code 2 during startup") in errors
 
@@ -162,9 +164,77 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tiny_model, start_serve):
         (["--max-input-tokens", "300", "--max-total-tokens", "256"], "--max-input-tokens"),
         (["--logger-level", "chatty"], "--logger-level"),
         (["--dtype", "float64"], "--dtype"),
+        (["--speculate", "2"], "--speculate: speculative decoding is not supported"),
+        (["--sharded", "maybe"], "--sharded"),
+        (["--cuda-graphs", "0,8"], "--cuda-graphs"),
+        (["--max-input-tokens", "10", "--max-input-length", "20"], "--max-input-length"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(tiny_model, start_serve, flags, named):
     server = start_serve(tiny_model, *flags, limits=False)
     assert server.wait_exit(30) == 2
     assert named in server.log()
+
+
+def test_json_output_is_one_flat_object_per_line(tiny_model, start_serve):
+    """JSON_OUTPUT from the environment, as a TGI deployment sets it: every line the launcher and
+    its ranks write is a JSON object with TGI's top-level fields; request lines carry request_id."""
+    server = start_serve(tiny_model, num_shard=2, env=clean_env(JSON_OUTPUT="true", LOG_LEVEL="info"))
+    server.wait_serving()
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    params = cpb.GenerateParameters(max_new_tokens=4)
+    stub.Generate(cpb.GenerateRequest(inputs="def f(x):", parameters=params), timeout=60)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait_exit(30) == 0
+    lines = server.log().splitlines()
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"not a JSON line: {line!r}")
+    for record in records:
+        assert {"timestamp", "level", "message", "target", "component"} <= set(record), record
+        assert "record" not in record and "text" not in record  # no loguru serialize blob
+        datetime.strptime(record["timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ")
+        assert record["target"].startswith("text_generation_server"), record
+    assert {r["component"] for r in records} == {"launcher", "rank 0", "rank 1"}
+    requests = [r for r in records if "request_id" in r]
+    assert requests and all(isinstance(r["request_id"], int) for r in requests)
+    assert any(r["target"] == "text_generation_server.router.service" for r in requests)
+
+
+def test_configured_by_tgi_environment_variables_alone(tiny_model, tmp_path):
+    """A TGI-style deployment: no flags, every setting from the environment under TGI's names."""
+    port, metrics_port = free_port(), free_port()
+    uds_path = str(tmp_path / "tgi")
+    limits = dict(zip(SMALL_LIMITS[::2], SMALL_LIMITS[1::2]))
+    env = clean_env(
+        MODEL_ID=str(tiny_model), PORT=str(port), PROMETHEUS_PORT=str(metrics_port), SHARD_UDS_PATH=uds_path,
+        HOSTNAME="127.0.0.1", SHARDED="false", MAX_INPUT_LENGTH="200",
+        MAX_TOTAL_TOKENS=limits["--max-total-tokens"], MAX_BATCH_TOTAL_TOKENS=limits["--max-batch-total-tokens"],
+        MAX_BATCH_PREFILL_TOKENS=limits["--max-batch-prefill-tokens"], MEMORY_FRACTION=limits["--memory-fraction"],
+        MAX_BEST_OF="2", USAGE_STATS="off", LOG_LEVEL="text_generation_launcher=debug",
+    )
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve_command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    server = ServeProcess(proc, port, metrics_port, uds_path, log_path, 1)
+    try:
+        server.wait_serving()
+        stub = cpb_grpc.TextGenerationStub(server.channel())
+        info = stub.Info(cpb.InfoRequest(), timeout=10)
+        assert info.max_input_tokens == 200 and info.max_total_tokens == 256
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            assert response.status == 200
+        assert os.path.exists(f"{uds_path}-0")
+        log = server.log()
+        assert "environment variable MAX_BEST_OF=2: ignored" in log and "USAGE_STATS" not in log
+        assert "DEBUG" in log  # LOG_LEVEL's text_generation_launcher=debug
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(30) == 0
+    finally:
+        server.cleanup()

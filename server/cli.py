@@ -2,33 +2,81 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 from loguru import logger
 
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server import EMBEDDED_MODEL_ID
+from text_generation_server import EMBEDDED_MODEL_ID, __version__
+from text_generation_server.serve_args import ATTENTION_BACKENDS, PORTABLE_ATTENTION_BACKEND, ServeArgs
+from text_generation_server.serve_flags import (
+    CUSTOM_KERNELS,
+    TGI_ALIASES,
+    add_tgi_only_flags,
+    check_tgi_only_flags,
+    choose,
+    hostname_from_env,
+    origin,
+    parse_bool,
+    parse_cuda_graphs,
+    parse_log_level,
+    resolve_num_shard,
+)
 
+PACKAGE = "text-generation-server"
+
+# Plain click help (rich_markup_mode=None): rich's tables cut long flag names ("--max-batch-pre…")
+# at 80 columns, where plain help wraps the text and keeps every name whole.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Serve, run, convert and quantize large language models.",
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
-def setup_logging(level: str = "INFO", json_output: bool = False) -> None:
+def package_version() -> str:
+    """The installed distribution's version; the source tree's when it is not installed."""
+    try:
+        return metadata.version(PACKAGE)
+    except metadata.PackageNotFoundError:
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"{PACKAGE} {package_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
+    """Serve, run, convert and quantize large language models."""
+
+
+_LEVEL_HELP = "trace, debug, info, warning or error."
+_SHARD_SIZE_HELP = "Largest safetensors file written, in MB."
+
+
+def setup_logging(level: str = "INFO") -> None:
     """Loguru to stderr, so stdout stays clean for results (--json)."""
-    level = level.upper()
-    if level not in ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"):
-        raise typer.BadParameter(f"unknown logger level '{level}'", param_hint="--logger-level")
+    try:
+        name = parse_log_level(level)
+    except ValueError as exc:
+        fail(str(exc))
     logger.remove()
-    logger.add(sys.stderr, level=level, serialize=json_output, backtrace=False, diagnose=False)
+    logger.add(sys.stderr, level=name, backtrace=False, diagnose=False)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -38,26 +86,32 @@ def fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def generate(
-    prompts: List[str] = typer.Argument(..., help="One or more prompts; all run as one batch."),
+    prompts: List[str] = typer.Argument(..., metavar="PROMPT...", help="One or more prompts; all run as one batch."),
     model: Optional[str] = typer.Option(
         None, "--model", help=f"Checkpoint folder, or '{EMBEDDED_MODEL_ID}' (the embedded default)."
     ),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens generated per prompt."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16."),
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
     ),
     do_sample: bool = typer.Option(False, "--do-sample", help="Sample instead of greedy decoding."),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    top_k: int = typer.Option(0, "--top-k"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    typical_p: float = typer.Option(1.0, "--typical-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0),
+    temperature: float = typer.Option(1.0, "--temperature", help="Divide the logits by this (with --do-sample)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k likeliest tokens; 0 keeps all."),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Sample from the likeliest tokens holding this mass; 1 keeps all."
+    ),
+    typical_p: float = typer.Option(1.0, "--typical-p", help="Locally typical sampling mass; 1 keeps all."),
+    repetition_penalty: float = typer.Option(
+        1.0, "--repetition-penalty", help="Penalise tokens already seen (CTRL-style); 1 is off."
+    ),
+    frequency_penalty: float = typer.Option(
+        0.0, "--frequency-penalty", help="Subtract this per earlier occurrence of a token; 0 is off."
+    ),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed for sampling (default: a random one)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop sequence (repeatable)."),
     json_lines: bool = typer.Option(False, "--json", help="One JSON object per prompt, one per line."),
-    logger_level: str = typer.Option("WARNING", "--logger-level"),
+    logger_level: str = typer.Option("WARNING", "--logger-level", help=_LEVEL_HELP),
 ) -> None:
     """Generate completions for PROMPTS with a local model."""
     setup_logging(logger_level)
@@ -100,8 +154,8 @@ def generate(
 def convert(
     model_dir: Path = typer.Argument(..., help="Folder with pytorch_model*.bin / *.pt files."),
     output: Optional[Path] = typer.Option(None, "--output", help="Where to write (default: in place)."),
-    max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1),
-    logger_level: str = typer.Option("INFO", "--logger-level"),
+    max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1, help=_SHARD_SIZE_HELP),
+    logger_level: str = typer.Option("INFO", "--logger-level", help=_LEVEL_HELP),
 ) -> None:
     """Convert pickle weights to safetensors: the only command that unpickles, with weights_only=True."""
     setup_logging(logger_level)
@@ -128,75 +182,261 @@ def _env_int(name: str, default: int) -> int:
         fail(f"environment variable {name} must be an integer, got {value!r}")
 
 
-@app.command()
+def _env_option(default: Any, *decls: str, help: str, envvar: Optional[List[str]] = None, **kwargs: Any) -> Any:
+    """An option also read from the environment, as TGI's launcher reads every flag: by default
+    from its long name in upper snake case (--max-total-tokens: MAX_TOTAL_TOKENS)."""
+    long_name = decls[0].split("/")[0]
+    names = envvar or [long_name.lstrip("-").replace("-", "_").upper()]
+    # A single name as a string: click then names just that variable in its parse errors.
+    return typer.Option(default, *decls, envvar=names[0] if len(names) == 1 else names, show_envvar=True,
+                        help=help, **kwargs)
+
+
+def _tgi_name(ours: str) -> str:
+    return f"TGI's name for {ours}."
+
+
+_SERVE_EPILOG = (
+    "Every option can also be set by the environment variable shown; a flag given on the command "
+    "line wins. TGI launcher flags that mean nothing here (--revision, --speculate, --api-key, "
+    "--lora-adapters, ...) are refused with the reason; harmless ones (--max-best-of, --usage-stats, "
+    "--trust-remote-code, ...) are ignored with a warning."
+)
+
+
+@app.command(epilog=_SERVE_EPILOG)
+@add_tgi_only_flags
 def serve(
+    ctx: typer.Context,
     model_dir: Optional[str] = typer.Argument(
-        None, metavar="MODEL_DIR", help=f"Checkpoint folder, or '{EMBEDDED_MODEL_ID}' (the embedded default)."
+        None, metavar="MODEL_DIR", show_default=False,
+        help=f"Checkpoint folder, or '{EMBEDDED_MODEL_ID}' (the embedded default); or --model-id / MODEL_ID.",
     ),
-    hostname: str = typer.Option(_SERVE_DEFAULTS.hostname, "--hostname", help="Address of the client gRPC API."),
-    port: int = typer.Option(_SERVE_DEFAULTS.port, "--port", help="Port of the client gRPC API."),
-    metrics_port: int = typer.Option(_SERVE_DEFAULTS.metrics_port, "--metrics-port", help="Prometheus /metrics port."),
-    num_shard: int = typer.Option(_SERVE_DEFAULTS.num_shard, "--num-shard", help="Tensor-parallel ranks."),
-    quantize: Optional[str] = typer.Option(
+    model_id: Optional[str] = _env_option(None, "--model-id", help=_tgi_name("MODEL_DIR")),
+    # -- network
+    hostname: str = _env_option(
+        _SERVE_DEFAULTS.hostname, "--hostname",
+        help="Address of the client gRPC API. HOSTNAME is used only when it holds an address "
+        "(container runtimes set it to a host name).",
+    ),
+    port: int = _env_option(_SERVE_DEFAULTS.port, "--port", help="Port of the client gRPC API."),
+    metrics_port: int = _env_option(_SERVE_DEFAULTS.metrics_port, "--metrics-port", help="Prometheus /metrics port."),
+    prometheus_port: Optional[int] = _env_option(None, "--prometheus-port", help=_tgi_name("--metrics-port")),
+    uds_path: str = _env_option(
+        _SERVE_DEFAULTS.uds_path, "--uds-path", help="Shard sockets are {uds_path}-{rank}."
+    ),
+    shard_uds_path: Optional[str] = _env_option(None, "--shard-uds-path", help=_tgi_name("--uds-path")),
+    # -- model and ranks
+    num_shard: Optional[int] = _env_option(None, "--num-shard", help="Tensor-parallel ranks (default 1)."),
+    sharded: Optional[str] = _env_option(
+        None, "--sharded", metavar="true|false",
+        help="TGI's switch: true runs one rank per visible GPU (or --num-shard ranks), false one rank.",
+    ),
+    quantize: Optional[str] = _env_option(
         None, "--quantize", help="Quantization method (default: from the checkpoint)."
     ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16."),
-    uds_path: str = typer.Option(_SERVE_DEFAULTS.uds_path, "--uds-path", help="Shard sockets are {uds_path}-{rank}."),
-    max_input_tokens: Optional[int] = typer.Option(None, "--max-input-tokens"),
-    max_total_tokens: Optional[int] = typer.Option(None, "--max-total-tokens"),
-    max_batch_prefill_tokens: Optional[int] = typer.Option(None, "--max-batch-prefill-tokens"),
-    max_batch_total_tokens: Optional[int] = typer.Option(None, "--max-batch-total-tokens"),
-    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size"),
-    max_concurrent_requests: int = typer.Option(_SERVE_DEFAULTS.max_concurrent_requests, "--max-concurrent-requests"),
-    max_stop_sequences: int = typer.Option(_SERVE_DEFAULTS.max_stop_sequences, "--max-stop-sequences"),
-    max_stop_sequence_length: int = typer.Option(
-        _SERVE_DEFAULTS.max_stop_sequence_length, "--max-stop-sequence-length"
+    dtype: Optional[str] = _env_option(None, "--dtype", help="float32, float16 or bfloat16."),
+    device: Optional[str] = _env_option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    # -- request limits
+    max_input_tokens: Optional[int] = _env_option(
+        None, "--max-input-tokens",
+        help="Longest prompt in tokens (default: --max-total-tokens - 1).",
     ),
-    max_top_n_tokens: int = typer.Option(_SERVE_DEFAULTS.max_top_n_tokens, "--max-top-n-tokens"),
-    max_input_chars: int = typer.Option(_SERVE_DEFAULTS.max_input_chars, "--max-input-chars"),
-    max_message_bytes: int = typer.Option(_SERVE_DEFAULTS.max_message_bytes, "--max-message-bytes"),
-    block_size: int = typer.Option(_SERVE_DEFAULTS.block_size, "--block-size", help="KV cache block size in tokens."),
-    memory_fraction: Optional[float] = typer.Option(
-        None, "--memory-fraction", help="Share of free memory for the KV cache (default 0.1 on CPU, 0.9 on CUDA)."
+    max_input_length: Optional[int] = _env_option(None, "--max-input-length", help=_tgi_name("--max-input-tokens")),
+    max_total_tokens: Optional[int] = _env_option(
+        None, "--max-total-tokens",
+        help="Longest prompt + generation in tokens (default: min(max positions, 4096)).",
     ),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
-    drain_timeout_s: float = typer.Option(
-        _SERVE_DEFAULTS.drain_timeout_s, "--drain-timeout-s", min=0.0,
+    max_stop_sequences: int = _env_option(
+        _SERVE_DEFAULTS.max_stop_sequences, "--max-stop-sequences", help="Most stop sequences per request."
+    ),
+    max_stop_sequence_length: int = _env_option(
+        _SERVE_DEFAULTS.max_stop_sequence_length, "--max-stop-sequence-length",
+        help="Longest stop sequence, in characters.",
+    ),
+    max_top_n_tokens: int = _env_option(
+        _SERVE_DEFAULTS.max_top_n_tokens, "--max-top-n-tokens",
+        help="Most alternative tokens a request may ask for per step.",
+    ),
+    max_input_chars: int = _env_option(
+        _SERVE_DEFAULTS.max_input_chars, "--max-input-chars",
+        help="Longest prompt in characters, checked before tokenizing.",
+    ),
+    max_message_bytes: int = _env_option(
+        _SERVE_DEFAULTS.max_message_bytes, "--max-message-bytes", help="Largest gRPC request accepted, in bytes."
+    ),
+    payload_limit: Optional[int] = _env_option(None, "--payload-limit", help=_tgi_name("--max-message-bytes")),
+    # -- batching and scheduling
+    max_concurrent_requests: int = _env_option(
+        _SERVE_DEFAULTS.max_concurrent_requests, "--max-concurrent-requests",
+        help="Requests in flight before new ones are refused (RESOURCE_EXHAUSTED).",
+    ),
+    max_batch_prefill_tokens: Optional[int] = _env_option(
+        None, "--max-batch-prefill-tokens",
+        help="Most prompt tokens in one prefill (default: --max-input-tokens + 50).",
+    ),
+    max_batch_total_tokens: Optional[int] = _env_option(
+        None, "--max-batch-total-tokens",
+        help="Most tokens (prompts + generations) in a running batch (default: what the KV cache holds).",
+    ),
+    max_batch_size: Optional[int] = _env_option(
+        None, "--max-batch-size", help="Most requests in a running batch (default: no limit)."
+    ),
+    max_waiting_tokens: int = _env_option(
+        _SERVE_DEFAULTS.max_waiting_tokens, "--max-waiting-tokens",
+        help="Decode steps a waiting request may wait before the running batch pauses to admit it.",
+    ),
+    waiting_served_ratio: float = _env_option(
+        _SERVE_DEFAULTS.waiting_served_ratio, "--waiting-served-ratio",
+        help="Admit waiting requests early once waiting / running exceeds this ratio.",
+    ),
+    # -- memory and kernels
+    block_size: int = _env_option(_SERVE_DEFAULTS.block_size, "--block-size", help="KV cache block size in tokens."),
+    memory_fraction: Optional[float] = _env_option(
+        None, "--memory-fraction",
+        help="Share of the memory free after warmup given to the KV cache (default 0.1 on CPU, 0.9 on CUDA).",
+    ),
+    cuda_memory_fraction: float = _env_option(
+        _SERVE_DEFAULTS.cuda_memory_fraction, "--cuda-memory-fraction",
+        help="TGI's cap on each rank's CUDA memory, as a share of the GPU's total; the KV cache takes "
+        "--memory-fraction of what is free inside it.",
+    ),
+    prefix_caching: bool = _env_option(
+        _SERVE_DEFAULTS.prefix_caching, "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV cache of prompt prefixes seen before (USE_PREFIX_CACHING is read too).",
+    ),
+    use_prefix_caching: Optional[bool] = _env_option(
+        None, "--use-prefix-caching/--no-use-prefix-caching", hidden=True,
+        help="TGI's older name for --prefix-caching.",
+    ),
+    cuda_graphs: Optional[str] = _env_option(
+        None, "--cuda-graphs", metavar="SIZES",
+        help="Batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default 1,2,4,8,16,32; 0 disables).",
+    ),
+    attention_backend: Optional[str] = _env_option(
+        None, "--attention-backend", metavar="|".join(ATTENTION_BACKENDS),
+        help="Attention implementation (default: the best for the device).",
+    ),
+    disable_custom_kernels: bool = _env_option(
+        False, "--disable-custom-kernels",
+        help=f"No custom CUDA kernels: turns off {', '.join(CUSTOM_KERNELS)} and uses "
+        f"{PORTABLE_ATTENTION_BACKEND} attention.",
+    ),
+    allow_dense_fallback: bool = _env_option(
+        False, "--allow-dense-fallback",
+        help="Let quantized layers with no CUDA kernel run dequantized (more memory) instead of failing.",
+    ),
+    # -- lifecycle and logs
+    drain_timeout_s: float = _env_option(
+        _SERVE_DEFAULTS.drain_timeout_s, "--drain-timeout-s",
         help="On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled.",
     ),
-    logger_level: str = typer.Option(_SERVE_DEFAULTS.logger_level, "--logger-level"),
-    json_output: bool = typer.Option(False, "--json-output", help="Log lines as JSON objects."),
-    shard_only: bool = typer.Option(
+    graceful_termination_timeout: Optional[float] = _env_option(
+        None, "--graceful-termination-timeout", help=_tgi_name("--drain-timeout-s"),
+    ),
+    rank_stall_timeout_s: float = _env_option(
+        _SERVE_DEFAULTS.rank_stall_timeout_s, "--rank-stall-timeout-s",
+        help="A rank whose model call runs longer than this is reported unhealthy.",
+    ),
+    logger_level: str = _env_option(
+        _SERVE_DEFAULTS.logger_level, "--logger-level", envvar=["LOGGER_LEVEL", "LOG_LEVEL"],
+        help="trace, debug, info, warning or error; TGI's LOG_LEVEL values are accepted too.",
+    ),
+    json_output: bool = _env_option(
+        False, "--json-output",
+        help="Log one JSON object per line (timestamp, level, message, target, component, request_id).",
+    ),
+    shard_only: bool = _env_option(
         False, "--shard-only",
         help="Run one rank only (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).",
     ),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+    **tgi_only_flags: Any,
 ) -> None:
     """Serve MODEL_DIR over gRPC: the router plus one process per tensor-parallel rank."""
-    from text_generation_server.launcher import (
-        check_logger_level, exit_process, launch, run_shard, shard_args_from_env,
-    )
+    from text_generation_server.launcher import SERVE_ARGS_ENV, exit_process, launch, run_shard, shard_args_from_env
 
-    args = ServeArgs(
-        model=model_dir, hostname=hostname, port=port, metrics_port=metrics_port, num_shard=num_shard,
-        quantize=quantize, dtype=dtype, uds_path=uds_path, max_input_tokens=max_input_tokens,
-        max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
-        max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
-        max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences,
-        max_stop_sequence_length=max_stop_sequence_length, max_top_n_tokens=max_top_n_tokens,
-        max_input_chars=max_input_chars, max_message_bytes=max_message_bytes, block_size=block_size,
-        memory_fraction=memory_fraction, device=device, logger_level=logger_level, json_output=json_output,
-        shard_only=shard_only, drain_timeout_s=drain_timeout_s,
-    )
-    try:
-        if shard_only:
-            args = shard_args_from_env(args)
-        check_logger_level(args.logger_level)
-        args.validate()
-    except ValueError as exc:
-        fail(str(exc))
-    if shard_only:
+    if shard_only and SERVE_ARGS_ENV in os.environ:
+        # A rank of our launcher: its settings come whole from the launcher, which checked them.
+        try:
+            args = shard_args_from_env(_SERVE_DEFAULTS)
+        except ValueError as exc:
+            fail(str(exc))
         exit_process(run_shard(args, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)))
-    raise typer.Exit(launch(args))
+    try:
+        args, warnings = serve_args_from_flags(ctx)
+    except ValueError as exc:
+        _serve_fail(str(exc), ctx)
+    if shard_only:
+        exit_process(run_shard(args, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), warnings))
+    raise typer.Exit(launch(args, warnings=warnings))
+
+
+def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
+    """`serve`'s flags and environment as ServeArgs, with the warnings to log once logging is set up."""
+    params = ctx.params
+    warnings = check_tgi_only_flags(ctx)
+    chosen = {ours: choose(ctx, ours, tgi) for ours, tgi in TGI_ALIASES.items()}
+
+    hostname = params["hostname"]
+    if origin(ctx, "hostname").startswith("environment"):
+        address = hostname_from_env(hostname)
+        if address is None:
+            warnings.append(
+                f"HOSTNAME={hostname!r} is a host name (container runtimes set it), not an address: serving on "
+                f"{_SERVE_DEFAULTS.hostname}; pass --hostname 0.0.0.0 (or set HOSTNAME to an address) to listen "
+                "on every interface"
+            )
+        hostname = address or _SERVE_DEFAULTS.hostname
+    sharded = None if params["sharded"] is None else parse_bool(params["sharded"], origin(ctx, "sharded"))
+    device = params["device"]
+
+    def cuda_device_count() -> int:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    num_shard = resolve_num_shard(sharded, params["num_shard"], device, cuda_device_count)
+    cuda_graphs = None
+    if params["cuda_graphs"] is not None:
+        cuda_graphs = parse_cuda_graphs(params["cuda_graphs"], origin(ctx, "cuda_graphs"))
+    if params["cuda_memory_fraction"] != 1.0 and device == "cpu":
+        warnings.append("--cuda-memory-fraction has no effect on CPU ranks")
+    args = ServeArgs(
+        model=chosen["model_dir"], hostname=hostname, port=params["port"], metrics_port=chosen["metrics_port"],
+        num_shard=num_shard, quantize=params["quantize"], dtype=params["dtype"], uds_path=chosen["uds_path"],
+        max_input_tokens=chosen["max_input_tokens"], max_total_tokens=params["max_total_tokens"],
+        max_batch_prefill_tokens=params["max_batch_prefill_tokens"],
+        max_batch_total_tokens=params["max_batch_total_tokens"], max_batch_size=params["max_batch_size"],
+        max_concurrent_requests=params["max_concurrent_requests"], max_stop_sequences=params["max_stop_sequences"],
+        max_stop_sequence_length=params["max_stop_sequence_length"], max_top_n_tokens=params["max_top_n_tokens"],
+        max_input_chars=params["max_input_chars"], max_message_bytes=chosen["max_message_bytes"],
+        block_size=params["block_size"], memory_fraction=params["memory_fraction"], device=device,
+        logger_level=parse_log_level(params["logger_level"], origin(ctx, "logger_level")),
+        json_output=params["json_output"], shard_only=params["shard_only"], drain_timeout_s=chosen["drain_timeout_s"],
+        max_waiting_tokens=params["max_waiting_tokens"], waiting_served_ratio=params["waiting_served_ratio"],
+        prefix_caching=choose(ctx, "prefix_caching", "use_prefix_caching"), cuda_graphs=cuda_graphs,
+        attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
+        allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
+        rank_stall_timeout_s=params["rank_stall_timeout_s"],
+    )
+    args.validate()
+    return dataclasses.replace(args, attention_backend=args.effective_attention_backend), warnings
+
+
+def _serve_fail(message: str, ctx: typer.Context) -> None:
+    """A startup error as a log line when JSON logs were asked for (log collectors parse every
+    line), else as the plain `error:` line of every command."""
+    if ctx.params.get("json_output"):
+        from text_generation_server.launcher import configure_logging
+
+        configure_logging("INFO", True, "launcher")
+        logger.error("{}", message)
+        logger.complete()
+        raise typer.Exit(2)
+    fail(message)
 
 
 @app.command()
@@ -254,9 +494,9 @@ def quantize(
         [], "--modules-to-not-convert", help="Module names left dense (repeatable or comma-separated)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT_DIR."),
-    max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1),
+    max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1, help=_SHARD_SIZE_HELP),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    logger_level: str = typer.Option("INFO", "--logger-level"),
+    logger_level: str = typer.Option("INFO", "--logger-level", help=_LEVEL_HELP),
 ) -> None:
     """Quantize MODEL to GPTQ (or round-to-nearest) layer by layer and write OUTPUT_DIR."""
     setup_logging(logger_level)
@@ -291,7 +531,7 @@ def perplexity(
         None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
     ),
     json_output: bool = typer.Option(False, "--json", help='Print {"perplexity": ..., "tokens": ...} as JSON.'),
-    logger_level: str = typer.Option("WARNING", "--logger-level"),
+    logger_level: str = typer.Option("WARNING", "--logger-level", help=_LEVEL_HELP),
 ) -> None:
     """Perplexity of MODEL on a text file (every token after each window's first is scored)."""
     setup_logging(logger_level)

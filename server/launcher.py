@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import json
+import logging
 import os
 import signal
 import socket
@@ -30,12 +32,20 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from datetime import timezone
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from loguru import logger
 
 from text_generation_server.serve_args import ServeArgs
+from text_generation_server.serve_flags import (
+    ALLOW_DENSE_FALLBACK_ENV,
+    DISABLE_KERNELS_ENV,
+    disabled_kernels_value,
+    parse_log_level,
+)
 
 SERVE_ARGS_ENV = "TGS_SERVE_ARGS"  # ServeArgs JSON from the launcher to its ranks
 LAUNCHER_PID_ENV = "TGS_LAUNCHER_PID"  # set only for ranks started by our launcher
@@ -51,27 +61,73 @@ _PR_SET_PDEATHSIG = 1
 
 # -- logging ----------------------------------------------------------------------
 def check_logger_level(level: str) -> str:
-    """The upper-cased loguru level name; ValueError naming --logger-level otherwise."""
-    name = level.upper()
-    try:
-        logger.level(name)
-    except ValueError:
-        raise ValueError(
-            f"--logger-level: unknown level '{level}' (choose TRACE, DEBUG, INFO, SUCCESS, WARNING, ERROR, CRITICAL)"
-        ) from None
-    return name
+    """The loguru level name for ours or TGI's LOG_LEVEL spelling; ValueError naming --logger-level otherwise."""
+    return parse_log_level(level, "--logger-level")
+
+
+def json_log_line(record: dict) -> str:
+    """One loguru record as the flat JSON object log collectors expect (TGI's launcher shape):
+    timestamp (RFC 3339, UTC), level, message, target (the module), then the bound fields
+    (component, request_id, ...) and the traceback, if any, as `exception`."""
+    entry: dict[str, object] = {
+        "timestamp": record["time"].astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "level": record["level"].name,
+        "message": record["message"],
+        "target": record["name"],
+    }
+    for key, value in record["extra"].items():
+        if key not in entry:
+            entry[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+    if record["exception"] is not None:
+        kind, value, tb = record["exception"]
+        entry["exception"] = "".join(traceback.format_exception(kind, value, tb))
+    return json.dumps(entry)
+
+
+def _json_sink(message) -> None:
+    # sys.stderr looked up per line, so a replaced stderr (pytest's capture) receives it.
+    sys.stderr.write(json_log_line(message.record) + "\n")
+    sys.stderr.flush()
+
+
+class _StdlibToLoguru(logging.Handler):
+    """Records of the logging module (grpc, torch.distributed, py.warnings) through loguru, so
+    JSON output stays one object per line; the target is the stdlib logger's name."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level: str | int = logger.level(record.levelname).name
+        except ValueError:
+            level = record.levelno
+        logger.patch(lambda r: r.update(name=record.name)).opt(exception=record.exc_info).log(
+            level, "{}", record.getMessage()
+        )
+
+
+def _log_uncaught(kind, value, tb) -> None:
+    logger.opt(exception=(kind, value, tb)).critical("uncaught {}: {}", kind.__name__, value)
 
 
 def configure_logging(level: str, json_output: bool, component: str) -> None:
-    """One stderr sink; `component` ("launcher", "rank 1") tags every line so interleaved output stays readable."""
+    """One stderr sink; `component` ("launcher", "rank 1") tags every line so interleaved output stays readable.
+
+    With json_output every line on stderr is a JSON object (`json_log_line`): Python warnings,
+    the logging module and uncaught exceptions go through loguru too.
+    """
     level = check_logger_level(level)
     logger.remove()
     logger.configure(extra={"component": component})
+    if json_output:
+        logger.add(_json_sink, level=level, format="{message}", backtrace=False, diagnose=False)
+        logging.basicConfig(handlers=[_StdlibToLoguru()], level=logging.WARNING, force=True)
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+        return
     fmt = (
         "<green>{time:YYYY-MM-DD HH:mm:ss.SSS}</green> | <level>{level: <8}</level> | "
         "<cyan>{extra[component]}</cyan> | {name}:{line} - <level>{message}</level>"
     )
-    logger.add(sys.stderr, level=level, format=fmt, serialize=json_output, backtrace=False, diagnose=False)
+    logger.add(sys.stderr, level=level, format=fmt, backtrace=False, diagnose=False)
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -225,10 +281,15 @@ def _signal(proc: subprocess.Popen, sig: signal.Signals) -> None:
 
 
 # -- launch ----------------------------------------------------------------------------------
-def launch(args: ServeArgs, startup_timeout_s: float = 600.0) -> int:
-    """Runs `serve` until a signal or a failure; returns the process exit code."""
+def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence[str] = ()) -> int:
+    """Runs `serve` until a signal or a failure; returns the process exit code.
+
+    `warnings` are the command line's (ignored TGI flags and the like), logged once logging is set up.
+    """
     try:
         configure_logging(args.logger_level, args.json_output, "launcher")
+        for warning in warnings:
+            logger.warning("{}", warning)
         args.validate()
         check_dtype(args.dtype)
         check_model(args.model)
@@ -436,9 +497,36 @@ def cpu_threads_per_rank(cores: int, world_size: int) -> int:
     return max(1, (cores - 1) // world_size) if cores > 1 else 1
 
 
-def run_shard(args: ServeArgs, rank: int, world_size: int) -> int:
+def rank_environment(args: ServeArgs, environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """The variables a rank sets for itself before its model loads, for settings that the kernel
+    and loader code reads from the environment (they are also settable there directly)."""
+    changes = {}
+    if args.allow_dense_fallback:
+        changes[ALLOW_DENSE_FALLBACK_ENV] = "1"
+    if args.disable_custom_kernels:
+        changes[DISABLE_KERNELS_ENV] = disabled_kernels_value(environ.get(DISABLE_KERNELS_ENV))
+    return changes
+
+
+def limit_cuda_memory(fraction: float, device) -> None:
+    """TGI's --cuda-memory-fraction: this process may allocate at most `fraction` of the GPU's
+    total memory (torch's caching allocator refuses beyond it)."""
+    import torch
+
+    if fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        logger.info("CUDA memory capped at {:.0%} of {:.1f} GiB", fraction, total / 2**30)
+
+
+def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[str] = ()) -> int:
     """The body of `serve --shard-only`: one rank's model behind its unix-socket gRPC service."""
     configure_logging(args.logger_level, args.json_output, f"rank {rank}")
+    for warning in warnings:
+        logger.warning("{}", warning)
+    for name, value in rank_environment(args).items():
+        os.environ[name] = value
+        logger.debug("{}={}", name, value)
     launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
     stop_requested = threading.Event()
     loop_ref: list[asyncio.AbstractEventLoop] = []
@@ -462,6 +550,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int) -> int:
     try:
         args.validate()
         device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
+        if device.type == "cuda":
+            limit_cuda_memory(args.cuda_memory_fraction, device)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
+
+# Attention implementations a rank can be asked for; None picks one for the device.
+ATTENTION_BACKENDS = ("triton-paged", "torch-sdpa")
+# The attention backend that needs none of our custom kernels (--disable-custom-kernels).
+PORTABLE_ATTENTION_BACKEND = "torch-sdpa"
+# Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
+DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass
@@ -35,6 +43,18 @@ class ServeArgs:
     json_output: bool = False
     shard_only: bool = False
     drain_timeout_s: float = 60.0
+    # Scheduler: a waiting request joins the running batch (pausing it for a prefill) once it
+    # has waited max_waiting_tokens decode steps, or as soon as waiting/running requests
+    # exceed waiting_served_ratio (TGI's knobs and defaults).
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
+    prefix_caching: bool = True
+    cuda_graphs: list[int] | None = None  # batch sizes to capture; None = DEFAULT_CUDA_GRAPHS, [] = none
+    attention_backend: str | None = None  # one of ATTENTION_BACKENDS; None = chosen for the device
+    disable_custom_kernels: bool = False  # no Triton/custom CUDA kernels (TGS_DISABLE_KERNELS in the ranks)
+    allow_dense_fallback: bool = False  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
+    cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
+    rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -75,6 +95,45 @@ class ServeArgs:
                 )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device}")
+        if not _real(self.drain_timeout_s) or self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be a number >= 0, got {self.drain_timeout_s}")
+        if not _integer(self.max_waiting_tokens) or self.max_waiting_tokens < 0:
+            raise ValueError(f"--max-waiting-tokens must be an integer >= 0, got {self.max_waiting_tokens}")
+        if not _real(self.waiting_served_ratio) or self.waiting_served_ratio < 0:
+            raise ValueError(f"--waiting-served-ratio must be a number >= 0, got {self.waiting_served_ratio}")
+        if not _real(self.rank_stall_timeout_s) or self.rank_stall_timeout_s <= 0:
+            raise ValueError(f"--rank-stall-timeout-s must be a number > 0, got {self.rank_stall_timeout_s}")
+        if not _real(self.cuda_memory_fraction) or not 0 < self.cuda_memory_fraction <= 1:
+            raise ValueError(f"--cuda-memory-fraction must be in (0, 1], got {self.cuda_memory_fraction}")
+        if self.cuda_graphs is not None:
+            graphs = self.cuda_graphs
+            if not isinstance(graphs, list) or not all(_integer(b) and b > 0 for b in graphs) or any(
+                a >= b for a, b in zip(graphs, graphs[1:])
+            ):
+                raise ValueError(
+                    f"--cuda-graphs must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}"
+                )
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.disable_custom_kernels and self.attention_backend not in (None, PORTABLE_ATTENTION_BACKEND):
+            raise ValueError(
+                f"--disable-custom-kernels rules out --attention-backend {self.attention_backend} "
+                f"(use {PORTABLE_ATTENTION_BACKEND})"
+            )
+
+    @property
+    def effective_cuda_graphs(self) -> list[int]:
+        """The batch sizes to capture: the flag's, else TGI's default buckets."""
+        return list(DEFAULT_CUDA_GRAPHS) if self.cuda_graphs is None else list(self.cuda_graphs)
+
+    @property
+    def effective_attention_backend(self) -> str | None:
+        """The flag's backend; the portable one when custom kernels are off; None = the device's choice."""
+        if self.attention_backend is None and self.disable_custom_kernels:
+            return PORTABLE_ATTENTION_BACKEND
+        return self.attention_backend
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -82,3 +141,11 @@ class ServeArgs:
     @classmethod
     def from_json(cls, text: str) -> "ServeArgs":
         return cls(**json.loads(text))
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

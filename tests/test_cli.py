@@ -113,3 +113,41 @@ def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
     from text_generation_server.launcher import cpu_threads_per_rank
 
     assert cpu_threads_per_rank(cores, world) == threads
+
+
+def test_version_at_the_top_level_and_on_serve():
+    from importlib import metadata
+
+    expected = f"text-generation-server {metadata.version('text-generation-server')}\n"
+    for argv in (["--version"], ["serve", "--version"]):
+        result = cli(*argv)
+        assert (result.returncode, result.stdout) == (0, expected), result.stderr
+
+
+COMMANDS = ["generate", "convert", "serve", "health", "quantize", "perplexity"]
+
+
+def test_every_option_of_every_command_has_help():
+    import typer
+
+    from text_generation_server.cli import app
+
+    group = typer.main.get_command(app)
+    assert sorted(group.commands) == sorted(COMMANDS)
+    for param in group.params:
+        assert param.help, f"top-level {param.name} has no help"
+    for name, command in group.commands.items():
+        for param in command.params:
+            assert (param.help or "").strip(), f"{name} {param.name} has no help"
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_fits_80_columns_and_shows_no_bool_metavar(command):
+    env = {**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1"}
+    argv = [EXE, *([command] if command else []), "--help"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) > 5
+    assert [line for line in lines if len(line) > 80] == []
+    assert "<bool>" not in result.stdout and "BOOLEAN" not in result.stdout

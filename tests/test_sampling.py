@@ -416,7 +416,8 @@ def test_exponential_race_matches_the_distribution_and_its_edges() -> None:
     kept = probs > 0
     assert chi_square(counts[kept], probs[kept]) < CHI2_DF5_P001 - 2.0  # 4 degrees of freedom: bound 18.47
     # Rows need not be normalised: scaling a row changes nothing.
-    again = sampling.exponential_race(7.0 * probs.expand(rows, 6), torch.rand(rows, 6, generator=torch.Generator().manual_seed(5)))
+    same_uniforms = torch.rand(rows, 6, generator=torch.Generator().manual_seed(5))
+    again = sampling.exponential_race(7.0 * probs.expand(rows, 6), same_uniforms)
     assert torch.equal(again, picks)
     # A uniform of exactly 0 (E = +inf) must not let a filtered token win: the one token with mass
     # wins even when its own uniform is 0, and a tiny-mass token is not lifted by the largest uniform.
