@@ -374,6 +374,16 @@ def serve(
     raise typer.Exit(launch(args, warnings=warnings))
 
 
+def serve_environment_variables() -> list[str]:
+    """Every variable `serve` reads a setting from (HOSTNAME included), for wrappers and tests
+    that must start it from a clean environment."""
+    command = typer.main.get_command(app).commands["serve"]
+    names = set()
+    for param in command.params:
+        names.update([param.envvar] if isinstance(param.envvar, str) else param.envvar or ())
+    return sorted(names)
+
+
 def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
     """`serve`'s flags and environment as ServeArgs, with the warnings to log once logging is set up."""
     params = ctx.params

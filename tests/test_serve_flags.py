@@ -36,7 +36,7 @@ def envvars_of(param) -> list[str]:
     return [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
 
 
-ALL_ENVVARS = sorted({name for p in SERVE.params for name in envvars_of(p)} | {"HOSTNAME"})
+ALL_ENVVARS = cli.serve_environment_variables()
 
 
 @dataclasses.dataclass
@@ -130,6 +130,12 @@ def test_each_setting_comes_from_its_environment_variable(serve, variable):
     value, field, expected = ENV_CASES[variable]
     args = ok(serve(**{variable: value}))
     assert getattr(args, field) == expected
+
+
+def test_serve_environment_variables_lists_tgis_and_ours():
+    names = set(ALL_ENVVARS)
+    assert {"MODEL_ID", "HOSTNAME", "PORT", "LOG_LEVEL", "LOGGER_LEVEL", "SPECULATE", "USE_PREFIX_CACHING"} <= names
+    assert not {"MASTER_ADDR", "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "ENV"} & names
 
 
 def test_every_serve_option_reads_a_variable_and_each_is_tested():
