@@ -198,3 +198,28 @@ def test_a_rank_that_stops_answering_turns_health_not_serving(server):
     _wait_status(stub, health_pb2.HealthCheckResponse.SERVING, HEALTH_DETECTION_S)
     assert scrape(server).value("tgs_shards_healthy", None) == 1
     assert "every shard answers Health again" in server.log()
+
+
+def test_draining_is_not_serving_while_requests_finish(server):
+    """Runs last (it stops the server): SIGTERM with requests in flight; health says NOT_SERVING
+    for every service while they drain, and they still complete."""
+    stub = client_stub(server)
+    health = health_pb2_grpc.HealthStub(server.channel())
+    prompt = long_greedy_prompt(stub, min_tokens=150, max_new_tokens=200)
+    calls = [stub.GenerateStream(request(prompt, max_new_tokens=200), timeout=60) for _ in range(LONG_REQUESTS)]
+    first = next(calls[0])  # generation is running, the rest are queued behind --max-batch-size 2
+    assert first.token.text is not None
+    server.proc.send_signal(signal.SIGTERM)
+    listed = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        listed = health.List(health_pb2.HealthListRequest(), timeout=5)
+        if all(v.status == health_pb2.HealthCheckResponse.NOT_SERVING for v in listed.statuses.values()):
+            break
+        time.sleep(0.02)
+    assert listed is not None and set(listed.statuses) == {"", SERVICE_NAME}
+    assert all(v.status == health_pb2.HealthCheckResponse.NOT_SERVING for v in listed.statuses.values()), listed
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        finished = list(pool.map(lambda call: list(call)[-1].HasField("generated_text"), calls))
+    assert all(finished)
+    assert server.wait_exit(30) == 0
