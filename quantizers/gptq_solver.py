@@ -41,27 +41,59 @@ class HessianAccumulator:
     """H = 2 X^T X / n over every input row a linear sees, accumulated batch by batch.
 
     Kept as a running mean so the magnitude of H does not grow with the number of
-    calibration tokens (float32 stays accurate over many batches).
+    calibration tokens (float32 stays accurate over many batches). The rescale and the
+    product are one addmm (no scaled copy of the batch). H is symmetric, so for wide
+    inputs only the blocks on and above the diagonal are computed (62% of the
+    multiply-adds at 4 blocks); the lower blocks are mirrored when `hessian` is read.
     """
 
-    def __init__(self, in_features: int, device: torch.device | None = None):
+    def __init__(self, in_features: int, device: torch.device | None = None, blocks: int | None = None):
         self.in_features = in_features
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self._hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.rows = 0
+        if blocks is None:
+            blocks = hessian_blocks(in_features)
+        step = -(-in_features // max(1, blocks))
+        edges = list(range(0, in_features, step)) + [in_features]
+        self._spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
+        self._mirrored = True
 
     def add(self, x: torch.Tensor) -> None:
         # x: [..., K]
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32:
+            x = x.float()
         if x.shape[1] != self.in_features:
             raise ValueError(f"inputs have {x.shape[1]} features, the accumulator expects {self.in_features}")
         batch = x.shape[0]
         if batch == 0:
             return
         total = self.rows + batch
-        self.hessian.mul_(self.rows / total)
-        x = x * (2.0 / total) ** 0.5
-        self.hessian.addmm_(x.t(), x)
+        beta, alpha = self.rows / total, 2.0 / total
+        for i, rows in enumerate(self._spans):
+            xt = x[:, rows].t()
+            for cols in self._spans[i:]:
+                self._hessian[rows, cols].addmm_(xt, x[:, cols], beta=beta, alpha=alpha)
         self.rows = total
+        self._mirrored = len(self._spans) == 1
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """The full [K, K] matrix (lower blocks copied from the upper ones on first read)."""
+        if not self._mirrored:
+            for i, rows in enumerate(self._spans):
+                for cols in self._spans[i + 1:]:
+                    self._hessian[cols, rows] = self._hessian[rows, cols].t()
+            self._mirrored = True
+        return self._hessian
+
+
+def hessian_blocks(in_features: int) -> int:
+    """Diagonal blocks for HessianAccumulator: one for narrow inputs (a single GEMM is faster
+    there), 4 to 8 for wide ones, each at least 1024 wide so every GEMM stays efficient."""
+    if in_features < 512:
+        return 1
+    return min(8, max(4, in_features // 1024))
 
 
 @dataclass

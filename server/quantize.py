@@ -22,6 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from loguru import logger
@@ -38,11 +39,20 @@ from text_generation_server.quantizers.gptq_solver import (
 )
 from text_generation_server.quantizers.rtn import SUPPORTED_BITS, rtn_quantize
 from text_generation_server.utils.checkpoint import Checkpoint
+from text_generation_server.utils.progress import Progress, clock
 from text_generation_server.weights import CheckpointError, Weights, safetensors_files
 
 METHODS = ("gptq", "rtn")
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
-TOKENS_PER_FORWARD = 2048  # calibration rows per layer forward: bounds the forward's scratch memory
+# Activation scratch of one layer forward (float32): bounds how many samples run at once. Larger
+# forwards amortise per-call overhead; 256 MiB is 20 samples of 1024 tokens on tiny-pycoder and
+# one 2048-token sample on a 7B layer, whose forward is then a few seconds of matmuls anyway.
+FORWARD_BYTES = 256 * 2**20
+# The unquantized layer's outputs are kept for this many samples, to report how far the
+# quantized layer's outputs move ("layer output" in the log): enough tokens for a stable
+# figure, without a second copy of every calibration activation.
+REFERENCE_SAMPLES = 16
+PROGRESS_INTERVAL = 5.0  # seconds between progress lines when stderr is not a terminal
 
 
 class QuantizeError(ValueError):
@@ -248,12 +258,40 @@ class InputsCollected(Exception):
     """Raised by the hook of a stage's last linear: the rest of the layer's forward is not needed."""
 
 
+def forward_scratch_bytes(config: LlamaConfig) -> int:
+    """Float32 activation bytes one token needs in a layer forward (its widest moments: the MLP's
+    gate/up output with its product, and attention's q/k/v with the residual stream)."""
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    return 4 * (3 * config.intermediate_size + qkv + 4 * config.hidden_size)
+
+
+class AttentionReplay(torch.nn.Module):
+    """Stands in for a layer's self_attn once q/k/v are final: o_proj over recorded inputs.
+
+    The layer's own forward still runs the residual and the MLP, so a replayed pass
+    computes exactly what the full forward would, without attention or q/k/v.
+    """
+
+    def __init__(self, o_proj: torch.nn.Module, recorded: torch.Tensor):
+        super().__init__()
+        self.o_proj = o_proj
+        self.recorded = recorded  # [nsamples, seqlen, heads * head_dim]
+        self.current: torch.Tensor | None = None  # this chunk's rows, set by the runner
+
+    def forward(self, hidden, cos, sin, cache, meta):  # the LlamaAttention signature
+        return self.o_proj(self.current)
+
+
 class LayerRunner:
     """Runs one decoder layer over all calibration samples, a few samples per forward."""
 
-    def __init__(self, config: LlamaConfig, seqlen: int, nsamples: int, device: torch.device):
+    def __init__(self, config: LlamaConfig, seqlen: int, nsamples: int, device: torch.device,
+                 forward_bytes: int | None = None):
         self.seqlen = seqlen
-        self.chunk = max(1, min(nsamples, TOKENS_PER_FORWARD // seqlen))
+        self.nsamples = nsamples
+        per_sample = forward_scratch_bytes(config) * seqlen
+        budget = FORWARD_BYTES if forward_bytes is None else forward_bytes
+        self.chunk = max(1, min(nsamples, budget // per_sample))
         tokens = self.chunk * seqlen
         self.rotary = RotaryEmbedding(config.rope, seqlen, device)
         positions = torch.arange(seqlen, device=device).repeat(self.chunk)
@@ -264,21 +302,60 @@ class LayerRunner:
         self.cache.keys = self.cache.keys * config.num_hidden_layers
         self.cache.values = self.cache.values * config.num_hidden_layers
         self.device = device
+        self.start = 0  # first sample of the chunk being run
+        self.needs_outputs = False  # whether this chunk's layer outputs are kept (hooks must not stop it)
+
+    @property
+    def batches(self) -> int:
+        """Forwards per pass over the calibration samples."""
+        return -(-self.nsamples // self.chunk)
 
     @torch.inference_mode()
-    def run(self, layer: torch.nn.Module, inputs: torch.Tensor, outputs: torch.Tensor | None) -> None:
-        # inputs/outputs: [nsamples, seqlen, hidden]; outputs may be inputs (each chunk is read before written)
-        for start in range(0, inputs.shape[0], self.chunk):
-            x = inputs[start:start + self.chunk]
-            b, tokens = x.shape[0], x.shape[0] * self.seqlen
-            meta = AttentionMetadata(is_prefill=True, slots=torch.arange(tokens, device=self.device),
-                                     prefill_lens=[self.seqlen] * b)
-            try:
-                y = layer(x.reshape(tokens, -1), self.cos[:tokens], self.sin[:tokens], self.cache, meta)
-            except InputsCollected:
-                continue
-            if outputs is not None:
-                outputs[start:start + b] = y.reshape(b, self.seqlen, -1)
+    def run(self, layer: torch.nn.Module, inputs: torch.Tensor, outputs: torch.Tensor | None,
+            record: torch.Tensor | None = None, replay: torch.Tensor | None = None,
+            on_batch: Callable[[], None] | None = None) -> None:
+        """One pass. inputs: [nsamples, seqlen, hidden]; outputs: [<= nsamples, seqlen, hidden], the
+        first rows of the result (may be inputs: each chunk is read before it is written).
+        record: [nsamples, seqlen, q] filled with o_proj's inputs; replay: such a recording, used
+        instead of attention."""
+        attn = layer.self_attn
+        stand_in = AttentionReplay(attn.o_proj, replay) if replay is not None else None
+        hook = None
+        if record is not None:
+            # Before any Hessian hook on o_proj, which may stop the forward.
+            hook = _module(layer, "self_attn.o_proj").register_forward_pre_hook(
+                lambda _m, args: self._record(record, args[0]), prepend=True)
+        if stand_in is not None:
+            layer.self_attn = stand_in
+        try:
+            for start in range(0, inputs.shape[0], self.chunk):
+                self.start = start
+                x = inputs[start:start + self.chunk]
+                b, tokens = x.shape[0], x.shape[0] * self.seqlen
+                self.needs_outputs = outputs is not None and start < outputs.shape[0]
+                if stand_in is not None:
+                    stand_in.current = replay[start:start + b].reshape(tokens, -1)
+                meta = AttentionMetadata(is_prefill=True, slots=torch.arange(tokens, device=self.device),
+                                         prefill_lens=[self.seqlen] * b)
+                try:
+                    y = layer(x.reshape(tokens, -1), self.cos[:tokens], self.sin[:tokens], self.cache, meta)
+                except InputsCollected:
+                    y = None
+                keep = 0 if outputs is None or y is None else min(b, outputs.shape[0] - start)
+                if keep > 0:
+                    outputs[start:start + keep] = y.reshape(b, self.seqlen, -1)[:keep]
+                if on_batch is not None:
+                    on_batch()
+        finally:
+            if stand_in is not None:
+                layer.self_attn = attn
+            if hook is not None:
+                hook.remove()
+
+    def _record(self, record: torch.Tensor, x: torch.Tensor) -> None:
+        # x: [tokens, q] for the chunk that starts at sample self.start
+        b = x.shape[0] // self.seqlen
+        record[self.start:self.start + b] = x.reshape(b, self.seqlen, -1)
 
 
 def _module(layer: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -295,6 +372,10 @@ def _collect(acc: HessianAccumulator, x: torch.Tensor, stop: bool) -> None:
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     den = float(b.float().pow(2).sum())
     return float((a.float() - b.float()).pow(2).sum()) / den if den > 0 else 0.0
+
+
+def _names(group: LinearGroup) -> str:
+    return "+".join(t.split(".")[-1] for t in group.tensors)
 
 
 class Quantizer:
@@ -348,22 +429,30 @@ class Quantizer:
         inputs = self._embedded_samples() if opts.method == "gptq" else None
         runner = LayerRunner(self.config, self.seqlen, opts.nsamples, self.device) if inputs is not None else None
         layers = self.config.num_hidden_layers
+        plans = [self._stages(i) for i in range(layers)]
+        units = [self._units(plan, runner) for plan in plans]
+        if runner is not None:
+            logger.info("calibration: {} forward(s) of {} sample(s) per pass", runner.batches, runner.chunk)
         started = time.monotonic()
-        for i in range(layers):
-            layer_started = time.monotonic()
-            layer = LlamaLayer(self.config, self.weights, i, runner.rotary if runner else
-                               RotaryEmbedding(self.config.rope, 1, self.device)).eval()
-            quantized, summary = self._quantize_layer(i, layer, runner, inputs)
-            self._write_layer(writer, i, quantized)
-            del layer
-            elapsed = time.monotonic() - started
-            eta = elapsed / (i + 1) * (layers - i - 1)
-            logger.info("layer {}/{} [{}] {}: {:.1f} s, elapsed {}, ETA {}", i + 1, layers, _bar(i + 1, layers),
-                        summary, time.monotonic() - layer_started, _clock(elapsed), _clock(eta))
-        for name in self.weights.source.keys():
-            if not name.startswith("model.layers."):
-                writer.add(name, self._raw(name))
-        files = writer.finish()
+        with Progress(sum(units) + 1, title="quantize", interval=PROGRESS_INTERVAL) as progress:
+            for i in range(layers):
+                layer_started = time.monotonic()
+                progress.item(f"layer {i + 1}/{layers}")
+                layer = LlamaLayer(self.config, self.weights, i, runner.rotary if runner else
+                                   RotaryEmbedding(self.config.rope, 1, self.device)).eval()
+                quantized, summary = self._quantize_layer(i, layer, plans[i], runner, inputs, progress)
+                self._write_layer(writer, i, quantized)
+                del layer
+                elapsed = time.monotonic() - started
+                eta = elapsed / (i + 1) * (layers - i - 1)
+                progress.log("layer {}/{} [{}] {}: {:.1f} s, elapsed {}, ETA {}", i + 1, layers, _bar(i + 1, layers),
+                             summary, time.monotonic() - layer_started, clock(elapsed), clock(eta))
+            progress.step("writing embeddings, norms and head", 1, unit="step")
+            for name in self.weights.source.keys():
+                if not name.startswith("model.layers."):
+                    writer.add(name, self._raw(name))
+            files = writer.finish()
+            progress.advance(1)
         config = dict(self.checkpoint.config)
         config["quantization_config"] = opts.quantization_config(self.seqlen)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -371,7 +460,7 @@ class Quantizer:
             json.dumps({k: v for k, v in config["quantization_config"].items() if k != "meta"}, indent=2) + "\n")
         copy_side_files(self.checkpoint.folder, staging)
         logger.info("wrote {} shard(s), {:.1f} MB, in {}", len(files), writer.total_bytes / 1e6,
-                    _clock(time.monotonic() - started))
+                    clock(time.monotonic() - started))
 
     def _commit(self, staging: Path) -> None:
         """Moves the finished folder into place; an existing OUTPUT_DIR is replaced only now."""
@@ -405,47 +494,72 @@ class Quantizer:
         logger.info("calibration: {} samples x {} tokens", ids.shape[0], ids.shape[1])
         return torch.nn.functional.embedding(ids.to(self.device), embedding)  # [nsamples, seqlen, hidden]
 
-    def _quantize_layer(self, index: int, layer: torch.nn.Module, runner: LayerRunner | None,
-                        inputs: torch.Tensor | None) -> tuple[dict[str, QuantizedWeight], str]:
-        """Quantizes the layer's linears in place (dense weights replaced by their dequantized values)."""
+    def _stages(self, index: int) -> list[list[LinearGroup]]:
+        """The groups of layer `index` to quantize, stage by stage (a stage is one calibration pass)."""
         stages = linear_groups(self.config)
         if not self.options.true_sequential:
             stages = [[group for stage in stages for group in stage]]
+        todo = [[g for g in stage if (index, g.module) not in self.dense] for stage in stages]
+        return [stage for stage in todo if stage]
+
+    @staticmethod
+    def _units(stages: list[list[LinearGroup]], runner: LayerRunner | None) -> int:
+        """Progress units of one layer: a unit per calibration forward and per solve."""
+        solves = sum(len(stage) for stage in stages)
+        return solves if runner is None else solves + (len(stages) + 1) * runner.batches
+
+    def _quantize_layer(self, index: int, layer: torch.nn.Module, stages: list[list[LinearGroup]],
+                        runner: LayerRunner | None, inputs: torch.Tensor | None,
+                        progress: Progress) -> tuple[dict[str, QuantizedWeight], str]:
+        """Quantizes the layer's linears in place (dense weights replaced by their dequantized values)."""
         quantized: dict[str, QuantizedWeight] = {}
         errors: list[str] = []
-        reference = None
-        for stage in stages:
-            todo = [g for g in stage if (index, g.module) not in self.dense]
-            if not todo:
-                continue
+        reference = None  # the unquantized layer's outputs, first REFERENCE_SAMPLES samples
+        attention = None  # o_proj's inputs once q/k/v are final: later passes skip attention
+        qkv_final = (index, "self_attn.qkv") in self.dense
+        passes = len(stages) + 1
+        for number, todo in enumerate(stages, 1):
             hessians = {}
             if runner is not None:
-                # The first pass sees the unquantized layer and keeps its outputs; later passes
-                # stop once the stage's last linear (in forward order) has seen its inputs.
-                first = reference is None
+                # A pass stops once the stage's last linear (in forward order) has seen its inputs,
+                # except where it keeps outputs: the first pass runs the unquantized layer to the
+                # end on the first REFERENCE_SAMPLES samples.
+                first = number == 1
                 if first:
-                    reference = torch.empty_like(inputs)
+                    reference = torch.empty_like(inputs[:REFERENCE_SAMPLES])
+                record = None
+                # Every chunk of this pass reaches o_proj unless the pass stops at q/k/v.
+                if attention is None and qkv_final and todo[-1].module != "self_attn.qkv":
+                    width = _module(layer, "self_attn.o_proj").weight.shape[1]
+                    record = attention = inputs.new_empty(inputs.shape[0], self.seqlen, width)
                 hooks = []
                 for group in todo:
                     acc = HessianAccumulator(group.in_features, self.device)
                     hessians[group.module] = acc
-                    stop = not first and group is todo[-1]
                     hooks.append(_module(layer, group.module).register_forward_pre_hook(
-                        lambda _m, args, acc=acc, stop=stop: _collect(acc, args[0], stop)))
+                        lambda _m, args, acc=acc, last=group is todo[-1]:
+                        _collect(acc, args[0], last and not runner.needs_outputs)))
+                progress.step(f"pass {number}/{passes}: inputs of {', '.join(_names(g) for g in todo)}",
+                              runner.batches)
                 try:
-                    runner.run(layer, inputs, reference if first else None)
+                    runner.run(layer, inputs, reference if first else None, record=record,
+                               replay=attention if record is None else None, on_batch=progress.advance)
                 finally:
                     for hook in hooks:
                         hook.remove()
             for group in todo:
+                progress.step(f"{'gptq' if runner is not None else 'rtn'} {_names(group)}", 1, unit="solve")
                 h = hessians[group.module].hessian if runner is not None else None
                 quantized.update(self._quantize_group(index, layer, group, h, errors))
+                progress.advance()
+                qkv_final = qkv_final or group.module == "self_attn.qkv"
         summary = " ".join(errors) if errors else "all linears left dense"
         if runner is not None:
             # In place: the next layer calibrates on this quantized layer's outputs.
-            runner.run(layer, inputs, inputs)
+            progress.step(f"pass {passes}/{passes}: outputs for the next layer", runner.batches)
+            runner.run(layer, inputs, inputs, replay=attention, on_batch=progress.advance)
             if reference is not None:
-                summary += f" | layer output {_relative(inputs, reference):.2e}"
+                summary += f" | layer output {_relative(inputs[:reference.shape[0]], reference):.2e}"
         return quantized, summary
 
     def _quantize_group(self, index: int, layer: torch.nn.Module, group: LinearGroup,
@@ -484,11 +598,6 @@ class Quantizer:
                     writer.add(key, tensor)
             else:
                 writer.add(name, self._raw(name))
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

@@ -398,3 +398,173 @@ def test_layers_are_built_one_at_a_time(model_dir, text_file, tmp_path, monkeypa
     monkeypatch.setattr(pipeline, "LlamaLayer", TrackedLayer)
     quantize(str(model_dir), tmp_path / "q", options(text_file))
     assert most == [1, 1]
+
+
+# -- speed: fewer attention passes, blocked Hessians; progress reporting ----------------------------
+def test_blocked_hessian_equals_one_block():
+    _, x, _ = correlated_layer(k=40, rows=700)
+    one, blocked = HessianAccumulator(40, blocks=1), HessianAccumulator(40, blocks=3)
+    for chunk in x.split(128):
+        one.add(chunk)
+        blocked.add(chunk)
+    torch.testing.assert_close(blocked.hessian, one.hessian, rtol=1e-5, atol=1e-5)
+    h = blocked.hessian  # blocks of 14, 14 and 12 rows: the lower ones are copies of the upper ones
+    assert torch.equal(h[14:, :14], h[:14, 14:].t()) and torch.equal(h[28:, 14:28], h[14:28, 28:].t())
+    blocked.add(x[:5])  # adding after a read mirrors again on the next read
+    torch.testing.assert_close(blocked.hessian, 2 * x[:5].t() @ x[:5] / 705 + one.hessian * 700 / 705,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_replayed_attention_is_the_full_forward(model_dir):
+    from text_generation_server import quantize as pipeline
+
+    q = Quantizer(str(model_dir), model_dir.parent / "unused", QuantizeOptions(group_size=32, nsamples=6, seqlen=16))
+    runner = pipeline.LayerRunner(q.config, 16, 6, torch.device("cpu"), forward_bytes=1)  # one sample per forward
+    assert runner.chunk == 1 and runner.batches == 6
+    layer = pipeline.LlamaLayer(q.config, q.weights, 0, runner.rotary).eval()
+    inputs = torch.randn(6, 16, q.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    full, replayed = torch.empty_like(inputs), torch.empty_like(inputs)
+    record = torch.full((6, 16, q.config.num_attention_heads * q.config.head_dim), float("nan"))
+    runner.run(layer, inputs, full, record=record)
+    assert not record.isnan().any()
+    calls = []
+    layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+    runner.run(layer, inputs, replayed, replay=record)
+    assert torch.equal(full, replayed) and calls == []  # attention never ran
+    from text_generation_server.models.llama import LlamaAttention
+
+    assert isinstance(layer.self_attn, LlamaAttention)  # put back
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(modules_to_not_convert=("model.layers.0.self_attn",)),
+                                       dict(true_sequential=False)])
+def test_attention_replay_changes_nothing_and_runs_attention_less(model_dir, text_file, tmp_path, monkeypatch,
+                                                                  overrides):
+    from text_generation_server import quantize as pipeline
+    from text_generation_server.models.llama import LlamaAttention
+
+    calls = []
+    original_forward = LlamaAttention.forward
+
+    def counting(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return original_forward(self, hidden, *args)
+
+    monkeypatch.setattr(LlamaAttention, "forward", counting)
+    fast = stored(quantize(str(model_dir), tmp_path / "fast", options(text_file, **overrides)))
+    fast_calls = len(calls)
+    original_run = pipeline.LayerRunner.run
+    monkeypatch.setattr(pipeline.LayerRunner, "run",
+                        lambda self, layer, inputs, outputs, record=None, replay=None, on_batch=None:
+                        original_run(self, layer, inputs, outputs, on_batch=on_batch))
+    calls.clear()
+    slow = stored(quantize(str(model_dir), tmp_path / "slow", options(text_file, **overrides)))
+    assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+    # 8 samples run in one forward. True-sequential: 5 passes, attention in the first two only
+    # (the first runs the unquantized layer, the second records o_proj's inputs under the final
+    # q/k/v). Layer 0 with dense attention: 3 passes, the first records. Not true-sequential: 2
+    # passes, both need attention.
+    expected = {(): (2 + 2, 5 + 5), ("modules_to_not_convert",): (1 + 2, 3 + 5), ("true_sequential",): (2 + 2, 2 + 2)}
+    assert (fast_calls, len(calls)) == expected[tuple(overrides)]
+
+
+def test_first_pass_stops_after_the_reference_samples(model_dir, text_file, tmp_path, monkeypatch):
+    """Beyond REFERENCE_SAMPLES, the first pass only needs q/k/v's inputs: it stops there."""
+    from text_generation_server import quantize as pipeline
+    monkeypatch.setattr(pipeline, "REFERENCE_SAMPLES", 2)
+    monkeypatch.setattr(pipeline, "FORWARD_BYTES", 1)  # one sample per forward
+    tokens = []
+    silu = torch.nn.functional.silu  # runs once gate_up has run: counts forwards that reach the MLP's middle
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda x: tokens.append(x.shape[0]) or silu(x))
+    quantize(str(model_dir), tmp_path / "q", options(text_file, modules_to_not_convert=("model.layers.1",)))
+    # Layer 0: pass 1 gets there on 2 samples, passes 2 and 3 never (they stop at o_proj and
+    # gate_up), passes 4 and 5 on all 8. Layer 1 (dense): only its last pass.
+    assert len(tokens) == (2 + 8 + 8) + 8 and set(tokens) == {32}
+
+
+class FakeTerminal:
+    """A stderr that says it is a terminal, so the live bar is drawn into it."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@pytest.fixture
+def log_lines():
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(message.record["message"]), level="INFO")
+    yield lines
+    logger.remove(sink)
+
+
+def test_progress_lines_when_not_a_terminal(model_dir, text_file, tmp_path, monkeypatch, log_lines):
+    from text_generation_server import quantize as pipeline
+
+    monkeypatch.setattr(pipeline, "PROGRESS_INTERVAL", 0.01)
+    monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": lambda s, t: len(t), "flush": lambda s: None,
+                                                         "isatty": lambda s: False})())
+    slow_solve = pipeline.gptq_quantize
+
+    def solve(*args, **kwargs):  # long enough for the reporter to wake up in every solve
+        import time
+
+        time.sleep(0.05)
+        return slow_solve(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "gptq_quantize", solve)
+    quantize(str(model_dir), tmp_path / "q", options(text_file))
+    progress = [line for line in log_lines if line.startswith("quantize: ")]
+    assert any("layer 1/2, gptq q_proj+k_proj+v_proj" in line for line in progress), progress
+    assert any("layer 2/2, gptq down_proj 0/1 solves" in line for line in progress), progress
+    assert all("% done, elapsed 0:00:0" in line and "ETA" in line for line in progress)
+    assert any(line.startswith("layer 2/2 [") for line in log_lines)
+
+
+def test_progress_bar_on_a_terminal(model_dir, text_file, tmp_path, monkeypatch, log_lines):
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    quantize(str(model_dir), tmp_path / "q", options(text_file))
+    text = terminal.text
+    assert "quantize layer 2/2" in text and "100%|" in text and "\r" in text
+    assert "pass 1/5: inputs of q_proj+k_proj+v_proj: 0/1 batches" in text
+    assert "gptq down_proj" in text and "solves" in text
+    assert not any(line.startswith("quantize: ") for line in log_lines)  # the bar replaces the lines
+    assert any(line.startswith("layer 2/2 [") for line in log_lines)  # per-layer summaries stay
+
+
+def test_progress_reporter(log_lines):
+    from text_generation_server.utils.progress import Progress
+
+    now = [100.0]
+    with Progress(10, title="job", stream=FakeTerminal(), live=False, interval=1.0, refresh=0.01,
+                  time_source=lambda: now[0]) as progress:
+        progress.item("layer 1/2")
+        progress.step("pass 1/2", 4)
+        progress.advance()
+        assert progress.status() == "job: layer 1/2, pass 1/2 1/4 batches; 10% done, elapsed 0:00:00, ETA 0:00:00"
+        now[0] += 30.0
+        assert progress.status().endswith("10% done, elapsed 0:00:30, ETA 0:04:30")
+        import time
+
+        deadline = time.monotonic() + 5
+        while not log_lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert log_lines[0] == "job: layer 1/2, pass 1/2 1/4 batches; 10% done, elapsed 0:00:30, ETA 0:04:30"
+    with pytest.raises(ValueError, match="positive amount of work"):
+        Progress(0)
