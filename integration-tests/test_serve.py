@@ -137,8 +137,14 @@ def test_generate_and_stream_agree(stub):
         last = messages[-1]
         assert last.generated_text == whole.generated_text
         assert list(last.details.tokens) == [m.token for m in messages]  # self-contained last message
-        assert [list(m.top_tokens) for m in messages] == [list(t.tokens) for t in whole.details.top_tokens]
-        assert [t.logprob for t in whole.details.tokens] == [m.token.logprob for m in messages]
+        # The second request reuses the first one's prompt from the prefix cache: the same tokens,
+        # logprobs equal up to float rounding (K/V computed in a differently shaped forward).
+        streamed_tops = [[(t.id, t.text) for t in m.top_tokens] for m in messages]
+        assert streamed_tops == [[(t.id, t.text) for t in top.tokens] for top in whole.details.top_tokens]
+        close = lambda a, b: all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(a, b))
+        assert close([t.logprob for top in whole.details.top_tokens for t in top.tokens],
+                     [t.logprob for m in messages for t in m.top_tokens])
+        assert close([t.logprob for t in whole.details.tokens], [m.token.logprob for m in messages])
     # Details only when asked for, on both RPCs.
     plain = request(PROMPTS[0], max_new_tokens=4)
     assert not stub.Generate(plain, timeout=60).HasField("details")

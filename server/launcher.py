@@ -560,7 +560,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         from text_generation_server.utils.dist import initialize_process_group
 
         process_group = initialize_process_group(rank, world_size, device)
-        model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size)
+        model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
+                          attention_backend=args.effective_attention_backend)
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
         logger.error("cannot start: {}", exc)
         return 2
@@ -589,7 +590,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
             loop.add_signal_handler(sig, request_stop, f"received {sig.name}")
         if stop_requested.is_set():
             stop.set()
-        await serve_shard(model, args.uds_path, rank, world_size, memory_fraction, args.max_batch_total_tokens, stop)
+        await serve_shard(model, args.uds_path, rank, world_size, memory_fraction, args.max_batch_total_tokens, stop,
+                          prefix_caching=args.prefix_caching, stall_timeout_s=args.rank_stall_timeout_s)
 
     asyncio.run(serve())
     return 0

@@ -81,12 +81,8 @@ class ServeArgs:
                     f"--max-input-tokens ({self.max_input_tokens}) must be < --max-total-tokens "
                     f"({self.max_total_tokens})"
                 )
-        if self.max_batch_prefill_tokens is not None and self.max_input_tokens is not None:
-            if self.max_batch_prefill_tokens < self.max_input_tokens:
-                raise ValueError(
-                    f"--max-batch-prefill-tokens ({self.max_batch_prefill_tokens}) must be >= "
-                    f"--max-input-tokens ({self.max_input_tokens})"
-                )
+        # max_batch_prefill_tokens below max_input_tokens is fine: longer prompts are prefilled in
+        # chunks (the router refuses it only if the shards cannot chunk).
         if self.max_batch_total_tokens is not None and self.max_total_tokens is not None:
             if self.max_batch_total_tokens < self.max_total_tokens:
                 raise ValueError(

@@ -378,24 +378,38 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 generations, next_batch, timings = self._generate(batch)
                 return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None)
             # TGI's contract: one token for the cached batch and the new one. A step computed ahead
-            # for the cached batch is that token; otherwise both run as one forward.
-            cached = self._pop(cached_id)
+            # for the cached batch is that token; otherwise both run as one forward, on a fork of the
+            # cached batch: if the step fails, only the new requests are lost, and the cached batch
+            # (and its step ahead) stay as they were for the caller's next call.
+            cached = self.cache[cached_id]
             ahead = self._take_ahead(cached)
-            concat_start = time.perf_counter_ns()
-            if ahead is None:
-                merged = Batch.concatenate([cached, batch])
-                concat_ns = time.perf_counter_ns() - concat_start
-                generations, next_batch, timings = self._generate(merged)
-            else:
-                generations, parts, timings = self._commit_ahead(cached, ahead)
-                new_gens, new_next, new_timings = self._generate(batch)
-                generations += new_gens
-                timings = timings + new_timings
-                if new_next is not None:
-                    parts.append(new_next)
-                concat_start = time.perf_counter_ns()
-                next_batch = Batch.concatenate(parts) if parts else None
-                concat_ns = time.perf_counter_ns() - concat_start
+            if ahead is not None and ahead.error is not None:
+                ahead = None  # the merged step runs it again, and fails (or not) on its own
+            try:
+                if ahead is None:
+                    concat_start = time.perf_counter_ns()
+                    merged = Batch.concatenate([cached.fork(cached.request_ids), batch])
+                    concat_ns = time.perf_counter_ns() - concat_start
+                    generations, next_batch, timings = self.model.generate_token(merged)
+                    if next_batch is None:
+                        self.model.release(cached)
+                    else:
+                        next_batch.adopt_blocks(cached)
+                else:
+                    new_gens, new_next, timings = self.model.generate_token(batch)
+                    generations, parts, ahead_timings = self._commit_ahead(cached, ahead)
+                    generations += new_gens
+                    timings = ahead_timings + timings
+                    concat_start = time.perf_counter_ns()
+                    next_batch = Batch.concatenate(parts + ([new_next] if new_next is not None else [])) \
+                        if parts or new_next is not None else None
+                    concat_ns = time.perf_counter_ns() - concat_start
+            except BaseException:
+                self.model.release(batch)  # the new requests' own blocks; the cached batch is untouched
+                if ahead is not None:
+                    self._ahead[cached_id] = ahead
+                raise
+            del self.cache[cached_id]
             return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
                                        timings, concat_ns)
 

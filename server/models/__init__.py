@@ -35,6 +35,7 @@ def get_model(
     process_group: ProcessGroup | None = None,
     quantize: str | None = None,
     block_size: int = 16,
+    attention_backend: str | None = None,
 ) -> CausalLM:
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
@@ -66,6 +67,7 @@ def get_model(
         process_group=process_group,
         block_size=block_size,
         quantize=qconfig.flag if qconfig is not None else None,  # bitsandbytes-nf4, not just bitsandbytes
+        attention_backend=attention_backend,
     )
 
 

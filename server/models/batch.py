@@ -183,11 +183,13 @@ class Batch:
         )
 
     def adopt_blocks(self, source: "Batch") -> None:
-        """Takes over block ownership from the batch this one was forked from (a committed fork)."""
+        """Takes over block ownership from the batch this one was forked from (a committed fork);
+        rows that did not come from `source` (merged in) keep their own."""
         owners = {s.request.id: s for s in source.states}
         for state in self.states:
-            origin = owners[state.request.id]
-            state.owns_blocks, state.blocks = origin.owns_blocks, list(origin.blocks)
+            origin = owners.get(state.request.id)
+            if origin is not None:
+                state.owns_blocks, state.blocks = origin.owns_blocks, list(origin.blocks)
 
     def release(self, allocator: BlockAllocator | None) -> None:
         """Frees the blocks this batch assigned itself (ClearCache, or the end of a batch)."""

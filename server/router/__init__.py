@@ -18,7 +18,8 @@ from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grp
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
 from text_generation_server.router.reflection import enable_reflection
-from text_generation_server.router.scheduler import RouterBlockPool, Scheduler, SchedulerLimits
+from text_generation_server.router.block_pool import BlockPool
+from text_generation_server.router.scheduler import Scheduler, SchedulerLimits
 from text_generation_server.router.service import MalformedRequestInterceptor, TextGenerationService
 from text_generation_server.router.validation import Limits
 from text_generation_server.serve_args import ServeArgs
@@ -41,10 +42,19 @@ def resolve_limits(args: ServeArgs, max_position_embeddings: int) -> tuple[int, 
     max_input = args.max_input_tokens or max_total - 1
     if max_input >= max_total:
         raise RouterError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
+    # A prompt longer than max_batch_prefill_tokens is prefilled in chunks (checked against the
+    # shards' Info once they answer: see check_chunking).
     prefill = args.max_batch_prefill_tokens or max_input + 50
-    if prefill < max_input:
-        raise RouterError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
     return max_input, max_total, prefill
+
+
+def check_chunking(info: spb.InfoResponse, max_input: int, max_prefill: int) -> None:
+    """Shards that cannot chunk need every prompt to fit one prefill."""
+    if not info.support_chunking and max_prefill < max_input:
+        raise RouterError(
+            f"--max-batch-prefill-tokens ({max_prefill}) must be >= --max-input-tokens ({max_input}): "
+            "the shards do not support chunked prefill"
+        )
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
@@ -81,6 +91,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     try:
         await client.clear_cache()
         info = await client.info()
+        check_chunking(info, max_input, max_prefill)
         started = time.monotonic()
         try:
             warm = await client.warmup(spb.WarmupRequest(
@@ -91,7 +102,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             raise RouterError(f"warmup failed: {exc.details()}") from exc
         supported = warm.max_supported_total_tokens
         batch_total = min(supported, args.max_batch_total_tokens or supported)
-        pool = RouterBlockPool(batch_total // info.block_size + 1, info.block_size)
+        prefix_caching = info.use_prefix_caching and getattr(args, "prefix_caching", True)
+        pool = BlockPool(batch_total // info.block_size + 1, info.block_size, prefix_caching=prefix_caching)
         logger.info(
             "warmup done in {:.1f} s: max_input_tokens {}, max_total_tokens {}, max_batch_prefill_tokens {}, "
             "max_batch_total_tokens {} ({} KV blocks of {})", time.monotonic() - started, max_input, max_total,
@@ -104,8 +116,11 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_stop_sequence_length=args.max_stop_sequence_length, max_top_n_tokens=args.max_top_n_tokens,
             max_input_chars=args.max_input_chars,
         )
-        scheduler = Scheduler(client, pool, SchedulerLimits(max_prefill, args.max_batch_size,
-                                                            args.max_concurrent_requests), metrics)
+        scheduler = Scheduler(client, pool, SchedulerLimits(
+            max_prefill, args.max_batch_size, args.max_concurrent_requests,
+            waiting_served_ratio=getattr(args, "waiting_served_ratio", 1.2),
+            max_waiting_tokens=getattr(args, "max_waiting_tokens", 20),
+        ), metrics, support_chunking=info.support_chunking)
         scheduler.start()
         info_msg = cpb.InfoResponse(
             model_id=checkpoint.model_id, model_dtype=info.dtype, model_device_type=info.device_type,
@@ -114,7 +129,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
             quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
             kernels=await client.kernels(), attention_backend=await client.attention_backend(),
-            prefix_caching=info.use_prefix_caching and getattr(args, "prefix_caching", True),
+            prefix_caching=prefix_caching,
             chunked_prefill=info.support_chunking,
         )
         server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[

@@ -90,8 +90,12 @@ class ShardClient:
                 best = r
         return best
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return (await self._all("Prefill", pb.PrefillRequest(batch=batch)))[0]
+    async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
+        """Prefills `batch`; with `cached`, the same step decodes the running batch too (TGI v3)."""
+        request = pb.PrefillRequest(batch=batch)
+        if cached is not None:
+            request.cached_batch.CopyFrom(cached)
+        return (await self._all("Prefill", request))[0]
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return (await self._all("Decode", pb.DecodeRequest(batches=batches)))[0]

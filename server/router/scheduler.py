@@ -1,11 +1,25 @@
-"""Queue, admission, KV block allocation and continuous batching.
+"""Queue, admission, KV blocks, prefix caching, chunked prefill and continuous batching.
 
-One task drives the shards: it prefills a batch of queued requests, then
-decodes it step by step; between steps it admits new requests (prefilled as a
-new batch and concatenated into the running one), and removes requests that
-finished or whose client went away, freeing their KV blocks at once. Blocks are
-the router's to hand out (TGI v3): a request is admitted only when blocks for
-its input plus max_new_tokens are free, so a running request never runs out.
+One task drives the shards, one call at a time. With shards that support chunking (ours, TGI
+v3's): each step admits queued requests within the prefill budget left by the running batch
+(max_batch_prefill_tokens - the tokens its next forward computes) and sends them with the
+running batch in one Prefill (PrefillRequest.cached_batch): one forward gives every running
+request its next token and computes the newcomers' prompts. A prompt longer than the budget
+goes in with `chunk_len` set; the shard computes its later chunks within the same budget in
+the following steps, interleaved with everyone's decode, so no stream stalls behind it. With
+nothing to admit, the step is a Decode. Finished and cancelled requests are filtered out
+between steps, their blocks released at once.
+
+Blocks are the router's to hand out (TGI v3, `BlockPool`): a request is admitted only when
+blocks for its input plus max_new_tokens are free (or evictable), so a running request never
+runs out. With prefix caching the request's prompt is looked up first: the longest cached run
+of whole blocks is reused and only the rest computed (`cache_len`). A request's blocks enter the
+cache when their K/V are known to be computed: its prompt's blocks with its first token, and
+the generated ones when it finishes, so a follow-up turn reuses the whole conversation.
+
+Shards without chunking (requires a separate prefill and a prompt that fits the budget) are
+driven the older way, with TGI's waiting_served_ratio and max_waiting_tokens deciding when a
+new batch joins a running one.
 """
 
 from __future__ import annotations
@@ -19,42 +33,11 @@ from dataclasses import dataclass, field
 import grpc
 from loguru import logger
 
-from text_generation_server.metrics import CONCAT_REASON, FINISH_REASONS, Metrics
+from text_generation_server.metrics import FINISH_REASONS, Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
+from text_generation_server.router.block_pool import Allocation, BlockPool
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.validation import ValidRequest
-
-
-class RouterBlockPool:
-    """The KV blocks of all shards (same layout on every rank). Block 0 is reserved."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free = deque(range(1, num_blocks))
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def used(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
-
-    def blocks_for(self, tokens: int) -> int:
-        return (tokens + self.block_size - 1) // self.block_size
-
-    def allocate(self, tokens: int) -> tuple[list[int], list[int]] | None:
-        count = self.blocks_for(tokens)
-        if count > len(self._free):
-            return None
-        blocks = [self._free.popleft() for _ in range(count)]
-        bs = self.block_size
-        slots = [b * bs + o for b in blocks for o in range(bs)][:tokens]
-        return blocks, slots
-
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
 
 
 @dataclass
@@ -68,14 +51,23 @@ class Entry:
     admitted: float | None = None
     first_token: float | None = None
     last_token: float | None = None
-    blocks: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    allocation: Allocation | None = None
+    first_chunk: int | None = None  # chunk_len of its first prefill when its prompt spans several forwards
+    generated_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
 
     @property
     def total_tokens(self) -> int:
         return self.request.input_length + self.request.max_new_tokens
+
+    @property
+    def chunked(self) -> bool:
+        return self.first_chunk is not None
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.first_token is not None
 
 
 class StepFailed(Exception):
@@ -91,14 +83,20 @@ class SchedulerLimits:
     max_batch_prefill_tokens: int
     max_batch_size: int | None
     max_concurrent_requests: int
+    # Without chunking only (TGI's semantics): a running batch takes newcomers once the queue
+    # holds waiting_served_ratio x its size, or after max_waiting_tokens steps without any.
+    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int = 20
 
 
 class Scheduler:
-    def __init__(self, client: ShardClient, pool: RouterBlockPool, limits: SchedulerLimits, metrics: Metrics):
+    def __init__(self, client: ShardClient, pool: BlockPool, limits: SchedulerLimits, metrics: Metrics,
+                 support_chunking: bool = True):
         self.client = client
         self.pool = pool
         self.limits = limits
         self.metrics = metrics
+        self.support_chunking = support_chunking
         self.queue: deque[Entry] = deque()
         self.running: dict[int, Entry] = {}
         self._ids = itertools.count()
@@ -106,6 +104,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._inflight = 0
         self._task: asyncio.Task | None = None
+        self._steps_without_admission = 0
+        self._evictions_seen = 0
         self.admitting = True
         metrics.set_kv_blocks(pool.used, pool.free)
 
@@ -145,14 +145,20 @@ class Scheduler:
             self._finish(entry)
         self._wake.set()
 
-    def _finish(self, entry: Entry) -> None:
+    def _finish(self, entry: Entry, computed: bool = True) -> None:
+        """The request leaves: its blocks go back, the computed ones (`computed`: its K/V are
+        trustworthy, so not after a failed step) into the prefix cache."""
         if entry.done:
             return
         entry.done = True
         self._inflight -= 1
-        if entry.blocks:
-            self.pool.release(entry.blocks)
-            entry.blocks = []
+        allocation = entry.allocation
+        if allocation is not None and allocation.blocks:
+            if computed and entry.prompt_done:
+                # The last generated token was never fed back, so its K/V were never written.
+                tokens = entry.request.input_ids + entry.generated_ids
+                self.pool.register(allocation, tokens, len(tokens) - 1)
+            self.pool.release(allocation)
         # All gauges at once (callers take the entry out of `running` first): a scrape between
         # here and the end of the step must not see its blocks freed but its batch slot held.
         self._refresh_gauges()
@@ -161,7 +167,7 @@ class Scheduler:
         if not entry.done:
             self.metrics.request_failure.labels(err=reason).inc()
             entry.events.put_nowait(StepFailed(code, message))
-            self._finish(entry)
+            self._finish(entry, computed=False)
 
     # -- the loop -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -179,35 +185,67 @@ class Scheduler:
         self.queue.clear()
         self.running.clear()
 
-    def _admit(self, running: int) -> list[Entry]:
-        """Takes queued requests in order while the prefill budget, batch size and KV blocks allow."""
+    def _admit(self, budget: int, running: int) -> list[Entry]:
+        """Takes queued requests in order while the prefill budget, batch size and KV blocks allow.
+
+        With chunking, the request that does not fit the budget whole takes what is left of it
+        as its first chunk and closes the batch; without, it waits (unless it comes first)."""
         taken: list[Entry] = []
         prefill_tokens = 0
         while self.queue:
             entry = self.queue[0]
             if self.limits.max_batch_size is not None and running + len(taken) >= self.limits.max_batch_size:
                 break
-            if taken and prefill_tokens + entry.request.input_length > self.limits.max_batch_prefill_tokens:
+            room = budget - prefill_tokens
+            if room <= 0:
                 break
-            allocation = self.pool.allocate(entry.total_tokens)
+            request = entry.request
+            # Prompt logprobs need logits at every prompt position: a cached prefix has none.
+            lookup = None if request.decoder_input_details else request.input_ids
+            allocation = self.pool.allocate(entry.total_tokens, lookup)
             if allocation is None:
                 break  # wait for running requests to free blocks; keep FIFO order
+            compute = request.input_length - allocation.cache_len
+            chunk = None
+            if compute > room:
+                if not self.support_chunking and taken:
+                    self.pool.release(allocation)
+                    break
+                if self.support_chunking:
+                    chunk = room
             self.queue.popleft()
-            entry.blocks, entry.slots = allocation
+            entry.allocation = allocation
+            entry.first_chunk = chunk
             entry.admitted = time.monotonic()
+            self._count_lookup(entry, lookup is not None)
             self.metrics.request_queue_duration.observe(entry.admitted - entry.arrived)
-            prefill_tokens += entry.request.input_length
+            prefill_tokens += compute if chunk is None else chunk
             taken.append(entry)
+            if chunk is not None:
+                self.metrics.chunked_prefills.inc()
+                break
         self.metrics.queue_size.set(len(self.queue))
-        self.metrics.set_kv_blocks(self.pool.used, self.pool.free)
+        self._refresh_gauges()
         return taken
+
+    def _count_lookup(self, entry: Entry, looked_up: bool) -> None:
+        m = self.metrics
+        if looked_up and self.pool.prefix_caching:
+            m.prefix_cache_queries.inc()
+            m.prefix_cache_query_tokens.inc(entry.request.input_length)
+            if entry.allocation.cache_len:
+                m.prefix_cache_hits.inc()
+                m.prefix_cache_hit_tokens.inc(entry.allocation.cache_len)
+        if self.pool.evictions > self._evictions_seen:
+            m.prefix_cache_evictions.inc(self.pool.evictions - self._evictions_seen)
+            self._evictions_seen = self.pool.evictions
 
     async def _run(self) -> None:
         cached: spb.CachedBatch | None = None
         while True:
-            if cached is None:
+            if cached is None and not self.queue:
                 await self._wake.wait()
-                self._wake.clear()
+            self._wake.clear()
             try:
                 cached = await self._step(cached)
             except asyncio.CancelledError:
@@ -224,44 +262,78 @@ class Scheduler:
                 cached = None
 
     async def _step(self, cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
-        """Admits what fits (prefilled as a new batch), then decodes everything running once."""
+        """One shard call: newcomers (with the running batch when the shards chunk), else a decode."""
+        if self.support_chunking:
+            current = cached.current_tokens if cached is not None else 0
+            new = self._admit(self.limits.max_batch_prefill_tokens - current, len(self.running))
+            if new:
+                if cached is not None:
+                    self.metrics.batch_concat.labels(reason="chunking").inc()
+                return await self._prefill(new, cached)
+            if cached is None:
+                if self.queue:
+                    self._wake.set()
+                return None
+            return await self._decode([cached])
+        return await self._step_unchunked(cached)
+
+    async def _step_unchunked(self, cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
+        """Shards without chunking: prefill newcomers as a batch of their own, then decode all."""
         batches: list[spb.CachedBatch] = [cached] if cached is not None else []
-        new = self._admit(len(self.running))
+        new: list[Entry] = []
+        if cached is None or self._wants_newcomers(len(self.running)):
+            new = self._admit(self.limits.max_batch_prefill_tokens, len(self.running))
         if new and batches:
-            self.metrics.batch_concat.labels(reason=CONCAT_REASON).inc()
+            reason = "wait_exceeded" if self._steps_without_admission >= self.limits.max_waiting_tokens \
+                else "backpressure"
+            self.metrics.batch_concat.labels(reason=reason).inc()
         if new:
-            new_cached = await self._prefill(new)
+            self._steps_without_admission = 0
+            new_cached = await self._prefill(new, None)
             if new_cached is not None:
                 batches.append(new_cached)
+        else:
+            self._steps_without_admission += 1
         if not batches:
             if self.queue:
                 self._wake.set()
             return None
         return await self._decode(batches)
 
-    async def _prefill(self, entries: list[Entry]) -> spb.CachedBatch | None:
+    def _wants_newcomers(self, running: int) -> bool:
+        if self._steps_without_admission >= self.limits.max_waiting_tokens:
+            return True
+        return len(self.queue) >= int(running * self.limits.waiting_served_ratio)
+
+    async def _prefill(self, entries: list[Entry], cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
         batch_id = next(self._batch_ids)
-        requests = [e.request.to_shard(e.id, e.blocks, e.slots) for e in entries]
+        requests = []
         for e in entries:
+            a = e.allocation
+            requests.append(e.request.to_shard(e.id, a.blocks, a.slots, a.cache_len, e.first_chunk))
             self.running[e.id] = e
         batch = spb.Batch(
             id=batch_id, requests=requests, size=len(requests),
             max_tokens=sum(e.total_tokens for e in entries),
-            max_blocks=max(len(e.blocks) for e in entries),
+            max_blocks=max(len(e.allocation.blocks) for e in entries),
         )
+        stepped = entries + ([self.running[i] for i in cached.request_ids if i in self.running] if cached else [])
         self.metrics.batch_next_size.observe(len(entries))
         self.metrics.batch_inference_count.labels(method="prefill").inc()
         start = time.monotonic()
         try:
-            resp = await self.client.prefill(batch)
+            resp = await self.client.prefill(batch, cached)
         except grpc.aio.AioRpcError as exc:
+            # The newcomers fail; our shards keep the running batch as it was (a failed merged
+            # step runs on a fork of it), so it steps on (a shard that lost it answers NOT_FOUND
+            # to the next call, which fails its requests then).
             await self._step_failed("prefill", [batch_id], entries, exc)
-            return None
-        self.metrics.prompt_tokens.inc(sum(e.request.input_length for e in entries))
+            return cached
+        self.metrics.prompt_tokens.inc(sum(e.request.input_length - e.allocation.cache_len for e in entries))
         filtering = time.monotonic()
-        cached = await self._dispatch(resp, entries_of_batch=entries)
+        result = await self._dispatch(resp, entries_of_batch=stepped)
         self._observe("prefill", start, filtering, resp)
-        return cached
+        return result
 
     async def _decode(self, batches: list[spb.CachedBatch]) -> spb.CachedBatch | None:
         entries = [self.running[i] for b in batches for i in b.request_ids if i in self.running]
@@ -273,9 +345,9 @@ class Scheduler:
             await self._step_failed("decode", [b.id for b in batches], entries, exc)
             return None
         filtering = time.monotonic()
-        cached = await self._dispatch(resp, entries_of_batch=entries)
+        result = await self._dispatch(resp, entries_of_batch=entries)
         self._observe("decode", start, filtering, resp)
-        return cached
+        return result
 
     def _observe(self, method: str, start: float, filtering: float, resp) -> None:
         """A successful step, timed as TGI does: inference = call + filtering, filter = after the call."""
@@ -309,6 +381,9 @@ class Scheduler:
     async def _dispatch(self, resp, entries_of_batch: list[Entry]) -> spb.CachedBatch | None:
         now = time.monotonic()
         generated = 0
+        for entry in entries_of_batch:
+            if entry.chunked and not entry.prompt_done and not entry.done:
+                self.metrics.prefill_chunks.inc()  # a forward that carried a piece of its prompt
         for gen in resp.generations:
             entry = self.running.get(gen.request_id)
             if entry is None or entry.done:
@@ -318,9 +393,12 @@ class Scheduler:
             if entry.last_token is None:
                 entry.first_token = now
                 self.metrics.time_to_first_token.observe(now - entry.arrived)
+                # The whole prompt is computed now: its blocks can serve other requests at once.
+                self.pool.register(entry.allocation, entry.request.input_ids, entry.request.input_length)
             else:
                 self.metrics.inter_token_latency.observe(now - entry.last_token)
             entry.last_token = now
+            entry.generated_ids.extend(gen.tokens.ids)
             if not entry.cancelled:
                 entry.events.put_nowait(gen)
             if gen.HasField("generated_text"):
@@ -351,6 +429,7 @@ class Scheduler:
         m.batch_current_size.set(len(self.running))
         m.batch_current_max_tokens.set(sum(e.total_tokens for e in self.running.values()))
         m.set_kv_blocks(self.pool.used, self.pool.free)
+        m.prefix_cache_blocks.set(self.pool.cached)
 
     def _record_success(self, entry: Entry, gen, now: float) -> None:
         m = self.metrics

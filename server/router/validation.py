@@ -36,6 +36,7 @@ class ValidRequest:
     inputs: str
     input_length: int
     truncate: int
+    input_ids: list[int]  # the prompt's tokens after truncation: what the shards compute and the prefix cache hashes
     max_new_tokens: int
     parameters: spb.NextTokenChooserParameters
     stop: list[str]
@@ -43,8 +44,9 @@ class ValidRequest:
     decoder_input_details: bool
     top_n_tokens: int
 
-    def to_shard(self, request_id: int, blocks: list[int], slots: list[int]) -> spb.Request:
-        return spb.Request(
+    def to_shard(self, request_id: int, blocks: list[int], slots: list[int], cache_len: int = 0,
+                 chunk_len: int | None = None) -> spb.Request:
+        request = spb.Request(
             id=request_id,
             inputs=self.inputs,
             input_chunks=spb.Input(chunks=[spb.InputChunk(text=self.inputs)]),
@@ -58,7 +60,12 @@ class ValidRequest:
             blocks=blocks,
             slots=slots,
             add_special_tokens=True,
+            cache_len=cache_len,
+            input_ids=self.input_ids,
         )
+        if chunk_len is not None:
+            request.chunk_len = chunk_len
+        return request
 
 
 def _positive_float(p: cpb.GenerateParameters, name: str, upper: float | None = None,
@@ -128,9 +135,10 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
                 f"parameters.truncate must be <= max_input_tokens ({limits.max_input_tokens}), got {p.truncate}"
             )
         truncate = p.truncate
-    length = len(tokenizer.encode(inputs, add_special_tokens=True).ids)
-    if truncate is not None:
-        length = min(length, truncate)
+    ids = tokenizer.encode(inputs, add_special_tokens=True).ids
+    if truncate is not None and len(ids) > truncate:
+        ids = ids[-truncate:]  # keep the end, as the shards do
+    length = len(ids)
     if length == 0:
         raise ValidationError("inputs tokenize to zero tokens")
     if length > limits.max_input_tokens:
@@ -167,6 +175,7 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         inputs=inputs,
         input_length=length,
         truncate=length,
+        input_ids=ids,
         max_new_tokens=max_new_tokens,
         parameters=parameters,
         stop=stop,
