@@ -265,6 +265,7 @@ PARAMETER_ZEROS = {
     "details": False,
     "decoder_input_details": False,
     "top_n_tokens": 0,
+    "ignore_eos_token": False,
 }
 
 

@@ -43,6 +43,7 @@ class ValidRequest:
     details: bool
     decoder_input_details: bool
     top_n_tokens: int
+    ignore_eos_token: bool = False
 
     def to_shard(self, request_id: int, blocks: list[int], slots: list[int], cache_len: int = 0,
                  chunk_len: int | None = None) -> spb.Request:
@@ -53,7 +54,8 @@ class ValidRequest:
             truncate=self.truncate,
             parameters=self.parameters,
             stopping_parameters=spb.StoppingCriteriaParameters(
-                max_new_tokens=self.max_new_tokens, stop_sequences=self.stop, ignore_eos_token=False
+                max_new_tokens=self.max_new_tokens, stop_sequences=self.stop,
+                ignore_eos_token=self.ignore_eos_token
             ),
             prefill_logprobs=self.decoder_input_details,
             top_n_tokens=self.top_n_tokens,
@@ -182,4 +184,5 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         details=details,
         decoder_input_details=decoder_input_details,
         top_n_tokens=p.top_n_tokens if p.HasField("top_n_tokens") else 0,
+        ignore_eos_token=p.ignore_eos_token if p.HasField("ignore_eos_token") else False,
     )

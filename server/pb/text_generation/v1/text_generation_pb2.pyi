@@ -28,7 +28,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens", "ignore_eos_token")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateParameters(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     DECODER_INPUT_DETAILS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -57,7 +58,8 @@ class GenerateParameters(_message.Message):
     details: bool
     decoder_input_details: bool
     top_n_tokens: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ...) -> None: ...
+    ignore_eos_token: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
