@@ -198,31 +198,43 @@ def gptq_quantize(
     groups_of = col_group.tolist()
     codes = torch.empty(n, k, dtype=torch.float32, device=device)
     deq = torch.empty(n, k, dtype=torch.float32, device=device)
+    # Two levels of lazy updates: a column's error reaches the rest of its sub-block of `sub`
+    # columns at once (rank 1, in place), the rest of its block once per sub-block (a matmul) and
+    # later blocks once per block (a matmul). The arithmetic is GPTQ's; only when each update
+    # lands changes. `sub` divides the group size, so a dynamic group always starts a sub-block
+    # and sees every update of the columns before it.
+    sub = math.gcd(16, block_size, g) if dynamic_groups else min(16, block_size)
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
         block = w[:, start:stop].clone()  # [N, B]
         errors = torch.empty_like(block)
         hblock = hinv[start:stop, start:stop]
-        for i in range(stop - start):
-            col = start + i
-            if dynamic_groups and col % g == 0:
-                # The group's columns as they stand now: this block's updated ones, then later
-                # blocks' with the updates this block has not yet applied to them.
-                later = w[:, stop:col + g]
-                if later.shape[1] and i:
-                    later = later - errors[:, :i] @ hinv[start:col, stop:col + g]
-                span = torch.cat([block[:, i:], later], dim=1)[:, :g]
-                scales[col // g], zeros[col // g] = grid_params(span, bits, sym, min_zero, scale_dtype)
-            grp = groups_of[col]
-            s, z = scales[grp], zeros[grp]
-            column = block[:, i]
-            q = quantize_codes(column, s, z, bits)
-            dq = s * (q - z)
-            codes[:, col] = q
-            deq[:, col] = dq
-            err = (column - dq) / hblock[i, i]
-            block[:, i:] -= err.unsqueeze(1) * hblock[i, i:].unsqueeze(0)
-            errors[:, i] = err
+        width = stop - start
+        for sub_start in range(0, width, sub):
+            sub_stop = min(sub_start + sub, width)
+            for i in range(sub_start, sub_stop):
+                col = start + i
+                if dynamic_groups and col % g == 0:
+                    # The group's columns as they stand now: this block's updated ones, then later
+                    # blocks' with the updates this block has not yet applied to them.
+                    later = w[:, stop:col + g]
+                    if later.shape[1] and i:
+                        later = later - errors[:, :i] @ hinv[start:col, stop:col + g]
+                    span = torch.cat([block[:, i:], later], dim=1)[:, :g]
+                    scales[col // g], zeros[col // g] = grid_params(span, bits, sym, min_zero, scale_dtype)
+                grp = groups_of[col]
+                s, z = scales[grp], zeros[grp]
+                column = block[:, i]
+                q = quantize_codes(column, s, z, bits)
+                dq = s * (q - z)
+                codes[:, col] = q
+                deq[:, col] = dq
+                err = (column - dq) / hblock[i, i]
+                errors[:, i] = err
+                block[:, i + 1:sub_stop].addr_(err, hblock[i, i + 1:sub_stop], alpha=-1)
+            if sub_stop < width:
+                block[:, sub_stop:].addmm_(errors[:, sub_start:sub_stop], hblock[sub_start:sub_stop, sub_stop:],
+                                           alpha=-1)
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)
