@@ -236,10 +236,21 @@ class TorchAttention(AttentionBackend):
         lens = meta.prefill_lens
         caches = meta.cache_lens if meta.has_prefix else None
         out = torch.empty_like(q)
-        start = 0
         bs = key_cache.shape[1]
+        starts = meta.memo("token_starts", lambda: [sum(lens[:i]) for i in range(len(lens))])
+        # Decode rows mixed into a prefill step (one new token over a cached sequence) run together,
+        # as a decode step would; the rest (prompt chunks) one sequence at a time.
+        single = meta.memo("single_rows", lambda: [
+            i for i, n in enumerate(lens) if n == 1 and caches is not None and caches[i] > 0])
+        if len(single) > 1:
+            sub, tokens = meta.memo("single_meta", lambda: _rows_as_decode(meta, single, starts, q.device))
+            out.index_copy_(0, tokens, self.decode(q.index_select(0, tokens), key_cache, value_cache, sub, scale,
+                                                   window))
+        done = set(single) if len(single) > 1 else set()
         for row, n in enumerate(lens):
-            stop = start + n
+            if row in done:
+                continue
+            start, stop = starts[row], starts[row] + n
             cached = caches[row] if caches is not None else 0
             if cached:
                 blocks = _blocks_of(meta.block_tables, row, cached + n, bs)
@@ -248,7 +259,6 @@ class TorchAttention(AttentionBackend):
             else:
                 ks, vs = k[start:stop], v[start:stop]
             out[start:stop] = sequence_attention(q[start:stop], ks, vs, cached, scale, window)
-            start = stop
         return out
 
     def decode(self, q, key_cache, value_cache, meta, scale, window):
@@ -259,6 +269,19 @@ class TorchAttention(AttentionBackend):
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
         # One layer's K and V of every live token gathered at once, and its scores.
         return 2 * kv_cache_bytes // max(num_layers, 1)
+
+
+def _rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], device: torch.device):
+    """Metadata of a decode step over some rows of a prefill step, and their token positions."""
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    lengths = [meta.cache_lens[r] + 1 for r in rows]
+    sub = AttentionMetadata(
+        is_prefill=False, slots=meta.slots.index_select(0, torch.tensor([starts[r] for r in rows], device=device)),
+        block_tables=meta.block_tables.index_select(0, index),
+        seq_lens=torch.tensor(lengths, dtype=torch.long, device=device), max_seq_len=max(lengths),
+    )
+    tokens = torch.tensor([starts[r] for r in rows], dtype=torch.long, device=device)
+    return sub, tokens
 
 
 def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None):
