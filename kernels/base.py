@@ -37,6 +37,9 @@ class LinearSpec:
     # size s is exact when it divides every group's row count. None: assume `group_size` rows
     # per group (the last group shorter when group_size does not divide in_features).
     group_rows_gcd: int | None = None
+    # Row count of every group in use, in group order (None: not known, e.g. a spec written by
+    # hand): lets a kernel that needs whole fixed-size groups plan padding for the others.
+    group_rows: tuple[int, ...] | None = None
     # "int": integer codes with group scales (a `QuantizedWeight`); other formats (fp8, ...)
     # bring their own weight type, and a kernel must refuse formats it does not know.
     weight_format: str = "int"
@@ -105,8 +108,13 @@ class QuantizedWeight:
 
     def group_rows_gcd(self) -> int:
         """GCD of the row counts of the groups in use: a kernel group size must divide it."""
+        counts = self.group_rows()
+        return math.gcd(*counts) if counts else 0
+
+    def group_rows(self) -> tuple[int, ...]:
+        """Row count of every group in use (non-empty), in group order."""
         counts = torch.bincount(self.g_idx.long(), minlength=self.scales.shape[0])
-        return math.gcd(*counts[counts > 0].tolist()) if self.in_features else 0
+        return tuple(counts[counts > 0].tolist())
 
     def zero_points(self) -> torch.Tensor:
         if self.zeros is not None:
@@ -124,6 +132,7 @@ class QuantizedWeight:
             act_dtype=act_dtype,
             device_type=device_type,
             group_rows_gcd=self.group_rows_gcd(),
+            group_rows=self.group_rows(),
         )
 
 

@@ -9,7 +9,11 @@ Exactness arguments, so the kernels can take more than the obvious cases:
   exactly too. A checkpoint group may be split into several kernel groups with the same
   scale, so per-channel and group sizes that are multiples of 32 map onto the op's
   {32, 64, 128, 256}. Act-order: sorting rows by group makes every group contiguous;
-  permuting the input columns the same way leaves x @ W unchanged.
+  permuting the input columns the same way leaves x @ W unchanged. Groups whose row counts
+  no op group size divides (an act-order row shard under tensor parallelism holds a different
+  number of rows of each group) are padded up to whole op groups with rows that meet a zero
+  input column, so they add nothing: exact, at the cost of the padded rows (bounded by
+  MAX_PADDING).
 - int8 computes y = (x @ q8^T) * s per output channel. With q8 = q - m, m = 2^(bits-1)
   (fits int8 for any width up to 8), s * (q - z) = s * q8 + s * (m - z), so a zero point becomes a
   per-channel constant times the row sum of x: exact for every bit width and zero point,
@@ -50,6 +54,13 @@ def _compute_dtype(act_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if VIA_BF16 else act_dtype
 
 
+# Padding rows the int4 op accepts, as a fraction of K: rows it stores and multiplies for nothing.
+# At most doubling K keeps the packed weight at a quarter of a float32 copy and half of a bf16 one
+# (the dense reference's), and an act-order row shard of 128-row groups needs ~25% at 2 ranks,
+# ~50% at 4.
+MAX_PADDING = 1.0
+
+
 def int4_group_size(spec: LinearSpec) -> int | None:
     """The op group size to run `spec` with: the largest supported one tiling every group and K."""
     rows = spec.rows_per_group_gcd()
@@ -59,24 +70,46 @@ def int4_group_size(spec: LinearSpec) -> int | None:
     return None
 
 
+def int4_layout(spec: LinearSpec) -> tuple[int, int] | None:
+    """(op group size, K after padding every group to whole op groups), the fewest padded rows
+    first and then the largest group size; None when the group row counts are not known."""
+    exact = int4_group_size(spec)
+    if exact is not None:
+        return exact, spec.in_features
+    if spec.group_rows is None:
+        return None
+    best = None
+    for g in INT4_GROUP_SIZES:
+        padded = sum(-(-count // g) * g for count in spec.group_rows)
+        if best is None or padded < best[1]:
+            best = (g, padded)
+    return best
+
+
 class Int4PackLinear(torch.nn.Module):
     # x: [..., K] -> [..., N]
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 perm: torch.Tensor | None, bias: torch.Tensor | None, act_dtype: torch.dtype):
+                 perm: torch.Tensor | None, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 in_features: int | None = None):
         super().__init__()
-        self.register_buffer("packed", packed)  # uint8 [N, K/2], the op's blocked layout
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] compute dtype
-        self.register_buffer("perm", perm)  # int64 [K] or None: input column order
+        self.register_buffer("packed", packed)  # uint8 [N, Kp/2], the op's blocked layout (Kp: K padded)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [Kp/g, N, 2] compute dtype
+        # int64 [Kp] or None: input column of each packed row; K (one past the last column) for the
+        # padding rows, which read a zero column appended to the input.
+        self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
         self.group_size = group_size
         self.act_dtype = act_dtype
         self.compute_dtype = scales_and_zeros.dtype
-        self.in_features = packed.shape[1] * 2
+        self.in_features = packed.shape[1] * 2 if in_features is None else in_features
+        self.padded = packed.shape[1] * 2 != self.in_features
         self.out_features = packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
+        if self.padded:
+            x = torch.nn.functional.pad(x, (0, 1))
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.to(self.compute_dtype).contiguous()
@@ -101,16 +134,24 @@ class CpuInt4PackKernel(QuantKernel):
             return False, f"needs at most 4-bit codes, got {spec.bits}-bit"
         if spec.out_features % 16:
             return False, f"out_features {spec.out_features} not a multiple of 16"
-        if int4_group_size(spec) is not None:
-            return True, ""
-        if spec.in_features % 32:
-            return False, f"in_features {spec.in_features} not a multiple of 32"
-        rows = spec.rows_per_group_gcd()
-        nominal = math.gcd(spec.group_size, spec.in_features % spec.group_size or spec.group_size)
-        if rows != nominal:
-            kind = "act-order groups" if spec.act_order else "groups"
-            return False, f"{kind} of unequal size (row counts share at most {rows} rows, need a multiple of 32)"
-        return False, f"group size {spec.group_size} not in {{32,64,128,256}} or a multiple of 32"
+        layout = int4_layout(spec)
+        kind = "act-order groups" if spec.act_order else "groups"
+        if layout is None:
+            # Only specs without row counts get here (weights always bring them).
+            if spec.in_features % 32:
+                return False, f"in_features {spec.in_features} not a multiple of 32"
+            rows = spec.rows_per_group_gcd()
+            nominal = math.gcd(spec.group_size, spec.in_features % spec.group_size or spec.group_size)
+            if rows != nominal:
+                return False, f"{kind} of unequal size (row counts share at most {rows} rows, need a multiple of 32)"
+            return False, f"group size {spec.group_size} not in {{32,64,128,256}} or a multiple of 32"
+        gs, padded = layout
+        extra = padded - spec.in_features
+        if extra > MAX_PADDING * spec.in_features:
+            return False, (f"{kind} too small or uneven for its 32-256-row blocks: padding each group to whole "
+                           f"{gs}-row blocks would add {extra} rows to {spec.in_features} "
+                           f"({extra / spec.in_features:.0%}, over the {MAX_PADDING:.0%} allowed)")
+        return True, ""
 
     @classmethod
     def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
@@ -118,25 +159,47 @@ class CpuInt4PackKernel(QuantKernel):
         ok, reason = cls.can_implement(spec)
         if not ok:
             raise ValueError(f"{cls.name} cannot run this weight: {reason}")
-        gs = int4_group_size(spec)
+        gs, padded = int4_layout(spec)
         k = weight.in_features
         g_idx = weight.g_idx.long()
         perm = torch.argsort(g_idx, stable=True)
-        sorted_groups = g_idx[perm]
-        # Each kernel group must lie inside one checkpoint group; the spec promised it.
-        sub = sorted_groups.view(k // gs, gs)
-        if not torch.equal(sub, sub[:, :1].expand_as(sub)):
-            raise ValueError(f"{cls.name}: groups do not tile into {gs}-row blocks after sorting by g_idx")
+        if padded != k:
+            perm = _padded_order(g_idx, perm, gs, padded)
+        sorted_groups = torch.cat([g_idx, g_idx.new_full((1,), -1)])[perm]  # -1: a padding row
+        # Each kernel group must lie inside one checkpoint group (padding rows join the group before them).
+        sub = sorted_groups.view(padded // gs, gs)
         src = sub[:, 0]  # checkpoint group of each kernel group
-        identity = torch.equal(perm, torch.arange(k))
-        codes = weight.qweight if identity else weight.qweight.index_select(0, perm)
+        real = sub >= 0
+        if not torch.equal(torch.where(real, sub, src[:, None]), src[:, None].expand_as(sub)) or bool((src < 0).any()):
+            raise ValueError(f"{cls.name}: groups do not tile into {gs}-row blocks after sorting by g_idx")
+        identity = padded == k and torch.equal(perm, torch.arange(k))
+        codes = weight.qweight if identity else torch.cat([weight.qweight, weight.qweight.new_zeros(1, weight.out_features)]
+                                                          ).index_select(0, perm)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.t().to(torch.int32).contiguous(), 2)
-        scales = weight.scales.float().index_select(0, src)  # [K/gs, N]
+        scales = weight.scales.float().index_select(0, src)  # [Kp/gs, N]
         zeros = weight.zero_points().float().index_select(0, src)
         compute = _compute_dtype(act_dtype)
         sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1).to(compute).contiguous()
         return Int4PackLinear(packed, sz, gs, None if identity else perm, None if bias is None else bias.to(act_dtype),
-                              act_dtype)
+                              act_dtype, in_features=k)
+
+
+def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int) -> torch.Tensor:
+    """Rows sorted by group, each group followed by padding rows (index K) up to a multiple of `gs`."""
+    k = g_idx.numel()
+    counts = torch.bincount(g_idx, minlength=int(g_idx.max()) + 1).tolist()
+    parts, start = [], 0
+    for count in counts:
+        if count == 0:
+            continue
+        parts.append(perm[start:start + count])
+        pad = -count % gs
+        if pad:
+            parts.append(perm.new_full((pad,), k))
+        start += count
+    order = torch.cat(parts)
+    assert order.numel() == padded, (order.numel(), padded)
+    return order
 
 
 class Int8Linear(torch.nn.Module):

@@ -327,3 +327,10 @@ def make_weight(k: int, n: int, bits: int, group_size: int, sym: bool, act_order
         if act_order:
             g_idx = g_idx[torch.randperm(k, generator=gen)]
     return QuantizedWeight(q, scales, zeros, g_idx.to(torch.int32), bits, group_size)
+
+
+def rank_kernel_names(pg, folders: dict[str, str]) -> dict[str, dict[str, str]]:
+    """A rank's work for `run_ranks`: the kernel of every linear of each checkpoint (float32 activations)."""
+    from text_generation_server.models import get_model
+
+    return {name: kernel_names(get_model(folder, dtype="float32", process_group=pg)) for name, folder in folders.items()}

@@ -167,13 +167,43 @@ def test_every_weight_runs_through_build_linear(bits, gs, sym, act, dtype):
     assert rel_err(w, module, dtype, None) < BOUND[dtype]
 
 
-def test_build_refuses_groups_that_do_not_tile():
-    # Equal group_size claims, but the groups hold 100 and 156 rows: no 32-row kernel group fits.
-    g_idx = torch.tensor([0] * 100 + [1] * 156, dtype=torch.int32)[torch.randperm(256)]
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int4pack_pads_groups_of_unequal_size(dtype):
+    """Groups of 100 and 156 rows (an act-order row shard): no op group size tiles them, so each is
+    padded to whole 32-row blocks (128 + 160 rows) by rows that read a zero input column."""
+    g_idx = torch.tensor([0] * 100 + [1] * 156, dtype=torch.int32)[torch.randperm(256, generator=torch.Generator()
+                                                                                  .manual_seed(0))]
     w = make_weight(256, 32, 4, 128, False, True, g_idx=g_idx)
+    spec = w.spec(dtype, "cpu")
+    assert spec.group_rows == (100, 156) and cpu.int4_group_size(spec) is None
+    assert cpu.int4_layout(spec) == (32, 288)
+    assert cpu.CpuInt4PackKernel.can_implement(spec) == (True, "")
+    assert choose_kernel(spec)[0] is cpu.CpuInt4PackKernel
+    bias = torch.randn(32)
+    module = cpu.CpuInt4PackKernel.build(w, bias, dtype)
+    assert module.padded and module.in_features == 256 and module.packed.shape == (32, 144)
+    assert int((module.perm == 256).sum()) == 32  # 28 + 4 padding rows
+    assert rel_err(w, module, dtype, bias) < BOUND[dtype]
+    assert rel_err(w, module, dtype, bias, lead=(2, 3)) < BOUND[dtype]
+
+
+def test_int4pack_padding_is_exact(monkeypatch):
+    monkeypatch.setattr(cpu, "VIA_BF16", False)
+    g_idx = torch.tensor([2] * 40 + [0] * 72 + [1] * 16, dtype=torch.int32)[torch.randperm(128)]
+    w = make_weight(128, 16, 3, 64, True, True, g_idx=g_idx)
+    module = cpu.CpuInt4PackKernel.build(w, None, torch.float32)
+    assert module.padded and cpu.int4_layout(w.spec(torch.float32, "cpu")) == (32, 192)
+    assert rel_err(w, module, torch.float32, None) < 1e-5
+
+
+def test_build_refuses_groups_that_would_need_too_much_padding():
+    # 32 groups of 8 rows: whole 32-row blocks would quadruple K.
+    g_idx = (torch.arange(256, dtype=torch.int32) // 8)[torch.randperm(256)]
+    w = make_weight(256, 32, 4, 8, False, True, g_idx=g_idx)
     ok, reason = cpu.CpuInt4PackKernel.can_implement(w.spec(torch.bfloat16, "cpu"))
-    assert not ok and reason == "act-order groups of unequal size (row counts share at most 4 rows, need a multiple of 32)"
-    with pytest.raises(ValueError, match="cpu-int4pack cannot run this weight: act-order groups of unequal size"):
+    assert not ok and reason == ("act-order groups too small or uneven for its 32-256-row blocks: padding each group "
+                                 "to whole 32-row blocks would add 768 rows to 256 (300%, over the 100% allowed)")
+    with pytest.raises(ValueError, match="cpu-int4pack cannot run this weight: act-order groups too small"):
         cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu-int8 cannot run this weight: needs one group"):
         cpu.CpuInt8Kernel.build(w, None, torch.bfloat16)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (PROMPTS, assert_bfloat16_close, assert_ranks_match_one_process, fast_kernels, greedy,
-                     kernel_names, prompt_logprobs, run_ranks_per_mode, write_checkpoint, write_model_folder)
+                     kernel_names, prompt_logprobs, rank_kernel_names, run_ranks, run_ranks_per_mode,
+                     write_checkpoint, write_model_folder)
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.kernels.base import DISABLE_ENV
@@ -223,3 +224,23 @@ def test_world_size_2_matches_world_size_1(folders, world2, name, monkeypatch):
     (act-order row shards and groups straddling ranks included); on the chosen kernels up to
     their bf16 activation rounding."""
     assert_ranks_match_one_process(world2, name, str(folders[name]), monkeypatch)
+
+
+ACT_ORDER = [name for name, spec in VARIANTS.items() if spec["act_order"]]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_act_order_checkpoints_run_on_the_compact_kernel(folders, tmp_path, monkeypatch, world):
+    """o_proj and down_proj are row-parallel: at 2 ranks each holds an uneven share of every act-order
+    group. The int4 CPU kernel still runs them (rows sorted by group, padded to whole blocks)."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    paths = {name: str(folders[name]) for name in ACT_ORDER}
+    if world == 1:
+        ranks = [{name: kernel_names(get_model(path, dtype="float32")) for name, path in paths.items()}]
+    else:
+        ranks = run_ranks(rank_kernel_names, (paths,), world, tmp_path, SPAWN_TIMEOUT_S)
+    for rank in ranks:
+        for name in ACT_ORDER:
+            layers = {module: kernel for module, kernel in rank[name].items() if module.startswith("layers.")}
+            assert len(layers) == 2 * 4, layers  # qkv, o, gate_up, down in both layers
+            assert set(layers.values()) == {"cpu-int4pack"}, (name, layers)

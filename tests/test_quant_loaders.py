@@ -16,6 +16,7 @@ import torch
 from helpers import METHODS, join_shards, load_qkv, qkv_of
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
+from text_generation_server.kernels import cpu
 from text_generation_server.kernels.base import dequantize
 from text_generation_server.quantizers import (
     AWQConfig,
@@ -395,3 +396,32 @@ def test_fused_act_order_parts_must_share_g_idx(cases):
     with pytest.raises(ValueError, match=r"'m\.qkv\.g_idx' not found.*desc_act is true"):
         weights_for(bad).get_weights("m.qkv")
 
+
+
+# 64-row groups keep >= 16 rows of each group per rank at 4 ranks; 32-row groups only ~8, which
+# whole 32-row blocks would more than double.
+ACT_ORDER_SHARDS = [(name, world, "cpu-int4pack") for name in ("gptq-4bit-actorder-sym", "gptq-4bit-actorder-asym")
+                    for world in (1, 2, 4)] + [
+    (name, world, "cpu-int4pack" if world < 4 else "reference") for name in ("gptq-3bit-actorder-asym",
+                                                                               "ct-int4-g32-asym-gidx")
+    for world in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("name,world,kernel", ACT_ORDER_SHARDS)
+def test_act_order_row_shards_run_on_the_compact_kernel(cases, name, world, kernel):
+    """An act-order row shard holds an uneven number of rows of each group; the int4 CPU kernel sorts
+    them by group and pads each group to whole 32-row blocks, so it still runs them (no dense fallback)
+    unless the padding would more than double the rows, which it then says."""
+    case = get_case(cases, name)
+    for rank in range(world):
+        w = weights_for(case, rank, world).get_weights_row("m.qkv")
+        q = w.to_quantized()
+        assert q.act_order
+        module = w.get_linear(None)
+        assert module.kernel_name == kernel, (rank, q.group_rows())
+        if kernel == "reference":
+            ok, reason = cpu.CpuInt4PackKernel.can_implement(q.spec(torch.float32, "cpu"))
+            assert not ok and reason.startswith("act-order groups too small or uneven") and "over the 100%" in reason
+        x = torch.randn(5, K // world, generator=torch.Generator().manual_seed(rank))
+        want = x @ dense_of(w).t()
+        assert (module(x).float() - want).norm() / want.norm() < 2e-2
