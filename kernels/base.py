@@ -14,6 +14,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from loguru import logger
@@ -149,6 +150,10 @@ class QuantKernel(ABC):
     """A way to run a quantized linear. Subclasses are stateless; `build` returns the module."""
 
     name: str = "kernel"
+    # True for kernels that dequantize the weight once into a dense copy in the activation dtype
+    # (so the layer takes dense memory and runs at dense speed): on CUDA such a kernel is only
+    # used when the operator allows it (see check_dense_fallback).
+    dense_copy: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -178,6 +183,7 @@ class ReferenceKernel(QuantKernel):
     """Dequantizes once at load and runs a dense matmul: always correct, never compact."""
 
     name = "reference"
+    dense_copy = True
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -215,6 +221,19 @@ class NoKernelError(ValueError):
     pass
 
 
+ALLOW_DENSE_ENV = "TGS_ALLOW_DENSE_FALLBACK"
+ALLOW_DENSE_FLAG = f"--allow-dense-fallback ({ALLOW_DENSE_ENV}=1)"
+
+
+class DenseFallbackError(NoKernelError):
+    """A quantized layer on CUDA would run on a kernel that keeps a dense dequantized copy."""
+
+
+def dense_fallback_allowed() -> bool:
+    """Whether the operator accepts dense copies of quantized weights on CUDA (--allow-dense-fallback)."""
+    return os.environ.get(ALLOW_DENSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def choose_kernel(
     spec: LinearSpec,
     kernels: dict[str, list[type[QuantKernel]]] | None = None,
@@ -246,6 +265,39 @@ def choose_kernel(
 
 
 _LOGGED: set[tuple] = set()
+_DENSE_WARNED: set[tuple] = set()
+
+
+def check_dense_fallback(spec: LinearSpec, kernel: type[QuantKernel], rejected: list[tuple[str, str]],
+                         layer: str = "") -> None:
+    """On CUDA, refuses a kernel that keeps a dense dequantized copy unless the operator allows it.
+
+    A GPU serving a quantized checkpoint is sized for the quantized weights: a dense copy takes
+    2-8x their memory and runs at dense speed, so a layer that no compact kernel could take
+    (an unusual shape, a disabled or missing kernel, an old GPU) must not pass unnoticed. The
+    check runs when a layer is built, not in choose_kernel, which also answers "what would run"
+    for logs and tests. CPUs keep their order (the dense reference is the fast path there).
+    """
+    if spec.device_type != "cuda" or not kernel.dense_copy:
+        return
+    where = f"{layer}: " if layer else ""
+    bytes_per_value = torch.empty((), dtype=spec.act_dtype).element_size()
+    what = (f"{spec.bits}-bit {'integer' if spec.weight_format == 'int' else spec.weight_format} layer "
+            f"[{spec.out_features}x{spec.in_features}]")
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected) or "no other kernel is registered"
+    cost = (f"a dense {str(spec.act_dtype).removeprefix('torch.')} copy of the weights "
+            f"({8 * bytes_per_value / spec.bits:.0f}x the memory of the quantized ones, at dense speed)")
+    if not dense_fallback_allowed():
+        raise DenseFallbackError(
+            f"{where}no compact kernel can run this {what} on CUDA, and the '{kernel.name}' kernel that is left "
+            f"would keep {cost}. Kernels passed over: {reasons}. To accept dense weights for such layers, pass "
+            f"{ALLOW_DENSE_FLAG}."
+        )
+    key = (layer, spec.bits, spec.group_size, spec.weight_format, kernel.name, reasons)
+    if key not in _DENSE_WARNED:
+        _DENSE_WARNED.add(key)
+        logger.warning("{}{} on CUDA runs on '{}', {}, allowed by {}. Kernels passed over: {}", where, what,
+                       kernel.name, cost, ALLOW_DENSE_ENV, reasons)
 
 
 def build_linear(weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype,
@@ -253,6 +305,7 @@ def build_linear(weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: 
     """Chooses the kernel for this weight, logs the choice once per kind of layer, builds it."""
     spec = weight.spec(act_dtype, device_type)
     kernel, rejected = choose_kernel(spec)
+    check_dense_fallback(spec, kernel, rejected, layer)
     key = (layer, spec.bits, spec.group_size, spec.has_zeros, spec.act_order, kernel.name)
     if key not in _LOGGED:
         _LOGGED.add(key)

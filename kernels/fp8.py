@@ -41,7 +41,14 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from text_generation_server.kernels.base import LinearSpec, QuantKernel, ReferenceLinear, choose_kernel, register
+from text_generation_server.kernels.base import (
+    LinearSpec,
+    QuantKernel,
+    ReferenceLinear,
+    check_dense_fallback,
+    choose_kernel,
+    register,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value
@@ -237,6 +244,7 @@ class Fp8DenseKernel(Fp8DequantKernel):
     """
 
     name = "fp8-dense"
+    dense_copy = True
 
     @classmethod
     def build(cls, weight: Fp8Weight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
@@ -358,6 +366,7 @@ def build_fp8_linear(weight: Fp8Weight, bias: torch.Tensor | None, act_dtype: to
     """Chooses the kernel for this fp8 weight (same registry as the int kernels), logs it once per kind of layer."""
     spec = weight.spec(act_dtype, device_type)
     kernel, rejected = choose_kernel(spec)
+    check_dense_fallback(spec, kernel, rejected, layer)
     key = (layer, weight.scale_kind(), weight.activation, spec.group_size, kernel.name)
     if key not in _LOGGED:
         _LOGGED.add(key)

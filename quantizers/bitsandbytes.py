@@ -52,7 +52,13 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from text_generation_server.kernels.base import LinearSpec, QuantKernel, ReferenceLinear, choose_kernel
+from text_generation_server.kernels.base import (
+    LinearSpec,
+    QuantKernel,
+    ReferenceLinear,
+    check_dense_fallback,
+    choose_kernel,
+)
 from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.eetq import (
     ChannelInt8Weight,
@@ -224,6 +230,7 @@ class Bnb4bitWeight:
     def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
         spec = self.spec(self.act_dtype, self.device_type)
         kernel, rejected = choose_4bit_kernel(spec)
+        check_dense_fallback(spec, kernel, rejected, self.layer or self.prefix)
         key = (self.layer or self.prefix, spec.weight_format, spec.group_size, kernel.name)
         if key not in _LOGGED:
             _LOGGED.add(key)
@@ -336,6 +343,7 @@ class Bnb4bitReferenceKernel(QuantKernel):
     """Dequantizes once and runs a dense matmul: always exact, never compact."""
 
     name = "reference"
+    dense_copy = True
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:

@@ -22,12 +22,19 @@ from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, jo
                      load_qkv, prompt_logprobs, run_ranks, write_checkpoint, write_model_folder)
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.kernels.base import DISABLE_ENV, dequantize
+from text_generation_server.kernels.base import (
+    ALLOW_DENSE_ENV,
+    DISABLE_ENV,
+    DenseFallbackError,
+    NoKernelError,
+    dequantize,
+)
 from text_generation_server.models import get_model
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.bitsandbytes import (
     Bnb4bitWeight,
     BnbConfig,
+    BnbCpu4bitKernel,
     BnbMatmul4bitKernel,
     MissingDependencyError,
     _cpu_fused_4bit,
@@ -323,6 +330,46 @@ def only(kernel: str) -> str:
     return ",".join(n for n in KERNEL_NAMES if n != kernel)
 
 
+@pytest.fixture
+def fresh_cpu_check():
+    """Forgets the cached CPU feature answer after a test that mocked it."""
+    yield
+    _cpu_fused_4bit.cache_clear()
+
+
+@pytest.fixture(params=[True, False], ids=["avx512-bf16", "no-avx512-bf16"])
+def mocked_cpu_bf16(request, monkeypatch, fresh_cpu_check) -> bool:
+    """bitsandbytes' CPU feature check answered both ways, whatever this machine has."""
+    monkeypatch.setattr(bnb_f, "has_avx512bf16", lambda: request.param)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    _cpu_fused_4bit.cache_clear()  # the answer is cached per process
+    return request.param
+
+
+def test_fused_cpu_kernel_follows_the_cpu_feature(cases, mocked_cpu_bf16, monkeypatch):
+    """bitsandbytes registers its fused CPU 4-bit kernel only on AVX512-BF16 CPUs. With the feature
+    it is the first choice; without it, it refuses with that reason and the dense reference takes
+    the layer (faster there than bnb-matmul-4bit's dequantize per call); with the others disabled
+    too, nothing can run the layer and the error says why."""
+    tensors, _, config = get_case(cases, "nf4-dq")
+    w = weights_for(tensors, config).get_weights("m.qkv")
+    spec = w.spec(torch.float32, "cpu")
+    if mocked_cpu_bf16:
+        assert BnbCpu4bitKernel.can_implement(spec) == (True, "")
+        assert choose_4bit_kernel(spec) == (BnbCpu4bitKernel, [])
+        return
+    assert BnbCpu4bitKernel.can_implement(spec) == (False, "the CPU lacks AVX512-BF16")
+    kernel, rejected = choose_4bit_kernel(spec)
+    assert kernel.name == "reference" and rejected == [("bnb-cpu-4bit", "the CPU lacks AVX512-BF16")]
+    module = w.get_linear(None)
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(module(x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(DISABLE_ENV, only("bnb-cpu-4bit"))
+    with pytest.raises(NoKernelError, match=r"bnb-cpu-4bit: the CPU lacks AVX512-BF16; reference: disabled by "
+                                            r"TGS_DISABLE_KERNELS; bnb-matmul-4bit: disabled by TGS_DISABLE_KERNELS"):
+        w.get_linear(None)
+
+
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
 @pytest.mark.parametrize("shard", ["full", "row-padded", "multi-col"])
 def test_kernels_run_the_loaded_weight(cases, kernel, shard, monkeypatch):
@@ -332,12 +379,13 @@ def test_kernels_run_the_loaded_weight(cases, kernel, shard, monkeypatch):
     w = {"full": lambda: weights.get_weights("m.qkv"), "row-padded": lambda: weights.get_weights_row("m.qkv"),
          "multi-col": lambda: weights.get_multi_weights_col(["m.q", "m.k", "m.v"], dim=0)}[shard]()
     monkeypatch.setenv(DISABLE_ENV, only(kernel))
-    chosen, rejected = choose_4bit_kernel(w.spec(torch.float32, "cpu"))
-    if chosen.name != kernel:
-        # Only the fused CPU kernel depends on the machine (AVX512-BF16); the others always run.
-        assert kernel == "bnb-cpu-4bit" and "AVX512-BF16" in dict(rejected)[kernel], rejected
-        pytest.skip(f"{kernel}: {dict(rejected)[kernel]}")
     bias = torch.randn(w.shape[0])
+    if kernel == "bnb-cpu-4bit" and _cpu_fused_4bit():
+        # Only the fused CPU kernel depends on the machine: where it cannot run (no AVX512-BF16)
+        # and every other kernel is disabled, loading the layer must fail with its reason.
+        with pytest.raises(NoKernelError, match=f"bnb-cpu-4bit: {_cpu_fused_4bit()}"):
+            w.get_linear(bias)
+        return
     module = w.get_linear(bias)
     assert module.kernel_name == kernel
     x = torch.randn(3, 5, w.shape[1])
@@ -346,6 +394,22 @@ def test_kernels_run_the_loaded_weight(cases, kernel, shard, monkeypatch):
     assert got.shape == want.shape and got.dtype == torch.float32
     bound = 1e-2 if kernel == "bnb-cpu-4bit" else 1e-6  # the fused CPU kernel computes in bfloat16
     assert ((got - want).norm() / want.norm()).item() < bound
+
+
+def test_cuda_4bit_never_falls_back_to_dense_silently(cases, monkeypatch):
+    """On CUDA the 4-bit reference (a dense copy) is refused unless --allow-dense-fallback."""
+    import dataclasses
+
+    monkeypatch.delenv(ALLOW_DENSE_ENV, raising=False)
+    monkeypatch.setenv(DISABLE_ENV, "bnb-matmul-4bit")
+    tensors, _, config = get_case(cases, "nf4-dq")
+    w = dataclasses.replace(weights_for(tensors, config).get_weights("m.qkv"), device_type="cuda")
+    with pytest.raises(DenseFallbackError, match=r"m\.qkv: no compact kernel can run this 4-bit bnb-nf4 layer .* on "
+                                                 r"CUDA.*bnb-matmul-4bit: disabled by TGS_DISABLE_KERNELS.*"
+                                                 r"--allow-dense-fallback \(TGS_ALLOW_DENSE_FALLBACK=1\)"):
+        w.get_linear(None)
+    monkeypatch.setenv(ALLOW_DENSE_ENV, "1")
+    assert w.get_linear(None).kernel_name == "reference"
 
 
 def test_kernel_choice_is_logged_once_per_layer_kind(cases, monkeypatch):
@@ -569,6 +633,17 @@ def test_chosen_kernels_stay_close(folders, name, monkeypatch):
     got = prompt_logprobs(lm)
     want = prompt_logprobs(get_model(str(folders[name]["ref"]), dtype="float32"))
     assert (got - want).abs().max() < 0.05, kernels
+
+
+def test_model_on_a_cpu_without_avx512_bf16(folders, monkeypatch, fresh_cpu_check):
+    """What an AVX512-BF16-less CPU loads, on any machine: the 4-bit layers on the dense reference."""
+    monkeypatch.setattr(bnb_f, "has_avx512bf16", lambda: False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    _cpu_fused_4bit.cache_clear()
+    lm = load_variant(folders, "nf4-dq")
+    assert "reference" in kernels_used(lm) and "bnb-cpu-4bit" not in kernels_used(lm)
+    want = prompt_logprobs(get_model(str(folders["nf4-dq"]["ref"]), dtype="float32"))
+    torch.testing.assert_close(prompt_logprobs(lm), want, atol=2e-5, rtol=0)
 
 
 def test_bfloat16_model(folders):

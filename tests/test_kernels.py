@@ -16,14 +16,18 @@ from helpers import make_weight
 
 from text_generation_server.kernels import cpu, packing
 from text_generation_server.kernels.base import (
+    ALLOW_DENSE_ENV,
     DISABLE_ENV,
     KERNELS,
+    DenseFallbackError,
     LinearSpec,
     NoKernelError,
     QuantizedWeight,
     ReferenceKernel,
     build_linear,
+    check_dense_fallback,
     choose_kernel,
+    dense_fallback_allowed,
     dequantize,
 )
 
@@ -328,6 +332,91 @@ def test_build_linear_logs_choice_once(monkeypatch):
     chosen = [ln for ln in lines if ln.startswith("selftest.mlp.down_proj")]
     assert len(chosen) == 1
     assert "kernel reference" in chosen[0] and "cpu-int4pack: needs at most 4-bit codes, got 8-bit" in chosen[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: no silent fallback to dense weights
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Whatever this machine has: every CUDA kernel sees no device, nothing disabled or allowed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_DENSE_ENV, raising=False)
+
+
+def test_cuda_refuses_the_dense_reference_with_every_reason(no_gpu):
+    w = make_weight(256, 64, 4, 128, True, False)
+    kernel, rejected = choose_kernel(w.spec(torch.float16, "cuda"))  # selection still answers
+    assert kernel is ReferenceKernel and [n for n, _ in rejected] == [k.name for k in KERNELS["cuda"]]
+    with pytest.raises(DenseFallbackError) as err:
+        build_linear(w, None, torch.float16, "cuda", layer="layers.0.mlp.down_proj")
+    msg = str(err.value)
+    assert msg.startswith("layers.0.mlp.down_proj: no compact kernel can run this 4-bit integer layer [64x256] on "
+                          "CUDA, and the 'reference' kernel that is left would keep a dense float16 copy of the "
+                          "weights (4x the memory of the quantized ones, at dense speed). Kernels passed over: ")
+    for name, reason in rejected:
+        assert f"{name}: {reason}" in msg
+    assert msg.endswith("To accept dense weights for such layers, pass --allow-dense-fallback "
+                        "(TGS_ALLOW_DENSE_FALLBACK=1).")
+
+
+def test_cuda_refusal_names_disabled_kernels(no_gpu, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, ",".join(k.name for k in KERNELS["cuda"]))
+    with pytest.raises(DenseFallbackError, match=r"8x the memory .* Kernels passed over: triton-gemm: disabled by "
+                                                 r"TGS_DISABLE_KERNELS; tinygemm: disabled by TGS_DISABLE_KERNELS; "):
+        build_linear(make_weight(128, 32, 4, 32, False, True), None, torch.float32, "cuda")
+
+
+def test_cuda_dense_fallback_when_allowed_warns_once(no_gpu, monkeypatch):
+    from loguru import logger
+
+    monkeypatch.setenv(ALLOW_DENSE_ENV, "1")
+    w = make_weight(256, 64, 4, 128, True, False)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{level} {message}")
+    try:
+        modules = [build_linear(w, None, torch.float32, "cuda", layer="selftest.guard") for _ in range(2)]
+    finally:
+        logger.remove(sink)
+    assert [m.kernel_name for m in modules] == ["reference", "reference"]
+    assert rel_err(w, modules[0], torch.float32, None) < 1e-6
+    assert len(lines) == 1 and lines[0].startswith("WARNING selftest.guard: 4-bit integer layer [64x256] on CUDA runs "
+                                                   "on 'reference', a dense float32 copy")
+    assert "allowed by TGS_ALLOW_DENSE_FALLBACK" in lines[0] and "triton-gemm: " in lines[0]
+
+
+def test_cpu_keeps_the_dense_reference(no_gpu):
+    """On CPU the reference is a ranked choice (the fast path for 8-bit groups), never refused."""
+    module = build_linear(make_weight(256, 32, 8, 64, True, False), None, torch.bfloat16, "cpu")
+    assert module.kernel_name == "reference"
+
+
+def test_compact_cuda_kernels_pass_the_guard(no_gpu):
+    from text_generation_server.kernels import tinygemm, triton_gemm
+
+    s = spec(dev="cuda")
+    for kernel in (triton_gemm.TritonGemmKernel, tinygemm.TinyGemmKernel):
+        assert check_dense_fallback(s, kernel, []) is None
+
+
+def test_which_kernels_keep_a_dense_copy():
+    """The integer reference, bitsandbytes' 4-bit reference and fp8-dense dequantize once into the
+    activation dtype. sparse-2:4 keeps a dequantized copy too, but half the values in the 2:4 sparse
+    form it is chosen for, so it is not a fallback."""
+    from text_generation_server.quantizers.bitsandbytes import KERNELS_4BIT
+
+    every = {k for kernels in list(KERNELS.values()) + list(KERNELS_4BIT.values()) for k in kernels}
+    assert sorted({(k.__module__.rsplit(".", 1)[-1], k.name) for k in every if k.dense_copy}) == [
+        ("base", "reference"), ("bitsandbytes", "reference"), ("fp8", "fp8-dense")]
+
+
+@pytest.mark.parametrize("value,allowed", [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False),
+                                           ("", False), ("no", False), ("2", False)])
+def test_allow_dense_fallback_values(value, allowed, monkeypatch):
+    monkeypatch.setenv(ALLOW_DENSE_ENV, value)
+    assert dense_fallback_allowed() is allowed
 
 
 def test_spec_group_rows_gcd_default():
