@@ -47,7 +47,6 @@ FAILURE_REASONS = ("validation", "overloaded", "unavailable", "dropped", "prefil
 # (enough requests waited), "wait_exceeded" (one waited max_waiting_tokens steps), "chunking"
 # (chunked prefill: every admission joins the running batch).
 CONCAT_REASONS = ("backpressure", "wait_exceeded", "chunking")
-CONCAT_REASON = "wait_exceeded"  # what the committed scheduler records; drop with its rewrite
 
 
 class Metrics:
