@@ -175,3 +175,18 @@ def poll_metrics(server: ServeProcess, predicate, timeout_s: float = 10.0) -> Me
         time.sleep(0.05)
         snap = scrape(server)
     return snap
+
+
+def launch_shard(model: str | Path, sock_dir: Path, log_dir: Path, rank: int, world_size: int, master_port: int,
+                 *flags: str, name: str = "shard") -> ServeProcess:
+    """One rank of `serve --shard-only`, started the way TGI's launcher starts a shard: RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment, the socket prefix as --uds-path
+    (the rank listens on `{uds_path}-{rank}`). The caller owns cleanup (ServeProcess.cleanup())."""
+    uds_path = str(sock_dir / name)
+    log_path = log_dir / f"{name}-{rank}.log"
+    cmd = serve_command() + [str(model), "--shard-only", "--uds-path", uds_path, *flags]
+    env = clean_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    return ServeProcess(proc, 0, 0, uds_path, log_path, world_size)
