@@ -6,6 +6,11 @@ along the sequence, varlen prefill over the flattened batch; graph-safe) before 
 CPU: `torch-sdpa`; `triton-paged` runs there only under TRITON_INTERPRET=1 (tests).
 `--attention-backend NAME` (TGS_ATTENTION_BACKEND) asks for one by name; when it cannot run,
 startup fails with its reason rather than silently taking another.
+
+A graph-safe backend (`graph_safe`) also answers `capture_memo(batch, max_seq_len, device)`:
+what a CUDA graph of that many decode rows must fix at capture (models/cuda_graphs.py), and
+may answer `reserve_decode(max_batch, max_seq_len, device)`, which warmup calls so decode
+steps allocate nothing of their own.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ ATTENTION_ENV = "TGS_ATTENTION_BACKEND"
 
 
 class TritonPagedAttention(AttentionBackend):
-    """kernels/paged_attention.py: no gather, GQA heads share K/V loads, flash-decoding splits."""
+    """kernels/paged_attention.py: no gather, GQA heads share K/V loads, flash-decoding splits.
+
+    Decode's split partials live in one workspace the backend owns, sized at warmup
+    (`reserve_decode`) for the largest batch and context the limits allow, so a decode step
+    allocates nothing: the eager path takes views of it, and each CUDA graph bucket fixes its
+    split count and keeps a reference to it (`capture_memo`).
+    """
 
     name = "triton-paged"
     graph_safe = True
@@ -37,6 +48,8 @@ class TritonPagedAttention(AttentionBackend):
 
         self._kernels = paged_attention
         self._sms: int | None = None
+        self._workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._workspace_rows = 0  # batch x heads x splits the workspace holds
 
     @classmethod
     def can_implement(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -55,20 +68,62 @@ class TritonPagedAttention(AttentionBackend):
             return False, f"head_dim {spec.head_dim} > 256"
         return True, ""
 
+    # -- decode splits and their workspace ------------------------------------------------------
+    def splits_for(self, batch: int, max_seq_len: int) -> int:
+        """Sequence splits for a decode step of `batch` rows whose longest context is max_seq_len."""
+        if self._sms is None and self.spec.device_type == "cuda" and torch.cuda.is_available():
+            self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        return self._kernels.decode_splits(max_seq_len, self.spec.block_size, batch, self.spec.kv_heads, self._sms)
+
     def num_splits(self, meta: AttentionMetadata, batch: int) -> int:
         """Sequence splits for a decode step; a captured graph passes its own fixed value."""
         fixed = meta.memo("num_splits", lambda: None)
         if fixed is not None:
             return fixed
-        if self._sms is None and torch.cuda.is_available() and self.spec.device_type == "cuda":
-            self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        return self._kernels.decode_splits(meta.max_seq_len, self.spec.block_size, batch, self.spec.kv_heads,
-                                           self._sms)
+        return self.splits_for(batch, meta.max_seq_len)
 
+    def reserve_decode(self, max_batch: int, max_seq_len: int, device: torch.device) -> int:
+        """Sizes the split workspace for every decode step up to `max_batch` rows and
+        `max_seq_len` positions; returns the bytes newly allocated (0 when it already fits).
+
+        A larger workspace replaces the old one without touching it: graphs captured against
+        the old one keep their own reference (see `capture_memo`).
+        """
+        # Steps with one split write no partials: only batches small enough to split count.
+        rows = max((b * s for b in range(1, max_batch + 1) if (s := self.splits_for(b, max_seq_len)) > 1), default=0)
+        rows *= self.spec.heads
+        if rows == 0:
+            return 0
+        if self._workspace is not None and rows <= self._workspace_rows and self._workspace[0].device == device:
+            return 0
+        self._workspace = self._kernels.decode_workspace(rows, 1, self.spec.head_dim, 1, device)
+        self._workspace_rows = rows
+        return sum(t.numel() * t.element_size() for t in self._workspace)
+
+    def _shared_workspace(self, batch: int, splits: int, device: torch.device):
+        """The reserved workspace when it holds this step's partials, else None (paged_decode
+        then allocates its own: a step past the limits warmup reserved for)."""
+        if splits == 1 or self._workspace is None or self._workspace[0].device != device:
+            return None
+        if batch * self.spec.heads * splits > self._workspace_rows:
+            return None
+        return self._workspace
+
+    def capture_memo(self, batch: int, max_seq_len: int, device: torch.device) -> dict:
+        """What a decode graph of `batch` rows fixes at capture: the split count for the longest
+        context it serves, and the workspace views (reserved first, so capture allocates nothing)."""
+        splits = self.splits_for(batch, max_seq_len)
+        self.reserve_decode(batch, max_seq_len, device)
+        return {"num_splits": splits, "decode_workspace": self._shared_workspace(batch, splits, device)}
+
+    # -- the two calls -----------------------------------------------------------------------------
     def _int32(self, meta: AttentionMetadata, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return meta.memo(key, lambda: tensor if tensor.dtype == torch.int32 else tensor.to(torch.int32))
 
     def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window):
+        if meta.block_tables is None:
+            raise ValueError("triton-paged prefill reads K/V through the block tables: AttentionMetadata.block_tables "
+                             "must be set (one row per sequence)")
         seq_lens = meta.memo("prefill_seq_lens", lambda: torch.tensor(
             [c + n for c, n in zip(meta.cache_lens or [0] * len(meta.prefill_lens), meta.prefill_lens)],
             dtype=torch.int32, device=q.device))
@@ -81,10 +136,10 @@ class TritonPagedAttention(AttentionBackend):
     def decode(self, q, key_cache, value_cache, meta, scale, window):
         tables = self._int32(meta, "tables32", meta.block_tables)
         seq_lens = self._int32(meta, "seq_lens32", meta.seq_lens)
-        workspace = meta.memo("decode_workspace", lambda: None)
+        splits = self.num_splits(meta, q.shape[0])
+        workspace = meta.memo("decode_workspace", lambda: self._shared_workspace(q.shape[0], splits, q.device))
         return self._kernels.paged_decode(
-            q, key_cache, value_cache, tables, seq_lens, scale, window,
-            num_splits=self.num_splits(meta, q.shape[0]), workspace=workspace,
+            q, key_cache, value_cache, tables, seq_lens, scale, window, num_splits=splits, workspace=workspace,
         )
 
 

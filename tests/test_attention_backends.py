@@ -1,0 +1,269 @@
+"""The attention-backend registry (server/layers/attention_backends.py) and triton-paged inside
+the whole model.
+
+Choice: the ordered list per device with the reasons for what was passed over (a GPU mocked
+where one is needed), a backend asked for by name that cannot run, unknown names,
+TGS_ATTENTION_BACKEND and the serve setting.
+Model: the tiny random Llama and Mistral (sliding window) of tests/helpers.py with triton-paged
+under TRITON_INTERPRET=1 give torch-sdpa's greedy tokens (and seeded ones), logprobs within
+1e-4, for a plain prefill with prompt logprobs, a prefix from the cache (cache_len), a prompt
+prefilled in chunks while other rows decode, and decode steps. The interpreter is slow: few
+tokens, two layers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import write_checkpoint
+
+from text_generation_server.generation.sampling import SamplingParams
+from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, TorchAttention
+from text_generation_server.layers.attention_backends import (
+    ATTENTION_ENV,
+    NoAttentionBackendError,
+    TritonPagedAttention,
+    backend_names,
+    choose_attention_backend,
+)
+from text_generation_server.models import get_model
+from text_generation_server.models.batch import Batch
+from text_generation_server.models.types import GenerationRequest
+from text_generation_server.serve_args import ATTENTION_BACKENDS, ServeArgs
+
+torch.set_num_threads(1)
+
+BLOCK_SIZE = 4
+
+
+def spec(device_type: str = "cpu", **kw) -> AttentionSpec:
+    base = dict(device_type=device_type, dtype=torch.float16, heads=8, kv_heads=2, head_dim=64, block_size=16,
+                windowed=False)
+    base.update(kw)
+    return AttentionSpec(**base)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def gpu(clean_env):
+    """A CUDA device of compute capability 9.0 as far as the availability checks can tell."""
+    pytest.importorskip("triton")
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    clean_env.setattr(torch.version, "hip", None)
+    return clean_env
+
+
+# ---------------------------------------------------------------------------------------------
+# Choice
+
+def test_cpu_takes_torch_first(clean_env):
+    backend, rejected = choose_attention_backend(spec("cpu"))
+    assert (backend.name, rejected) == ("torch-sdpa", [])
+    assert isinstance(backend, TorchAttention) and not backend.graph_safe
+
+
+def test_cuda_without_a_gpu_says_why_triton_was_passed_over(clean_env):
+    pytest.importorskip("triton")
+    clean_env.setattr(torch.cuda, "is_available", lambda: False)
+    backend, rejected = choose_attention_backend(spec("cuda"))
+    assert backend.name == "torch-sdpa"
+    assert rejected == [("triton-paged", "no CUDA device")]
+
+
+def test_cuda_prefers_triton_paged(gpu):
+    backend, rejected = choose_attention_backend(spec("cuda"))
+    assert (backend.name, rejected) == ("triton-paged", [])
+    assert isinstance(backend, TritonPagedAttention) and backend.graph_safe
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(block_size=12), "block size 12 is not a power of two <= 256"),
+    (dict(block_size=512), "block size 512 is not a power of two <= 256"),
+    (dict(head_dim=320), "head_dim 320 > 256"),
+    (dict(heads=6, kv_heads=4), "6 query heads are not a multiple of 4 KV heads"),
+])
+def test_cuda_reasons_for_models_triton_cannot_run(gpu, change, reason):
+    backend, rejected = choose_attention_backend(spec("cuda", **change))
+    assert backend.name == "torch-sdpa"
+    assert rejected == [("triton-paged", reason)]
+
+
+def test_old_gpus_fall_back_with_the_capability_in_the_reason(gpu):
+    gpu.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    backend, rejected = choose_attention_backend(spec("cuda"))
+    assert backend.name == "torch-sdpa"
+    assert rejected == [("triton-paged", "needs compute capability 8.0+, got 7.5")]
+
+
+def test_a_named_backend_that_cannot_run_is_an_error_not_a_fallback(clean_env):
+    pytest.importorskip("triton")
+    with pytest.raises(NoAttentionBackendError,
+                       match="attention backend 'triton-paged' cannot run this model: CPU tensors run only under "
+                             "TRITON_INTERPRET=1"):
+        choose_attention_backend(spec("cpu"), "triton-paged")
+
+
+def test_unknown_names_list_the_known_ones(clean_env):
+    with pytest.raises(NoAttentionBackendError,
+                       match="attention backend 'flash' does not exist \\(choose from triton-paged, torch-sdpa\\)"):
+        choose_attention_backend(spec("cpu"), "flash")
+    clean_env.setenv(ATTENTION_ENV, "paged")
+    with pytest.raises(NoAttentionBackendError, match="attention backend 'paged' does not exist"):
+        choose_attention_backend(spec("cpu"))
+
+
+def test_the_environment_variable_and_the_argument(clean_env):
+    pytest.importorskip("triton")
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    clean_env.setenv(ATTENTION_ENV, "triton-paged")
+    assert choose_attention_backend(spec("cpu"))[0].name == "triton-paged"
+    assert choose_attention_backend(spec("cpu"), "torch-sdpa")[0].name == "torch-sdpa"  # the argument wins
+    clean_env.setenv(ATTENTION_ENV, "")
+    assert choose_attention_backend(spec("cpu"))[0].name == "torch-sdpa"  # empty means unset
+
+
+def test_the_setting_names_the_registry():
+    assert set(ATTENTION_BACKENDS) == set(backend_names())
+    assert ServeArgs(disable_custom_kernels=True).effective_attention_backend == "torch-sdpa"
+    assert ServeArgs(attention_backend="triton-paged").effective_attention_backend == "triton-paged"
+
+
+def test_triton_prefill_needs_block_tables(clean_env):
+    pytest.importorskip("triton")
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    backend = TritonPagedAttention(spec("cpu", dtype=torch.float32, heads=2, kv_heads=1, head_dim=16, block_size=4))
+    q = torch.randn(3, 2, 16)
+    cache = torch.zeros(4, 4, 1, 16)
+    meta = AttentionMetadata(is_prefill=True, slots=torch.arange(3), prefill_lens=[3])
+    with pytest.raises(ValueError, match="triton-paged prefill reads K/V through the block tables"):
+        backend.prefill(q, q[:, :1], q[:, :1], cache, cache, meta, 0.25, None)
+
+
+def test_decode_workspace_is_reserved_once_and_shared(clean_env):
+    pytest.importorskip("triton")
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    backend = TritonPagedAttention(spec("cpu", dtype=torch.float32, heads=4, kv_heads=2, head_dim=16, block_size=4))
+    cpu = torch.device("cpu")
+    assert backend.reserve_decode(8, 128, cpu) == 0  # 128 positions never split (MIN_SPLIT_TOKENS 256)
+    grown = backend.reserve_decode(8, 4096, cpu)
+    assert grown > 0
+    assert backend.reserve_decode(4, 4096, cpu) == 0  # fits already
+    memo = backend.capture_memo(2, 4096, cpu)
+    assert memo["num_splits"] == backend.splits_for(2, 4096) > 1
+    assert memo["decode_workspace"] is backend._workspace
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model: triton-paged (interpreted) against torch-sdpa
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("backends")
+    out = {}
+    for seed, name in enumerate(("llama", "mistral_window")):
+        write_checkpoint(root / name, name, seed=seed + 51)
+        out[name] = str(root / name)
+    return out
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 290) for _ in range(n)]
+
+
+def request(rid: int, prompt: list[int], new: int, seed: int | None = None, **kw) -> GenerationRequest:
+    sampling = SamplingParams()
+    if seed is not None:
+        sampling = SamplingParams(do_sample=True, seed=seed, temperature=0.9, top_k=20)
+    return GenerationRequest(id=rid, inputs="", input_ids=list(prompt), max_new_tokens=new, ignore_eos_token=True,
+                             sampling=sampling, **kw)
+
+
+def collect(out: dict, generations) -> list[int]:
+    done = []
+    for g in generations:
+        entry = out.setdefault(g.request_id, {"ids": [], "lps": [], "prompt": None})
+        entry["ids"] += g.tokens.ids
+        entry["lps"] += g.tokens.logprobs
+        if g.prefill_tokens is not None:
+            entry["prompt"] = g.prefill_tokens.logprobs
+        if g.generated_text is not None:
+            done.append(g.request_id)
+    return done
+
+
+def run(lm, batch: Batch | None, out: dict | None = None) -> dict:
+    out = {} if out is None else out
+    while batch is not None:
+        generations, batch, _ = lm.generate_token(batch)
+        done = collect(out, generations)
+        if batch is not None and done:
+            batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
+    return out
+
+
+def scenarios(lm) -> dict[str, dict]:
+    """Every shape of step the engine runs, on one model."""
+    lm.allocate_kv_cache(64)
+    results = {}
+    # A plain prefill of two prompts with prompt logprobs, then decode steps.
+    results["prefill+decode"] = run(lm, lm.make_batch(0, [
+        request(0, ids(13, 1), 3, prefill_logprobs=True), request(1, ids(6, 2), 3, seed=5, prefill_logprobs=True)]))
+    # A prefix from the cache: the router's blocks hold the first 8 tokens of `first`.
+    shared = ids(8, 3)
+    first, second = shared + ids(5, 4), shared + ids(7, 5)
+    blocks = lm.allocator.allocate(lm.blocks_for(len(first) + 2))
+    run(lm, lm.make_batch(1, [request(2, first, 2, blocks=blocks)]))
+    tail = lm.allocator.allocate(lm.blocks_for(len(second) + 3) - 2)
+    results["cached prefix"] = run(lm, lm.make_batch(2, [
+        request(3, second, 3, seed=6, blocks=blocks[:2] + tail, cache_len=2 * BLOCK_SIZE, prefill_logprobs=True)]))
+    lm.allocator.free(tail)
+    lm.allocator.free(blocks)
+    # A prompt prefilled in chunks of at most 5 tokens a step, beside two decoding rows.
+    lm.max_prefill_tokens = 5
+    out: dict = {}
+    running = lm.make_batch(3, [request(4, ids(5, 6), 6), request(5, ids(3, 7), 6, seed=7)])
+    generations, running, _ = lm.generate_token(running)
+    collect(out, generations)
+    batch = Batch.concatenate([running, lm.make_batch(4, [request(6, ids(14, 8), 2, chunk_len=3)])])
+    mixed = 0
+    while batch is not None:
+        mixed += batch.prefilling and any(not s.prefilling for s in batch.states)
+        generations, batch, _ = lm.generate_token(batch)
+        done = collect(out, generations)
+        if batch is not None and done:
+            batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
+    results["chunks+decode"] = out
+    assert mixed >= 4, "the long prompt was not prefilled in chunks beside decoding rows"
+    lm.max_prefill_tokens = None
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_window"])
+def test_triton_paged_gives_the_tokens_of_torch_sdpa(folders, arch, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    want = scenarios(get_model(folders[arch], dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch-sdpa"))
+    lm = get_model(folders[arch], dtype="float32", block_size=BLOCK_SIZE, attention_backend="triton-paged")
+    assert lm.attention.name == "triton-paged"
+    got = scenarios(lm)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].keys() == want[name].keys(), name
+        for rid in want[name]:
+            g, w = got[name][rid], want[name][rid]
+            assert g["ids"] == w["ids"], (name, rid)
+            torch.testing.assert_close(torch.tensor(g["lps"]), torch.tensor(w["lps"]), atol=1e-4, rtol=0)
+            if w["prompt"] is not None:
+                torch.testing.assert_close(torch.tensor(g["prompt"]), torch.tensor(w["prompt"]), atol=1e-4, rtol=0,
+                                           equal_nan=True)
