@@ -1,8 +1,10 @@
 """Rotary position embeddings in the Hugging Face Llama convention (rotate_half).
 
 Supported scalings: none ("default"), "linear", and "llama3" (Llama 3.1's
-frequency-dependent scaling). The cos/sin table is computed once in float32 and
-grown on demand, so a decode step only gathers rows by position.
+frequency-dependent scaling). The cos/sin table is computed once in float32 at load for
+every position the model supports, and cast once per compute dtype, so a step only
+gathers rows by position: no allocation that grows with the context, and no host sync
+when the caller passes the largest position (a decode step captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -80,35 +82,42 @@ def rope_config_from_hf(config: dict, head_dim: int) -> RopeConfig:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
+        if max_positions < 1:
+            raise ValueError(f"rotary table needs at least one position, got {max_positions}")
         self.config = config
+        self.max_positions = max_positions
         self.inv_freq = config.inv_freq().to(device)
-        self._cos = torch.empty(0, device=device)
-        self._sin = torch.empty(0, device=device)
-        self._dtype: torch.dtype | None = None
-        self._grow(max_positions)
-
-    def _grow(self, length: int) -> None:
-        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
         # sin is stored with the sign of rotate_half folded in: [-sin, sin], so rotation is
         # x * cos + roll(x, half) * signed_sin (see apply_rotary).
         self._cos32 = torch.cat([freqs, freqs], dim=-1).cos()
         self._sin32 = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
-        self._dtype = None
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self._cos32,
+                                                                                              self._sin32)}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and signed-sin tables [max_positions, rotary_dim] in `dtype`, cast once."""
+        cached = self._tables.get(dtype)
+        if cached is None:
+            cached = self._tables[dtype] = (self._cos32.to(dtype), self._sin32.to(dtype))
+        return cached
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin: [tokens, 1, rotary_dim] in `dtype` for the given positions."""
+        """cos, signed sin: [tokens, 1, rotary_dim] in `dtype` for the given positions.
+
+        max_position bounds `positions` (a host int the caller knows); without it the bound is
+        read from the device (a sync: tools only, never the serving path).
+        """
         if max_position is None:
             max_position = int(positions.max().item()) if positions.numel() else 0
-        needed = max_position + 1
-        if needed > self._cos32.shape[0]:
-            self._grow(max(needed, 2 * self._cos32.shape[0]))
-        if self._dtype != dtype:
-            self._cos, self._sin = self._cos32.to(dtype), self._sin32.to(dtype)
-            self._dtype = dtype
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        if max_position >= self.max_positions:
+            raise ValueError(f"position {max_position} is past the rotary table of {self.max_positions} positions "
+                             "(the model's max_position_embeddings)")
+        cos, sin = self.tables(dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
