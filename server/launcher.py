@@ -560,8 +560,12 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         from text_generation_server.utils.dist import initialize_process_group
 
         process_group = initialize_process_group(rank, world_size, device)
+        # The router never batches more than --max-batch-size requests, nor holds more than
+        # --max-concurrent-requests at once: warmup measures a decode step at that size.
+        batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
         model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
-                          attention_backend=args.effective_attention_backend)
+                          attention_backend=args.effective_attention_backend,
+                          cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit)
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
         logger.error("cannot start: {}", exc)
         return 2

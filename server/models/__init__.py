@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from loguru import logger
 
 from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.models.cuda_graphs import GraphCapturer
 from text_generation_server.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.utils.checkpoint import Checkpoint
@@ -36,7 +39,16 @@ def get_model(
     quantize: str | None = None,
     block_size: int = 16,
     attention_backend: str | None = None,
+    cuda_graphs: Sequence[int] = (),
+    max_batch_size: int | None = None,
+    graph_capturer: GraphCapturer | None = None,
 ) -> CausalLM:
+    """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
+
+    cuda_graphs: decode batch sizes to capture as CUDA graphs at warmup (ignored off CUDA);
+    max_batch_size: the most requests a decode step will hold (what warmup measures);
+    graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation).
+    """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
     checkpoint = Checkpoint.open(model)
@@ -68,6 +80,9 @@ def get_model(
         block_size=block_size,
         quantize=qconfig.flag if qconfig is not None else None,  # bitsandbytes-nf4, not just bitsandbytes
         attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        max_batch_size=max_batch_size,
+        graph_capturer=graph_capturer,
     )
 
 

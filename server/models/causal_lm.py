@@ -13,6 +13,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from loguru import logger
@@ -24,6 +25,7 @@ from text_generation_server.generation.stopping import StoppingCriteria
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
+from text_generation_server.models.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from text_generation_server.models.types import (
     GeneratedText,
     Generation,
@@ -33,8 +35,9 @@ from text_generation_server.models.types import (
     StepTimings,
     Tokens,
 )
+from text_generation_server.utils import memory
 from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.utils.memory import available_bytes, is_out_of_memory
+from text_generation_server.utils.memory import is_out_of_memory
 
 
 class WarmupError(RuntimeError):
@@ -64,9 +67,20 @@ class CausalLM:
         block_size: int = 16,
         quantize: str | None = None,
         attention_backend: str | None = None,
+        cuda_graphs: Sequence[int] = (),
+        max_batch_size: int | None = None,
+        graph_capturer: GraphCapturer | None = None,
     ):
+        """cuda_graphs: decode batch sizes warmup captures as CUDA graphs (empty: none); on CPU
+        they are ignored unless `graph_capturer` is given (tests emulate graphs through it).
+        max_batch_size: the most requests a decode step can hold (the router's limit), which
+        warmup measures; None: derived from the other limits (`decode_batch_limit`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if any(b < 1 for b in cuda_graphs):
+            raise ValueError(f"CUDA graph batch sizes must be >= 1, got {list(cuda_graphs)}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_id = model_id
         self.model = model
         self.config = model.config
@@ -96,6 +110,15 @@ class CausalLM:
         self.attention, rejected = choose_attention_backend(spec, attention_backend)
         if process_group.rank == 0:
             log_choice(self.attention, rejected)
+        self.max_batch_size = max_batch_size
+        self.graph_buckets = sorted(set(cuda_graphs))
+        self._graph_capturer = graph_capturer
+        self.graphs: DecodeGraphs | None = None  # captured by warmup (capture_decode_graphs)
+        if self.graph_buckets and device.type != "cuda" and graph_capturer is None:
+            logger.debug("CUDA graphs {} ignored on {}", self.graph_buckets, device)
+            self.graph_buckets = []
+        elif self.graph_buckets and not self.attention.graph_safe and process_group.rank == 0:
+            logger.info("CUDA graphs off: {}", self.graphs_off_reason())
 
     # -- KV cache ------------------------------------------------------------
     @property
@@ -105,13 +128,19 @@ class CausalLM:
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = None  # free the old pool before allocating the new one
+        self._drop_kv_cache()  # free the old pool (and the graphs that point into it) first
         self.kv_cache = KVCache(
             self.config.num_hidden_layers, num_blocks, self.block_size, self.model.local_kv_heads,
             self.config.head_dim, self.dtype, self.device,
         )
         self.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
+
+    def _drop_kv_cache(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()  # captured against this cache; buffers and pool stay
+        self.kv_cache = None
+        self.allocator = None
 
     def blocks_for(self, tokens: int) -> int:
         return (tokens + self.block_size - 1) // self.block_size
@@ -194,7 +223,8 @@ class CausalLM:
         block_tables = torch.zeros(len(states), max_blocks, dtype=torch.long)
         for i, ((req, prompt, total), state) in enumerate(zip(prepared, states)):
             history[i, : len(prompt)] = torch.tensor(prompt)
-            slot_table[i, :total] = torch.tensor(self._slots(state.blocks, total))
+            kv = self.kv_tokens(total)
+            slot_table[i, :kv] = torch.tensor(self._slots(state.blocks, kv))
             block_tables[i, : len(state.blocks)] = torch.tensor(state.blocks)
         lengths = torch.tensor([len(p) for _, p, _ in prepared], dtype=torch.long)
         return Batch(
@@ -206,6 +236,12 @@ class CausalLM:
             slot_table=slot_table.to(self.device),
             block_tables=block_tables.to(self.device),
         )
+
+    @staticmethod
+    def kv_tokens(total: int) -> int:
+        """Positions whose K/V a request can ever write: its last token is never fed back, so a
+        request of `total` tokens needs `total - 1` slots (TGI's allocation, liveness checks too)."""
+        return max(total - 1, 1)
 
     def _check_router_kv(self, req: GenerationRequest, total: int) -> None:
         """Validates router-provided blocks and slots before any block is allocated, so a bad
@@ -220,14 +256,15 @@ class CausalLM:
         bad = [b for b in req.blocks if not 0 <= b < num_blocks]
         if bad:
             raise RequestError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
-        if len(req.blocks) * self.block_size < total:
+        needed = self.kv_tokens(total)
+        if len(req.blocks) * self.block_size < needed:
             raise RequestError(
-                f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {total} tokens"
+                f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {needed} tokens"
             )
         if req.slots:
-            if len(req.slots) < total:
-                raise RequestError(f"request {req.id}: {len(req.slots)} slots given, {total} needed")
-            expected = self._slots(req.blocks, total)
+            if len(req.slots) < needed:
+                raise RequestError(f"request {req.id}: {len(req.slots)} slots given, {needed} needed")
+            expected = self._slots(req.blocks, needed)
             for position, (got, want) in enumerate(zip(req.slots, expected)):
                 if got != want:
                     raise RequestError(
@@ -248,7 +285,7 @@ class CausalLM:
         if req.blocks:  # validated by _check_router_kv
             blocks, owns = list(req.blocks), False
         else:
-            blocks, owns = self.allocator.allocate(self.blocks_for(total)), True
+            blocks, owns = self.allocator.allocate(self.blocks_for(self.kv_tokens(total))), True
         remaining = len(prompt) - req.cache_len
         chunk = remaining if req.chunk_len is None else min(req.chunk_len, remaining)
         return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt),
@@ -453,11 +490,19 @@ class CausalLM:
         return all_logits[torch.tensor(last_rows, dtype=torch.long, device=self.device)], emit, spans
 
     def _decode_forward(self, batch: Batch) -> torch.Tensor:
+        """Logits of every row's next token: from a CUDA graph when one serves the batch, else
+        eagerly. The inputs are gathered on the device; the only host values used are Python
+        ints the states already hold, so the step never waits on the device."""
         positions = batch.history_lengths - 1
         rows = torch.arange(len(batch), device=self.device)
         input_ids = batch.history[rows, positions]
         slots = batch.slot_table[rows, positions]
         max_len = max(s.length for s in batch.states)
+        if self.graphs is not None:
+            logits = self.graphs.run(self.kv_cache, input_ids, positions, slots, batch.block_tables,
+                                     batch.history_lengths, max_len)
+            if logits is not None:
+                return logits
         meta = AttentionMetadata(
             is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=batch.history_lengths,
             max_seq_len=max_len, backend=self.attention,
@@ -470,6 +515,41 @@ class CausalLM:
         return Tokens(list(ids), list(state.prompt_logprobs), texts, [t in self.special_ids for t in ids])
 
 
+    # -- CUDA graphs -------------------------------------------------------------
+    def graphs_off_reason(self) -> str | None:
+        """Why decode steps cannot run from CUDA graphs here, or None when they can."""
+        if not self.graph_buckets:
+            return "no batch sizes asked for (--cuda-graphs 0)" if self.device.type == "cuda" else \
+                f"not on CUDA ({self.device.type})"
+        if not self.attention.graph_safe:
+            return (f"attention backend {self.attention.name} is not graph-safe (its decode reads sequence "
+                    "lengths on the host); --attention-backend triton-paged is")
+        return None
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_total_tokens: int, buckets: Sequence[int] | None = None) -> int:
+        """Captures decode graphs for `buckets` (default: all asked for) against the current KV
+        cache, for sequences of up to max_total_tokens; returns the bytes the capture took.
+
+        The static buffers are kept across captures of the same shape, so re-capturing after a
+        new KV cache (warmup does) allocates no new ones.
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("capture_decode_graphs needs the KV cache the graphs will read")
+        reason = self.graphs_off_reason()
+        if reason is not None:
+            raise ValueError(f"CUDA graphs cannot be captured: {reason}")
+        buckets = sorted(set(self.graph_buckets if buckets is None else buckets))
+        graphs = self.graphs
+        if graphs is None or graphs.buckets != buckets or graphs.max_seq_len != max_total_tokens:
+            if self._graph_capturer is None:
+                self._graph_capturer = CudaGraphCapturer(self.device)
+            graphs = DecodeGraphs(buckets, max_total_tokens, self.block_size, self.device, self._graph_capturer)
+        self.graphs = None  # not replayed while it captures (the probe forward runs eagerly)
+        grown = graphs.capture(self.model, self.kv_cache, self.attention)
+        self.graphs = graphs
+        return grown
+
     # -- warmup ----------------------------------------------------------------
     @torch.inference_mode()
     def warmup(
@@ -480,12 +560,26 @@ class CausalLM:
         max_total_tokens: int,
         memory_fraction: float,
         max_batch_total_tokens: int | None = None,
+        max_batch_size: int | None = None,
     ) -> int:
-        """Runs a real prefill at the maximum size, then sizes the KV cache from what is left.
+        """Runs the largest forwards the limits allow, then gives the KV cache what is left.
 
-        Returns the number of tokens the KV cache holds (max_supported_total_tokens).
-        Kernels that keep scratch space size it first (`prepare_scratch`, which may return
-        the bytes it reserved), so the memory measured afterwards is what requests really have.
+        Returns the number of tokens the KV cache holds (max_supported_total_tokens). In order:
+        1. kernel scratch (`prepare_scratch`, sized for max_prefill_tokens);
+        2. a temporary KV cache just large enough for the two forwards below;
+        3. the prefill of the warmup batch (the router's: max_prefill_tokens prompt tokens);
+        4. CUDA graphs captured for every bucket, then a decode step at the largest batch
+           (`decode_batch_limit`), from its graph when one serves it;
+        5. the temporary cache and graphs dropped, WITHOUT emptying the CUDA caching allocator:
+           the memory steps 3-4 took stays reserved for the forwards that will need it again,
+           and the graphs' pool stays with the capturer for the new capture;
+        6. memory read (on CUDA the driver's free memory, within --cuda-memory-fraction), and
+           KV blocks = (available - margin - decode transient) x memory_fraction / block bytes
+           (`utils.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
+           on CPU), at most max_batch_total_tokens' worth;
+        7. the KV cache allocated and the graphs captured again against it.
+        After a successful warmup, no request within the limits needs memory that was not
+        either measured here or kept free by the margin.
         """
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
@@ -494,11 +588,14 @@ class CausalLM:
                 f"max_total_tokens {max_total_tokens} exceeds the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}); lower --max-total-tokens"
             )
-        # TGI's router sends every warmup request with id 0: ids are the shard's to give here.
-        requests = [dataclasses.replace(r, id=i, blocks=[], slots=[], cache_len=0, chunk_len=None)
+        # TGI's router sends every warmup request with id 0: ids are the shard's to give here. One
+        # new token each: the prefill is what is measured, and fewer blocks stay idle in the
+        # allocator after the temporary cache is dropped.
+        requests = [dataclasses.replace(r, id=i, blocks=[], slots=[], cache_len=0, chunk_len=None, max_new_tokens=1)
                     for i, r in enumerate(requests)]
-        self.kv_cache = None  # a previous warmup's cache would crowd out the scratch sized next
-        self.allocator = None
+        if not requests:
+            raise ValueError("warmup needs at least one request")
+        self._drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
         limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
         scratch_bytes = 0
         try:
@@ -515,49 +612,123 @@ class CausalLM:
                 ) from exc
             raise
         scratch_note = f" with {scratch_bytes / 2**20:.1f} MiB of kernel scratch reserved" if scratch_bytes else ""
+
+        decode_rows, decode_why = decode_batch_limit(
+            max_batch_size or self.max_batch_size, self.graph_buckets, max_batch_total_tokens, self.block_size,
+            max_prefill_tokens,
+        )
+        graphs_off = self.graphs_off_reason()
+        buckets = [] if graphs_off else graph_buckets_within(self.graph_buckets, decode_rows)
+        reserve = getattr(self.attention, "reserve_decode", None)  # triton-paged: split workspace
+        if reserve is not None:
+            reserve(max([decode_rows, *buckets]), max_total_tokens, self.device)
+
+        # 2-3: the largest prefill, over a temporary cache.
         try:
-            needed = 1 + sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests)
-            self.allocate_kv_cache(needed)
+            prompt_blocks = sum(self.blocks_for(len(self.tokenize(r)) + 1) for r in requests)
+            self.allocate_kv_cache(1 + max(prompt_blocks, self.blocks_for(2)))
             batch = self.make_batch(0, requests)
             prefill_tokens = sum(s.input_length for s in batch.states)
-            _, next_batch, timings = self.generate_token(batch)
+            _, next_batch, prefill_timings = self.generate_token(batch)
             if next_batch is not None:
                 self.release(next_batch)
         except Exception as exc:
-            self.kv_cache = None
-            self.allocator = None
+            self._drop_kv_cache()
             if is_out_of_memory(exc):
                 raise WarmupError(
                     f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} does not fit "
                     f"in memory ({exc}); lower --max-batch-prefill-tokens"
                 ) from exc
             raise
-        self.kv_cache = None
-        self.allocator = None
-        budget = int(available_bytes(self.device) * memory_fraction)
-        num_blocks = budget // self.kv_bytes_per_block
-        if max_batch_total_tokens is not None:
-            num_blocks = min(num_blocks, self.blocks_for(max_batch_total_tokens) + 1)
-        usable = (num_blocks - 1) * self.block_size  # block 0 is reserved
+        # 4: graphs, then a decode step at the largest batch.
+        graph_bytes = 0
+        if buckets:
+            try:
+                graph_bytes = self.capture_decode_graphs(max_total_tokens, buckets)
+            except Exception as exc:
+                self._drop_kv_cache()
+                if is_out_of_memory(exc):
+                    raise WarmupError(
+                        f"capturing CUDA graphs for batch sizes {buckets} does not fit in memory after the "
+                        f"prefill of max_batch_prefill_tokens={max_prefill_tokens} ({exc}); lower --cuda-graphs "
+                        "(0 turns them off) or --max-batch-prefill-tokens"
+                    ) from exc
+                raise
+        try:
+            decode_batch = self._warmup_decode_batch(decode_rows, batch.states[0].prompt_ids[0])
+            _, next_batch, decode_timings = self.generate_token(decode_batch)
+            if next_batch is not None:
+                self.release(next_batch)
+        except Exception as exc:
+            self._drop_kv_cache()
+            if is_out_of_memory(exc):
+                raise WarmupError(
+                    f"a decode step at the largest batch, {decode_rows} requests ({decode_why}), does not fit in "
+                    f"memory after the prefill of max_batch_prefill_tokens={max_prefill_tokens} ({exc}); lower "
+                    "--max-batch-size or --max-batch-prefill-tokens"
+                ) from exc
+            raise
+        decode_path = "eager"
+        if self.graphs is not None and sum(self.graphs.stats.replays.values()):
+            decode_path = f"graph {next(b for b in self.graphs.buckets if b >= decode_rows)}"
+
+        # 5-6: drop the temporary cache (the allocator keeps what the forwards used), size the real one.
+        self._drop_kv_cache()
+        reading = memory.read_memory(self.device)
+        layers = self.config.num_hidden_layers
+        plan = memory.plan_kv_cache(
+            reading, bytes_per_block=self.kv_bytes_per_block, block_size=self.block_size,
+            memory_fraction=memory_fraction, max_batch_total_tokens=max_batch_total_tokens,
+            transient_bytes=lambda kv_bytes: self.attention.decode_transient_bytes(kv_bytes, layers),
+        )
+        usable = plan.usable_tokens(self.block_size)
+        mib = 2**20
+        figures = (f"{reading.available_bytes / mib:.1f} MiB available - {plan.margin_bytes / mib:.1f} MiB margin - "
+                   f"{plan.transient_bytes / mib:.1f} MiB decode transient, x {memory_fraction}")
         if usable < max_total_tokens:
             raise WarmupError(
-                f"the KV cache fits {max(usable, 0)} tokens in {budget} bytes, fewer than max_total_tokens "
-                f"{max_total_tokens}; lower --max-total-tokens or --max-batch-prefill-tokens, or give the "
-                "KV cache more memory"
+                f"the KV cache fits {usable} tokens ({figures}), fewer than max_total_tokens {max_total_tokens}; "
+                "lower --max-total-tokens, --max-batch-prefill-tokens or --max-batch-size (their forwards' memory "
+                "is kept), or raise --memory-fraction / --cuda-memory-fraction"
             )
+        # 7: the real cache, and the graphs against it.
         try:
-            self.allocate_kv_cache(num_blocks)
+            self.allocate_kv_cache(plan.num_blocks)
+            if buckets:
+                self.capture_decode_graphs(max_total_tokens, buckets)
         except Exception as exc:
+            self._drop_kv_cache()
             if is_out_of_memory(exc):
-                raise WarmupError(f"allocating {num_blocks} KV blocks failed ({exc}); lower the memory fraction") from exc
+                raise WarmupError(
+                    f"allocating {plan.num_blocks} KV blocks and capturing the graphs again failed ({exc}); lower "
+                    "--memory-fraction"
+                ) from exc
             raise
         self.max_prefill_tokens = max_prefill_tokens
+        graphs_note = (f"CUDA graphs {buckets} ({graph_bytes / mib:.1f} MiB)" if buckets
+                       else f"CUDA graphs off ({graphs_off or 'no bucket within the largest batch'})")
+        capped = ", capped by max_batch_total_tokens" if plan.capped_by_max_batch_total_tokens else ""
         logger.info(
-            "warmup: prefill of {} tokens took {:.1f} ms; KV cache of {} blocks x {} tokens ({:.1f} MiB)",
-            prefill_tokens, timings.forward_ns / 1e6, num_blocks, self.block_size,
-            num_blocks * self.kv_bytes_per_block / 2**20,
+            "warmup: prefill of {} tokens {:.1f} ms; decode of {} requests ({}) {:.1f} ms ({}); {}; KV cache {} blocks "
+            "x {} tokens = {} tokens, {:.1f} MiB ({}{})",
+            prefill_tokens, prefill_timings.forward_ns / 1e6, decode_rows, decode_why, decode_timings.forward_ns / 1e6,
+            decode_path, graphs_note, plan.num_blocks, self.block_size, usable,
+            plan.num_blocks * self.kv_bytes_per_block / mib, figures, capped,
         )
         return usable
+
+    def _warmup_decode_batch(self, rows: int, token: int) -> Batch:
+        """`rows` requests past their one-token prompt, all reading and writing block 1: a decode
+        step's activations do not depend on the context, so one block serves the whole batch
+        (rows write the same slot; block 1 exists only in warmup's temporary cache)."""
+        blocks = [1] * self.blocks_for(2)
+        slots = self._slots(blocks, 2)
+        requests = [GenerationRequest(id=i, inputs="", input_ids=[token], max_new_tokens=1, ignore_eos_token=True,
+                                      blocks=blocks, slots=slots) for i in range(rows)]
+        batch = self.make_batch(1, requests)
+        for state in batch.states:
+            state.prefilled, state.chunk = state.input_length, 0
+        return batch
 
     # -- convenience for the CLI and tests -----------------------------------------
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
@@ -581,3 +752,36 @@ class CausalLM:
             if batch is not None and finished:
                 batch = self.filter(batch, [r for r in batch.request_ids if r not in finished])
         return [Completion.from_steps(r.id, steps[r.id]) for r in requests]
+
+
+def decode_batch_limit(max_batch_size: int | None, graph_buckets: Sequence[int], max_batch_total_tokens: int | None,
+                       block_size: int, max_prefill_tokens: int) -> tuple[int, str]:
+    """The largest decode batch warmup runs, and where the figure comes from:
+    - max_batch_size when set (the router never batches more; the launcher passes
+      min(--max-batch-size, --max-concurrent-requests));
+    - else the largest CUDA graph bucket (no smaller bound is known, and the graphs run it);
+    - else every sequence holding its minimum, two tokens (one prompt, one new) in whole
+      blocks, within max_batch_total_tokens;
+    - else max_prefill_tokens: no bound is known, and a decode step of that many rows takes
+      less activation memory than the prefill warmup measures anyway.
+    """
+    if max_batch_size:
+        return max_batch_size, "max_batch_size"
+    if graph_buckets:
+        return max(graph_buckets), "the largest CUDA graph"
+    if max_batch_total_tokens:
+        per_sequence = -(-2 // block_size)
+        return max(1, -(-max_batch_total_tokens // block_size) // per_sequence), \
+            "max_batch_total_tokens at two tokens per request"
+    return max_prefill_tokens, "max_batch_prefill_tokens, no batch limit known"
+
+
+def graph_buckets_within(buckets: Sequence[int], max_batch: int) -> list[int]:
+    """The buckets a batch of at most max_batch rows can use: those below it and the first at
+    or above it (a batch of 6 replays the 8 graph; 16 and 32 would never run)."""
+    kept = []
+    for bucket in sorted(set(buckets)):
+        kept.append(bucket)
+        if bucket >= max_batch:
+            break
+    return kept

@@ -1,0 +1,356 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small batch is dominated by kernel launches; a CUDA graph replays the
+whole forward with one launch. A graph fixes every address and shape it was captured with,
+so the step's inputs go through static buffers sized for the largest bucket:
+
+    input_ids [B]  positions [B]  slots [B]       int64
+    block_tables [B, max_blocks]  seq_lens [B]    int32 (what triton-paged reads)
+    logits [B, vocab]                             float32, written by the graph
+
+`max_blocks` covers max_total_tokens. A batch of n rows replays the smallest bucket b >= n:
+its rows are copied into the buffers (device to device, no host sync) and rows n..b are
+padding: seq_len 0 (attention reads nothing and writes zeros), slot 0, which lies in block 0,
+reserved by the router and never read. Only the model's forward is captured; sampling runs
+eagerly on the returned logits[:n].
+
+Everything a graph fixes on the host side is fixed per bucket at capture: the metadata's
+`max_seq_len` is max_total_tokens (the rotary bound and the split heuristic read it), and the
+attention backend's `capture_memo` supplies the rest (triton-paged: its split count and the
+workspace for the split partials, reserved before capture so the graph allocates nothing).
+
+Batches larger than the largest bucket, sequences longer than the graphs were captured for,
+and a KV cache other than the one captured against run eagerly (`run` returns None and
+counts the reason).
+
+The capture mechanism is injectable (`GraphCapturer`): `CudaGraphCapturer` records real CUDA
+graphs; `EagerReplayCapturer` replays by running the recorded callable again against the same
+static buffers, checking that each replay issues the same operators on the same shapes as
+the capture and never reads a device value on the host. CPU tests drive the whole graph path
+through it.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+from loguru import logger
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from text_generation_server.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+
+PAD_SLOT = 0  # slot 0 is in block 0, which nothing reads
+
+
+class CapturedGraph(Protocol):
+    def replay(self) -> None:
+        """Runs the captured work again, reading and writing the same buffers."""
+
+
+class GraphCapturer(Protocol):
+    """How a callable becomes a replayable graph (torch.cuda.CUDAGraph's capture + replay)."""
+
+    def capture(self, forward: Callable[[], None]) -> CapturedGraph:
+        """Records `forward` (which reads and writes only static buffers); every graph this
+        capturer makes shares one memory pool, kept for the capturer's life."""
+
+    def memory_reserved(self) -> int:
+        """Bytes the device's allocator holds now (what a capture adds is its cost)."""
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+class CudaGraphCapturer:
+    """torch.cuda.CUDAGraph, captured on a side stream into one `torch.cuda.MemPool`.
+
+    The pool outlives the graphs: when warmup drops the graphs it captured against its
+    temporary KV cache, their memory stays in the pool and the graphs captured against the
+    real cache reuse it, so warmup measures the pool once and never holds it twice. Capture
+    does not go through `torch.cuda.graph`, which empties the allocator's cache on entry and
+    would hand back the activation memory warmup keeps for later forwards.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)
+            self.pool = torch.cuda.MemPool()
+
+    def capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            # One eager run on the capture stream first: Triton compiles and loads its kernels,
+            # cuBLAS creates this stream's handle and workspace, outside the graph's pool.
+            forward()
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool.id)
+            try:
+                forward()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # the capture is already invalid; the forward's error says why
+                    pass
+                raise
+            graph.capture_end()
+        current.wait_stream(self.stream)
+        return graph
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+
+# -- an emulation for any device ------------------------------------------------------------------
+
+class HostSyncError(RuntimeError):
+    """A captured forward read a device value on the host (a CUDA graph cannot do that)."""
+
+
+class GraphReplayMismatch(RuntimeError):
+    """A replay issued other operators or shapes than its capture: the real graph would not
+    compute what the eager forward does."""
+
+
+# Tensor methods that bring a device value to the host (or size an output from one).
+_SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select",
+                    "unique", "numpy", "cpu"})
+# Checks that run only on CPU tensors (the paged-attention launcher's bounds, Triton's
+# interpreter): on CUDA those lines never run, so they are not a graph's concern.
+_CPU_ONLY_MODULES = ("triton", "text_generation_server.kernels.paged_attention")
+
+
+class _NoHostSync(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _SYNCS and not _called_from(_CPU_ONLY_MODULES):
+            raise HostSyncError(f"Tensor.{name} inside a captured decode forward")
+        return func(*args, **(kwargs or {}))
+
+
+def _called_from(modules: tuple[str, ...], depth: int = 40) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        if frame.f_globals.get("__name__", "").startswith(modules):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+class _OpTrace(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+class _EagerGraph:
+    def __init__(self, owner: "EagerReplayCapturer", forward: Callable[[], None]):
+        self._owner = owner
+        self._forward = forward
+        self._ops = owner._run(forward)
+
+    def replay(self) -> None:
+        ops = self._owner._run(self._forward)
+        self._owner.replays += 1
+        if ops != self._ops:
+            first = next((i for i, (a, b) in enumerate(zip(ops, self._ops)) if a != b), min(len(ops), len(self._ops)))
+            got = ops[first] if first < len(ops) else "nothing"
+            want = self._ops[first] if first < len(self._ops) else "nothing"
+            raise GraphReplayMismatch(f"replay op {first} is {got}, the capture's was {want}")
+
+
+class EagerReplayCapturer:
+    """A capturer for any device: replay runs the recorded callable again, so it reads the same
+    static buffers the way a graph would. It checks what a CUDA graph would silently get wrong:
+    each replay must issue the capture's operators on the capture's shapes (a graph cannot
+    follow a data-dependent branch), and no host sync may happen (HostSyncError)."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, forward: Callable[[], None]) -> _EagerGraph:
+        self.captures += 1
+        return _EagerGraph(self, forward)
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    @staticmethod
+    def _run(forward: Callable[[], None]) -> list[tuple[str, tuple]]:
+        trace = _OpTrace()
+        with _NoHostSync(), trace:
+            forward()
+        return trace.ops
+
+
+# -- the graphs ------------------------------------------------------------------------------------
+
+@dataclass
+class GraphStats:
+    captures: int = 0  # capture rounds (each captures every bucket)
+    replays: Counter = field(default_factory=Counter)  # bucket -> replays
+    eager: Counter = field(default_factory=Counter)  # reason -> decode steps run eagerly
+    capture_bytes: list[int] = field(default_factory=list)  # allocator growth of each round
+
+
+class DecodeGraphs:
+    """One captured decode forward per bucket, over shared static buffers (module doc)."""
+
+    def __init__(self, buckets: Sequence[int], max_seq_len: int, block_size: int, device: torch.device,
+                 capturer: GraphCapturer):
+        buckets = sorted(set(buckets))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"CUDA graph batch sizes must be >= 1, got {list(buckets)}")
+        if max_seq_len < 1 or block_size < 1:
+            raise ValueError(f"max_seq_len and block_size must be >= 1, got {max_seq_len}, {block_size}")
+        self.buckets = buckets
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.max_blocks = -(-max_seq_len // block_size)
+        self.device = torch.device(device)
+        self.capturer = capturer
+        rows = buckets[-1]
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), PAD_SLOT, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None  # [rows, vocab], sized by the first capture
+        self.stats = GraphStats()
+        self._graphs: dict[int, CapturedGraph] = {}
+        self._memos: dict[int, dict] = {}  # keep what each graph fixed (workspaces) alive
+        self._cache: weakref.ref | None = None
+        self._live_rows = 0
+        self._logged: set[str] = set()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def static_buffers(self) -> dict[str, torch.Tensor]:
+        out = {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
+               "block_tables": self.block_tables, "seq_lens": self.seq_lens}
+        if self.logits is not None:
+            out["logits"] = self.logits
+        return out
+
+    def fits(self, max_seq_len: int) -> bool:
+        return max_seq_len <= self.max_seq_len
+
+    # -- capture ----------------------------------------------------------------------------------
+    def capture(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend) -> int:
+        """Captures every bucket (largest first, so the smaller ones reuse its pool memory)
+        against `kv_cache`; returns the bytes the device's allocator grew by."""
+        if not backend.graph_safe:
+            raise ValueError(f"attention backend {backend.name} is not graph-safe: its decode syncs with the host "
+                             "or sizes tensors from device values")
+        memo_for = getattr(backend, "capture_memo", None)
+        if memo_for is None:
+            raise ValueError(f"attention backend {backend.name} claims graph_safe but has no capture_memo")
+        self.release()
+        self._pad(0, self.buckets[-1])
+        self._live_rows = 0
+        before = self.capturer.memory_reserved()
+        memos = {b: memo_for(b, self.max_seq_len, self.device) for b in reversed(self.buckets)}
+        if self.logits is None:
+            # One eager forward at the largest bucket sizes the logits buffer, outside any graph.
+            probe = self._call(model, kv_cache, backend, self.buckets[-1], memos[self.buckets[-1]])
+            self.logits = torch.zeros(self.buckets[-1], probe.shape[-1], dtype=probe.dtype, device=self.device)
+            del probe
+        graphs: dict[int, CapturedGraph] = {}
+        for bucket in reversed(self.buckets):
+            graphs[bucket] = self.capturer.capture(self._forward(model, kv_cache, backend, bucket, memos[bucket]))
+        self._graphs, self._memos = graphs, memos
+        self._cache = weakref.ref(kv_cache)
+        grown = max(self.capturer.memory_reserved() - before, 0)
+        self.stats.captures += 1
+        self.stats.capture_bytes.append(grown)
+        return grown
+
+    def _call(self, model, kv_cache, backend, rows: int, memo: dict) -> torch.Tensor:
+        meta = AttentionMetadata(
+            is_prefill=False, slots=self.slots[:rows], block_tables=self.block_tables[:rows],
+            seq_lens=self.seq_lens[:rows], max_seq_len=self.max_seq_len, backend=backend, _memo=dict(memo),
+        )
+        return model(self.input_ids[:rows], self.positions[:rows], kv_cache, meta)
+
+    def _forward(self, model, kv_cache, backend, rows: int, memo: dict) -> Callable[[], None]:
+        def forward() -> None:
+            self.logits[:rows].copy_(self._call(model, kv_cache, backend, rows, memo))
+
+        return forward
+
+    def release(self) -> None:
+        """Drops the graphs and what they were captured against; buffers and the capturer's
+        pool stay for the next capture."""
+        self._graphs = {}
+        self._memos = {}
+        self._cache = None
+
+    # -- replay -----------------------------------------------------------------------------------
+    def run(self, kv_cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor | None:
+        """Logits [n, vocab] of one decode step from its graph, or None when the step must run
+        eagerly (the reason is counted in stats.eager and logged once).
+
+        input_ids, positions, slots, seq_lens: [n]; block_tables [n, width]; max_seq_len: the
+        longest sequence after this step (a host int). The logits are a view of a static buffer
+        that the next replay overwrites.
+        """
+        rows = input_ids.shape[0]
+        reason = None
+        if not self._graphs:
+            reason = "no graphs captured"
+        elif self._cache is None or self._cache() is not kv_cache:
+            reason = "the KV cache was replaced after capture"
+        elif rows > self.buckets[-1]:
+            reason = f"batch larger than the largest graph ({self.buckets[-1]})"
+        elif max_seq_len > self.max_seq_len:
+            reason = (f"a sequence longer than the {self.max_seq_len} tokens the graphs were captured for "
+                      "(max_total_tokens)")
+        if reason is not None:
+            return self._eager(reason)
+        bucket = next(b for b in self.buckets if b >= rows)
+        # Columns past max_blocks cannot be needed (positions < max_seq_len); narrower tables
+        # leave stale columns, zeroed so no row keeps another batch's blocks.
+        width = min(block_tables.shape[1], self.max_blocks)
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slots[:rows].copy_(slots)
+        self.seq_lens[:rows].copy_(seq_lens)
+        self.block_tables[:rows, :width].copy_(block_tables[:, :width])
+        if width < self.max_blocks:
+            self.block_tables[:rows, width:].zero_()
+        if self._live_rows > rows:
+            self._pad(rows, self._live_rows)  # rows a larger batch left behind
+        self._live_rows = rows
+        self._graphs[bucket].replay()
+        self.stats.replays[bucket] += 1
+        return self.logits[:rows]
+
+    def _pad(self, start: int, stop: int) -> None:
+        self.input_ids[start:stop].zero_()
+        self.positions[start:stop].zero_()
+        self.slots[start:stop].fill_(PAD_SLOT)
+        self.seq_lens[start:stop].zero_()
+        self.block_tables[start:stop].zero_()
+
+    def _eager(self, reason: str) -> None:
+        self.stats.eager[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("decode step runs eagerly, not from a CUDA graph: {}", reason)
+        return None

@@ -1,0 +1,393 @@
+"""Decode steps from CUDA graphs (server/models/cuda_graphs.py, CausalLM's decode path).
+
+CPU tier (always): the graph path runs through `EagerReplayCapturer`, which replays by running
+the recorded forward again against the same static buffers, and fails a replay that issues
+other operators than its capture or reads a device value on the host. The tokens (greedy and
+seeded) and logprobs of the graph path must equal a twin model's eager path: across bucket
+padding, batches that shrink and grow across buckets, batches above the largest bucket (eager),
+sequences longer than the graphs were captured for (eager, with the reason), a replaced KV
+cache (eager). Static buffers are allocated once. The attention is torch's padded decode
+marked graph-safe (it is: its shapes follow max_seq_len, which a graph fixes), so these run
+at full speed; triton-paged runs the same path under TRITON_INTERPRET=1.
+CUDA tier (skipped without a GPU): real torch.cuda.CUDAGraph capture with triton-paged, tokens
+equal to eager.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import write_checkpoint
+
+from text_generation_server.generation.sampling import SamplingParams
+from text_generation_server.layers.attention import TorchAttention, padded_decode
+from text_generation_server.models import get_model
+from text_generation_server.models.batch import Batch
+from text_generation_server.models.cuda_graphs import (
+    DecodeGraphs,
+    EagerReplayCapturer,
+    GraphReplayMismatch,
+    HostSyncError,
+)
+from text_generation_server.models.types import GenerationRequest
+
+torch.set_num_threads(1)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160
+MAX_TOTAL = 48  # what the graphs are captured for
+CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+class GraphSafePadded(TorchAttention):
+    """torch's padded decode everywhere: its shapes come from max_seq_len (fixed in a graph)
+    and the batch size alone, and it never reads a device value on the host."""
+
+    name = "torch-padded"
+    graph_safe = True
+
+    def decode(self, q, key_cache, value_cache, meta, scale, window):
+        return padded_decode(q, key_cache, value_cache, meta, scale, window)
+
+    def capture_memo(self, batch: int, max_seq_len: int, device: torch.device) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("graphs")
+    out = {}
+    for seed, name in enumerate(("llama", "mistral_window")):
+        write_checkpoint(root / name, name, seed=seed + 41)
+        out[name] = str(root / name)
+    return out
+
+
+def load(folder: str, buckets=(), capturer=None, backend=GraphSafePadded, capture: bool = True, **kw):
+    lm = get_model(folder, dtype="float32", block_size=BLOCK_SIZE, cuda_graphs=buckets, graph_capturer=capturer, **kw)
+    if backend is not None:
+        lm.attention = backend(lm.attention.spec)
+    lm.allocate_kv_cache(NUM_BLOCKS)
+    if buckets and capture:
+        lm.capture_decode_graphs(MAX_TOTAL)
+    return lm
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 290) for _ in range(n)]
+
+
+def request(rid: int, prompt_len: int, new: int, seed: int | None = None) -> GenerationRequest:
+    sampling = SamplingParams()
+    if seed is not None:
+        sampling = SamplingParams(do_sample=True, seed=seed, temperature=0.9, top_k=20, repetition_penalty=1.1)
+    return GenerationRequest(id=rid, inputs="", input_ids=ids(prompt_len, rid + 100), max_new_tokens=new,
+                             ignore_eos_token=True, sampling=sampling)
+
+
+class Recorder:
+    def __init__(self, lm):
+        self.lm = lm
+        self.out: dict[int, list[tuple[int, float]]] = {}
+
+    def step(self, batch: Batch) -> Batch | None:
+        generations, batch, _ = self.lm.generate_token(batch)
+        for gen in generations:
+            self.out.setdefault(gen.request_id, []).extend(zip(gen.tokens.ids, gen.tokens.logprobs))
+        return batch
+
+    def steps(self, batch: Batch, n: int) -> Batch | None:
+        for _ in range(n):
+            batch = self.step(batch)
+        return batch
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got[rid]]), torch.tensor([lp for _, lp in want[rid]]),
+                                   atol=1e-5, rtol=0)
+
+
+def padding_scenario(lm) -> dict:
+    """Three requests (two greedy, one seeded) in a bucket of four, then two, then one."""
+    rec = Recorder(lm)
+    batch = lm.make_batch(0, [request(0, 9, 12), request(1, 5, 12, seed=7), request(2, 14, 12)])
+    batch = rec.steps(batch, 4)
+    batch = rec.steps(lm.filter(batch, [2, 1]), 3)
+    rec.steps(lm.filter(batch, [1]), 2)
+    return rec.out
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+def test_graph_tokens_equal_eager_across_padding(folders, name):
+    eager = padding_scenario(load(folders[name]))
+    lm = load(folders[name], buckets=[1, 2, 4], capturer=EagerReplayCapturer())
+    assert_same(padding_scenario(lm), eager)
+    assert lm.graphs.stats.replays == {4: 3, 2: 3, 1: 2}  # the prefill step is eager, decodes are not
+    assert not lm.graphs.stats.eager
+
+
+def test_batches_grow_and_shrink_across_buckets(folders):
+    def scenario(lm):
+        rec = Recorder(lm)
+        batch = lm.make_batch(0, [request(i, 4 + 2 * i, 20, seed=i if i % 2 else None) for i in range(5)])
+        batch = rec.steps(batch, 3)  # 5 rows: bucket 8
+        batch = rec.steps(lm.filter(batch, [0, 3, 4]), 2)  # bucket 4
+        newcomers = rec.step(lm.make_batch(1, [request(10, 7, 20), request(11, 3, 20, seed=5)]))
+        batch = rec.steps(Batch.concatenate([batch, newcomers]), 3)  # 5 again: bucket 8
+        rec.steps(lm.filter(batch, [11]), 2)  # bucket 1
+        return rec.out
+
+    eager = scenario(load(folders["llama"]))
+    lm = load(folders["llama"], buckets=[1, 2, 4, 8], capturer=EagerReplayCapturer())
+    assert_same(scenario(lm), eager)
+    assert lm.graphs.stats.replays == {8: 2 + 3, 4: 2, 1: 2}
+    assert not lm.graphs.stats.eager
+
+
+def test_batches_above_the_largest_bucket_run_eagerly(folders):
+    def scenario(lm):
+        rec = Recorder(lm)
+        batch = lm.make_batch(0, [request(i, 5 + i, 6, seed=3 if i == 1 else None) for i in range(3)])
+        batch = rec.steps(batch, 3)
+        rec.steps(lm.filter(batch, [0, 2]), 2)
+        return rec.out
+
+    eager = scenario(load(folders["llama"]))
+    lm = load(folders["llama"], buckets=[1, 2], capturer=EagerReplayCapturer())
+    assert_same(scenario(lm), eager)
+    assert lm.graphs.stats.eager == {"batch larger than the largest graph (2)": 2}
+    assert lm.graphs.stats.replays == {2: 2}
+
+
+def test_sequences_longer_than_captured_fall_back_clearly(folders):
+    def scenario(lm):
+        rec = Recorder(lm)
+        # 40 prompt tokens + 12 new passes MAX_TOTAL (48) at the 9th step: those steps run eagerly.
+        batch = lm.make_batch(0, [request(0, 40, 12), request(1, 6, 12, seed=1)])
+        rec.steps(batch, 12)
+        return rec.out
+
+    eager = scenario(load(folders["llama"]))
+    lm = load(folders["llama"], buckets=[1, 2], capturer=EagerReplayCapturer())
+    assert_same(scenario(lm), eager)
+    reason = "a sequence longer than the 48 tokens the graphs were captured for (max_total_tokens)"
+    assert lm.graphs.stats.eager == {reason: 3}  # lengths 49, 50, 51 after steps 9-11
+    assert lm.graphs.stats.replays == {2: 8}
+
+
+def test_wider_block_tables_use_the_graph_when_no_sequence_needs_the_extra_columns(folders):
+    def scenario(lm):
+        rec = Recorder(lm)
+        batch = rec.step(lm.make_batch(0, [request(0, 6, 4), request(1, 3, 4, seed=4)]))
+        # A router may hand out more blocks than a request needs: columns past the graphs' max_blocks.
+        extra = -(-MAX_TOTAL // BLOCK_SIZE) + 3 - batch.block_tables.shape[1]
+        batch.block_tables = torch.nn.functional.pad(batch.block_tables, (0, extra))
+        rec.steps(batch, 3)
+        return rec.out
+
+    eager = scenario(load(folders["llama"]))
+    lm = load(folders["llama"], buckets=[2], capturer=EagerReplayCapturer())
+    assert_same(scenario(lm), eager)
+    assert lm.graphs.stats.replays == {2: 3}
+
+
+def test_a_replaced_kv_cache_is_never_replayed(folders):
+    lm = load(folders["llama"], buckets=[1, 2], capturer=EagerReplayCapturer())
+    lm.allocate_kv_cache(NUM_BLOCKS)  # graphs pointed into the old cache
+    assert not lm.graphs.captured
+    rec = Recorder(lm)
+    rec.steps(lm.make_batch(0, [request(0, 5, 3)]), 3)
+    assert lm.graphs.stats.eager == {"no graphs captured": 2}
+    graphs = DecodeGraphs([1], MAX_TOTAL, BLOCK_SIZE, torch.device("cpu"), EagerReplayCapturer())
+    graphs.capture(lm.model, lm.kv_cache, lm.attention)
+    other = load(folders["llama"])
+    batch = other.make_batch(0, [request(0, 5, 3)])
+    assert graphs.run(other.kv_cache, batch.history[:, 0], batch.history_lengths - 1, batch.slot_table[:, 0],
+                      batch.block_tables, batch.history_lengths, 5) is None
+    assert graphs.stats.eager == {"the KV cache was replaced after capture": 1}
+
+
+def test_replay_allocates_no_static_buffers(folders):
+    capturer = EagerReplayCapturer()
+    lm = load(folders["llama"], buckets=[1, 2, 4, 8], capturer=capturer)
+    graphs = lm.graphs
+    before = {name: (t.data_ptr(), t.shape) for name, t in graphs.static_buffers().items()}
+    assert set(before) == {"input_ids", "positions", "slots", "block_tables", "seq_lens", "logits"}
+    assert before["block_tables"][1] == (8, -(-MAX_TOTAL // BLOCK_SIZE))
+    assert capturer.captures == 4
+    padding_scenario(lm)
+    # Re-capturing against a new cache keeps the same buffers.
+    lm.allocate_kv_cache(NUM_BLOCKS)
+    lm.capture_decode_graphs(MAX_TOTAL)
+    assert lm.graphs is graphs
+    padding_scenario(lm)
+    after = {name: (t.data_ptr(), t.shape) for name, t in graphs.static_buffers().items()}
+    assert after == before
+    assert capturer.captures == 8 and capturer.replays == 2 * 8
+
+
+def test_padding_rows_are_reset_when_a_batch_shrinks_within_a_bucket(folders):
+    lm = load(folders["llama"], buckets=[4], capturer=EagerReplayCapturer())
+    batch = lm.make_batch(0, [request(i, 5, 4) for i in range(4)])
+    batch = lm.generate_token(batch)[1]
+    lm.generate_token(batch)
+    batch = lm.filter(batch, [1])
+    lm.generate_token(batch)
+    graphs = lm.graphs
+    assert graphs.seq_lens[1:].tolist() == [0, 0, 0]
+    assert graphs.slots[1:].tolist() == [0, 0, 0]
+    assert graphs.block_tables[1:].abs().sum().item() == 0
+    assert graphs.seq_lens[0].item() == 7
+
+
+def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
+    class Syncing(GraphSafePadded):
+        def decode(self, q, key_cache, value_cache, meta, scale, window):
+            meta.seq_lens.tolist()
+            return super().decode(q, key_cache, value_cache, meta, scale, window)
+
+    with pytest.raises(HostSyncError, match="Tensor.tolist inside a captured decode forward"):
+        load(folders["llama"], buckets=[2], capturer=EagerReplayCapturer(), backend=Syncing)
+
+    class Drifting(GraphSafePadded):
+        calls = 0
+
+        def decode(self, q, key_cache, value_cache, meta, scale, window):
+            Drifting.calls += 1
+            out = super().decode(q, key_cache, value_cache, meta, scale, window)
+            return out * 1.0 if Drifting.calls > 2 * 2 else out  # 2 layers: probe + capture, then replays
+
+    lm = load(folders["llama"], buckets=[2], capturer=EagerReplayCapturer(), backend=Drifting)
+    batch = lm.make_batch(0, [request(0, 5, 4), request(1, 4, 4)])
+    batch = lm.generate_token(batch)[1]
+    with pytest.raises(GraphReplayMismatch, match="replay op"):
+        lm.generate_token(batch)
+
+
+def test_the_rotary_table_is_sized_at_load(folders):
+    lm = load(folders["llama"])
+    rotary = lm.model.rotary
+    assert rotary.max_positions == lm.config.max_position_embeddings == 256
+    cos, _ = rotary.tables(torch.float32)
+    assert cos.shape[0] == 256
+    assert rotary.tables(torch.float16)[0] is rotary.tables(torch.float16)[0]  # cast once
+    with pytest.raises(ValueError, match="position 256 is past the rotary table of 256 positions"):
+        rotary.cos_sin(torch.tensor([3]), torch.float32, max_position=256)
+    assert rotary.tables(torch.float32)[0] is cos  # nothing grew
+
+
+def test_graphs_need_a_graph_safe_backend(folders):
+    lm = load(folders["llama"], buckets=[1, 2], capturer=EagerReplayCapturer(), backend=None, capture=False)
+    assert lm.attention.name == "torch-sdpa"
+    assert "attention backend torch-sdpa is not graph-safe" in lm.graphs_off_reason()
+    with pytest.raises(ValueError, match="CUDA graphs cannot be captured: attention backend torch-sdpa"):
+        lm.capture_decode_graphs(MAX_TOTAL)
+
+
+def test_cpu_ignores_graph_sizes_without_a_capturer(folders):
+    from loguru import logger
+
+    lines = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="DEBUG")
+    try:
+        lm = get_model(folders["llama"], dtype="float32", cuda_graphs=[1, 2, 4])
+    finally:
+        logger.remove(sink)
+    assert lm.graph_buckets == []
+    assert "CUDA graphs [1, 2, 4] ignored on cpu" in lines
+    assert lm.graphs_off_reason() == "not on CUDA (cpu)"
+
+
+def test_warmup_captures_twice_and_decodes_through_a_graph(folders):
+    capturer = EagerReplayCapturer()
+    lm = load(folders["llama"], buckets=[1, 2, 4], capturer=capturer, capture=False, max_batch_size=3)
+    warm = [GenerationRequest(id=0, inputs="", input_ids=ids(20, 1), max_new_tokens=5)]
+    supported = lm.warmup(warm, 24, 24, MAX_TOTAL, 0.5, max_batch_total_tokens=400)
+    assert supported == 400
+    assert lm.graphs.stats.captures == 2  # against the temporary cache, then the real one
+    assert lm.graphs.stats.replays == {4: 1}  # the decode step at max_batch_size 3
+    assert capturer.captures == 2 * 3
+    eager = padding_scenario(load(folders["llama"]))
+    lm.graphs.stats.replays.clear()
+    assert_same(padding_scenario(lm), eager)
+    assert lm.graphs.stats.replays == {4: 3, 2: 3, 1: 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# triton-paged under Triton's interpreter (slow: few tokens)
+
+def test_triton_paged_graph_path_under_the_interpreter(folders, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TGS_ATTENTION_BACKEND", "triton-paged")
+    from text_generation_server.kernels import paged_attention
+
+    # Splits of 8 positions, so short test contexts take the flash-decoding path (a graph fixes
+    # 6 splits for 48 positions; eager steps choose theirs from the step's longest sequence).
+    monkeypatch.setattr(paged_attention, "MIN_SPLIT_TOKENS", 8)
+
+    def scenario(lm):
+        rec = Recorder(lm)
+        batch = lm.make_batch(0, [request(0, 6, 3), request(1, 3, 3, seed=2), request(2, 17, 3)])
+        rec.steps(batch, 3)
+        return rec.out
+
+    eager = scenario(load(folders["mistral_window"], backend=None))
+    lm = load(folders["mistral_window"], buckets=[4], capturer=EagerReplayCapturer(), backend=None)
+    assert lm.attention.name == "triton-paged"
+    assert_same(scenario(lm), eager)
+    assert lm.graphs.stats.replays == {4: 2}
+    memo = lm.graphs._memos[4]
+    assert memo["num_splits"] == lm.attention.splits_for(4, MAX_TOTAL) == 6
+    workspace = memo["decode_workspace"]
+    assert workspace is not None and workspace[0].numel() >= 4 * lm.attention.spec.heads * 6
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: real graphs
+
+@needs_gpu
+def test_cuda_graph_tokens_equal_eager(folders, monkeypatch):
+    """float32 (IEEE dots in triton-paged): a bucket's padded GEMMs may sum in another order
+    than the eager batch's, far below what could change a token; in half precision that
+    difference is an ulp of the logits, which can flip a near tie, so tokens are compared here."""
+    dtype = "float32"
+    monkeypatch.setenv("TGS_ATTENTION_BACKEND", "triton-paged")
+    dev = torch.device("cuda")
+
+    def build(buckets):
+        lm = get_model(folders["llama"], dtype=dtype, device=dev, block_size=16, cuda_graphs=buckets, max_batch_size=5)
+        assert lm.attention.name == "triton-paged"
+        warm = [GenerationRequest(id=0, inputs="", input_ids=ids(40, 1), max_new_tokens=5)]
+        lm.warmup(warm, 64, 64, 128, 0.05, max_batch_total_tokens=4096)
+        return lm
+
+    def scenario(lm):
+        rec = Recorder(lm)
+        batch = lm.make_batch(0, [request(i, 5 + 7 * i, 24, seed=i if i % 2 else None) for i in range(5)])
+        batch = rec.steps(batch, 8)
+        batch = rec.steps(lm.filter(batch, [0, 2, 3]), 8)
+        rec.steps(lm.filter(batch, [3]), 8)
+        return rec.out
+
+    eager_lm = build([])
+    assert eager_lm.graphs is None
+    lm = build([1, 2, 4, 8])
+    assert lm.graphs.buckets == [1, 2, 4, 8]
+    assert lm.graphs.stats.replays == {8: 1}  # warmup's decode step at max_batch_size
+    lm.graphs.stats.replays.clear()
+    got, want = scenario(lm), scenario(eager_lm)
+    for rid in want:
+        assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
+    assert lm.graphs.stats.replays == {8: 7, 4: 8, 1: 8}
+    assert not lm.graphs.stats.eager
+    # The second capture reused the pool the first one measured.
+    first, second = lm.graphs.stats.capture_bytes
+    assert second <= first // 4 + 2 * 2**20, lm.graphs.stats.capture_bytes
