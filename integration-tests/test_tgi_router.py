@@ -60,11 +60,6 @@ TGI_PREFILL = MAX_INPUT + 50  # TGI's default max_batch_prefill_tokens: two warm
 KV_TOKENS = 2048  # --max-batch-total-tokens: keeps the shard's KV cache small on a shared machine
 RPC_TIMEOUT_S = 60.0
 U64_MAX = 2**64 - 1
-# TGI's queue allocates input_length + max_new_tokens - 1 tokens of blocks and slots (the last
-# generated token's K/V is never written). Our shard still demands one more, the bug that
-# test_exact_tgi_allocation_is_accepted records; until it is fixed the other tests hand it that
-# token, so the rest of the conversation is exercised. Set to 0 with the fix.
-SHARD_EXTRA_TOKEN = 1
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "# sort a list\ndef sort(xs):", "def add(a, b):\n    return"]
@@ -260,11 +255,10 @@ class Entry:
 
 
 class TgiQueue:
-    def __init__(self, tokenizer, blocks: RadixBlocks, max_input_tokens: int, extra_token: int = SHARD_EXTRA_TOKEN):
+    def __init__(self, tokenizer, blocks: RadixBlocks, max_input_tokens: int):
         self.tokenizer = tokenizer
         self.blocks = blocks
         self.max_input_tokens = max_input_tokens
-        self.extra_token = extra_token
         self.waiting: list[Entry] = []
         self.next_id = 0
         self.next_batch_id = 0
@@ -287,7 +281,8 @@ class TgiQueue:
         while self.waiting:
             entry = self.waiting[0]
             input_length = len(entry.input_ids)
-            tokens = input_length + entry.max_new_tokens - 1 + self.extra_token
+            # The last generated token's K/V is never written: TGI allocates one token fewer.
+            tokens = input_length + entry.max_new_tokens - 1
             lookup = None if entry.decoder_input_details else entry.input_ids
             allocation = self.blocks.allocate(tokens, lookup)
             if allocation is None:
@@ -339,21 +334,6 @@ class DuplicateGenerations(AssertionError):
     stream its token twice and then panic."""
 
 
-class ShardRejectsTgiSlots(Exception):
-    """The shard refused blocks/slots exactly as TGI's allocator lays them out."""
-
-
-def refused_slots(call, *args):
-    """`call(*args)`, with the shard's refusal of TGI's slot count raised as ShardRejectsTgiSlots."""
-    try:
-        return call(*args)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and ("slots given" in exc.details()
-                                                               or "cannot hold" in exc.details()):
-            raise ShardRejectsTgiSlots(exc.details()) from exc
-        raise
-
-
 @dataclass
 class TgiSession:
     """One TGI router's life on the shards: connected, warmed, then batching."""
@@ -370,8 +350,7 @@ class TgiSession:
     last: list[pb.Generation] = field(default_factory=list)  # the last step's generations
 
     @classmethod
-    def connect(cls, master_socket: str, tokenizer, max_prefill_tokens: int = TGI_PREFILL,
-                extra_token: int = SHARD_EXTRA_TOKEN) -> "TgiSession":
+    def connect(cls, master_socket: str, tokenizer, max_prefill_tokens: int = TGI_PREFILL) -> "TgiSession":
         router = TgiRouter(master_socket)
         router.clear_cache()
         info = router.info()
@@ -381,7 +360,7 @@ class TgiSession:
         assert max_total <= supported, "TGI refuses a KV cache smaller than max_total_tokens"
         blocks = RadixBlocks(supported, info.block_size)
         return cls(router, info, warmup, supported, max_prefill_tokens,
-                   TgiQueue(tokenizer, blocks, max_input, extra_token))
+                   TgiQueue(tokenizer, blocks, max_input))
 
     def prefill(self, batch: pb.Batch, new: dict[int, Entry], cached: pb.CachedBatch | None = None):
         self.entries.update(new)
@@ -753,21 +732,16 @@ def test_errors_tgi_relies_on_leave_the_shard_serving(tgi, reference):
 
 
 # -- 6. TGI's exact allocation ------------------------------------------------------------------------------
-SLOT_BUG = ("server bug: the shard demands blocks/slots for input_length + max_new_tokens tokens "
-            "(models/causal_lm.py CausalLM._check_router_kv); TGI allocates one token fewer (queue.rs, "
-            "radix.rs; its own shards need no more), so a real TGI router's Prefill answers INVALID_ARGUMENT")
-
-
-@pytest.mark.xfail(strict=True, raises=ShardRejectsTgiSlots, reason=SLOT_BUG)
 def test_exact_tgi_allocation_is_accepted(shard, reference):
-    tgi = TgiSession.connect(shard.socket_path(0), reference.tokenizer, extra_token=0)
+    """TGI's queue gives a request blocks and slots for input_length + max_new_tokens - 1 tokens."""
+    tgi = TgiSession.connect(shard.socket_path(0), reference.tokenizer)
     try:
         prompt = PROMPTS[0]
         n = len(reference.tokenizer.encode(prompt, add_special_tokens=True).ids)
         tgi.queue.append(prompt, 8)
         batch, new = tgi.queue.next_batch(tgi.max_prefill_tokens, tgi.max_batch_total_tokens)
         assert len(batch.requests[0].slots) == n + 8 - 1
-        cached = refused_slots(tgi.prefill, batch, new)
+        cached = tgi.prefill(batch, new)
         while cached is not None:
             cached = tgi.decode([cached])
         assert tgi.tokens[0] == reference.tokens(prompt, 8)
@@ -775,9 +749,9 @@ def test_exact_tgi_allocation_is_accepted(shard, reference):
         tgi.router.close()
 
 
-@pytest.mark.xfail(strict=True, raises=ShardRejectsTgiSlots, reason=SLOT_BUG)
 def test_tgi_liveness_prefill_is_answered(tgi):
-    generations, next_batch = refused_slots(tgi.router.prefill, liveness_batch())
+    """TGI's model health check: block 0, one slot, a one-token prompt and one new token."""
+    generations, next_batch = tgi.router.prefill(liveness_batch())
     assert [g.request_id for g in generations] == [U64_MAX] and next_batch is None
 
 
@@ -799,12 +773,14 @@ def test_two_shards_discovered_warmed_and_stepped_together(pair, reference):
         q = tgi.queue
         asked = {q.append(PROMPTS[0], 6): (PROMPTS[0], 6), q.append(PROMPTS[2], 9): (PROMPTS[2], 9)}
         batch, new = q.next_batch(tgi.max_prefill_tokens, tgi.max_batch_total_tokens)
-        # Our router's reading of the fan-out: every rank holds the same batch, rank 0's tokens count.
+        # Every rank holds the same batch; each answers for its share of the requests (id % 2).
         replies = tgi.router.all("Prefill", pb.PrefillRequest(batch=batch))
         tokens, finished = defaultdict(list), set()
         while True:
             assert replies[0].batch == replies[1].batch
-            for g in replies[0].generations:
+            for rank, reply in enumerate(replies):
+                assert all(g.request_id % 2 == rank for g in reply.generations)
+            for g in [g for reply in replies for g in reply.generations]:
                 tokens[g.request_id] += list(g.tokens.ids)
                 if g.HasField("generated_text"):
                     finished.add(g.request_id)
@@ -823,18 +799,15 @@ def test_two_shards_discovered_warmed_and_stepped_together(pair, reference):
         tgi.router.close()
 
 
-@pytest.mark.xfail(strict=True, raises=DuplicateGenerations, reason=(
-    "server bug: every rank returns every request's generation (server/shard.py TextGenerationService."
-    "_step_response); TGI's ShardedClient appends all shards' generations, expecting each request from "
-    "exactly one rank (TGI's shards keep request.id % world_size == rank), so a TGI router sees every "
-    "token twice and panics on the second final generation ('ID not found in entries')"))
 def test_two_shards_generations_merge_as_tgi_expects(pair, reference):
+    """TGI's ShardedClient appends every rank's generations: each request must come from one rank
+    (request.id % world_size == rank, as TGI's shards answer)."""
     tgi = TgiSession.connect(pair[0].socket_path(0), reference.tokenizer)
     try:
         q = tgi.queue
         asked = {q.append(PROMPTS[1], 5): (PROMPTS[1], 5), q.append(PROMPTS[3], 7): (PROMPTS[3], 7)}
         batch, new = q.next_batch(tgi.max_prefill_tokens, tgi.max_batch_total_tokens)
-        cached = tgi.prefill(batch, new)  # DuplicateGenerations while every rank answers for every request
+        cached = tgi.prefill(batch, new)
         assert sorted(g.request_id for g in tgi.last) == sorted(asked)
         while cached is not None:
             cached = tgi.decode([cached])

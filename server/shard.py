@@ -194,10 +194,12 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         max_batch_total_tokens: int | None = None,
         prefix_caching: bool = True,
         stall_timeout_s: float = 300.0,
+        rank: int = 0,
     ):
         self.model = model
         self.uds_path = uds_path
         self.world_size = world_size
+        self.rank = rank
         self.memory_fraction = memory_fraction
         self.max_batch_total_tokens = max_batch_total_tokens
         self.prefix_caching = prefix_caching
@@ -516,7 +518,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns):
         resp = cls(
-            generations=[generation_to_pb(g) for g in generations],
+            # TGI's split: each rank answers for the requests with id % world_size == rank, and the
+            # router merges the ranks' answers (every rank still runs every request).
+            generations=[generation_to_pb(g) for g in generations if g.request_id % self.world_size == self.rank],
             forward_ns=timings.forward_ns,
             decode_ns=timings.decode_ns,
             total_ns=timings.total_ns,
@@ -549,7 +553,7 @@ async def serve_shard(
         options=[("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
     )
     service = TextGenerationService(model, uds_path, world_size, memory_fraction, max_batch_total_tokens,
-                                    prefix_caching, stall_timeout_s)
+                                    prefix_caching, stall_timeout_s, rank)
     pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
     # The socket is owner-only: anyone who can connect can drive the model. gRPC binds
     # in add_insecure_port, so the umask must cover that call (start() is too late).

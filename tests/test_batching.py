@@ -117,7 +117,8 @@ def test_concatenate_and_filter_mid_decode_change_no_tokens(folders, arch, order
     free = lm.allocator.free_blocks
     batch_b = lm.make_batch(1, second())
     used_b = sum(len(s.blocks) for s in batch_b.states)
-    assert used_b == lm.blocks_for(2 + 6) + lm.blocks_for(36 + 11)
+    # A request's last token is never fed back: it needs slots for prompt + max_new_tokens - 1.
+    assert used_b == lm.blocks_for(2 + 6 - 1) + lm.blocks_for(36 + 11 - 1)
     assert lm.allocator.free_blocks == free - used_b
     batch_b = drive(lm, batch_b, 1, tokens)  # prefill of the newcomers
     parts = [batch_a, batch_b] if order == "old_first" else [batch_b, batch_a]
@@ -128,7 +129,7 @@ def test_concatenate_and_filter_mid_decode_change_no_tokens(folders, arch, order
     # Cancel request 2 mid-generation: its blocks go back at once.
     free = lm.allocator.free_blocks
     batch = lm.filter(batch, [r for r in batch.request_ids if r != 2])
-    assert lm.allocator.free_blocks == free + lm.blocks_for(1 + 12)
+    assert lm.allocator.free_blocks == free + lm.blocks_for(1 + 12 - 1)
     assert 2 not in batch.request_ids
     batch = drive(lm, batch, 100, tokens)
     assert batch is None
@@ -217,7 +218,7 @@ def test_kv_blocks_return_to_allocator(folders):
     total = NUM_BLOCKS - 1
     assert lm.allocator.free_blocks == total
     batch = lm.make_batch(0, [greedy(1, PROMPTS[0], 4), greedy(2, PROMPTS[2], 8)])
-    need_1, need_2 = lm.blocks_for(26 + 4), lm.blocks_for(21 + 8)
+    need_1, need_2 = lm.blocks_for(26 + 4 - 1), lm.blocks_for(21 + 8 - 1)
     assert lm.allocator.free_blocks == total - need_1 - need_2
     tokens: dict[int, list[int]] = {}
     batch = drive(lm, batch, 2, tokens)
@@ -252,7 +253,7 @@ def test_router_provided_blocks_and_slots(folders):
         greedy(3, PROMPTS[2], 8),  # self-assigned, in the same batch
     ]
     batch = lm.make_batch(0, requests)
-    assert lm.allocator.free_blocks == free - lm.blocks_for(21 + 8)
+    assert lm.allocator.free_blocks == free - lm.blocks_for(21 + 8 - 1)
     tokens: dict[int, list[int]] = {}
     assert drive(lm, batch, 100, tokens) is None
     assert tokens == expected
@@ -266,12 +267,12 @@ def _bad_cases() -> dict[str, tuple[GenerationRequest, str]]:
         "max_new_tokens 0": (greedy(2, PROMPTS[1], 0), "max_new_tokens must be >= 1"),
         "too long": (greedy(2, PROMPTS[0], 240), r"26 input tokens \+ max_new_tokens 240 = 266 exceeds"),
         "duplicate id": (greedy(1, PROMPTS[1], 5), "request id 1 appears twice"),
-        "slots too few": (greedy(2, PROMPTS[1], 5, blocks=ok_blocks, slots=router_kv(ok_blocks, 6)["slots"][:5]),
-                          "5 slots given, 6 needed"),
+        "slots too few": (greedy(2, PROMPTS[1], 5, blocks=ok_blocks, slots=router_kv(ok_blocks, 6)["slots"][:4]),
+                          "4 slots given, 5 needed"),
         "block past the end": (greedy(2, PROMPTS[1], 5, blocks=[40, NUM_BLOCKS]),
                                rf"blocks \[{NUM_BLOCKS}\] are outside the KV cache of {NUM_BLOCKS} blocks"),
         "negative block": (greedy(2, PROMPTS[1], 5, blocks=[-1, 40]), r"blocks \[-1\] are outside"),
-        "blocks too few": (greedy(2, PROMPTS[0], 10, blocks=[40, 41]), "2 blocks of 4 cannot hold 36 tokens"),
+        "blocks too few": (greedy(2, PROMPTS[0], 10, blocks=[40, 41]), "2 blocks of 4 cannot hold 35 tokens"),
         "slots off the blocks": (greedy(2, PROMPTS[1], 5, blocks=[40, 41], slots=[160, 161, 162, 163, 4, 165]),
                                  "slot 4 for position 4 does not match its blocks"),
         "slots without blocks": (greedy(2, PROMPTS[1], 5, slots=list(range(160, 166))), "without the blocks"),

@@ -95,10 +95,21 @@ class ShardClient:
         request = pb.PrefillRequest(batch=batch)
         if cached is not None:
             request.cached_batch.CopyFrom(cached)
-        return (await self._all("Prefill", request))[0]
+        return self._merged(await self._all("Prefill", request))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
-        return (await self._all("Decode", pb.DecodeRequest(batches=batches)))[0]
+        return self._merged(await self._all("Decode", pb.DecodeRequest(batches=batches)))
+
+    @staticmethod
+    def _merged(results):
+        """One step's answer: rank 0's batch, every rank's generations (each rank answers for its
+        share of the requests, as TGI's shards do), the slowest rank's timings."""
+        first = results[0]
+        for other in results[1:]:
+            first.generations.extend(other.generations)
+            if other.total_ns > first.total_ns:
+                first.forward_ns, first.decode_ns, first.total_ns = other.forward_ns, other.decode_ns, other.total_ns
+        return first
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch | None:
         resp = (await self._all("FilterBatch", pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)))[0]

@@ -62,6 +62,11 @@ class Entry:
         return self.request.input_length + self.request.max_new_tokens
 
     @property
+    def kv_tokens(self) -> int:
+        """Slots the request can fill: its last token is never fed back (TGI allocates the same)."""
+        return max(self.total_tokens - 1, 1)
+
+    @property
     def chunked(self) -> bool:
         return self.first_chunk is not None
 
@@ -123,7 +128,7 @@ class Scheduler:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server is at max_concurrent_requests ({self.limits.max_concurrent_requests}); retry later",
             )
-        if self.pool.blocks_for(request.input_length + request.max_new_tokens) > self.pool.num_blocks - 1:
+        if self.pool.blocks_for(max(request.input_length + request.max_new_tokens - 1, 1)) > self.pool.num_blocks - 1:
             raise StepFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request does not fit in the KV cache")
         entry = Entry(id=next(self._ids), request=request)
         self._inflight += 1
@@ -202,7 +207,7 @@ class Scheduler:
             request = entry.request
             # Prompt logprobs need logits at every prompt position: a cached prefix has none.
             lookup = None if request.decoder_input_details else request.input_ids
-            allocation = self.pool.allocate(entry.total_tokens, lookup)
+            allocation = self.pool.allocate(entry.kv_tokens, lookup)
             if allocation is None:
                 break  # wait for running requests to free blocks; keep FIFO order
             compute = request.input_length - allocation.cache_len
