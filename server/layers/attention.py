@@ -154,6 +154,16 @@ class AttentionBackend:
         (gathered copies of K/V): warmup keeps it free."""
         return 0
 
+    def reserve_decode(self, max_batch: int, max_seq_len: int, device: torch.device) -> int:
+        """Allocates, once at warmup, what decode steps up to these limits need beyond their
+        activations (a split workspace); returns the bytes allocated."""
+        return 0
+
+    def capture_memo(self, batch: int, max_seq_len: int, device: torch.device) -> dict:
+        """Per-forward values a captured decode graph of `batch` rows fixes (split counts,
+        workspaces), put in the metadata's memo. Only graph-safe backends are captured."""
+        raise NotImplementedError(f"attention backend {self.name} cannot be captured in a CUDA graph")
+
 
 def _blocks_of(block_tables: torch.Tensor, row: int, length: int, block_size: int) -> torch.Tensor:
     return block_tables[row, : (length + block_size - 1) // block_size]

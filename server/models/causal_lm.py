@@ -619,9 +619,7 @@ class CausalLM:
         )
         graphs_off = self.graphs_off_reason()
         buckets = [] if graphs_off else graph_buckets_within(self.graph_buckets, decode_rows)
-        reserve = getattr(self.attention, "reserve_decode", None)  # triton-paged: split workspace
-        if reserve is not None:
-            reserve(max([decode_rows, *buckets]), max_total_tokens, self.device)
+        self.attention.reserve_decode(max([decode_rows, *buckets]), max_total_tokens, self.device)
 
         # 2-3: the largest prefill, over a temporary cache.
         try:

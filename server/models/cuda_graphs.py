@@ -257,9 +257,7 @@ class DecodeGraphs:
         if not backend.graph_safe:
             raise ValueError(f"attention backend {backend.name} is not graph-safe: its decode syncs with the host "
                              "or sizes tensors from device values")
-        memo_for = getattr(backend, "capture_memo", None)
-        if memo_for is None:
-            raise ValueError(f"attention backend {backend.name} claims graph_safe but has no capture_memo")
+        memo_for = backend.capture_memo
         self.release()
         self._pad(0, self.buckets[-1])
         self._live_rows = 0
