@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# The one command a GPU session runs: every GPU check of this repository, in steps that each fit
+# one device command (10 minutes), with every output copied to $OUT.
+#
+# Steps (any number, in order: `bash benchmarks/gpu_all.sh STEP [STEP...]`):
+#   fp16          benchmarks/gpu_decode.py --phase serve-fp16: random Llama-3-8B built on the GPU
+#                 (unless the work dir already has it), served fp16 through `serve`
+#   int4          --phase serve-int4: `quantize --method rtn --bits 4 --groupsize 128 --device cuda`
+#                 (building first on a bare machine), served, then the fp16 vs int4 ratio table
+#   decode-all    fp16 then int4 in one command (only when the model is already built: ~10 min)
+#   tests         pytest: the CUDA tests (see select_cuda_tests below)
+#   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py
+#   kernels-quick both with --quick
+#   report        the ratio table from whatever results the work dir holds
+#   prepare-wheels  NOT on the device: downloads the wheels the device lacks into .whl/ (below)
+#
+# 1. Before asking for the device (here, on the CPU machine, with network):
+#      bash benchmarks/gpu_all.sh prepare-wheels
+#    It runs, for NAME in loguru protobuf grpcio grpcio-health-checking grpcio-reflection typer click,
+#    at the version installed in .venv (the versions the test suite passed with):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#        -d .whl NAME==VERSION
+#    Why these: the device (Python 3.12, torch, triton, transformers, tokenizers, safetensors, numpy,
+#    typer, prometheus_client, pytest, hypothesis) has no loguru, grpcio-health-checking or
+#    grpcio-reflection; our generated stubs need protobuf >= 7.35.1 and grpcio >= 1.85.1, which its
+#    image does not promise (grpcio is carried although the device has one: its version is not
+#    recorded, and a too-old one fails at import); typer and click are pinned to the tested pair.
+#    .whl/ is git-ignored, so every device call names it in carry (about 8 MB).
+#
+# 2. Device commands, most important first; issue each right after the previous one returns (the
+#    machine stays warm only 30 s, and the work dir in /tmp with the 16 GB model goes with it):
+#      run(command="bash benchmarks/gpu_all.sh fp16",    carry=[".whl"], timeout_s=600)
+#      run(command="bash benchmarks/gpu_all.sh int4",    carry=[".whl"], timeout_s=600)
+#      run(command="bash benchmarks/gpu_all.sh tests",   carry=[".whl"], timeout_s=600)
+#      run(command="bash benchmarks/gpu_all.sh kernels", carry=[".whl"], timeout_s=600)
+#    Each command stops its steps by ~590 s (TGS_COMMAND_LIMIT_S) so that $OUT still comes back.
+#    On a bare machine `int4` rebuilds the model first (the build is seeded: the same weights).
+#
+# 3. Afterwards, here (the report needs no GPU), with the files each call brought back:
+#      python benchmarks/gpu_decode.py --phase report --out /tmp/gpu-report \
+#        --inputs FILES_AT_FP16/gpu_decode_fp16.json FILES_AT_INT4/gpu_decode_int4.json
+#    and copy the table (GPU name and date in it) into BENCHMARKS.md.
+#
+# Environment: TGS_GPU_DECODE_ARGS (extra gpu_decode.py flags, e.g. "--batches 1,8 --prefill-reps 1"
+# when time is short), TGS_GPU_WORK (work dir, default /tmp/tgs-gpu-decode), TGS_COMMAND_LIMIT_S
+# (default 590), TGS_WHEELS (a wheel folder), TGS_ALLOW_NO_GPU=1 (a CPU dry run of this script with
+# TGS_GPU_DECODE_ARGS="--device cpu --dtype float32 --layers 2 --hidden 128 ..."; see gpu_decode.py).
+#
+# $OUT gets at most 8 files per command: gpu_all_<step>.log per step, and from the decode steps
+# gpu_decode_<model>.json, server_<model>.log, gpu_decode_summary.json, gpu_decode_table.md.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$PWD
+START=$SECONDS
+LIMIT=${TGS_COMMAND_LIMIT_S:-590}
+WORK=${TGS_GPU_WORK:-/tmp/tgs-gpu-decode}
+WHEEL_NAMES=(loguru protobuf grpcio grpcio-health-checking grpcio-reflection typer click)
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+prepare_wheels() {
+    local py=$PY
+    [ -x .venv/bin/python ] && py=.venv/bin/python
+    mkdir -p .whl
+    local name version
+    for name in "${WHEEL_NAMES[@]}"; do
+        version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") || {
+            echo "prepare-wheels: $name is not installed in $py; install the project's venv first" >&2; return 1; }
+        rm -f .whl/"${name//-/_}"-*.whl
+        "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d .whl "$name==$version" || { echo "prepare-wheels: no wheel for $name==$version" >&2; return 1; }
+    done
+    ls -la .whl
+    du -sh .whl
+}
+
+left() { echo $((LIMIT - (SECONDS - START))); }
+
+# Makes text_generation_server importable without installing anything: a folder whose package
+# links to server/, kernels/ and quantizers/ as pyproject.toml maps them (setuptools' editable
+# install needs a newer setuptools than a bare image may have, and writes outside /tmp).
+setup() {
+    mkdir -p "${OUT:=$REPO/gpu-out}"
+    export OUT
+    local wheels=""
+    for d in ${TGS_WHEELS:-} .whl shared/wheels; do
+        if compgen -G "$d/*.whl" >/dev/null; then wheels=$d; break; fi
+    done
+    if [ -n "$wheels" ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$wheels"/*.whl || { echo "setup: installing the wheels of $wheels failed" >&2; return 1; }
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "setup: no wheels in .whl/ or shared/wheels (carry .whl): relying on what the machine has" >&2
+    fi
+    local shim=/tmp/tgs-shim/text_generation_server entry
+    rm -rf /tmp/tgs-shim && mkdir -p "$shim"
+    for entry in "$REPO"/server/*; do ln -s "$entry" "$shim/"; done
+    ln -s "$REPO/kernels" "$shim/kernels"
+    ln -s "$REPO/quantizers" "$shim/quantizers"
+    export PYTHONPATH=/tmp/tgs-shim${PYTHONPATH:+:$PYTHONPATH}
+    # Fails in seconds, naming what is missing, rather than minutes into a step.
+    "$PY" - <<'EOF' || return 1
+import importlib, importlib.metadata as md, os, sys
+missing = []
+for module, dist in [("loguru", "loguru"), ("grpc_health.v1", "grpcio-health-checking"),
+                     ("grpc_reflection.v1alpha", "grpcio-reflection"), ("typer", "typer"),
+                     ("prometheus_client", "prometheus-client"), ("tokenizers", "tokenizers"),
+                     ("safetensors", "safetensors"), ("triton", "triton")]:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        missing.append(f"{dist} ({exc})")
+try:
+    import text_generation_server.pb.text_generation.v1.text_generation_pb2_grpc  # noqa: F401
+    import text_generation_server.pb.generate.v3.generate_pb2_grpc  # noqa: F401
+except Exception as exc:
+    missing.append(f"our gRPC stubs ({exc}): carry the protobuf and grpcio wheels")
+import torch
+if missing:
+    sys.exit("setup: missing " + "; ".join(missing) + " (bash benchmarks/gpu_all.sh prepare-wheels, carry .whl)")
+versions = {d: md.version(d) for d in ("torch", "triton", "grpcio", "protobuf", "transformers")}
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE"
+import text_generation_server
+print(f"setup: {gpu}; python {sys.version.split()[0]}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+      + f"; text_generation_server from {text_generation_server.__file__}")
+if not torch.cuda.is_available() and os.environ.get("TGS_ALLOW_NO_GPU") != "1":
+    sys.exit("setup: torch sees no CUDA device")
+EOF
+}
+
+# A decode step's server runs in its own session; if the step was killed, stop what it left.
+stop_left_server() {
+    local pidfile=$WORK/server.pgid
+    if [ -f "$pidfile" ]; then
+        kill -KILL -- "-$(cat "$pidfile")" 2>/dev/null && echo "stopped a server left by the step" >&2
+        rm -f "$pidfile"
+    fi
+}
+
+# run_step NAME WANT_SECONDS COMMAND...: under timeout (what is left of the command's limit, at
+# most WANT_SECONDS), output to the console and $OUT/gpu_all_NAME.log.
+run_step() {
+    local name=$1 want=$2
+    shift 2
+    local budget
+    budget=$(($(left) - 5))
+    ((budget > want)) && budget=$want
+    if ((budget < 30)); then
+        echo "== $name: skipped, only ${budget} s left of this command" | tee -a "$OUT/gpu_all_$name.log"
+        return 1
+    fi
+    echo "== $name (timeout ${budget} s): $*" | tee -a "$OUT/gpu_all_$name.log"
+    local started=$SECONDS rc
+    timeout --signal=TERM --kill-after=20 "$budget" "$@" 2>&1 | tee -a "$OUT/gpu_all_$name.log"
+    rc=${PIPESTATUS[0]}
+    stop_left_server
+    echo "== $name: exit $rc after $((SECONDS - started)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')" |
+        tee -a "$OUT/gpu_all_$name.log"
+    return "$rc"
+}
+
+# There is no `cuda` marker in pyproject.toml; the CUDA tests are the items carrying a skipif mark
+# whose reason names CUDA or a GPU (a module-level pytestmark counts), plus items whose id names
+# cuda (test_sampling.py's cuda parameter, the test_cuda_* functions). On 2026-11-24 that selects
+# 63 of 2497 tests on a CPU machine, from test_triton_kernels.py, test_paged_attention.py,
+# test_cuda_graphs.py, test_warmup_memory.py, test_fp8.py, test_marlin.py, test_exl2.py,
+# test_attention_backends.py, test_kernels.py, test_serve_flags.py and test_bitsandbytes.py (no
+# bitsandbytes on the device: its tests skip); a test that calls pytest.skip() in its body
+# without a mark is missed. If a `cuda` marker is registered, `-m cuda` is used instead.
+select_cuda_tests() {
+    mkdir -p /tmp/tgs-pytest
+    cat >/tmp/tgs-pytest/tgs_cuda_select.py <<'EOF'
+import re
+
+GPU = re.compile(r"cuda|gpu", re.IGNORECASE)
+
+
+def _wants_gpu(item) -> bool:
+    for mark in item.iter_markers("skipif"):
+        if GPU.search(str(mark.kwargs.get("reason", ""))):
+            return True
+    return "cuda" in item.nodeid.split("::", 1)[-1].lower()
+
+
+def pytest_collection_modifyitems(config, items):
+    keep = [item for item in items if _wants_gpu(item)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+EOF
+}
+
+step_tests() {
+    local selection=(-p tgs_cuda_select)
+    if "$PY" -m pytest --markers 2>/dev/null | grep -q '^@pytest.mark.cuda:'; then
+        selection=(-m cuda)
+    else
+        select_cuda_tests
+    fi
+    PYTHONPATH=/tmp/tgs-pytest:$PYTHONPATH run_step tests 560 "$PY" -m pytest tests "${selection[@]}" -q -rfEs \
+        --continue-on-collection-errors -p no:cacheprovider --junitxml "$OUT/pytest_cuda.xml"
+}
+
+decode() {  # decode NAME PHASE
+    # shellcheck disable=SC2086  # TGS_GPU_DECODE_ARGS is a list of flags
+    run_step "$1" 580 "$PY" benchmarks/gpu_decode.py --phase "$2" --work-dir "$WORK" --out "$OUT" \
+        ${TGS_GPU_DECODE_ARGS:-}
+}
+
+main() {
+    if [ $# -eq 0 ]; then
+        sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
+        return 2
+    fi
+    if [ "$1" = prepare-wheels ]; then
+        prepare_wheels
+        return
+    fi
+    local step
+    for step in "$@"; do
+        case $step in
+            fp16 | int4 | decode-all | report | tests | kernels | kernels-quick) ;;
+            *)
+                echo "unknown step '$step' (fp16, int4, decode-all, tests, kernels, kernels-quick, report;" \
+                    "prepare-wheels alone, off the device)" >&2
+                return 2
+                ;;
+        esac
+    done
+    setup || return 3
+    local status=0
+    for step in "$@"; do
+        case $step in
+            fp16) decode fp16 serve-fp16 || status=1 ;;
+            int4) decode int4 serve-int4 || status=1 ;;
+            decode-all) decode fp16 serve-fp16 && decode int4 serve-int4 || status=1 ;;
+            report) run_step report 60 "$PY" benchmarks/gpu_decode.py --phase report --work-dir "$WORK" \
+                --out "$OUT" || status=1 ;;
+            tests) step_tests || status=1 ;;
+            kernels)
+                run_step kernels_cuda 280 "$PY" benchmarks/kernels_cuda.py || status=1
+                run_step attention_cuda 280 "$PY" benchmarks/attention_cuda.py || status=1
+                ;;
+            kernels-quick)
+                run_step kernels_cuda 200 "$PY" benchmarks/kernels_cuda.py --quick || status=1
+                run_step attention_cuda 200 "$PY" benchmarks/attention_cuda.py --quick || status=1
+                ;;
+        esac
+    done
+    echo "gpu_all: steps $* done in $((SECONDS - START)) s, exit $status; outputs in $OUT:"
+    ls -la "$OUT"
+    return $status
+}
+
+main "$@"
