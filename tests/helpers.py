@@ -334,3 +334,10 @@ def rank_kernel_names(pg, folders: dict[str, str]) -> dict[str, dict[str, str]]:
     from text_generation_server.models import get_model
 
     return {name: kernel_names(get_model(folder, dtype="float32", process_group=pg)) for name, folder in folders.items()}
+
+
+def needs_gpu(test):
+    """A GPU-only test: marked `cuda` (`pytest -m cuda` on a GPU machine) and skipped without a GPU."""
+    import pytest
+
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))

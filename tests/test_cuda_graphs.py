@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from helpers import write_checkpoint
+from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.layers.attention import TorchAttention, padded_decode
@@ -39,7 +39,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 MAX_TOTAL = 48  # what the graphs are captured for
 CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
 
 
 class GraphSafePadded(TorchAttention):

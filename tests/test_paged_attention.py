@@ -24,6 +24,7 @@ import sys
 
 import pytest
 import torch
+from helpers import needs_gpu
 
 from text_generation_server.kernels import paged_attention as pa
 
@@ -31,7 +32,7 @@ torch.set_num_threads(1)
 
 triton = pytest.importorskip("triton")  # the CPU tier runs the kernels in Triton's interpreter
 CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
 BOUND = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_weight
+from helpers import make_weight, needs_gpu
 
 from text_generation_server.kernels import tinygemm as tgm
 from text_generation_server.kernels import triton_gemm as tg
@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 
 triton = pytest.importorskip("triton")  # the CPU tiers run the kernels in Triton's interpreter
 CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 

@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from helpers import write_checkpoint
+from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.models import get_model
@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 
 MIB, GIB = 2**20, 2**30
 CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
 
 
 # ---------------------------------------------------------------------------------------------
