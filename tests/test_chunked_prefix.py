@@ -275,3 +275,12 @@ def test_torch_backend_reads_a_cached_prefix_through_the_block_table():
         want = sequence_attention(q[start:start + n], flat_k, flat_v, c, 0.5, None)
         torch.testing.assert_close(out[start:start + n], want)
         start += n
+
+
+def test_prompt_logprobs_computed_a_few_rows_at_a_time_are_the_same(folders, monkeypatch):
+    lm = load(folders["llama"])
+    prompt = ids(17, 21)
+    whole = run(lm, lm.make_batch(0, [request(1, prompt, 2, prefill_logprobs=True)]))[1]
+    monkeypatch.setattr(type(lm), "PROMPT_LOGIT_ELEMENTS", 3 * lm.config.vocab_size)  # 3 rows per piece
+    pieces = run(lm, lm.make_batch(1, [request(1, prompt, 2, prefill_logprobs=True)]))[1]
+    assert_same(pieces, whole)

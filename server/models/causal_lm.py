@@ -479,15 +479,28 @@ class CausalLM:
             block_tables=tables, backend=self.attention,
         )
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        all_logits = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows)
+        hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows, head=False)
         for span in spans:
-            first = span.state.prefilled
-            wanted = torch.tensor(span.state.prompt_ids[first + 1:first + 1 + span.count], device=self.device)
-            rows_logits = all_logits[span.row:span.row + span.count]
-            span.values = rows_logits.gather(1, wanted[:, None]).squeeze(1) - torch.logsumexp(rows_logits, dim=-1)
-        if len(last_rows) == all_logits.shape[0]:
-            return all_logits, emit, spans
-        return all_logits[torch.tensor(last_rows, dtype=torch.long, device=self.device)], emit, spans
+            span.values = self._prompt_logprobs(span, hidden)
+        if len(last_rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=self.device))
+        return self.model.logits(hidden), emit, spans
+
+    # Rows of vocabulary-wide logits computed at once for prompt logprobs: a 32k-token prompt
+    # over a 128k vocabulary would otherwise hold 16 GiB of float32 logits.
+    PROMPT_LOGIT_ELEMENTS = 2**26
+
+    def _prompt_logprobs(self, span: "_PromptSpan", hidden: torch.Tensor) -> torch.Tensor:
+        """log p(token p+1 | prefix) for the span's rows, the vocabulary's logits a piece at a time."""
+        first = span.state.prefilled
+        wanted = torch.tensor(span.state.prompt_ids[first + 1:first + 1 + span.count], device=self.device)
+        out = torch.empty(span.count, dtype=torch.float32, device=self.device)
+        step = max(1, self.PROMPT_LOGIT_ELEMENTS // max(self._vocab_size, 1))
+        for start in range(0, span.count, step):
+            stop = min(start + step, span.count)
+            logits = self.model.logits(hidden[span.row + start:span.row + stop])
+            out[start:stop] = logits.gather(1, wanted[start:stop, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return out
 
     def _decode_forward(self, batch: Batch) -> torch.Tensor:
         """Logits of every row's next token: from a CUDA graph when one serves the batch, else

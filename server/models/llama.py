@@ -290,8 +290,10 @@ class LlamaForCausalLM(torch.nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
+        # (head=False: the final normed hidden states of those rows, for `logits` in pieces)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, meta.max_position)
         for layer in self.layers:
@@ -299,4 +301,8 @@ class LlamaForCausalLM(torch.nn.Module):
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)
+        return self.logits(hidden) if head else hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [rows, hidden] (normed) -> [rows, vocab] float32
         return self.lm_head(hidden).float()
