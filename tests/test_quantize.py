@@ -568,3 +568,18 @@ def test_progress_reporter(log_lines):
     assert log_lines[0] == "job: layer 1/2, pass 1/2 1/4 batches; 10% done, elapsed 0:00:30, ETA 0:04:30"
     with pytest.raises(ValueError, match="positive amount of work"):
         Progress(0)
+
+
+@pytest.mark.parametrize("k", [7, 64, 600, 1100])
+def test_inverse_cholesky_is_the_upper_factor_of_the_inverse(k):
+    from text_generation_server.quantizers import gptq_solver
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(k + 16, k, generator=gen, dtype=torch.float64) * torch.exp(torch.randn(k, generator=gen,
+                                                                                          dtype=torch.float64))
+    h = (2 * x.t() @ x / x.shape[0]).float()
+    upper, damp = gptq_solver._inverse_cholesky(h, 0.01)
+    assert damp == pytest.approx(0.01 * float(h.diag().mean()))
+    assert torch.equal(upper, upper.triu()) and bool((upper.diagonal() > 0).all())
+    want = torch.linalg.cholesky(torch.linalg.inv(h.double() + damp * torch.eye(k, dtype=torch.float64)), upper=True)
+    torch.testing.assert_close(upper.double(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
