@@ -16,6 +16,7 @@ time per unit so far times the units left.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -28,6 +29,14 @@ def clock(seconds: float) -> str:
     """h:mm:ss, the form every progress line uses."""
     seconds = int(round(max(0.0, seconds)))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _columns(stream: TextIO) -> int:
+    """The terminal width behind `stream`, 0 when unknown."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 class Progress:
@@ -70,12 +79,17 @@ class Progress:
         if self.live:
             from tqdm import tqdm
 
+            # Follow the terminal's size where it has one; a pseudo-terminal without a size (some CI
+            # runners, `script`) reports 0 x 0, on which tqdm would draw nothing.
+            dynamic = _columns(self.stream) > 0
+            shape = dict(dynamic_ncols=True) if dynamic else dict(ncols=100, nrows=24)
             self._tqdm = tqdm
-            self._overall = tqdm(total=self.total, file=self.stream, position=0, smoothing=0, dynamic_ncols=True,
-                                 mininterval=0.2, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
+            self._overall = tqdm(total=self.total, file=self.stream, position=0, smoothing=0, mininterval=0.2,
+                                 bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}", **shape)
             self._overall.set_description_str(title, refresh=False)
-            self._step_bar = tqdm(total=1, file=self.stream, position=1, leave=False, dynamic_ncols=True,
-                                  mininterval=0.2, bar_format="  {desc}: {n_fmt}/{total_fmt} {unit} [{rate_fmt}]")
+            self._step_bar = tqdm(total=1, file=self.stream, position=1, leave=False, mininterval=0.2, unit="steps",
+                                  desc="starting", bar_format="  {desc}: {n_fmt}/{total_fmt} {unit} [{rate_fmt}]",
+                                  **shape)
         self._thread = threading.Thread(target=self._report, name=f"{title}-progress", daemon=True)
         self._thread.start()
 
