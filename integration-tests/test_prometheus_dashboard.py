@@ -209,6 +209,9 @@ def test_draining_is_not_serving_while_requests_finish(server):
     calls = [stub.GenerateStream(request(prompt, max_new_tokens=200), timeout=60) for _ in range(LONG_REQUESTS)]
     first = next(calls[0])  # generation is running, the rest are queued behind --max-batch-size 2
     assert first.token.text is not None
+    # Every call reached the scheduler (a call still being validated when the drain starts is refused).
+    poll_metrics(server, lambda s: s.value("tgi_queue_size", None) + s.value("tgi_batch_current_size", None)
+                 == LONG_REQUESTS)
     server.proc.send_signal(signal.SIGTERM)
     listed = None
     deadline = time.monotonic() + 10
