@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -611,19 +612,13 @@ class CausalLM:
         self._drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
         limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
         scratch_bytes = 0
-        try:
+        with self._warmup_phase(f"the kernels' scratch space for {limits} does not fit in memory",
+                                "; lower --max-batch-prefill-tokens (it sizes the split-K and dequantized-weight "
+                                "buffers) or --max-input-tokens"):
             for module in self.model.modules():
                 prepare = getattr(module, "prepare_scratch", None)
                 if prepare is not None:
                     scratch_bytes += int(prepare(max_tokens=max_prefill_tokens, max_input_tokens=max_input_tokens) or 0)
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise WarmupError(
-                    f"the kernels' scratch space for {limits} does not fit in memory ({exc}); lower "
-                    "--max-batch-prefill-tokens (it sizes the split-K and dequantized-weight buffers) or "
-                    "--max-input-tokens"
-                ) from exc
-            raise
         scratch_note = f" with {scratch_bytes / 2**20:.1f} MiB of kernel scratch reserved" if scratch_bytes else ""
 
         decode_rows, decode_why = decode_batch_limit(
@@ -635,7 +630,9 @@ class CausalLM:
         self.attention.reserve_decode(max([decode_rows, *buckets]), max_total_tokens, self.device)
 
         # 2-3: the largest prefill, over a temporary cache.
-        try:
+        after_prefill = f"after the prefill of max_batch_prefill_tokens={max_prefill_tokens}"
+        with self._warmup_phase(f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} "
+                                "does not fit in memory", "; lower --max-batch-prefill-tokens"):
             prompt_blocks = sum(self.blocks_for(len(self.tokenize(r)) + 1) for r in requests)
             self.allocate_kv_cache(1 + max(prompt_blocks, self.blocks_for(2)))
             batch = self.make_batch(0, requests)
@@ -643,42 +640,20 @@ class CausalLM:
             _, next_batch, prefill_timings = self.generate_token(batch)
             if next_batch is not None:
                 self.release(next_batch)
-        except Exception as exc:
-            self._drop_kv_cache()
-            if is_out_of_memory(exc):
-                raise WarmupError(
-                    f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} does not fit "
-                    f"in memory ({exc}); lower --max-batch-prefill-tokens"
-                ) from exc
-            raise
         # 4: graphs, then a decode step at the largest batch.
         graph_bytes = 0
         if buckets:
-            try:
+            with self._warmup_phase(f"capturing CUDA graphs for batch sizes {buckets} does not fit in memory "
+                                    f"{after_prefill}",
+                                    "; lower --cuda-graphs (0 turns them off) or --max-batch-prefill-tokens"):
                 graph_bytes = self.capture_decode_graphs(max_total_tokens, buckets)
-            except Exception as exc:
-                self._drop_kv_cache()
-                if is_out_of_memory(exc):
-                    raise WarmupError(
-                        f"capturing CUDA graphs for batch sizes {buckets} does not fit in memory after the "
-                        f"prefill of max_batch_prefill_tokens={max_prefill_tokens} ({exc}); lower --cuda-graphs "
-                        "(0 turns them off) or --max-batch-prefill-tokens"
-                    ) from exc
-                raise
-        try:
+        with self._warmup_phase(f"a decode step at the largest batch, {decode_rows} requests ({decode_why}), does "
+                                f"not fit in memory {after_prefill}",
+                                "; lower --max-batch-size or --max-batch-prefill-tokens"):
             decode_batch = self._warmup_decode_batch(decode_rows, batch.states[0].prompt_ids[0])
             _, next_batch, decode_timings = self.generate_token(decode_batch)
             if next_batch is not None:
                 self.release(next_batch)
-        except Exception as exc:
-            self._drop_kv_cache()
-            if is_out_of_memory(exc):
-                raise WarmupError(
-                    f"a decode step at the largest batch, {decode_rows} requests ({decode_why}), does not fit in "
-                    f"memory after the prefill of max_batch_prefill_tokens={max_prefill_tokens} ({exc}); lower "
-                    "--max-batch-size or --max-batch-prefill-tokens"
-                ) from exc
-            raise
         decode_path = "eager"
         if self.graphs is not None and sum(self.graphs.stats.replays.values()):
             decode_path = f"graph {next(b for b in self.graphs.buckets if b >= decode_rows)}"
@@ -703,18 +678,11 @@ class CausalLM:
                 "is kept), or raise --memory-fraction / --cuda-memory-fraction"
             )
         # 7: the real cache, and the graphs against it.
-        try:
+        with self._warmup_phase(f"allocating {plan.num_blocks} KV blocks and capturing the graphs again failed",
+                                "; lower --memory-fraction"):
             self.allocate_kv_cache(plan.num_blocks)
             if buckets:
                 self.capture_decode_graphs(max_total_tokens, buckets)
-        except Exception as exc:
-            self._drop_kv_cache()
-            if is_out_of_memory(exc):
-                raise WarmupError(
-                    f"allocating {plan.num_blocks} KV blocks and capturing the graphs again failed ({exc}); lower "
-                    "--memory-fraction"
-                ) from exc
-            raise
         self.max_prefill_tokens = max_prefill_tokens
         graphs_note = (f"CUDA graphs {buckets} ({graph_bytes / mib:.1f} MiB)" if buckets
                        else f"CUDA graphs off ({graphs_off or 'no bucket within the largest batch'})")
@@ -727,6 +695,18 @@ class CausalLM:
             plan.num_blocks * self.kv_bytes_per_block / mib, figures, capped,
         )
         return usable
+
+    @contextmanager
+    def _warmup_phase(self, failure: str, advice: str):
+        """Out of memory inside the block is a WarmupError: "{failure} ({the error}){advice}".
+        Any failure drops the KV cache warmup was building."""
+        try:
+            yield
+        except Exception as exc:
+            self._drop_kv_cache()
+            if is_out_of_memory(exc):
+                raise WarmupError(f"{failure} ({exc}){advice}") from exc
+            raise
 
     def _warmup_decode_batch(self, rows: int, token: int) -> Batch:
         """`rows` requests past their one-token prompt, all reading and writing block 1: a decode
