@@ -34,7 +34,7 @@ from loguru import logger
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models.batch import Batch, OutOfBlocksError
-from text_generation_server.models.causal_lm import CausalLM, WarmupError
+from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.types import (
     BatchNotFound,
     CachedBatchInfo,
@@ -44,6 +44,7 @@ from text_generation_server.models.types import (
     StepTimings,
     Tokens,
 )
+from text_generation_server.models.warmup import WarmupError
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 

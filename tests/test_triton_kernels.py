@@ -469,7 +469,7 @@ def test_warmup_sizes_scratch_once_before_the_forward(tiny_lm, monkeypatch):
 
 
 def test_warmup_names_the_limit_when_scratch_does_not_fit(tiny_lm, monkeypatch):
-    from text_generation_server.models.causal_lm import WarmupError
+    from text_generation_server.models.warmup import WarmupError
     from text_generation_server.models.types import GenerationRequest
 
     probe = _ScratchProbe(fail=True)
@@ -482,7 +482,7 @@ def test_warmup_names_the_limit_when_scratch_does_not_fit(tiny_lm, monkeypatch):
 
 
 def test_warmup_forward_oom_reports_the_scratch(tiny_lm, monkeypatch):
-    from text_generation_server.models.causal_lm import WarmupError
+    from text_generation_server.models.warmup import WarmupError
     from text_generation_server.models.types import GenerationRequest
 
     probe = _ScratchProbe(fail=False)

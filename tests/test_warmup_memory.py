@@ -23,7 +23,7 @@ from helpers import needs_gpu, write_checkpoint
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.models import get_model
 from text_generation_server.models.batch import Batch
-from text_generation_server.models.causal_lm import WarmupError, decode_batch_limit, graph_buckets_within
+from text_generation_server.models.warmup import WarmupError, decode_batch_limit, graph_buckets_within
 from text_generation_server.models.cuda_graphs import EagerReplayCapturer
 from text_generation_server.models.types import GenerationRequest
 from text_generation_server.utils import memory
