@@ -152,7 +152,10 @@ class QuantKernel(ABC):
     name: str = "kernel"
     # True for kernels that dequantize the weight once into a dense copy in the activation dtype
     # (so the layer takes dense memory and runs at dense speed): on CUDA such a kernel is only
-    # used when the operator allows it (see check_dense_fallback).
+    # used when the operator allows it (see check_dense_fallback). They are `reference`, the
+    # bitsandbytes 4-bit `reference` and `fp8-dense`. sparse-2:4 also dequantizes, but into the
+    # 2:4 compressed form (half the values) that the sparse tensor cores run: a deliberate
+    # choice for a 2:4 checkpoint, not a fallback, so it is not flagged.
     dense_copy: ClassVar[bool] = False
 
     @classmethod
