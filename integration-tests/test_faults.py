@@ -279,9 +279,11 @@ def test_model_failure_frees_the_blocks_a_shard_assigned_itself(inproc):
     own = 10**12
     req = spb.Request(id=own, inputs="def f(x):", parameters=greedy, add_special_tokens=True,
                       stopping_parameters=spb.StoppingCriteriaParameters(max_new_tokens=40, ignore_eos_token=True))
+    # Armed first: the shard computes the batch's first decode ahead as soon as the prefill answers,
+    # and the Decode below then reports that step's failure.
+    inproc.fault.arm("decode", min_rows=1)
     first = shard.Prefill(spb.PrefillRequest(batch=spb.Batch(id=own, requests=[req], size=1)), timeout=30)
     assert allocator.free_blocks < free_before, "the shard should have assigned blocks itself"
-    inproc.fault.arm("decode", min_rows=1)
     err = rpc_error(shard.Decode, spb.DecodeRequest(batches=[first.batch]), timeout=30)
     assert err.code() == grpc.StatusCode.INTERNAL and "RuntimeError" in err.details(), err.details()
     assert allocator.free_blocks == free_before, "the failed batch kept its KV blocks"
