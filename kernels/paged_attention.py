@@ -38,17 +38,11 @@ a correctness setting.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module must import on machines without Triton
-    triton = None
-    tl = None
+from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_HEAD_DIM = 256
@@ -65,13 +59,6 @@ _TILE_BYTES = 16 * 1024
 
 
 # -- environment -------------------------------------------------------------------------------
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
 
 def paged_attention_available(device: torch.device) -> tuple[bool, str]:
     """(True, "") when the kernels can run on `device`, else (False, the reason in words).
@@ -92,7 +79,7 @@ def paged_attention_available(device: torch.device) -> tuple[bool, str]:
             return False, f"needs compute capability 8.0+, got {cap[0]}.{cap[1]}"
         return True, ""
     if device.type == "cpu":
-        if _interpreting():
+        if interpreting():
             return True, ""
         return False, "CPU tensors run only under TRITON_INTERPRET=1 (Triton's interpreter)"
     return False, f"device type {device.type} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
@@ -141,7 +128,7 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     loads with this one's math. The interpreter uses 16-key tiles so small tests cross tiles
     and blocks both ways.
     """
-    if _interpreting():
+    if interpreting():
         return 16, 4, 1
     dp = max(16, _pow2(head_dim))
     block_n = max(16, min(64, _TILE_BYTES // (dp * dtype.itemsize)))
@@ -159,7 +146,7 @@ def _prefill_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[i
     overlap the next K/V tile's loads with this one's dots. The interpreter uses 16 x 16 tiles
     (see _decode_config).
     """
-    if _interpreting():
+    if interpreting():
         return 16, 16, 4, 1
     dp = max(16, _pow2(head_dim))
     wide = dtype == torch.float32
@@ -172,19 +159,6 @@ def _prefill_config(max_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[i
 
 
 # -- Triton kernels ----------------------------------------------------------------------------
-
-_JIT: dict[bool, SimpleNamespace] = {}
-
-
-def _kernels() -> SimpleNamespace:
-    """The @triton.jit functions for the current TRITON_INTERPRET setting, defined on first use."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    interpret = _interpreting()
-    if interpret not in _JIT:
-        _JIT[interpret] = _define_kernels()
-    return _JIT[interpret]
-
 
 def _define_kernels() -> SimpleNamespace:
     # tl.max and tl.sum are themselves @triton.jit functions (see the module docstring); the
@@ -366,6 +340,9 @@ def _define_kernels() -> SimpleNamespace:
     return SimpleNamespace(decode=decode, combine=combine, prefill=prefill)
 
 
+_kernels = LazyKernels(_define_kernels)
+
+
 # -- launchers ---------------------------------------------------------------------------------
 
 def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -422,7 +399,7 @@ def _check_out(name: str, out: torch.Tensor | None, q: torch.Tensor) -> torch.Te
 
 
 def _dot_f32(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
 
 def decode_workspace(batch: int, heads: int, head_dim: int, num_splits: int,

@@ -37,7 +37,6 @@ functions, decorated when triton is imported, and the interpreter cannot call th
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -45,13 +44,7 @@ import torch
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module must import on machines without Triton
-    triton = None
-    tl = None
+from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
 CHUNK = 128  # K rows per packed chunk: the K tile of every path and K's padding unit (the kernels spell it 128)
 N_ALIGN = 128  # N pads to this, so every BN in use divides it and weight loads need no mask
@@ -108,13 +101,6 @@ def machine_reason() -> str:
     if cap < MIN_COMPUTE_CAPABILITY:
         return f"needs compute capability 8.0+, got {cap[0]}.{cap[1]}"
     return ""
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -293,19 +279,6 @@ def _stages(bm: int, bn: int, bits: int, elt: int, smem: int) -> int:
 
 # -- Triton kernels ----------------------------------------------------------------------------
 
-_JIT: dict[bool, SimpleNamespace] = {}
-
-
-def _kernels() -> SimpleNamespace:
-    """The @triton.jit functions for the current TRITON_INTERPRET setting, defined on first use."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    interpret = _interpreting()
-    if interpret not in _JIT:
-        _JIT[interpret] = _define_kernels()
-    return _JIT[interpret]
-
-
 def _define_kernels() -> SimpleNamespace:
     @triton.jit
     def fused_gemm(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
@@ -415,6 +388,9 @@ def _define_kernels() -> SimpleNamespace:
     return SimpleNamespace(fused_gemm=fused_gemm, dequantize=dequantize)
 
 
+_kernels = LazyKernels(_define_kernels)
+
+
 def _check_launch(x: torch.Tensor, gw: GemmWeight, out: torch.Tensor) -> None:
     if x.dim() != 2 or x.shape[1] != gw.in_features or x.stride(1) != 1:
         raise ValueError(f"input must be [M, {gw.in_features}] with unit column stride, got {list(x.shape)} "
@@ -451,7 +427,7 @@ def fused_gemm(x: torch.Tensor, gw: GemmWeight, bias: torch.Tensor | None, out: 
         chunks, per, plan.split_k,
         BITS=gw.bits, GS=gw.group_rows, SYM_ZERO=gw.sym_zero, HAS_ZEROS=gw.zeros is not None,
         GATHER=gw.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        DOT_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _interpreting()),
+        DOT_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting()),
         BM=plan.block_m, BN=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
