@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -38,22 +37,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from quantize_quality import machine  # benchmarks/ is on sys.path when a script here runs
 
 README_ARGS = ["tiny-pycoder", "--bits", "4", "--groupsize", "128", "--act-order"]
 REPO = Path(__file__).resolve().parent.parent
 FULL_TOKENS = 128 * 2048  # the calibration a 7B model gets by default
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def load() -> str:

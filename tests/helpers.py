@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import random
 import shutil
 import socket
 import time
@@ -338,6 +339,50 @@ def rank_kernel_names(pg, folders: dict[str, str]) -> dict[str, dict[str, str]]:
 
 def needs_gpu(test):
     """A GPU-only test: marked `cuda` (`pytest -m cuda` on a GPU machine) and skipped without a GPU."""
-    import pytest
-
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+# -- driving the engine by hand with token-id prompts (tests of prefix caching, chunking, backends) ------
+def random_ids(n: int, seed: int, vocab: int = 290) -> list[int]:
+    """A prompt of `n` token ids in [1, vocab) (the test tokenizer's range), reproducible by seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def ids_request(rid: int, prompt: list[int], new: int, seed: int | None = None, **kw):
+    """A request for exactly `new` tokens of `prompt` (ids, as the router sends them); greedy, or
+    sampled with every processor when `seed` is given."""
+    from text_generation_server.generation.sampling import SamplingParams
+    from text_generation_server.models.types import GenerationRequest
+
+    sampling = SamplingParams()
+    if seed is not None:
+        sampling = SamplingParams(do_sample=True, seed=seed, temperature=0.9, top_k=20, repetition_penalty=1.1)
+    return GenerationRequest(id=rid, inputs="", input_ids=list(prompt), max_new_tokens=new, ignore_eos_token=True,
+                             sampling=sampling, **kw)
+
+
+def collect_generations(out: dict, generations) -> list[int]:
+    """Adds a step's generations to `out` (per request: ids, logprobs, prompt logprobs); returns
+    the requests that finished."""
+    done = []
+    for g in generations:
+        entry = out.setdefault(g.request_id, {"ids": [], "lps": [], "prompt": None})
+        entry["ids"] += g.tokens.ids
+        entry["lps"] += g.tokens.logprobs
+        if g.prefill_tokens is not None:
+            entry["prompt"] = g.prefill_tokens.logprobs
+        if g.generated_text is not None:
+            done.append(g.request_id)
+    return done
+
+
+def run_to_end(lm, batch, out: dict | None = None) -> dict:
+    """Steps a batch until every request finished, filtering finished ones out as a router does."""
+    out = {} if out is None else out
+    while batch is not None:
+        generations, batch, _ = lm.generate_token(batch)
+        done = collect_generations(out, generations)
+        if batch is not None and done:
+            batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
+    return out

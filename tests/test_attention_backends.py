@@ -13,13 +13,11 @@ tokens, two layers.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
-from helpers import write_checkpoint
+from helpers import collect_generations, ids_request, random_ids, run_to_end, write_checkpoint
 
-from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, TorchAttention
 from text_generation_server.layers.attention_backends import (
     ATTENTION_ENV,
@@ -30,7 +28,6 @@ from text_generation_server.layers.attention_backends import (
 )
 from text_generation_server.models import get_model
 from text_generation_server.models.batch import Batch
-from text_generation_server.models.types import GenerationRequest
 from text_generation_server.serve_args import ATTENTION_BACKENDS, ServeArgs
 
 torch.set_num_threads(1)
@@ -175,71 +172,39 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 290) for _ in range(n)]
-
-
-def request(rid: int, prompt: list[int], new: int, seed: int | None = None, **kw) -> GenerationRequest:
-    sampling = SamplingParams()
-    if seed is not None:
-        sampling = SamplingParams(do_sample=True, seed=seed, temperature=0.9, top_k=20)
-    return GenerationRequest(id=rid, inputs="", input_ids=list(prompt), max_new_tokens=new, ignore_eos_token=True,
-                             sampling=sampling, **kw)
-
-
-def collect(out: dict, generations) -> list[int]:
-    done = []
-    for g in generations:
-        entry = out.setdefault(g.request_id, {"ids": [], "lps": [], "prompt": None})
-        entry["ids"] += g.tokens.ids
-        entry["lps"] += g.tokens.logprobs
-        if g.prefill_tokens is not None:
-            entry["prompt"] = g.prefill_tokens.logprobs
-        if g.generated_text is not None:
-            done.append(g.request_id)
-    return done
-
-
-def run(lm, batch: Batch | None, out: dict | None = None) -> dict:
-    out = {} if out is None else out
-    while batch is not None:
-        generations, batch, _ = lm.generate_token(batch)
-        done = collect(out, generations)
-        if batch is not None and done:
-            batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
-    return out
-
-
 def scenarios(lm) -> dict[str, dict]:
     """Every shape of step the engine runs, on one model."""
     lm.allocate_kv_cache(64)
     results = {}
     # A plain prefill of two prompts with prompt logprobs, then decode steps.
-    results["prefill+decode"] = run(lm, lm.make_batch(0, [
-        request(0, ids(13, 1), 3, prefill_logprobs=True), request(1, ids(6, 2), 3, seed=5, prefill_logprobs=True)]))
+    results["prefill+decode"] = run_to_end(lm, lm.make_batch(0, [
+        ids_request(0, random_ids(13, 1), 3, prefill_logprobs=True),
+        ids_request(1, random_ids(6, 2), 3, seed=5, prefill_logprobs=True),
+    ]))
     # A prefix from the cache: the router's blocks hold the first 8 tokens of `first`.
-    shared = ids(8, 3)
-    first, second = shared + ids(5, 4), shared + ids(7, 5)
+    shared = random_ids(8, 3)
+    first, second = shared + random_ids(5, 4), shared + random_ids(7, 5)
     blocks = lm.allocator.allocate(lm.blocks_for(len(first) + 2))
-    run(lm, lm.make_batch(1, [request(2, first, 2, blocks=blocks)]))
+    run_to_end(lm, lm.make_batch(1, [ids_request(2, first, 2, blocks=blocks)]))
     tail = lm.allocator.allocate(lm.blocks_for(len(second) + 3) - 2)
-    results["cached prefix"] = run(lm, lm.make_batch(2, [
-        request(3, second, 3, seed=6, blocks=blocks[:2] + tail, cache_len=2 * BLOCK_SIZE, prefill_logprobs=True)]))
+    results["cached prefix"] = run_to_end(lm, lm.make_batch(2, [
+        ids_request(3, second, 3, seed=6, blocks=blocks[:2] + tail, cache_len=2 * BLOCK_SIZE,
+                    prefill_logprobs=True),
+    ]))
     lm.allocator.free(tail)
     lm.allocator.free(blocks)
     # A prompt prefilled in chunks of at most 5 tokens a step, beside two decoding rows.
     lm.max_prefill_tokens = 5
     out: dict = {}
-    running = lm.make_batch(3, [request(4, ids(5, 6), 6), request(5, ids(3, 7), 6, seed=7)])
+    running = lm.make_batch(3, [ids_request(4, random_ids(5, 6), 6), ids_request(5, random_ids(3, 7), 6, seed=7)])
     generations, running, _ = lm.generate_token(running)
-    collect(out, generations)
-    batch = Batch.concatenate([running, lm.make_batch(4, [request(6, ids(14, 8), 2, chunk_len=3)])])
+    collect_generations(out, generations)
+    batch = Batch.concatenate([running, lm.make_batch(4, [ids_request(6, random_ids(14, 8), 2, chunk_len=3)])])
     mixed = 0
     while batch is not None:
         mixed += batch.prefilling and any(not s.prefilling for s in batch.states)
         generations, batch, _ = lm.generate_token(batch)
-        done = collect(out, generations)
+        done = collect_generations(out, generations)
         if batch is not None and done:
             batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
     results["chunks+decode"] = out

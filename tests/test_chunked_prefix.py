@@ -8,13 +8,11 @@ hold which prefix) is played by the test with the allocator's blocks.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
-from helpers import write_checkpoint
+from helpers import collect_generations, ids_request, random_ids, run_to_end, write_checkpoint
 
-from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.layers.attention import (
     AttentionMetadata,
     TorchAttention,
@@ -24,7 +22,7 @@ from text_generation_server.layers.attention import (
 )
 from text_generation_server.models import get_model
 from text_generation_server.models.batch import Batch
-from text_generation_server.models.types import GenerationRequest, RequestError
+from text_generation_server.models.types import RequestError
 
 torch.set_num_threads(1)
 
@@ -48,38 +46,6 @@ def load(folder: str):
     return lm
 
 
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 290) for _ in range(n)]
-
-
-def request(rid: int, prompt: list[int], new: int, seed: int | None = None, **kw) -> GenerationRequest:
-    sampling = SamplingParams()
-    if seed is not None:
-        sampling = SamplingParams(do_sample=True, seed=seed, temperature=0.9, top_k=20, repetition_penalty=1.1)
-    return GenerationRequest(id=rid, inputs="", input_ids=list(prompt), max_new_tokens=new, ignore_eos_token=True,
-                             sampling=sampling, **kw)
-
-
-def run(lm, batch: Batch | None) -> dict[int, dict]:
-    """Drives a batch to the end; per request its tokens, logprobs and prompt logprobs."""
-    out: dict[int, dict] = {}
-    while batch is not None:
-        generations, batch, _ = lm.generate_token(batch)
-        finished = set()
-        for gen in generations:
-            entry = out.setdefault(gen.request_id, {"ids": [], "lps": [], "prompt": None})
-            entry["ids"] += gen.tokens.ids
-            entry["lps"] += gen.tokens.logprobs
-            if gen.prefill_tokens is not None:
-                entry["prompt"] = gen.prefill_tokens.logprobs
-            if gen.generated_text is not None:
-                finished.add(gen.request_id)
-        if batch is not None and finished:
-            batch = lm.filter(batch, [r for r in batch.request_ids if r not in finished])
-    return out
-
-
 def assert_same(got: dict, want: dict) -> None:
     assert got["ids"] == want["ids"]
     torch.testing.assert_close(torch.tensor(got["lps"]), torch.tensor(want["lps"]), atol=1e-5, rtol=0)
@@ -91,9 +57,9 @@ def assert_same(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral_window"])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(folders, arch):
     lm = load(folders[arch])
-    prompts = [ids(23, 1), ids(9, 2), ids(31, 3)]
-    make = lambda i, **kw: request(i, prompts[i], 7, seed=(i if i == 2 else None), prefill_logprobs=True, **kw)
-    whole = run(lm, lm.make_batch(0, [make(i) for i in range(3)]))
+    prompts = [random_ids(23, 1), random_ids(9, 2), random_ids(31, 3)]
+    make = lambda i, **kw: ids_request(i, prompts[i], 7, seed=(i if i == 2 else None), prefill_logprobs=True, **kw)
+    whole = run_to_end(lm, lm.make_batch(0, [make(i) for i in range(3)]))
     free = lm.allocator.free_blocks
     lm.max_prefill_tokens = 6  # later chunks: within 6 tokens a step, after the decoding rows
     batch = lm.make_batch(1, [make(0, chunk_len=5), make(1, chunk_len=2), make(2, chunk_len=4)])
@@ -103,15 +69,9 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(folders, arch):
     while batch is not None:
         generations, batch, _ = lm.generate_token(batch)
         steps += 1
-        for gen in generations:
-            entry = chunked.setdefault(gen.request_id, {"ids": [], "lps": [], "prompt": None})
-            entry["ids"] += gen.tokens.ids
-            entry["lps"] += gen.tokens.logprobs
-            if gen.prefill_tokens is not None:
-                entry["prompt"] = gen.prefill_tokens.logprobs
+        done = collect_generations(chunked, generations)
         if batch is not None:
             assert batch.info().current_tokens <= max(6, len(batch))
-            done = [g.request_id for g in generations if g.generated_text is not None]
             if done:
                 batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
     assert steps > 7 + 1, "the prompts were not split"
@@ -124,36 +84,38 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(folders, arch):
 @pytest.mark.parametrize("arch", ["llama", "mistral_window"])
 def test_prefix_from_the_cache_gives_the_tokens_of_a_recompute(folders, arch):
     lm = load(folders[arch])
-    shared = ids(13, 7)
-    first, second = shared + ids(6, 8), shared + ids(9, 9)
+    shared = random_ids(13, 7)
+    first, second = shared + random_ids(6, 8), shared + random_ids(9, 9)
     # The router's part: blocks it owns, handed in with every request.
     blocks_a = lm.allocator.allocate(lm.blocks_for(len(first) + 5))
-    run(lm, lm.make_batch(0, [request(1, first, 5, blocks=blocks_a)]))
+    run_to_end(lm, lm.make_batch(0, [ids_request(1, first, 5, blocks=blocks_a)]))
     fresh = lm.allocator.allocate(lm.blocks_for(len(second) + 6))
-    want = run(lm, lm.make_batch(1, [request(2, second, 6, seed=4, blocks=fresh)]))[2]
+    want = run_to_end(lm, lm.make_batch(1, [ids_request(2, second, 6, seed=4, blocks=fresh)]))[2]
     for cached_blocks in (1, 3):  # whole blocks of the shared 13 tokens
         tail = lm.allocator.allocate(lm.blocks_for(len(second) + 6) - cached_blocks)
-        req = request(2, second, 6, seed=4, blocks=blocks_a[:cached_blocks] + tail,
-                      cache_len=cached_blocks * BLOCK_SIZE)
+        req = ids_request(2, second, 6, seed=4, blocks=blocks_a[:cached_blocks] + tail,
+                          cache_len=cached_blocks * BLOCK_SIZE)
         before_a = [lm.kv_cache.keys[0][b].clone() for b in blocks_a[:cached_blocks]]
-        assert_same(run(lm, lm.make_batch(2, [req]))[2], want)
+        assert_same(run_to_end(lm, lm.make_batch(2, [req]))[2], want)
         for b, k in zip(blocks_a[:cached_blocks], before_a):
             assert torch.equal(lm.kv_cache.keys[0][b], k), "a cached block was written"
         lm.allocator.free(tail)
     # TGI's router, when a whole prompt is cached, recomputes only the last token.
     again = lm.allocator.allocate(1)
-    whole_hit = request(3, first, 4, blocks=blocks_a[: lm.blocks_for(len(first))] + again,
-                        cache_len=len(first) - 1)
-    redo = request(3, first, 4, blocks=lm.allocator.allocate(lm.blocks_for(len(first) + 4)))
-    assert run(lm, lm.make_batch(3, [whole_hit]))[3]["ids"] == run(lm, lm.make_batch(4, [redo]))[3]["ids"]
+    whole_hit = ids_request(3, first, 4, blocks=blocks_a[: lm.blocks_for(len(first))] + again,
+                            cache_len=len(first) - 1)
+    redo = ids_request(3, first, 4, blocks=lm.allocator.allocate(lm.blocks_for(len(first) + 4)))
+    hit_ids = run_to_end(lm, lm.make_batch(3, [whole_hit]))[3]["ids"]
+    assert hit_ids == run_to_end(lm, lm.make_batch(4, [redo]))[3]["ids"]
 
 
 def test_prompt_logprobs_of_a_cached_prefix_are_unknown(folders):
     lm = load(folders["llama"])
-    prompt = ids(12, 5)
+    prompt = random_ids(12, 5)
     blocks = lm.allocator.allocate(lm.blocks_for(len(prompt) + 2))
-    whole = run(lm, lm.make_batch(0, [request(1, prompt, 2, blocks=blocks, prefill_logprobs=True)]))[1]
-    hit = run(lm, lm.make_batch(1, [request(1, prompt, 2, blocks=blocks, prefill_logprobs=True, cache_len=8)]))[1]
+    whole = run_to_end(lm, lm.make_batch(0, [ids_request(1, prompt, 2, blocks=blocks, prefill_logprobs=True)]))[1]
+    hit = run_to_end(lm, lm.make_batch(1, [ids_request(1, prompt, 2, blocks=blocks, prefill_logprobs=True,
+                                                       cache_len=8)]))[1]
     assert hit["ids"] == whole["ids"]
     assert all(math.isnan(x) for x in hit["prompt"][:9])
     torch.testing.assert_close(torch.tensor(hit["prompt"][9:]), torch.tensor(whole["prompt"][9:]), atol=1e-5, rtol=0)
@@ -162,19 +124,17 @@ def test_prompt_logprobs_of_a_cached_prefix_are_unknown(folders):
 @pytest.mark.parametrize("arch", ["llama", "mistral_window"])
 def test_a_long_prompt_prefills_in_chunks_while_others_decode(folders, arch):
     lm = load(folders[arch])
-    decoding = [request(1, ids(7, 11), 12), request(2, ids(3, 12), 12, seed=9)]
-    long = request(3, ids(40, 13), 5, seed=3)
-    want = {**run(lm, lm.make_batch(0, [decoding[0], decoding[1]])), **run(lm, lm.make_batch(1, [long]))}
-    decoding = [request(1, ids(7, 11), 12), request(2, ids(3, 12), 12, seed=9)]
-    long = request(3, ids(40, 13), 5, seed=3, chunk_len=6)
+    decoding = [ids_request(1, random_ids(7, 11), 12), ids_request(2, random_ids(3, 12), 12, seed=9)]
+    long = ids_request(3, random_ids(40, 13), 5, seed=3)
+    want = {**run_to_end(lm, lm.make_batch(0, [decoding[0], decoding[1]])), **run_to_end(lm, lm.make_batch(1, [long]))}
+    decoding = [ids_request(1, random_ids(7, 11), 12), ids_request(2, random_ids(3, 12), 12, seed=9)]
+    long = ids_request(3, random_ids(40, 13), 5, seed=3, chunk_len=6)
     lm.max_prefill_tokens = 8
     got: dict[int, dict] = {}
     running = lm.make_batch(0, decoding)
     for _ in range(2):  # two tokens each before the long prompt arrives
         generations, running, _ = lm.generate_token(running)
-        for g in generations:
-            got.setdefault(g.request_id, {"ids": [], "lps": [], "prompt": None})["ids"] += g.tokens.ids
-            got[g.request_id]["lps"] += g.tokens.logprobs
+        collect_generations(got, generations)
     batch = Batch.concatenate([running, lm.make_batch(1, [long])])
     sizes = []
     while batch is not None:
@@ -183,11 +143,7 @@ def test_a_long_prompt_prefills_in_chunks_while_others_decode(folders, arch):
         emitted = {g.request_id for g in generations}
         if batch is not None and any(s.prefilling for s in batch.states):
             assert {1, 2} <= emitted, "decoding requests stalled behind the long prompt"
-        for g in generations:
-            entry = got.setdefault(g.request_id, {"ids": [], "lps": [], "prompt": None})
-            entry["ids"] += g.tokens.ids
-            entry["lps"] += g.tokens.logprobs
-        done = [g.request_id for g in generations if g.generated_text is not None]
+        done = collect_generations(got, generations)
         if batch is not None and done:
             batch = lm.filter(batch, [r for r in batch.request_ids if r not in done])
     assert max(sizes) <= 8 and sizes[0] == 2 + 6
@@ -198,12 +154,12 @@ def test_a_long_prompt_prefills_in_chunks_while_others_decode(folders, arch):
 def test_bad_cache_and_chunk_fields_are_the_callers_error(folders):
     lm = load(folders["llama"])
     free = lm.allocator.free_blocks
-    prompt = ids(10, 1)
+    prompt = random_ids(10, 1)
     blocks = [1, 2, 3, 4]
     for req, needle in (
-        (request(1, prompt, 2, cache_len=4), "needs the blocks"),
-        (request(1, prompt, 2, blocks=blocks, cache_len=10), "cache_len 10 must be less than"),
-        (request(1, prompt, 2, chunk_len=0), "chunk_len must be >= 1"),
+        (ids_request(1, prompt, 2, cache_len=4), "needs the blocks"),
+        (ids_request(1, prompt, 2, blocks=blocks, cache_len=10), "cache_len 10 must be less than"),
+        (ids_request(1, prompt, 2, chunk_len=0), "chunk_len must be >= 1"),
     ):
         with pytest.raises(RequestError, match=needle):
             lm.make_batch(0, [req])
@@ -279,8 +235,8 @@ def test_torch_backend_reads_a_cached_prefix_through_the_block_table():
 
 def test_prompt_logprobs_computed_a_few_rows_at_a_time_are_the_same(folders, monkeypatch):
     lm = load(folders["llama"])
-    prompt = ids(17, 21)
-    whole = run(lm, lm.make_batch(0, [request(1, prompt, 2, prefill_logprobs=True)]))[1]
+    prompt = random_ids(17, 21)
+    whole = run_to_end(lm, lm.make_batch(0, [ids_request(1, prompt, 2, prefill_logprobs=True)]))[1]
     monkeypatch.setattr(type(lm), "PROMPT_LOGIT_ELEMENTS", 3 * lm.config.vocab_size)  # 3 rows per piece
-    pieces = run(lm, lm.make_batch(1, [request(1, prompt, 2, prefill_logprobs=True)]))[1]
+    pieces = run_to_end(lm, lm.make_batch(1, [ids_request(1, prompt, 2, prefill_logprobs=True)]))[1]
     assert_same(pieces, whole)
