@@ -30,7 +30,7 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 # -- 1. build the wheel: pure Python, the same for both variants ----------------------------
 FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY server ./server
 COPY quantizers ./quantizers
 COPY kernels ./kernels

@@ -78,9 +78,9 @@ prepare_wheels() {
 
 left() { echo $((LIMIT - (SECONDS - START))); }
 
-# Makes text_generation_server importable without installing anything: a folder whose package
-# links to server/, kernels/ and quantizers/ as pyproject.toml maps them (setuptools' editable
-# install needs a newer setuptools than a bare image may have, and writes outside /tmp).
+# Makes text_generation_server importable without installing anything: its three portions
+# (server/, quantizers/, kernels/) go on PYTHONPATH, as the editable install's .pth puts them
+# on sys.path (an install would need a build backend a bare image may lack, and writes outside /tmp).
 setup() {
     mkdir -p "${OUT:=$REPO/gpu-out}"
     export OUT
@@ -95,12 +95,7 @@ setup() {
     else
         echo "setup: no wheels in .whl/ or shared/wheels (carry .whl): relying on what the machine has" >&2
     fi
-    local shim=/tmp/tgs-shim/text_generation_server entry
-    rm -rf /tmp/tgs-shim && mkdir -p "$shim"
-    for entry in "$REPO"/server/*; do ln -s "$entry" "$shim/"; done
-    ln -s "$REPO/kernels" "$shim/kernels"
-    ln -s "$REPO/quantizers" "$shim/quantizers"
-    export PYTHONPATH=/tmp/tgs-shim${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$REPO/server:$REPO/quantizers:$REPO/kernels${PYTHONPATH:+:$PYTHONPATH}
     # Fails in seconds, naming what is missing, rather than minutes into a step.
     "$PY" - <<'EOF' || return 1
 import importlib, importlib.metadata as md, os, sys
@@ -123,9 +118,9 @@ if missing:
     sys.exit("setup: missing " + "; ".join(missing) + " (bash benchmarks/gpu_all.sh prepare-wheels, carry .whl)")
 versions = {d: md.version(d) for d in ("torch", "triton", "grpcio", "protobuf", "transformers")}
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE"
-import text_generation_server
+import text_generation_server.about
 print(f"setup: {gpu}; python {sys.version.split()[0]}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
-      + f"; text_generation_server from {text_generation_server.__file__}")
+      + f"; text_generation_server from {text_generation_server.about.__file__}")
 if not torch.cuda.is_available() and os.environ.get("TGS_ALLOW_NO_GPU") != "1":
     sys.exit("setup: torch sees no CUDA device")
 EOF

@@ -34,7 +34,7 @@ from loguru import logger
 
 from prompts import CODE_PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-ASSETS = Path(__file__).resolve().parent.parent / "server" / "assets" / "tiny-pycoder"
+ASSETS = Path(__file__).resolve().parent.parent / "server" / "text_generation_server" / "assets" / "tiny-pycoder"
 
 # name -> (checkpoint to load: "bf16" or "gptq-<bits>", --quantize flag or None)
 FORMATS = {

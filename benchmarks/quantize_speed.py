@@ -49,15 +49,21 @@ def load() -> str:
 
 
 # -- 1. the README command as a user runs it ------------------------------------------------------------
-_SHIM = """import importlib.util, sys
+# A revision has either the namespace layout (server/text_generation_server and its two
+# portions: the three folders go on sys.path) or the older mapped one (server/ itself was the
+# package, quantizers/ and kernels/ its subpackages), so older revisions stay comparable.
+_SHIM = """import importlib.util, os, sys
 root = sys.argv.pop(1)
-for name, folder in (("text_generation_server", "server"), ("text_generation_server.quantizers", "quantizers"),
-                     ("text_generation_server.kernels", "kernels")):
-    spec = importlib.util.spec_from_file_location(name, f"{root}/{folder}/__init__.py",
-                                                  submodule_search_locations=[f"{root}/{folder}"])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+if os.path.isdir(f"{root}/server/text_generation_server"):
+    sys.path[:0] = [f"{root}/server", f"{root}/quantizers", f"{root}/kernels"]
+else:
+    for name, folder in (("text_generation_server", "server"), ("text_generation_server.quantizers", "quantizers"),
+                         ("text_generation_server.kernels", "kernels")):
+        spec = importlib.util.spec_from_file_location(name, f"{root}/{folder}/__init__.py",
+                                                      submodule_search_locations=[f"{root}/{folder}"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
 from text_generation_server.cli import app
 sys.argv[0] = "text-generation-server"
 app()

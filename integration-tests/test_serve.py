@@ -21,7 +21,7 @@ from serve_client import (
     request, rpc_error, scrape, shard_stub, stream_completion,
 )
 
-import text_generation_server
+from text_generation_server.about import __version__
 from text_generation_server.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -58,7 +58,7 @@ def test_info_health_and_reflection(server, stub, tiny_model):
     assert (info.max_input_tokens, info.max_total_tokens, info.max_batch_prefill_tokens) == (255, 256, 512)
     assert 0 < info.max_batch_total_tokens <= 4096
     assert (info.max_concurrent_requests, info.max_stop_sequences, info.num_shard) == (128, 4, 1)
-    assert (info.block_size, info.quantize, info.version) == (16, "", text_generation_server.__version__)
+    assert (info.block_size, info.quantize, info.version) == (16, "", __version__)
     assert list(info.kernels) == ["dense"]  # from the shard's Info trailing metadata
 
     health = health_pb2_grpc.HealthStub(server.channel())
@@ -274,8 +274,11 @@ def test_cancelled_stream_frees_its_blocks(server, stub):
     assert info.value.code() == grpc.StatusCode.CANCELLED
 
     cancelled = before.value("tgs_request_cancelled_total")
+    # The batch-size gauge is set when the scheduler next looks at its batch, a moment after the
+    # blocks are freed: wait for all three.
     after = poll_metrics(server, lambda s: s.value("tgs_kv_blocks_used", None) == 0
-                         and s.value("tgs_request_cancelled_total") == cancelled + 1)
+                         and s.value("tgs_request_cancelled_total") == cancelled + 1
+                         and s.value("tgi_batch_current_size", None) == 0)
     assert after.value("tgs_kv_blocks_free", None) == before.value("tgs_kv_blocks_free", None)
     assert after.value("tgi_request_success_total") == before.value("tgi_request_success_total")
     assert after.value("tgi_batch_current_size", None) == 0

@@ -1,4 +1,4 @@
-"""Regenerate the Python protobuf/gRPC stubs in server/pb/ from the .proto files here.
+"""Regenerate the Python protobuf/gRPC stubs in server/text_generation_server/pb/ from the .proto files here.
 
 Usage: python proto/generate_stubs.py [--out DIR] [--package NAME]
 
@@ -26,7 +26,7 @@ from loguru import logger
 
 PROTO_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
-DEFAULT_OUT = REPO_ROOT / "server" / "pb"
+DEFAULT_OUT = REPO_ROOT / "server" / "text_generation_server" / "pb"
 DEFAULT_PACKAGE = "text_generation_server.pb"
 
 # Every generated file's first line starts with this; it also tells write_tree
@@ -202,7 +202,7 @@ def write_tree(files: dict[str, bytes], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: server/pb)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: server/text_generation_server/pb)")
     parser.add_argument(
         "--package",
         default=DEFAULT_PACKAGE,

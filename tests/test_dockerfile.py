@@ -335,8 +335,8 @@ def ignored(path: str) -> bool:
 
 
 def test_dockerignore_keeps_what_the_build_copies(dockerfile):
-    assert ignored(".git/config") and ignored("server/__pycache__/cli.cpython-311.pyc")
-    assert ignored("tests/test_dockerfile.py") and not ignored("server/cli.py")
+    assert ignored(".git/config") and ignored("server/text_generation_server/__pycache__/cli.cpython-311.pyc")
+    assert ignored("tests/test_dockerfile.py") and not ignored("server/text_generation_server/cli.py")
     copied = []
     for ins in dockerfile.of("COPY"):
         if "--from=" in ins.args:
@@ -348,7 +348,7 @@ def test_dockerignore_keeps_what_the_build_copies(dockerfile):
         assert (REPO / source).exists(), f"COPY {source}: not in the repository"
         assert not ignored(source), f"COPY {source}: excluded by .dockerignore"
     # The embedded model is package data: it must reach the wheel, so the context must hold it.
-    for asset in (REPO / "server" / "assets").rglob("*"):
+    for asset in (REPO / "server" / "text_generation_server" / "assets").rglob("*"):
         if asset.is_file():
             rel = asset.relative_to(REPO).as_posix()
             assert not ignored(rel), f"{rel} is excluded by .dockerignore"

@@ -12,13 +12,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import text_generation_server
+from text_generation_server import about
 from text_generation_server.training import corpus
 from text_generation_server.training.train_embedded import EOS_ID, load_exported
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test-time reference for HF layout")
 
-ASSET = Path(text_generation_server.__file__).parent / "assets" / "tiny-pycoder"
+ASSET = Path(about.__file__).parent / "assets" / "tiny-pycoder"
 # Measured on the shipped model: 31.9 on the first 4096 held-out tokens (chance is 4096,
 # a unigram model of the stdlib scores ~800). The bound leaves ~40% margin for another
 # Python's stdlib, yet fails for an untrained, mis-loaded or mis-tokenized model.

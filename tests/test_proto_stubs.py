@@ -27,7 +27,7 @@ from text_generation_server.pb.text_generation.v1 import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-STUBS = REPO / "server" / "pb"
+STUBS = REPO / "server" / "text_generation_server" / "pb"
 SCRIPT = REPO / "proto" / "generate_stubs.py"
 
 # --- the spec table (specs/shard-protocol.md, "Messages" and "RPCs"), verbatim --------

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from loguru import logger
 
-from text_generation_server import __version__
+from text_generation_server.about import __version__
 from text_generation_server.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers import read_quantization_config

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import typer
 from loguru import logger
 
-from text_generation_server import EMBEDDED_MODEL_ID, __version__
+from text_generation_server.about import EMBEDDED_MODEL_ID, __version__
 from text_generation_server.serve_args import ATTENTION_BACKENDS, PORTABLE_ATTENTION_BACKEND, ServeArgs
 from text_generation_server.serve_flags import (
     CUSTOM_KERNELS,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from text_generation_server import EMBEDDED_MODEL_ID
+from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.weights import CheckpointError
 
 __all__ = ["EMBEDDED_MODEL_ID", "Checkpoint", "embedded_model_path", "load_tokenizer", "read_json", "resolve_model"]
