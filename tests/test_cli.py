@@ -110,7 +110,7 @@ def test_convert_then_generate(model_dir, tmp_path):
 
 @pytest.mark.parametrize("cores,world,threads", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 2, 7), (3, 4, 1)])
 def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
-    from text_generation_server.launcher import cpu_threads_per_rank
+    from text_generation_server.rank import cpu_threads_per_rank
 
     assert cpu_threads_per_rank(cores, world) == threads
 

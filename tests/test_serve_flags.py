@@ -19,7 +19,7 @@ import typer
 from loguru import logger
 from typer.testing import CliRunner
 
-from text_generation_server import cli, launcher, serve_flags
+from text_generation_server import cli, launcher, logging_setup, process_exit, rank, serve_flags
 from text_generation_server.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs
 from text_generation_server.serve_flags import (
     CUSTOM_KERNELS,
@@ -52,7 +52,7 @@ def serve(monkeypatch):
     """serve(*argv, **env) -> Run: the command with `launch` recorded instead of run."""
     for name in ALL_ENVVARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv(launcher.SERVE_ARGS_ENV, raising=False)
+    monkeypatch.delenv(rank.SERVE_ARGS_ENV, raising=False)
     seen: dict = {}
 
     def fake_launch(args, startup_timeout_s=600.0, warnings=()):
@@ -154,9 +154,9 @@ def test_every_serve_option_reads_a_variable_and_each_is_tested():
 
 def test_shard_only_from_the_environment(serve, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launcher, "run_shard", lambda args, rank, world, warnings=(): seen.update(
+    monkeypatch.setattr(rank, "run_shard", lambda args, rank, world, warnings=(): seen.update(
         args=args, rank=rank, world=world) or 0)
-    monkeypatch.setattr(launcher, "exit_process", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(process_exit, "exit_process", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     run = serve("/models/m", SHARD_ONLY="yes", RANK="0", WORLD_SIZE="1")
     assert run.code == 0 and run.args is None, run.output  # a rank, not the launcher
     assert seen["args"].shard_only and seen["args"].model == "/models/m" and (seen["rank"], seen["world"]) == (0, 1)
@@ -384,12 +384,12 @@ def test_serve_args_json_round_trip_keeps_the_new_fields():
 
 # -- what the ranks get ----------------------------------------------------------------------------------
 def test_rank_environment():
-    assert launcher.rank_environment(ServeArgs(), {}) == {}
-    env = launcher.rank_environment(ServeArgs(allow_dense_fallback=True, disable_custom_kernels=True),
-                                    {"TGS_DISABLE_KERNELS": "reference"})
+    assert rank.rank_environment(ServeArgs(), {}) == {}
+    env = rank.rank_environment(ServeArgs(allow_dense_fallback=True, disable_custom_kernels=True),
+                                {"TGS_DISABLE_KERNELS": "reference"})
     assert env == {"TGS_ALLOW_DENSE_FALLBACK": "1", "TGS_DISABLE_KERNELS": "reference," + ",".join(CUSTOM_KERNELS)}
-    again = launcher.rank_environment(ServeArgs(disable_custom_kernels=True),
-                                      {"TGS_DISABLE_KERNELS": env["TGS_DISABLE_KERNELS"]})
+    again = rank.rank_environment(ServeArgs(disable_custom_kernels=True),
+                                  {"TGS_DISABLE_KERNELS": env["TGS_DISABLE_KERNELS"]})
     assert again["TGS_DISABLE_KERNELS"] == env["TGS_DISABLE_KERNELS"]  # no duplicates
 
 
@@ -405,11 +405,11 @@ def test_shard_only_rank_of_our_launcher_ignores_flag_resolution(serve, monkeypa
     """A rank started by our launcher takes the launcher's settings whole, even with a bad LOG_LEVEL
     or an ignored TGI variable in the inherited environment."""
     seen = {}
-    monkeypatch.setattr(launcher, "run_shard", lambda args, rank, world, warnings=(): seen.update(
+    monkeypatch.setattr(rank, "run_shard", lambda args, rank, world, warnings=(): seen.update(
         args=args, rank=rank, world=world, warnings=list(warnings)) or 0)
-    monkeypatch.setattr(launcher, "exit_process", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(process_exit, "exit_process", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     sent = ServeArgs(model="from-launcher", num_shard=2, logger_level="DEBUG")
-    monkeypatch.setenv(launcher.SERVE_ARGS_ENV, sent.to_json())
+    monkeypatch.setenv(rank.SERVE_ARGS_ENV, sent.to_json())
     run = serve("--shard-only", RANK="1", WORLD_SIZE="2", LOG_LEVEL="tokio=debug", MAX_BEST_OF="4")
     assert run.code == 0, run.output
     assert seen == {"args": sent, "rank": 1, "world": 2, "warnings": []}
@@ -428,7 +428,7 @@ def restore_logging():
 
 
 def test_json_logs_are_flat_objects_one_per_line(capsys, restore_logging):
-    launcher.configure_logging("debug", True, "rank 3")
+    logging_setup.configure_logging("debug", True, "rank 3")
     logger.bind(request_id=42).info("request {} queued", 42)
     logger.debug("plain line")
     try:
@@ -457,7 +457,7 @@ def test_json_logs_are_flat_objects_one_per_line(capsys, restore_logging):
 
 
 def test_plain_logs_keep_their_format(capsys, restore_logging):
-    launcher.configure_logging("INFO", False, "launcher")
+    logging_setup.configure_logging("INFO", False, "launcher")
     logger.bind(request_id=1).info("hello")
     err = capsys.readouterr().err
     assert " | INFO     | launcher | test_serve_flags:" in err and err.rstrip().endswith("- hello")

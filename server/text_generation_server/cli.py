@@ -356,7 +356,9 @@ def serve(
     **tgi_only_flags: Any,
 ) -> None:
     """Serve MODEL_DIR over gRPC: the router plus one process per tensor-parallel rank."""
-    from text_generation_server.launcher import SERVE_ARGS_ENV, exit_process, launch, run_shard, shard_args_from_env
+    from text_generation_server.launcher import launch
+    from text_generation_server.process_exit import exit_process
+    from text_generation_server.rank import SERVE_ARGS_ENV, run_shard, shard_args_from_env
 
     if shard_only and SERVE_ARGS_ENV in os.environ:
         # A rank of our launcher: its settings come whole from the launcher, which checked them.
@@ -440,7 +442,7 @@ def _serve_fail(message: str, ctx: typer.Context) -> None:
     """A startup error as a log line when JSON logs were asked for (log collectors parse every
     line), else as the plain `error:` line of every command."""
     if ctx.params.get("json_output"):
-        from text_generation_server.launcher import configure_logging
+        from text_generation_server.logging_setup import configure_logging
 
         configure_logging("INFO", True, "launcher")
         logger.error("{}", message)

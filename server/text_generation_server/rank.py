@@ -1,0 +1,168 @@
+"""What runs inside one rank process (`serve --shard-only`): its settings, environment and device,
+then its model behind the rank's unix-socket gRPC service until it is told to stop.
+
+A rank started by our launcher gets the launcher's settings whole (SERVE_ARGS_ENV) and the
+launcher's pid (LAUNCHER_PID_ENV). It stays in the launcher's process group so Ctrl-C reaches
+the launcher, ignores SIGINT itself and waits for the launcher's SIGTERM, so a terminal
+interrupt drains instead of killing the ranks under the router; it stops on its own when the
+launcher is gone (see process_exit).
+
+`run_shard` is also usable without our launcher (`serve --shard-only` with RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment), the way TGI's launcher
+runs its shards; SIGINT and SIGTERM then both stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from typing import Sequence
+
+from loguru import logger
+
+from text_generation_server.logging_setup import configure_logging
+from text_generation_server.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
+from text_generation_server.serve_args import ServeArgs
+from text_generation_server.serve_flags import ALLOW_DENSE_FALLBACK_ENV, DISABLE_KERNELS_ENV, disabled_kernels_value
+
+SERVE_ARGS_ENV = "TGS_SERVE_ARGS"  # ServeArgs JSON from the launcher to its ranks
+LAUNCHER_PID_ENV = "TGS_LAUNCHER_PID"  # set only for ranks started by our launcher
+SHARD_HARD_EXIT_S = 10.0  # a rank stuck in a collective cannot exit cleanly; give up after this
+
+
+def shard_args_from_env(flag_args: ServeArgs) -> ServeArgs:
+    """The launcher's settings when it started us, else the command-line flags."""
+    payload = os.environ.get(SERVE_ARGS_ENV)
+    if payload is None:
+        return flag_args
+    try:
+        return ServeArgs.from_json(payload)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{SERVE_ARGS_ENV} does not hold valid serve settings: {exc}") from exc
+
+
+def cpu_threads_per_rank(cores: int, world_size: int) -> int:
+    """Torch threads for each CPU rank: the cores split between ranks, one kept back for the
+    router and gRPC. A rank using every core stalls each time the router runs (its threads
+    wait on the one that was descheduled), and the decode step computed ahead overlaps the
+    router only if there is a core to overlap on (on 2 cores, see BENCHMARKS.md: 1 thread with
+    decode ahead outran 2 threads with or without it, at concurrency 1 and 32)."""
+    return max(1, (cores - 1) // world_size) if cores > 1 else 1
+
+
+def rank_environment(args: ServeArgs, environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """The variables a rank sets for itself before its model loads, for settings that the kernel
+    and loader code reads from the environment (they are also settable there directly)."""
+    changes = {}
+    if args.allow_dense_fallback:
+        changes[ALLOW_DENSE_FALLBACK_ENV] = "1"
+    if args.disable_custom_kernels:
+        changes[DISABLE_KERNELS_ENV] = disabled_kernels_value(environ.get(DISABLE_KERNELS_ENV))
+    return changes
+
+
+def limit_cuda_memory(fraction: float, device) -> None:
+    """TGI's --cuda-memory-fraction: this process may allocate at most `fraction` of the GPU's
+    total memory (torch's caching allocator refuses beyond it)."""
+    import torch
+
+    if fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        logger.info("CUDA memory capped at {:.0%} of {:.1f} GiB", fraction, total / 2**30)
+
+
+def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[str] = ()) -> int:
+    """The body of `serve --shard-only`: one rank's model behind its unix-socket gRPC service."""
+    configure_logging(args.logger_level, args.json_output, f"rank {rank}")
+    for warning in warnings:
+        logger.warning("{}", warning)
+    for name, value in rank_environment(args).items():
+        os.environ[name] = value
+        logger.debug("{}={}", name, value)
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    stop_requested = threading.Event()
+    loop_ref: list[asyncio.AbstractEventLoop] = []
+    stop_ref: list[asyncio.Event] = []
+
+    def request_stop(reason: str) -> None:
+        if stop_requested.is_set():
+            return
+        stop_requested.set()
+        logger.info("stopping: {}", reason)
+        hard_exit_later(SHARD_HARD_EXIT_S, 1)
+        if loop_ref and stop_ref:
+            loop_ref[0].call_soon_threadsafe(stop_ref[0].set)
+
+    if launcher_pid is not None:
+        # Started by our launcher: it handles Ctrl-C and tells us to stop with SIGTERM.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        set_parent_death_signal(signal.SIGTERM)
+        watch_parent(int(launcher_pid), lambda: request_stop("the launcher is gone"))
+
+    try:
+        args.validate()
+        device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
+        if device.type == "cuda":
+            limit_cuda_memory(args.cuda_memory_fraction, device)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
+        from text_generation_server.models import get_model
+        from text_generation_server.utils.dist import initialize_process_group
+
+        process_group = initialize_process_group(rank, world_size, device)
+        # The router never batches more than --max-batch-size requests, nor holds more than
+        # --max-concurrent-requests at once: warmup measures a decode step at that size.
+        batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
+        model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
+                          attention_backend=args.effective_attention_backend,
+                          cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit)
+    except ValueError as exc:  # CheckpointError, bad dtype, bad settings
+        logger.error("cannot start: {}", exc)
+        return 2
+    if stop_requested.is_set():
+        return 0
+    memory_fraction = args.memory_fraction or (0.9 if device.type == "cuda" else 0.1)
+    if rank == 0:
+        logger.info(
+            "model {} | dtype {} | device {} | quantize {} | world size {} | block size {} | memory fraction {} | "
+            "max_input_tokens {} | max_total_tokens {} | max_batch_prefill_tokens {} | max_batch_total_tokens {} | "
+            "max_batch_size {}",
+            model.model_id, str(model.dtype).removeprefix("torch."), device, model.quantize or "none", world_size,
+            args.block_size, memory_fraction, args.max_input_tokens, args.max_total_tokens,
+            args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
+        )
+
+    async def serve() -> None:
+        from text_generation_server.shard import serve_shard
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop_ref.append(loop)
+        stop_ref.append(stop)
+        handled = (signal.SIGTERM,) if launcher_pid is not None else (signal.SIGTERM, signal.SIGINT)
+        for sig in handled:
+            loop.add_signal_handler(sig, request_stop, f"received {sig.name}")
+        if stop_requested.is_set():
+            stop.set()
+        await serve_shard(model, args.uds_path, rank, world_size, memory_fraction, args.max_batch_total_tokens, stop,
+                          prefix_caching=args.prefix_caching, stall_timeout_s=args.rank_stall_timeout_s)
+
+    asyncio.run(serve())
+    return 0
+
+
+def _shard_device(args: ServeArgs, local_rank: int):
+    import torch
+
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank needs CUDA device {local_rank}, but {torch.cuda.device_count()} are available")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
