@@ -34,6 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench_common import command_line, md_table, ratio  # benchmarks/ is on sys.path here
 from text_generation_server.kernels import paged_attention as pa
 
 BATCHES = [1, 8, 32, 64]
@@ -254,7 +255,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
 
     print()
-    print(f"Command: `{' '.join(['python benchmarks/attention_cuda.py'] + sys.argv[1:])}`")
+    print(f"Command: `{command_line(script='benchmarks/attention_cuda.py')}`")
     print(f"Device: {props.name} ({props.multi_processor_count} SMs, measured copy bandwidth {bandwidth:.0f} GB/s); "
           f"torch {torch.__version__}; triton {pa.triton.__version__}; {datetime.date.today().isoformat()}; "
           f"{args.heads} q heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype}, block_size "
@@ -267,26 +268,19 @@ def main() -> int:
     print()
     head = ["batch", "context", "torch gather+SDPA", "triton (splits)", "speed-up", "triton 1 split",
             "max |diff|", "K/V GB/s", "% of copy BW"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for r in decode_rows:
-        speed = None if r["t_torch"] is None else r["t_torch"] / r["t_split"]
-        cells = [str(r["batch"]), str(r["context"]), _fmt(r["t_torch"], ".1f"), f"{r['t_split']:.1f} (x{r['splits']})",
-                 "n.a." if speed is None else f"{speed:.2f}x", f"{r['t_one']:.1f}", _fmt(r["err"], ".1e"),
-                 f"{r['gbs']:.0f}", f"{100 * r['gbs'] / bandwidth:.0f}%"]
-        print("| " + " | ".join(cells) + " |")
+    cells = [[str(r["batch"]), str(r["context"]), _fmt(r["t_torch"], ".1f"), f"{r['t_split']:.1f} (x{r['splits']})",
+              ratio(r["t_torch"], r["t_split"], missing="n.a."), f"{r['t_one']:.1f}", _fmt(r["err"], ".1e"),
+              f"{r['gbs']:.0f}", f"{100 * r['gbs'] / bandwidth:.0f}%"] for r in decode_rows]
+    print("\n".join(md_table(head, cells)))
     if prefill_rows:
         print()
         print("Prefill (one sequence, no cached prefix). Speed-up = flash time / triton time.")
         print()
         head = ["context", "SDPA flash (contiguous)", "triton paged", "speed-up", "triton TFLOP/s", "max |diff|"]
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for r in prefill_rows:
-            speed = None if r["t_flash"] is None else r["t_flash"] / r["t_triton"]
-            cells = [str(r["context"]), _fmt(r["t_flash"], ".1f"), f"{r['t_triton']:.1f}",
-                     "n.a." if speed is None else f"{speed:.2f}x", f"{r['tflops']:.0f}", _fmt(r["err"], ".1e")]
-            print("| " + " | ".join(cells) + " |")
+        cells = [[str(r["context"]), _fmt(r["t_flash"], ".1f"), f"{r['t_triton']:.1f}",
+                  ratio(r["t_flash"], r["t_triton"], missing="n.a."), f"{r['tflops']:.0f}", _fmt(r["err"], ".1e")]
+                 for r in prefill_rows]
+        print("\n".join(md_table(head, cells)))
     print()
     for r in decode_rows:
         if r.get("why"):

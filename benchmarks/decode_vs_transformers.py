@@ -13,10 +13,8 @@ because a fast engine that computes something else is no result.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -27,7 +25,10 @@ from loguru import logger
 
 # Code prompts of varied length, so a batch really needs padding (transformers) and
 # per-request lengths (ours). Batch b uses PROMPTS[i % len(PROMPTS)] for row i.
-from prompts import CODE_PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from bench_common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    command_line, load_line, machine_line, md_table, now_iso, parse_ints,
+)
+from prompts import CODE_PROMPTS  # noqa: E402
 
 PROMPTS = CODE_PROMPTS
 
@@ -64,35 +65,7 @@ class Row:
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise ValueError(f"--batch-sizes must be a comma-separated list of integers, got {text!r}") from exc
-    if not sizes or any(size < 1 for size in sizes):
-        raise ValueError(f"--batch-sizes needs integers >= 1, got {text!r}")
-    return sizes
-
-
-def machine_line() -> str:
-    cpu = platform.processor() or "unknown cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-
-
-def load_line(start: tuple[float, float, float]) -> str:
-    """Other work on the machine shifts both sides' timings; the load average says how much there was."""
-    end = os.getloadavg()
-    line = f"1-min load average {start[0]:.2f} at start, {end[0]:.2f} at the end"
-    if max(start[0], end[0]) > (os.cpu_count() or 1):
-        line += " (BUSY MACHINE: more runnable work than cores, timings are unreliable; --threads 1 suffers least)"
-    return line
+    return parse_ints(text, "--batch-sizes")
 
 
 class OursRunner:
@@ -242,11 +215,10 @@ def profile_ours(ours: OursRunner, batch_size: int, steps: int = 20, top: int = 
         f"- per step: generate_token {total_ns / steps / 1e6:.2f} ms = model forward {forward_ns / steps / 1e6:.2f} ms "
         f"+ token choice, stopping, detokenisation {(total_ns - forward_ns) / steps / 1e6:.2f} ms",
         "",
-        "| aten op | self ms / step | calls / step |",
-        "|---|---:|---:|",
+        *md_table(["aten op", "self ms / step", "calls / step"], [
+            [e.key, f"{e.self_cpu_time_total / 1e3 / steps:.3f}", f"{e.count / steps:.0f}"] for e in events[:top]
+        ], "lrr"),
     ]
-    for event in events[:top]:
-        lines.append(f"| {event.key} | {event.self_cpu_time_total / 1e3 / steps:.3f} | {event.count / steps:.0f} |")
     return "\n".join(lines)
 
 
@@ -281,20 +253,19 @@ def report(rows: list[Row], args: argparse.Namespace, model_id: str) -> str:
     lines = [
         "## Decode throughput: text-generation-server engine vs transformers generate()",
         "",
-        f"- command: `{' '.join(shlex.quote(a) for a in [sys.executable.rsplit('/', 1)[-1]] + sys.argv)}`",
+        f"- command: `{command_line(sys.executable.rsplit('/', 1)[-1])}`",
         f"- model: {model_id}, float32, greedy, {args.new_tokens} new tokens per request (EOS ignored on both sides)",
-        f"- machine: {machine_line()}; {load_line(args.load_at_start)}",
+        f"- machine: {machine_line(f'torch threads {torch.get_num_threads()}')}; "
+        f"{load_line(start=args.load_at_start[0], hint='--threads 1 suffers least')}",
         f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- date: {now_iso()}",
         f"- decode tok/s = batch x (new tokens - 1) / time from the first chosen token to the last; best of "
         f"up to {args.repeats} interleaved runs after a short warm-up (median in brackets); ratio = median over "
         f"the interleaved pairs of ours/transformers (range in brackets), also by process CPU time, which other "
         f"load disturbs less (but spinning threads count); ids compared on the first timed run",
         "",
-        "| batch | ours tok/s | transformers tok/s | ratio (range) | ratio by CPU time | ours prefill ms "
-        "| transformers prefill ms | ours ms/step (forward + rest) | identical ids |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    cells = []
     for row in rows:
         o, t = best(row.ours), best(row.theirs)
         om = statistics.median(r.tokens_per_s for r in row.ours)
@@ -305,12 +276,15 @@ def report(rows: list[Row], args: argparse.Namespace, model_id: str) -> str:
         step_ms = 1e3 * o.decode_s / steps
         fwd_ms = 1e3 * o.forward_s / steps
         same = "yes" if not row.mismatches else f"NO ({len(row.mismatches)}/{row.batch} rows differ)"
-        lines.append(
-            f"| {row.batch} | {o.tokens_per_s:.0f} ({om:.0f}) | {t.tokens_per_s:.0f} ({tm:.0f}) | "
-            f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) | {cpu_ratio:.2f}x | "
-            f"{1e3 * min(r.prefill_s for r in row.ours):.1f} | {1e3 * min(r.prefill_s for r in row.theirs):.1f} | "
-            f"{step_ms:.2f} ({fwd_ms:.2f} + {step_ms - fwd_ms:.2f}) | {same} |"
-        )
+        cells.append([
+            row.batch, f"{o.tokens_per_s:.0f} ({om:.0f})", f"{t.tokens_per_s:.0f} ({tm:.0f})",
+            f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})", f"{cpu_ratio:.2f}x",
+            f"{1e3 * min(r.prefill_s for r in row.ours):.1f}", f"{1e3 * min(r.prefill_s for r in row.theirs):.1f}",
+            f"{step_ms:.2f} ({fwd_ms:.2f} + {step_ms - fwd_ms:.2f})", same,
+        ])
+    lines += md_table(["batch", "ours tok/s", "transformers tok/s", "ratio (range)", "ratio by CPU time",
+                       "ours prefill ms", "transformers prefill ms", "ours ms/step (forward + rest)", "identical ids"],
+                      cells, "r" * 8 + "l")
     lines.append("")
     targets = {1: 2.0, 32: 1.5}
     for row in rows:

@@ -11,8 +11,11 @@ import json
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+# A sibling module (benchmarks/ is on sys.path for the scripts here and for its tests).
+from bench_common import StreamedReply, fmt_value, md_table, ratio
 
 BATCHES = (1, 8, 32, 64)
 PREFILL_LENGTHS = (1024, 8192, 32768)
@@ -271,13 +274,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-@dataclass
-class Stream:
-    """One streamed request as the client saw it."""
-
-    sent: float
-    stamps: list[float] = field(default_factory=list)
-    error: str | None = None
+Stream = StreamedReply  # one streamed request as the client saw it (sent, token stamps, error)
 
 
 def summarize_decode(streams: list[Stream], new_tokens: int, steps: dict[str, tuple[float, float]]) -> dict:
@@ -433,14 +430,6 @@ def check_targets(results: dict) -> list[Target]:
     return targets
 
 
-def fmt_value(value: float | None, fmt: str = "{:.0f}") -> str:
-    return "n/a" if value is None else fmt.format(value)
-
-
-def fmt_ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "n/a"
-
-
 def format_report(results: dict) -> str:
     """The Markdown table of merged results: fp16 against int4 per batch and prompt length, the
     batch-1 weight bandwidth, and every target's status."""
@@ -472,47 +461,49 @@ def format_report(results: dict) -> str:
         if results.get(key) is not None:
             lines.append(f"- {what}: {results[key]:.0f} s")
     batches = sorted({int(b) for m in (fp16, int4) for b in m.get("decode", {})})
-    lines += ["", "| batch | fp16 tok/s per stream | fp16 aggregate | int4 tok/s per stream | int4 aggregate | "
-              "int4/fp16 | fp16 TTFT p50 ms | int4 TTFT p50 ms | fp16 forward ms | int4 forward ms |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows: list[list[str]] = []
     for b in batches:
         f = fp16.get("decode", {}).get(str(b), {})
         q = int4.get("decode", {}).get(str(b), {})
-        lines.append(
-            f"| {b} | {fmt_value(f.get('per_stream_tok_s'), '{:.1f}')} | {fmt_value(f.get('aggregate_tok_s'))} | "
-            f"{fmt_value(q.get('per_stream_tok_s'), '{:.1f}')} | {fmt_value(q.get('aggregate_tok_s'))} | "
-            f"{fmt_ratio(q.get('aggregate_tok_s'), f.get('aggregate_tok_s'))} | {fmt_value(f.get('ttft_ms_p50'))} | "
-            f"{fmt_value(q.get('ttft_ms_p50'))} | {fmt_value(f.get('forward_ms'), '{:.2f}')} | "
-            f"{fmt_value(q.get('forward_ms'), '{:.2f}')} |")
+        rows.append([
+            str(b), fmt_value(f.get("per_stream_tok_s"), "{:.1f}"), fmt_value(f.get("aggregate_tok_s")),
+            fmt_value(q.get("per_stream_tok_s"), "{:.1f}"), fmt_value(q.get("aggregate_tok_s")),
+            ratio(q.get("aggregate_tok_s"), f.get("aggregate_tok_s")), fmt_value(f.get("ttft_ms_p50")),
+            fmt_value(q.get("ttft_ms_p50")), fmt_value(f.get("forward_ms"), "{:.2f}"),
+            fmt_value(q.get("forward_ms"), "{:.2f}"),
+        ])
+    lines += ["", *md_table(["batch", "fp16 tok/s per stream", "fp16 aggregate", "int4 tok/s per stream",
+                             "int4 aggregate", "int4/fp16", "fp16 TTFT p50 ms", "int4 TTFT p50 ms",
+                             "fp16 forward ms", "int4 forward ms"], rows, "r" * 10)]
     lengths = sorted({int(n) for m in (fp16, int4) for n in m.get("prefill", {})})
     if lengths:
-        lines += ["", "| prompt tokens | fp16 TTFT ms | fp16 prefill tok/s | int4 TTFT ms | int4 prefill tok/s | "
-                  "int4/fp16 | fp16 forward tok/s | int4 forward tok/s |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = []
         for n in lengths:
             f = fp16.get("prefill", {}).get(str(n), {})
             q = int4.get("prefill", {}).get(str(n), {})
-            lines.append(f"| {n} | {fmt_value(f.get('ttft_ms'))} | {fmt_value(f.get('tok_s'))} | "
-                         f"{fmt_value(q.get('ttft_ms'))} | "
-                         f"{fmt_value(q.get('tok_s'))} | {fmt_ratio(q.get('tok_s'), f.get('tok_s'))} | "
-                         f"{fmt_value(f.get('forward_tok_s'))} | {fmt_value(q.get('forward_tok_s'))} |")
-    lines += ["", "| batch 1 | weights GB/step | limit tok/s | tok/s | GB/s (client) | share of copy | "
-              "GB/s (forward) | share of copy (forward) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            rows.append([str(n), fmt_value(f.get("ttft_ms")), fmt_value(f.get("tok_s")), fmt_value(q.get("ttft_ms")),
+                         fmt_value(q.get("tok_s")), ratio(q.get("tok_s"), f.get("tok_s")),
+                         fmt_value(f.get("forward_tok_s")), fmt_value(q.get("forward_tok_s"))])
+        lines += ["", *md_table(["prompt tokens", "fp16 TTFT ms", "fp16 prefill tok/s", "int4 TTFT ms",
+                                 "int4 prefill tok/s", "int4/fp16", "fp16 forward tok/s", "int4 forward tok/s"],
+                                rows, "r" * 8)]
+    rows = []
     for kind, model in (("fp16", fp16), ("int4", int4)):
         if not model:
-            lines.append(f"| {kind} | not run | | | | | | |")
+            rows.append([kind, "not run"] + [""] * 6)
             continue
         bw = batch1_bandwidth(model, copy_gbs)
-        lines.append(
-            f"| {kind} | {model['bytes_per_step']['total'] / 1e9:.2f} | {fmt_value(bw['client']['limit_tok_s'])} | "
-            f"{fmt_value(model.get('decode', {}).get('1', {}).get('per_stream_tok_s'), '{:.1f}')} | "
-            f"{fmt_value(bw['client']['gbs'])} | {fmt_value(bw['client']['share'], '{:.0%}')} | "
-            f"{fmt_value(bw['forward']['gbs'])} | "
-            f"{fmt_value(bw['forward']['share'], '{:.0%}')} |")
-    lines += ["", "| target | value | threshold | status |", "|---|---:|---:|---|"]
-    for t in check_targets(results):
-        value, threshold = t.cells()
-        lines.append(f"| {t.name} | {value} | {threshold} | **{t.status}**{f' ({t.detail})' if t.detail else ''} |")
+        rows.append([
+            kind, f"{model['bytes_per_step']['total'] / 1e9:.2f}", fmt_value(bw["client"]["limit_tok_s"]),
+            fmt_value(model.get("decode", {}).get("1", {}).get("per_stream_tok_s"), "{:.1f}"),
+            fmt_value(bw["client"]["gbs"]), fmt_value(bw["client"]["share"], "{:.0%}"),
+            fmt_value(bw["forward"]["gbs"]), fmt_value(bw["forward"]["share"], "{:.0%}"),
+        ])
+    lines += ["", *md_table(["batch 1", "weights GB/step", "limit tok/s", "tok/s", "GB/s (client)", "share of copy",
+                             "GB/s (forward)", "share of copy (forward)"], rows, "l" + "r" * 7)]
+    rows = [[t.name, *t.cells(), f"**{t.status}**{f' ({t.detail})' if t.detail else ''}"]
+            for t in check_targets(results)]
+    lines += ["", *md_table(["target", "value", "threshold", "status"], rows, "lrrl")]
     for kind, model in (("fp16", fp16), ("int4", int4)):
         for b, level in sorted(model.get("decode", {}).items(), key=lambda kv: int(kv[0])):
             if level.get("error_count"):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import random
@@ -58,13 +57,16 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))  # gpu_bench_logic, serve_load, attention_cuda are siblings
+    sys.path.insert(0, str(BENCH_DIR))  # gpu_bench_logic, bench_common, attention_cuda are siblings
 
+from bench_common import (  # noqa: E402
+    StartedServer, cli_entry, fmt_value, now_iso, parse_ints, scrape_steps, steps_delta, stream_generate,
+)
 from gpu_bench_logic import (  # noqa: E402
     BATCHES, MODELS, PHASES, PREFILL_LENGTHS, ModelShape, Stream, check_targets, dense_step_bytes, fingerprint,
-    fmt_value, folder_step_bytes, format_report, gptq_step_bytes, llama_config, merge_results, oom_lines,
-    plan_phases, random_prompt, retry_chunked, serve_flags, shard_plan, special_ids, summarize_decode,
-    summarize_prefill, word_tokenizer,
+    folder_step_bytes, format_report, gptq_step_bytes, llama_config, merge_results, oom_lines, plan_phases,
+    random_prompt, retry_chunked, serve_flags, shard_plan, special_ids, summarize_decode, summarize_prefill,
+    word_tokenizer,
 )
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama: activations stay far from fp16's range
@@ -167,31 +169,21 @@ def gpu_memory_used_mib() -> float | None:
 
 
 async def _stream(stub, cpb, prompt: str, new_tokens: int) -> Stream:
-    import grpc
-
     params = cpb.GenerateParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
-    s = Stream(sent=time.perf_counter())
-    try:
-        async for _msg in stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params)):
-            s.stamps.append(time.perf_counter())
-    except grpc.aio.AioRpcError as exc:
-        s.error = f"{exc.code().name}: {exc.details()}"
-    return s
+    return await stream_generate(stub, cpb.GenerateRequest(inputs=prompt, parameters=params))
 
 
 async def _decode_level(stub, cpb, server, args: argparse.Namespace, rng: random.Random, vocab: int,
                         batch: int) -> dict:
     """`batch` streams sent at once, after a short round of the same size (its first steps may
     compile kernels for this batch size); router histograms scraped around the measured round."""
-    from serve_load import delta, scrape
-
     def prompt() -> str:
         return random_prompt(rng, args.prompt_tokens, vocab)
 
     await asyncio.gather(*(_stream(stub, cpb, prompt(), min(8, args.new_tokens)) for _ in range(batch)))
-    before = scrape(server.metrics_url)
+    before = scrape_steps(server.metrics_url)
     streams = await asyncio.gather(*(_stream(stub, cpb, prompt(), args.new_tokens) for _ in range(batch)))
-    level = summarize_decode(list(streams), args.new_tokens, delta(before, scrape(server.metrics_url)))
+    level = summarize_decode(list(streams), args.new_tokens, steps_delta(before, scrape_steps(server.metrics_url)))
     level["gpu_memory_mib"] = gpu_memory_used_mib()
     print(f"batch {batch}: {fmt_value(level['per_stream_tok_s'], '{:.1f}')} tok/s per stream, "
           f"{fmt_value(level['aggregate_tok_s'])} aggregate, forward {fmt_value(level['forward_ms'], '{:.2f}')} ms, "
@@ -202,13 +194,11 @@ async def _decode_level(stub, cpb, server, args: argparse.Namespace, rng: random
 async def _prefill_length(stub, cpb, server, args: argparse.Namespace, rng: random.Random, vocab: int,
                           length: int) -> dict:
     """One warm-up then --prefill-reps single requests of `length` prompt tokens and one new token."""
-    from serve_load import delta, scrape
-
     ttfts, forwards, errors = [], [], []
     for rep in range(args.prefill_reps + 1):
-        before = scrape(server.metrics_url)
+        before = scrape_steps(server.metrics_url)
         s = await _stream(stub, cpb, random_prompt(rng, length, vocab), 1)
-        steps = delta(before, scrape(server.metrics_url))
+        steps = steps_delta(before, scrape_steps(server.metrics_url))
         if s.error or not s.stamps:
             errors.append(s.error or "no token streamed")
         elif rep > 0:
@@ -257,7 +247,6 @@ async def measure_server(args: argparse.Namespace, model_dir: Path, shape: Model
     log after warmup is searched for out-of-memory reports; the whole log goes under '_log'.
     """
     import grpc
-    from serve_load import StartedServer
 
     max_input = max([*args.prefill_lengths, args.prompt_tokens])
     flags = serve_flags(args.device, args.dtype, max_input, args.new_tokens, max(args.batches), args.cuda_graphs,
@@ -330,8 +319,7 @@ class Workspace:
 
 def run_quantize(ws: Workspace, args: argparse.Namespace) -> dict:
     """Our quantize command on the fp16 checkpoint, timed; its log streams through."""
-    launcher = shutil.which("text-generation-server")
-    entry = [launcher] if launcher else [sys.executable, "-m", "text_generation_server.cli"]
+    entry = cli_entry()
     command = [*entry, "quantize", str(ws.fp16), str(ws.int4), "--method", "rtn", "--bits", str(args.bits),
                "--groupsize", str(args.groupsize), "--device", args.device, "--overwrite"]
     print(f"quantize: {' '.join(command)}", file=sys.stderr, flush=True)
@@ -400,7 +388,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"plan: {' -> '.join(plan)} (work dir {ws.root}, results to {ws.out})", file=sys.stderr, flush=True)
     ws.root.mkdir(parents=True, exist_ok=True)
     ws.out.mkdir(parents=True, exist_ok=True)
-    common = {"shape": asdict(shape), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    common = {"shape": asdict(shape), "date": now_iso()}
     status = 0
     for phase in plan:
         started = time.monotonic()
@@ -441,16 +429,6 @@ def report(args: argparse.Namespace, ws: Workspace) -> dict:
 
 def _terminate(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{what} needs integers >= 1, got {text!r}")
-    return values
 
 
 def main(argv: list[str] | None = None) -> int:

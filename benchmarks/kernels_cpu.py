@@ -50,9 +50,7 @@ import copy
 import datetime
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -60,6 +58,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from bench_common import command_line, cpu_model, md_table, ratio  # benchmarks/ is on sys.path here
 from text_generation_server.kernels.base import DISABLE_ENV, QuantizedWeight, build_linear, dequantize
 from text_generation_server.kernels.fp8 import Fp8Weight, dequantize_fp8
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
@@ -72,17 +71,6 @@ ACT = torch.bfloat16
 DENSE = ("fp32", "bf16")
 MIN_ROUNDS = 3  # every label is timed at least this often
 SLOW_FACTOR = 10.0  # after MIN_ROUNDS, labels this many times slower than bf16 dense stop being timed
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 @contextlib.contextmanager
@@ -331,17 +319,16 @@ def run_shape(k: int, n: int, formats: list[Format], batches: list[int], working
 def print_table(res: ShapeResult, formats: list[Format], stat: Callable[[list[float]], float]) -> None:
     batches = list(res.times)
     head = ["format", "kernel", "MiB (vs bf16)", "rel. err"] + [f"batch {m} ms (vs bf16 / vs fp32)" for m in batches]
-    print("| " + " | ".join(head) + " |")
-    print("|---|---|---:|---:|" + "---:|" * len(batches))
-    rows = [(lbl, f"{lbl} dense") for lbl in DENSE] + [(f.key, f.label) for f in formats]
-    for key, label in rows:
+    rows = []
+    for key, label in [(lbl, f"{lbl} dense") for lbl in DENSE] + [(f.key, f.label) for f in formats]:
         mib = res.nbytes[key] / 2**20
         err = f"{res.errors[key]:.1e}" if key in res.errors else "-"
-        cells = [label, res.kernels[key], f"{mib:.1f} ({res.nbytes[key] / res.nbytes['bf16']:.2f}x)", err]
+        cells = [label, res.kernels[key], f"{mib:.1f} ({ratio(res.nbytes[key], res.nbytes['bf16'])})", err]
         for m in batches:
             t = {lbl: 1e3 * stat(v) for lbl, v in res.times[m].items()}
-            cells.append(f"{t[key]:.2f} ({t['bf16'] / t[key]:.2f}x / {t['fp32'] / t[key]:.2f}x)")
-        print("| " + " | ".join(cells) + " |")
+            cells.append(f"{t[key]:.2f} ({ratio(t['bf16'], t[key])} / {ratio(t['fp32'], t[key])})")
+        rows.append(cells)
+    print("\n".join(md_table(head, rows, "llrr" + "r" * len(batches))))
     print()
 
 
@@ -382,7 +369,7 @@ def main() -> None:
     results = [run_shape(k, n, formats, batches, working_set, args.budget, args.reps) for k, n in shapes]
 
     print()
-    print(f"Command: `{' '.join(['python benchmarks/kernels_cpu.py'] + sys.argv[1:])}`")
+    print(f"Command: `{command_line(script='benchmarks/kernels_cpu.py')}`")
     regime = ("cache-resident (--hot)" if args.hot else
               f"cold: >= {args.working_set_mib} MiB of weights read between two reads of one copy "
               f"({', '.join(f'{r.k}x{r.n}: {r.copies} copies' for r in results)})")

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bench_common import command_line, md_table, ratio  # benchmarks/ is on sys.path here
 from text_generation_server.kernels import triton_gemm as tg
 from text_generation_server.kernels.base import QuantizedWeight
 from text_generation_server.kernels.scratch import SCRATCH
@@ -181,7 +182,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     print()
-    print(f"Command: `{' '.join(['python benchmarks/kernels_cuda.py'] + sys.argv[1:])}`")
+    print(f"Command: `{command_line(script='benchmarks/kernels_cuda.py')}`")
     print(f"Device: {name} (peak {'unknown' if peak is None else f'{peak:.0f} GB/s'}, {peak_source}); "
           f"torch {torch.__version__}; triton {tg.triton.__version__}; {datetime.date.today().isoformat()}; "
           f"{args.bits}-bit g{args.group_size or 'K'} {'asym' if args.asym else 'sym'}"
@@ -194,15 +195,12 @@ def main() -> int:
     print()
     head = ["K x N", "batch", "plan", "fp16 matmul", "triton-gemm", "vs fp16", "dequant+mm", "tinygemm (bf16)",
             "vs tinygemm", "GB/s", "% of peak"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for k, n, m, plan, t_dense, t_triton, t_dequant, t_tiny, gbs in rows:
-        cells = [f"{k} x {n}", str(m), plan.path + (f" x{plan.split_k}" if plan.split_k > 1 else ""),
-                 f"{t_dense:.1f}", f"{t_triton:.1f}", f"{t_dense / t_triton:.2f}x", f"{t_dequant:.1f}",
-                 "n/a" if t_tiny is None else f"{t_tiny:.1f}",
-                 "n/a" if t_tiny is None else f"{t_tiny / t_triton:.2f}x",
-                 f"{gbs:.0f}", "n/a" if peak is None else f"{100 * gbs / peak:.0f}%"]
-        print("| " + " | ".join(cells) + " |")
+    cells = [[f"{k} x {n}", str(m), plan.path + (f" x{plan.split_k}" if plan.split_k > 1 else ""),
+              f"{t_dense:.1f}", f"{t_triton:.1f}", ratio(t_dense, t_triton), f"{t_dequant:.1f}",
+              "n/a" if t_tiny is None else f"{t_tiny:.1f}", ratio(t_tiny, t_triton),
+              f"{gbs:.0f}", "n/a" if peak is None else f"{100 * gbs / peak:.0f}%"]
+             for k, n, m, plan, t_dense, t_triton, t_dequant, t_tiny, gbs in rows]
+    print("\n".join(md_table(head, cells)))
     return 0
 
 

@@ -37,13 +37,14 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from serve_load import StartedServer, pct  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from bench_common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    StartedServer, StreamedReply, command_line, load_line, machine_line, md_table, metrics_text, pct, stream_generate,
+)
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.utils.checkpoint import embedded_model_path, load_tokenizer
@@ -92,31 +93,15 @@ def plan_conversation(pool: TextPool, fill: int, followup: int, earlier_turns: i
 
 
 # -- client ----------------------------------------------------------------------------------
-@dataclass
-class Reply:
-    sent: float
-    stamps: list[float] = field(default_factory=list)
-    text: str = ""
-
-    @property
-    def ttft(self) -> float:
-        return self.stamps[0] - self.sent
-
-
 class ServerFailed(RuntimeError):
     """The server failed a request or went away: the run is not a measurement."""
 
 
-async def generate(stub, prompt: str, max_new_tokens: int) -> Reply:
+async def generate(stub, prompt: str, max_new_tokens: int) -> StreamedReply:
     params = cpb.GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True)
-    reply = Reply(sent=time.perf_counter())
-    try:
-        async for msg in stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params)):
-            reply.stamps.append(time.perf_counter())
-            if msg.HasField("generated_text"):
-                reply.text = msg.generated_text
-    except grpc.aio.AioRpcError as exc:
-        raise ServerFailed(f"{exc.code().name}: {exc.details()}") from exc
+    reply = await stream_generate(stub, cpb.GenerateRequest(inputs=prompt, parameters=params))
+    if reply.error is not None:
+        raise ServerFailed(reply.error)
     if not reply.stamps:
         raise ServerFailed("a stream ended without a token")
     return reply
@@ -124,10 +109,8 @@ async def generate(stub, prompt: str, max_new_tokens: int) -> Reply:
 
 def counters(url: str) -> dict[str, float]:
     """The prefix-cache and chunking counters on /metrics (the `_total` samples)."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    found = {}
-    for line in text.splitlines():
+    found: dict[str, float] = {}
+    for line in metrics_text(url).splitlines():
         if line.startswith("#") or " " not in line:
             continue
         sample, value = line.rsplit(" ", 1)
@@ -154,8 +137,8 @@ class Server:
         await generate(self.stub, "def warm_up(x):\n", 8)
 
     def check(self) -> None:
-        if self.proc.proc.poll() is not None:
-            raise ServerFailed(f"server {self.label} exited ({self.proc.proc.returncode}):\n{self.proc.log_tail()}")
+        if self.proc.returncode is not None:
+            raise ServerFailed(f"server {self.label} exited ({self.proc.returncode}):\n{self.proc.log_tail()}")
 
     def counters(self) -> dict[str, float]:
         return counters(self.proc.metrics_url)
@@ -163,15 +146,7 @@ class Server:
     def cpu_s(self) -> float:
         """CPU time of the server's processes (launcher, router, ranks: one session): unlike wall
         time, barely moved by other jobs on the machine, so it shows what caching costs per request."""
-        sid, total = self.proc.proc.pid, 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # a process that ended meanwhile
-            if int(fields[3]) == sid:
-                total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
-        return total / os.sysconf("SC_CLK_TCK")
+        return self.proc.cpu_s()
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -547,20 +522,11 @@ async def random_part(args, pool: TextPool, report: Report, folder: Path) -> Non
         await asyncio.gather(*(s.close() for s in servers))
 
 
-def machine() -> str:
-    cpu = "unknown cpu"
-    try:
-        out = os.popen("lscpu").read()
-        cpu = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except StopIteration:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores (client and servers on the same machine)"
-
-
 def render(report: Report, args, loads: tuple, started: datetime.datetime, wall_s: float) -> str:
     lines = ["## Prefix caching and chunked prefill (CPU)", "",
-             f"- command: `{shlex.join(['python', *sys.argv])}`",
-             f"- machine: {machine()}; 1-min load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end",
+             f"- command: `{command_line()}`",
+             f"- machine: {machine_line(cores_note='(client and servers on the same machine)')}; "
+             f"{load_line(loads[1], start=loads[0])}",
              f"- date: {started.isoformat(timespec='seconds')}, {wall_s:.0f} s in all",
              f"- every server rank with OMP_NUM_THREADS={args.threads}; greedy, EOS ignored, {args.new_tokens} new "
              "tokens per request; TTFT measured by the client (request sent -> first streamed token)",
@@ -568,16 +534,15 @@ def render(report: Report, args, loads: tuple, started: datetime.datetime, wall_
     if report.caching:
         lines += ["", "Caching off vs on (hit share: the share of the workload's prompt tokens, every turn "
                   "counted, that the caching server took from its cache)", "",
-                  "| workload | model | measure | caching off | caching on | ratio | hit share |",
-                  "|---|---|---|---:|---:|---:|---:|", *("| " + " | ".join(r) + " |" for r in report.caching)]
+                  *md_table(["workload", "model", "measure", "caching off", "caching on", "ratio", "hit share"],
+                            report.caching, "lllrrrr")]
     if report.chunking:
         lines += ["", f"Chunking off vs on (random model, {args.streams} streams decoding, "
                   f"{args.long_prompt_tokens}-token prompts arriving; ITL from the streams' token timestamps, "
                   f"'without' = the {args.baseline_s:g} s before each prompt)", "",
-                  "| measure | chunking off (whole prompt) | "
-                  + " | ".join(f"chunking on (budget {b})" for b in args.chunk_tokens) + " |",
-                  "|---|---:|" + "---:|" * len(args.chunk_tokens),
-                  *("| " + " | ".join(r) + " |" for r in report.chunking)]
+                  *md_table(["measure", "chunking off (whole prompt)",
+                             *(f"chunking on (budget {b})" for b in args.chunk_tokens)],
+                            report.chunking, "l" + "r" * (1 + len(args.chunk_tokens)))]
     lines += ["", "Targets:", *report.targets]
     return "\n".join(lines)
 

@@ -17,11 +17,8 @@ gptq, ...) so machine noise hits every format alike; the ratios are the result.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -32,7 +29,10 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from prompts import CODE_PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from bench_common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    command_line, load_line, machine_line, md_table, now_iso, ratio,
+)
+from prompts import CODE_PROMPTS  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "server" / "text_generation_server" / "assets" / "tiny-pycoder"
 
@@ -219,25 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "## Quantized formats end to end: weight memory and decode tokens/s against bf16",
         "",
-        f"- command: `python {' '.join(sys.argv)}`",
+        f"- command: `{command_line()}`",
         f"- model: random Llama, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
         f"{args.heads} heads / {args.kv_heads} KV heads, vocabulary {args.vocab}; bf16 activations; "
         f"{args.new_tokens} new tokens per request; median of {args.rounds} interleaved rounds",
-        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end",
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {machine_line(f'torch threads {torch.get_num_threads()}', load_line())}",
+        f"- date: {now_iso()}",
         "",
-        "| format | kernels | weights MiB | vs bf16 | " + " | ".join(f"tok/s b={b} (x bf16)" for b in batch_sizes) + " |",
-        "|---|---|---:|---:|" + "---:|" * len(batch_sizes),
     ]
+    rows = []
     for runner in runners:
         cells = []
         for b in batch_sizes:
             tps = statistics.median(timings[(runner.name, b)])
             ref = statistics.median(timings[(base.name, b)])
-            cells.append(f"{tps:.1f} ({tps / ref:.2f}x)")
-        lines.append(f"| {runner.name} | {runner.kernels} | {runner.weight_bytes / 2**20:.0f} | "
-                     f"{runner.weight_bytes / base.weight_bytes:.2f}x | " + " | ".join(cells) + " |")
+            cells.append(f"{tps:.1f} ({ratio(tps, ref)})")
+        rows.append([runner.name, runner.kernels, f"{runner.weight_bytes / 2**20:.0f}",
+                     ratio(runner.weight_bytes, base.weight_bytes), *cells])
+    lines += md_table(["format", "kernels", "weights MiB", "vs bf16", *(f"tok/s b={b} (x bf16)" for b in batch_sizes)],
+                      rows, "llrr" + "r" * len(batch_sizes))
     print("\n".join(lines))
     return 0
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench_common import command_line, machine_line, md_table  # benchmarks/ is on sys.path here
 from text_generation_server.models import get_model
 from text_generation_server.perplexity import default_text, evaluate
 
@@ -75,18 +76,6 @@ def perplexity_of(model: str, text: str, args) -> float:
     return evaluate(lm, text, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens).perplexity
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-pycoder")
@@ -125,24 +114,23 @@ def main() -> None:
                 print(f"{label} {'sym' if sym else 'asym'} {method}: perplexity {ppl:.4f}, {seconds:.1f} s, "
                       f"peak RSS {peak:.0f} MB", file=sys.stderr)
 
-    print(f"Command: `{shlex.join([sys.executable.rsplit('/', 1)[-1]] + sys.argv)}`  ")
-    print(f"Machine: {machine()}  ")
+    print(f"Command: `{command_line(sys.executable.rsplit('/', 1)[-1])}`  ")
+    print(f"Machine: {machine_line(f'torch {torch.__version__}', f'Python {platform.python_version()}')}  ")
     print(f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}  ")
     print(f"Model: {args.model}; calibration: {args.nsamples} x {args.seqlen} tokens of the corpus train split; "
           f"evaluation: {args.eval_tokens} held-out tokens in windows of {args.eval_seqlen}.  ")
     print(f"Original perplexity: **{original:.3f}**. Quantize time and peak RSS are per CLI process; "
           f"a process that only imports torch and the quantize module peaks at {baseline_mb:.0f} MB.\n")
-    header = "| setting | grid | " + " | ".join(f"{m} ppl" for m in methods) + " | GPTQ vs original | " + \
-        " | ".join(f"{m} time / peak RSS" for m in methods) + " |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
+    header = ["setting", "grid", *(f"{m} ppl" for m in methods), "GPTQ vs original",
+              *(f"{m} time / peak RSS" for m in methods)]
+    rows = []
     for label, _, _ in SETTINGS:
         for sym in (True, False):
             row = [results[(label, sym, m)] for m in methods]
             delta = (results[(label, sym, "gptq")].perplexity / original - 1) * 100
-            print(f"| {label} | {'sym' if sym else 'asym'} | " + " | ".join(f"{r.perplexity:.3f}" for r in row)
-                  + f" | {delta:+.2f}% | " + " | ".join(f"{r.seconds:.1f} s / {r.peak_rss_mb:.0f} MB" for r in row)
-                  + " |")
+            rows.append([label, "sym" if sym else "asym", *(f"{r.perplexity:.3f}" for r in row), f"{delta:+.2f}%",
+                         *(f"{r.seconds:.1f} s / {r.peak_rss_mb:.0f} MB" for r in row)])
+    print("\n".join(md_table(header, rows)))
 
     print()
     checks = []

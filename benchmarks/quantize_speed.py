@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -37,15 +38,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from quantize_quality import machine  # benchmarks/ is on sys.path when a script here runs
+
+from bench_common import (  # benchmarks/ is on sys.path when a script here runs
+    command_line, load_averages, machine_line, md_row, md_table,
+)
 
 README_ARGS = ["tiny-pycoder", "--bits", "4", "--groupsize", "128", "--act-order"]
 REPO = Path(__file__).resolve().parent.parent
 FULL_TOKENS = 128 * 2048  # the calibration a 7B model gets by default
-
-
-def load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # -- 1. the README command as a user runs it ------------------------------------------------------------
@@ -81,14 +81,14 @@ def extract(rev: str, into: Path) -> Path:
 def time_cli(prefix: list[str], out: Path, env: dict[str, str]) -> tuple[float, str, str]:
     """(wall seconds, load average before, after) of one README quantize."""
     shutil.rmtree(out, ignore_errors=True)
-    before = load()
+    before = load_averages()
     start = time.monotonic()
     done = subprocess.run(prefix + ["quantize", README_ARGS[0], str(out)] + README_ARGS[1:], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.monotonic() - start
     if done.returncode != 0:
         raise SystemExit(f"quantize failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return seconds, before, load()
+    return seconds, before, load_averages()
 
 
 def readme_end_to_end(args, work: Path, env: dict[str, str]) -> list[str]:
@@ -100,9 +100,9 @@ def readme_end_to_end(args, work: Path, env: dict[str, str]) -> list[str]:
     for repeat in range(args.repeats):
         for label, prefix in runs:
             seconds, before, after = time_cli(prefix, work / f"readme-{len(rows)}", env)
-            rows.append(f"| {label} | {repeat + 1} | {seconds:.1f} s | {before} | {after} |")
-            print(rows[-1], file=sys.stderr)
-    return ["| code | run | wall | load avg before (1/5/15 min) | after |", "|---|---|---|---|---|"] + rows
+            rows.append([label, repeat + 1, f"{seconds:.1f} s", before, after])
+            print(md_row(rows[-1]), file=sys.stderr)
+    return md_table(["code", "run", "wall", "load avg before (1/5/15 min)", "after"], rows)
 
 
 # -- 2. the README command by phase ---------------------------------------------------------------------
@@ -147,17 +147,17 @@ def pass_kind(runner, layer, inputs, outputs, record=None, replay=None, on_batch
 def readme_phases(work: Path) -> list[str]:
     from loguru import logger
 
-    from text_generation_server import quantize as pipeline
+    from text_generation_server.quantize import calibration, pipeline, writer
     from text_generation_server.quantizers import gptq_solver
 
     timer = Timer()
     timer.wrap(pipeline.Quantizer, "_embedded_samples", "calibration: tokenize + embed")
-    timer.wrap(pipeline.LayerRunner, "run", pass_kind)
+    timer.wrap(calibration.LayerRunner, "run", pass_kind)
     timer.wrap(gptq_solver.HessianAccumulator, "add", "hessian accumulation (inside the passes)")
     timer.wrap(pipeline, "gptq_quantize", "gptq solve")
     timer.wrap(pipeline, "output_error", "output error figures")
     timer.wrap(pipeline.Quantizer, "_write_layer", "pack + queue tensors")
-    timer.wrap(pipeline.ShardWriter, "finish", "write shards")
+    timer.wrap(writer.ShardWriter, "finish", "write shards")
     sink_ids = []
     logger.remove()
     sink_ids.append(logger.add(sys.stderr, level="WARNING"))
@@ -170,14 +170,14 @@ def readme_phases(work: Path) -> list[str]:
     total = time.perf_counter() - start
     hessian = timer.seconds["hessian accumulation (inside the passes)"]
     passes = sum(v for k, v in timer.seconds.items() if k.startswith("pass"))
-    lines = ["| phase | calls | seconds | share |", "|---|---|---|---|"]
-    for label in sorted(timer.seconds, key=lambda k: -timer.seconds[k]):
-        lines.append(f"| {label} | {timer.calls[label]} | {timer.seconds[label]:.2f} | "
-                     f"{timer.seconds[label] / total:.0%} |")
-    lines.append(f"| passes without their Hessian accumulation | | {passes - hessian:.2f} | "
-                 f"{(passes - hessian) / total:.0%} |")
-    lines.append(f"| **total (in process, after imports)** | | **{total:.2f}** | 100% |")
-    return lines
+    rows: list[list[object]] = [
+        [label, timer.calls[label], f"{timer.seconds[label]:.2f}", f"{timer.seconds[label] / total:.0%}"]
+        for label in sorted(timer.seconds, key=lambda k: -timer.seconds[k])
+    ]
+    rows.append(["passes without their Hessian accumulation", "", f"{passes - hessian:.2f}",
+                 f"{(passes - hessian) / total:.0%}"])
+    rows.append(["**total (in process, after imports)**", "", f"**{total:.2f}**", "100%"])
+    return md_table(["phase", "calls", "seconds", "share"], rows)
 
 
 # -- 3. one 7B-shaped layer --------------------------------------------------------------------------
@@ -251,14 +251,15 @@ def layer_7b(args) -> list[str]:
         rows.append((f"pack {name}", time.perf_counter() - start, None))
         del result
 
-    lines = [f"| step | on {tokens} tokens | at 128 x 2048 tokens |", "|---|---|---|"]
+    cells: list[list[object]] = []
     total_measured = total_full = 0.0
     for step, seconds, extrapolated in rows:
         full_seconds = seconds if extrapolated is None else extrapolated
         total_measured += seconds
         total_full += full_seconds
-        lines.append(f"| {step} | {seconds:.2f} s | {full_seconds:.1f} s |")
-    lines.append(f"| **one 7B layer** | **{total_measured:.1f} s** | **{total_full / 60:.1f} min** |")
+        cells.append([step, f"{seconds:.2f} s", f"{full_seconds:.1f} s"])
+    cells.append(["**one 7B layer**", f"**{total_measured:.1f} s**", f"**{total_full / 60:.1f} min**"])
+    lines = md_table(["step", f"on {tokens} tokens", "at 128 x 2048 tokens"], cells)
     lines.append(f"\nPer 2048-token forward: q/k/v {linear['q/k/v']:.3f} s, o {linear['o']:.3f} s, gate/up "
                  f"{linear['gate/up']:.3f} s, down {linear['down']:.3f} s, attention {attention:.3f} s.")
     return lines
@@ -280,9 +281,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     work = Path(tempfile.mkdtemp(prefix="quantize-speed-"))
-    out = [f"Command: `{shlex.join(['python'] + sys.argv)}`  ",
-           f"Machine: {machine()}, {args.threads} torch threads  ",
-           f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}, load average at start {load()}\n"]
+    out = [f"Command: `{command_line()}`  ",
+           f"Machine: {machine_line(f'torch {torch.__version__}', f'Python {platform.python_version()}')}, "
+           f"{args.threads} torch threads  ",
+           f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}, load average at start {load_averages()}\n"]
     try:
         if not args.skip_readme:
             out += ["README command end to end (`text-generation-server quantize "

@@ -17,29 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
 import shlex
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
-import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
-from prompts import CODE_PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+# benchmarks/ is on sys.path when a script there runs: its siblings import by name.
+from bench_common import (  # noqa: E402
+    FORWARD, SHARD_DECODE, STEP, StartedServer, StreamedReply, command_line, load_line, machine_line,
+    md_table, now_iso, parse_ints, pct, ratio, scrape_steps, steps_delta, stream_generate,
+)
+from prompts import CODE_PROMPTS  # noqa: E402
 
 PROMPTS = CODE_PROMPTS + [
     "async def fetch(session, url):\n",
@@ -47,21 +40,7 @@ PROMPTS = CODE_PROMPTS + [
     "import json\n\nwith open('config.json') as f:\n    config = ",
     "class Node:\n    def __init__(self, value, next=None):\n",
 ]
-# Decode-step metric names of the router (see server/metrics.py).
-STEP = "tgi_batch_inference_duration"
-FORWARD = "tgi_batch_forward_duration"
-SHARD_DECODE = "tgi_batch_decode_duration"
-
-
-@dataclass
-class RequestResult:
-    sent: float
-    stamps: list[float] = field(default_factory=list)  # arrival time of each streamed token
-    error: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return len(self.stamps)
+RequestResult = StreamedReply  # one streamed request: sent, token arrival stamps, error
 
 
 @dataclass
@@ -85,110 +64,6 @@ class Level:
         return sum(r.tokens - 1 for r in self.ok)
 
 
-# -- server process -------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class StartedServer:
-    """`text-generation-server serve` on free local ports; always stopped by `stop()`."""
-
-    def __init__(self, model: str, extra: list[str], startup_timeout_s: float, env: dict[str, str] | None = None):
-        self.dir = tempfile.TemporaryDirectory(prefix="serve-load-")
-        self.port, self.metrics_port = free_port(), free_port()
-        self.log_path = Path(self.dir.name) / "server.log"
-        # The console script when installed; the module otherwise (same entry point).
-        launcher = shutil.which("text-generation-server")
-        entry = [launcher] if launcher else [sys.executable, "-m", "text_generation_server.cli"]
-        command = [
-            *entry, "serve", model, "--hostname", "127.0.0.1", "--port", str(self.port),
-            "--metrics-port", str(self.metrics_port), "--uds-path", str(Path(self.dir.name) / "shard"), *extra,
-        ]
-        self.command = command
-        self._log = open(self.log_path, "wb")
-        # Its own session, so the whole tree can be stopped even if the launcher hangs.
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
-        self.startup_timeout_s = startup_timeout_s
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    async def wait_ready(self) -> float:
-        started = time.monotonic()
-        deadline = started + self.startup_timeout_s
-        async with grpc.aio.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the server exited with code {self.proc.returncode} during startup:\n{self.log_tail()}"
-                    )
-                try:
-                    resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return time.monotonic() - started
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.5)
-        raise RuntimeError(f"the server was not SERVING after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # any rank left behind in the session
-        except ProcessLookupError:
-            pass
-        self._log.close()
-        self.dir.cleanup()
-
-
-# -- metrics ----------------------------------------------------------------------------
-def scrape(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each step histogram, keyed "name" for method="decode" and "name/prefill"."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in (STEP, FORWARD, SHARD_DECODE):
-            continue
-        for sample in family.samples:
-            method = sample.labels.get("method")
-            if method not in ("decode", "prefill"):
-                continue
-            key = family.name if method == "decode" else f"{family.name}/prefill"
-            entry = found.setdefault(key, [0.0, 0.0])
-            if sample.name.endswith("_sum"):
-                entry[0] = sample.value
-            elif sample.name.endswith("_count"):
-                entry[1] = sample.value
-    return {name: (v[0], v[1]) for name, v in found.items()}
-
-
-def delta(before: dict, after: dict) -> dict[str, tuple[float, float]]:
-    return {name: (after[name][0] - before.get(name, (0, 0))[0], after[name][1] - before.get(name, (0, 0))[1])
-            for name in after}
-
-
 # -- load -------------------------------------------------------------------------------
 async def one_request(stub, prompt: str, max_new_tokens: int, do_sample: bool, seed: int) -> RequestResult:
     params = cpb.GenerateParameters(max_new_tokens=max_new_tokens)
@@ -196,18 +71,12 @@ async def one_request(stub, prompt: str, max_new_tokens: int, do_sample: bool, s
         params.do_sample = True
         params.seed = seed
         params.temperature = 0.8
-    result = RequestResult(sent=time.perf_counter())
-    try:
-        async for _msg in stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params)):
-            result.stamps.append(time.perf_counter())
-    except grpc.aio.AioRpcError as exc:
-        result.error = f"{exc.code().name}: {exc.details()}"
-    return result
+    return await stream_generate(stub, cpb.GenerateRequest(inputs=prompt, parameters=params))
 
 
 async def run_level(stub, concurrency: int, total: int, budget_s: float, max_new_tokens: int,
                     do_sample: bool, metrics_url: str | None) -> Level:
-    before = scrape(metrics_url) if metrics_url else {}
+    before = scrape_steps(metrics_url) if metrics_url else {}
     counter = iter(range(total))
     results: list[RequestResult] = []
     cpu_start = time.process_time()
@@ -224,25 +93,8 @@ async def run_level(stub, concurrency: int, total: int, budget_s: float, max_new
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
-    steps = delta(before, scrape(metrics_url)) if metrics_url else {}
+    steps = steps_delta(before, scrape_steps(metrics_url)) if metrics_url else {}
     return Level(concurrency, wall, results, steps, cpu)
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def machine_line() -> str:
-    cpu = "unknown cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()[0]
-    busy = " (BUSY MACHINE: more runnable work than cores, timings are unreliable)" if load > (os.cpu_count() or 1) else ""
-    return (f"{cpu}, {os.cpu_count()} cores (client and server on the same machine), 1-min load average "
-            f"{load:.2f} at the end{busy}")
 
 
 def step_split(level: Level) -> dict[str, float] | None:
@@ -276,7 +128,7 @@ def report(levels: list[Level], args: argparse.Namespace, info: cpb.InfoResponse
     lines = [
         "## Serving load: streaming clients against text-generation-server",
         "",
-        f"- command: `{' '.join(shlex.quote(a) for a in ['python'] + sys.argv)}`",
+        f"- command: `{command_line()}`",
     ]
     if server_cmd:
         lines.append(f"- server: `{server_cmd}`")
@@ -284,17 +136,15 @@ def report(levels: list[Level], args: argparse.Namespace, info: cpb.InfoResponse
         f"- model: {info.model_id} ({info.model_dtype} on {info.model_device_type}), max_batch_total_tokens "
         f"{info.max_batch_total_tokens}, {'sampling' if args.do_sample else 'greedy'}, max_new_tokens "
         f"{args.max_new_tokens}, {len(PROMPTS)} prompts in turn",
-        f"- machine: {machine_line()}",
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {machine_line(load_line(), cores_note='(client and server on the same machine)')}",
+        f"- date: {now_iso()}",
         "- client side: TTFT, inter-token latency (ITL) and request latency in ms; tok/s = generated tokens / "
         "level wall time; decode tok/s counts the tokens after each request's first; client CPU = this load "
         "generator's CPU time / wall time (100% = one of the machine's cores)",
         "",
-        "| concurrency | requests (errors) | TTFT p50 / p90 / p99 | ITL p50 / p90 / p99 | latency p50 | tok/s | "
-        "decode tok/s | decode speedup vs c=1 | client CPU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = None
+    rows = []
     for level in levels:
         ok = level.ok
         ttft = [1e3 * (r.stamps[0] - r.sent) for r in ok]
@@ -303,12 +153,16 @@ def report(levels: list[Level], args: argparse.Namespace, info: cpb.InfoResponse
         dtps = level.decode_tokens / level.wall_s
         if level.concurrency == 1:
             base = dtps
-        lines.append(
-            f"| {level.concurrency} | {len(ok)} ({len(level.results) - len(ok)}) | {pct(ttft, 50):.0f} / "
-            f"{pct(ttft, 90):.0f} / {pct(ttft, 99):.0f} | {pct(itl, 50):.1f} / {pct(itl, 90):.1f} / "
-            f"{pct(itl, 99):.1f} | {pct(latency, 50):.0f} | {level.tokens / level.wall_s:.0f} | {dtps:.0f} | "
-            f"{f'{dtps / base:.2f}x' if base else 'n/a'} | {100 * level.client_cpu_s / level.wall_s:.0f}% |"
-        )
+        rows.append([
+            level.concurrency, f"{len(ok)} ({len(level.results) - len(ok)})",
+            f"{pct(ttft, 50):.0f} / {pct(ttft, 90):.0f} / {pct(ttft, 99):.0f}",
+            f"{pct(itl, 50):.1f} / {pct(itl, 90):.1f} / {pct(itl, 99):.1f}", f"{pct(latency, 50):.0f}",
+            f"{level.tokens / level.wall_s:.0f}", f"{dtps:.0f}", ratio(dtps, base),
+            f"{100 * level.client_cpu_s / level.wall_s:.0f}%",
+        ])
+    lines += md_table(["concurrency", "requests (errors)", "TTFT p50 / p90 / p99", "ITL p50 / p90 / p99",
+                       "latency p50", "tok/s", "decode tok/s", "decode speedup vs c=1", "client CPU"], rows,
+                      "r" * 9)
     lines += [
         "",
         "- server side, from the router's Prometheus histograms over each level (method=decode): a decode step "
@@ -318,20 +172,22 @@ def report(levels: list[Level], args: argparse.Namespace, info: cpb.InfoResponse
         "1 - (decode + prefill forward time) / level wall time, the measure of the target; busy = share of wall "
         "time with a prefill or decode call in flight",
         "",
-        "| concurrency | decode steps | mean batch | step ms | forward | shard token choice | gRPC + bookkeeping "
-        "| outside forward (per RPC) | model idle share of wall time | busy |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for level in levels:
         split = step_split(level)
         if split is None:
-            lines.append(f"| {level.concurrency} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |")
+            rows.append([level.concurrency, 0] + ["n/a"] * 8)
             continue
-        lines.append(
-            f"| {level.concurrency} | {split['steps']:.0f} | {split['mean_batch']:.1f} | {split['step_ms']:.2f} | "
-            f"{100 * split['forward']:.0f}% | {100 * split['shard_rest']:.0f}% | {100 * split['router_grpc']:.0f}% | "
-            f"{100 * split['outside_rpc']:.1f}% | **{100 * split['outside']:.1f}%** | {100 * split['busy']:.0f}% |"
-        )
+        rows.append([
+            level.concurrency, f"{split['steps']:.0f}", f"{split['mean_batch']:.1f}", f"{split['step_ms']:.2f}",
+            f"{100 * split['forward']:.0f}%", f"{100 * split['shard_rest']:.0f}%",
+            f"{100 * split['router_grpc']:.0f}%", f"{100 * split['outside_rpc']:.1f}%",
+            f"**{100 * split['outside']:.1f}%**", f"{100 * split['busy']:.0f}%",
+        ])
+    lines += md_table(["concurrency", "decode steps", "mean batch", "step ms", "forward", "shard token choice",
+                       "gRPC + bookkeeping", "outside forward (per RPC)", "model idle share of wall time", "busy"],
+                      rows, "r" * 10)
     lines.append("")
     for level in levels:
         if level.concurrency == 32:
@@ -351,13 +207,7 @@ def report(levels: list[Level], args: argparse.Namespace, info: cpb.InfoResponse
 
 
 def parse_levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise ValueError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from exc
-    if not levels or any(c < 1 for c in levels):
-        raise ValueError(f"--concurrency needs integers >= 1, got {text!r}")
-    return levels
+    return parse_ints(text, "--concurrency")
 
 
 async def measure(args: argparse.Namespace, levels: list[int], env: dict[str, str] | None = None
@@ -390,15 +240,15 @@ async def measure(args: argparse.Namespace, levels: list[int], env: dict[str, st
 
 def ahead_table(off: list[Level], on: list[Level]) -> str:
     """Decode ahead off and on, side by side, from two servers started in this run."""
-    lines = ["", "## Decode ahead: off (TGS_DECODE_AHEAD=0) vs on, same run", "",
-             "| concurrency | decode tok/s off | decode tok/s on | ratio on/off | model idle off | model idle on |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for a, b in zip(off, on):
         sa, sb = step_split(a), step_split(b)
         ta, tb = a.decode_tokens / a.wall_s, b.decode_tokens / b.wall_s
         idle = lambda split: f"{100 * split['outside']:.1f}%" if split else "n/a"  # noqa: E731
-        lines.append(f"| {a.concurrency} | {ta:.0f} | {tb:.0f} | {tb / ta:.2f}x | {idle(sa)} | {idle(sb)} |")
-    return "\n".join(lines)
+        rows.append([a.concurrency, f"{ta:.0f}", f"{tb:.0f}", ratio(tb, ta), idle(sa), idle(sb)])
+    return "\n".join(["", "## Decode ahead: off (TGS_DECODE_AHEAD=0) vs on, same run", "", *md_table(
+        ["concurrency", "decode tok/s off", "decode tok/s on", "ratio on/off", "model idle off", "model idle on"],
+        rows, "r" * 6)])
 
 
 async def amain(args: argparse.Namespace, levels: list[int]) -> int:

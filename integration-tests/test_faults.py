@@ -64,7 +64,8 @@ class LayerFault:
             self.kind, self.min_rows = kind, min_rows
 
     def _hook(self, module, args):
-        hidden, cos, sin, cache, meta = args
+        hidden, ctx = args
+        meta = ctx.meta
         if not meta.is_prefill and self.slow_decode_s:
             time.sleep(self.slow_decode_s)
         with self._lock:
@@ -73,7 +74,7 @@ class LayerFault:
                 return None
             self.kind = None
             self.fired += 1
-        return (hidden[..., :-1], cos, sin, cache, meta)
+        return (hidden[..., :-1], ctx)
 
 
 class InProcessServer:
@@ -192,7 +193,7 @@ def _layer_error(inproc: InProcessServer, rows: int) -> str:
     """What torch says about the corrupted input, reproduced outside the server (its first line)."""
     import torch
 
-    norm = inproc.model.model.layers[1].input_layernorm
+    norm = inproc.model.model.layers[1].input_norm
     with pytest.raises(RuntimeError) as info:
         norm(torch.zeros(rows, inproc.model.config.hidden_size - 1))
     return str(info.value).splitlines()[0]

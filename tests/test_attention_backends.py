@@ -4,11 +4,12 @@ the whole model.
 Choice: the ordered list per device with the reasons for what was passed over (a GPU mocked
 where one is needed), a backend asked for by name that cannot run, unknown names,
 TGS_ATTENTION_BACKEND and the serve setting.
-Model: the tiny random Llama and Mistral (sliding window) of tests/helpers.py with triton-paged
-under TRITON_INTERPRET=1 give torch-sdpa's greedy tokens (and seeded ones), logprobs within
-1e-4, for a plain prefill with prompt logprobs, a prefix from the cache (cache_len), a prompt
-prefilled in chunks while other rows decode, and decode steps. The interpreter is slow: few
-tokens, two layers.
+Soft-capping: triton-paged's prefill and decode with a cap give torch-sdpa's outputs.
+Model: the tiny random Llama and Mistral (sliding window) of tests/helpers.py, and Gemma 2 (soft
+cap and window) of tests/family_cases.py, with triton-paged under TRITON_INTERPRET=1 give
+torch-sdpa's greedy tokens (and seeded ones), logprobs within 1e-4, for a plain prefill with
+prompt logprobs, a prefix from the cache (cache_len), a prompt prefilled in chunks while other
+rows decode, and decode steps. The interpreter is slow: few tokens, two layers.
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ def test_cuda_reasons_for_models_triton_cannot_run(gpu, change, reason):
     assert rejected == [("triton-paged", reason)]
 
 
+def test_cuda_takes_triton_paged_for_soft_capped_models(gpu):
+    """Gemma 2's shapes: logit soft-capping, a window, head_dim 256."""
+    gemma2 = spec("cuda", dtype=torch.bfloat16, heads=8, kv_heads=4, head_dim=256, windowed=True, softcap=True)
+    assert TritonPagedAttention.can_implement(gemma2) == (True, "")
+    backend, rejected = choose_attention_backend(gemma2)
+    assert (backend.name, rejected) == ("triton-paged", [])
+    assert choose_attention_backend(gemma2, "triton-paged")[0].name == "triton-paged"
+
+
 def test_old_gpus_fall_back_with_the_capability_in_the_reason(gpu):
     gpu.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     backend, rejected = choose_attention_backend(spec("cuda"))
@@ -160,6 +170,81 @@ def test_decode_workspace_is_reserved_once_and_shared(clean_env):
 
 
 # ---------------------------------------------------------------------------------------------
+# Soft-capping: triton-paged's two calls (interpreted) against torch-sdpa's
+
+def _paged_sequences(cache_lens: list[int], new_lens: list[int], kv_heads: int, head_dim: int, block_size: int,
+                     seed: int):
+    """A random cache (every slot finite: torch-sdpa reads whole blocks), shuffled block tables
+    (int64, as batches hold them), and the slots and K/V of each sequence's new tokens, which the
+    cache already holds (as it does when attention runs)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-(c + n) // block_size) for c, n in zip(cache_lens, new_lens)) + 1
+    num_blocks = 1 + len(cache_lens) * width
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(len(cache_lens), width)
+    tables = torch.zeros(len(cache_lens), width, dtype=torch.long)
+    slots = []
+    for b, (c, n) in enumerate(zip(cache_lens, new_lens)):
+        used = -(-(c + n) // block_size)
+        tables[b, :used] = free[b, :used]
+        pos = torch.arange(c, c + n)
+        slots.append(tables[b, pos // block_size] * block_size + pos % block_size)
+    slots = torch.cat(slots)
+    k = key_cache.view(-1, kv_heads, head_dim)[slots]
+    v = value_cache.view(-1, kv_heads, head_dim)[slots]
+    return key_cache, value_cache, tables, slots, k, v
+
+
+@pytest.mark.parametrize("head_dim,window,splits", [(32, None, 1), (256, 5, 3)])
+def test_triton_paged_softcap_equals_torch_sdpa(clean_env, head_dim, window, splits):
+    """prefill (prompts from scratch, after a cached prefix, and single-token rows, which
+    torch-sdpa runs as a decode step) and decode (with `splits` sequence splits, as a captured
+    graph fixes them) with a soft cap: triton-paged's outputs are torch-sdpa's."""
+    pytest.importorskip("triton")
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    heads, kv_heads, bs, cap = 4, 2, 4, 2.0
+    s = spec("cpu", dtype=torch.float32, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=bs,
+             windowed=window is not None, softcap=True)
+    assert TritonPagedAttention.can_implement(s) == (True, "")
+    triton_paged, torch_sdpa = TritonPagedAttention(s), TorchAttention(s)
+    scale = head_dim ** -0.5
+    gen = torch.Generator().manual_seed(head_dim + 1)
+
+    cache_lens, prefill_lens = [0, 5, 9, 3], [7, 6, 1, 1]
+    key_cache, value_cache, tables, slots, k, v = _paged_sequences(cache_lens, prefill_lens, kv_heads, head_dim,
+                                                                   bs, seed=head_dim)
+    q = torch.randn(sum(prefill_lens), heads, head_dim, generator=gen) * 2.0
+
+    def prefill_meta():
+        return AttentionMetadata(is_prefill=True, slots=slots, prefill_lens=prefill_lens, cache_lens=cache_lens,
+                                 block_tables=tables, max_seq_len=max(c + n for c, n in zip(cache_lens, prefill_lens)))
+
+    want = torch_sdpa.prefill(q, k, v, key_cache, value_cache, prefill_meta(), scale, window, cap)
+    got = triton_paged.prefill(q, k, v, key_cache, value_cache, prefill_meta(), scale, window, cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    uncapped = torch_sdpa.prefill(q, k, v, key_cache, value_cache, prefill_meta(), scale, window)
+    assert (uncapped - want).abs().max() > 0.05  # the cap matters at these scores
+
+    seq_lens = [13, 11, 10, 4]
+    key_cache, value_cache, tables, slots, _, _ = _paged_sequences([n - 1 for n in seq_lens], [1] * 4, kv_heads,
+                                                                   head_dim, bs, seed=head_dim + 2)
+    q = torch.randn(4, heads, head_dim, generator=gen) * 2.0
+
+    def decode_meta():
+        meta = AttentionMetadata(is_prefill=False, slots=slots, block_tables=tables,
+                                 seq_lens=torch.tensor(seq_lens), max_seq_len=max(seq_lens))
+        meta.memo("num_splits", lambda: splits)  # what a captured graph fixes
+        return meta
+
+    want = torch_sdpa.decode(q, key_cache, value_cache, decode_meta(), scale, window, cap)
+    got = triton_paged.decode(q, key_cache, value_cache, decode_meta(), scale, window, cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    uncapped = torch_sdpa.decode(q, key_cache, value_cache, decode_meta(), scale, window)
+    assert (uncapped - want).abs().max() > 0.05
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole model: triton-paged (interpreted) against torch-sdpa
 
 @pytest.fixture(scope="module")
@@ -223,6 +308,30 @@ def test_triton_paged_gives_the_tokens_of_torch_sdpa(folders, arch, monkeypatch)
     assert lm.attention.name == "triton-paged"
     got = scenarios(lm)
     assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].keys() == want[name].keys(), name
+        for rid in want[name]:
+            g, w = got[name][rid], want[name][rid]
+            assert g["ids"] == w["ids"], (name, rid)
+            torch.testing.assert_close(torch.tensor(g["lps"]), torch.tensor(w["lps"]), atol=1e-4, rtol=0)
+            if w["prompt"] is not None:
+                torch.testing.assert_close(torch.tensor(g["prompt"]), torch.tensor(w["prompt"]), atol=1e-4, rtol=0,
+                                           equal_nan=True)
+
+
+def test_triton_paged_gives_the_tokens_of_torch_sdpa_on_gemma2(tmp_path, monkeypatch):
+    """Gemma 2 (attention logit soft-capping at 4, a 7-token window on alternate layers): every
+    scenario above, through triton-paged's soft-capped kernels."""
+    pytest.importorskip("triton")
+    from family_cases import write_family_checkpoint
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    write_family_checkpoint(tmp_path, "gemma2", seed=53)
+    want = scenarios(get_model(str(tmp_path), dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch-sdpa"))
+    lm = get_model(str(tmp_path), dtype="float32", block_size=BLOCK_SIZE, attention_backend="triton-paged")
+    assert lm.attention.name == "triton-paged"
+    got = scenarios(lm)
     for name in want:
         assert got[name].keys() == want[name].keys(), name
         for rid in want[name]:

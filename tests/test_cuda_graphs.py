@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from family_cases import write_family_checkpoint
 from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.generation.sampling import SamplingParams
@@ -38,6 +39,10 @@ torch.set_num_threads(1)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 MAX_TOTAL = 48  # what the graphs are captured for
+# Families whose decode differs in what a graph must capture: two rotaries and soft caps (Gemma),
+# learned positions (GPT-2), a replicated KV head's row pick (Falcon-7B), dynamic NTK frequencies
+# from the device's lengths, longrope's one-off recompute.
+FAMILY_CASES = ("gemma2", "gemma3_text", "gpt2", "falcon_mqa", "llama_dynamic", "phi3_longrope")
 CUDA = torch.cuda.is_available()
 
 
@@ -49,8 +54,8 @@ class GraphSafePadded(TorchAttention):
     name = "torch-padded"
     graph_safe = True
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window):
-        return padded_decode(q, key_cache, value_cache, meta, scale, window)
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
+        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap)
 
     def capture_memo(self, batch: int, max_seq_len: int, device: torch.device) -> dict:
         return {}
@@ -62,6 +67,9 @@ def folders(tmp_path_factory) -> dict[str, str]:
     out = {}
     for seed, name in enumerate(("llama", "mistral_window")):
         write_checkpoint(root / name, name, seed=seed + 41)
+        out[name] = str(root / name)
+    for seed, name in enumerate(FAMILY_CASES):
+        write_family_checkpoint(root / name, name, seed=seed + 51)
         out[name] = str(root / name)
     return out
 
@@ -124,12 +132,16 @@ def padding_scenario(lm) -> dict:
     return rec.out
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+@pytest.mark.parametrize("name", ["llama", "mistral_window", *FAMILY_CASES])
 def test_graph_tokens_equal_eager_across_padding(folders, name):
     eager = padding_scenario(load(folders[name]))
     lm = load(folders[name], buckets=[1, 2, 4], capturer=EagerReplayCapturer())
     assert_same(padding_scenario(lm), eager)
-    assert lm.graphs.stats.replays == {4: 3, 2: 3, 1: 2}  # the prefill step is eager, decodes are not
+    if name == "phi3_longrope":
+        # Each sequence crossing the longrope switch (16) recomputes itself once, eagerly.
+        assert sum(lm.graphs.stats.replays.values()) < 8
+    else:
+        assert lm.graphs.stats.replays == {4: 3, 2: 3, 1: 2}  # the prefill step is eager, decodes are not
     assert not lm.graphs.stats.eager
 
 
@@ -249,9 +261,9 @@ def test_padding_rows_are_reset_when_a_batch_shrinks_within_a_bucket(folders):
 
 def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
     class Syncing(GraphSafePadded):
-        def decode(self, q, key_cache, value_cache, meta, scale, window):
+        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
             meta.seq_lens.tolist()
-            return super().decode(q, key_cache, value_cache, meta, scale, window)
+            return super().decode(q, key_cache, value_cache, meta, scale, window, softcap)
 
     with pytest.raises(HostSyncError, match="Tensor.tolist inside a captured decode forward"):
         load(folders["llama"], buckets=[2], capturer=EagerReplayCapturer(), backend=Syncing)
@@ -259,9 +271,9 @@ def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
     class Drifting(GraphSafePadded):
         calls = 0
 
-        def decode(self, q, key_cache, value_cache, meta, scale, window):
+        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
             Drifting.calls += 1
-            out = super().decode(q, key_cache, value_cache, meta, scale, window)
+            out = super().decode(q, key_cache, value_cache, meta, scale, window, softcap)
             return out * 1.0 if Drifting.calls > 2 * 2 else out  # 2 layers: probe + capture, then replays
 
     lm = load(folders["llama"], buckets=[2], capturer=EagerReplayCapturer(), backend=Drifting)
@@ -271,16 +283,18 @@ def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
         lm.generate_token(batch)
 
 
-def test_the_rotary_table_is_sized_at_load(folders):
+def test_rotary_is_bounded_by_the_context_and_needs_no_host_sync(folders):
+    """cos/sin come from the positions alone (nothing sized by the context, nothing read back
+    from the device), and a position past the model's context is refused by the host bound."""
     lm = load(folders["llama"])
-    rotary = lm.model.rotary
-    assert rotary.max_positions == lm.config.max_position_embeddings == 256
-    cos, _ = rotary.tables(torch.float32)
-    assert cos.shape[0] == 256
-    assert rotary.tables(torch.float16)[0] is rotary.tables(torch.float16)[0]  # cast once
-    with pytest.raises(ValueError, match="position 256 is past the rotary table of 256 positions"):
+    rotary = lm.model.layers[0].self_attn.rotary
+    assert all(layer.self_attn.rotary is rotary for layer in lm.model.layers)  # one per model
+    assert rotary.max_positions == lm.config.max_context == 256
+    assert not [b for b in rotary.buffers()] and rotary.inv_freq.numel() == lm.config.head_dim // 2
+    with pytest.raises(ValueError, match="position 256 is past the 256 positions this model supports"):
         rotary.cos_sin(torch.tensor([3]), torch.float32, max_position=256)
-    assert rotary.tables(torch.float32)[0] is cos  # nothing grew
+    cos, sin = rotary.cos_sin(torch.tensor([0, 5]), torch.float16, max_position=5)
+    assert cos.shape == (2, 1, lm.config.head_dim) and cos.dtype == torch.float16 and torch.all(cos[0] == 1)
 
 
 def test_graphs_need_a_graph_safe_backend(folders):

@@ -161,12 +161,13 @@ def test_a_failing_step_ahead_fails_the_decode_that_commits_it(lm):
     decode_forwards = []
 
     def hook(module, args):
-        hidden, cos, sin, cache, meta = args
+        hidden, ctx = args
+        meta = ctx.meta
         if meta.is_prefill:
             return None
         decode_forwards.append(hidden.shape[0])
         if len(decode_forwards) == 2:  # the step computed ahead of the second Decode
-            return (hidden[..., :-1], cos, sin, cache, meta)
+            return (hidden[..., :-1], ctx)
         return None
 
     async def go():

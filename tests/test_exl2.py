@@ -428,8 +428,8 @@ def test_quantized_head(folders, tmp_path, monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())
     lm = get_model(str(tmp_path / "q"), dtype="float32")
     from text_generation_server.layers.tensor_parallel import QuantizedTensorParallelHead
-    assert isinstance(lm.model.lm_head, QuantizedTensorParallelHead)
-    assert lm.model.lm_head.linear.kernel_name == "reference"
+    assert isinstance(lm.model.head.projection, QuantizedTensorParallelHead)
+    assert lm.model.head.projection.linear.kernel_name == "reference"
     want = prompt_logprobs(get_model(str(tmp_path / "ref"), dtype="float32"))
     torch.testing.assert_close(prompt_logprobs(lm), want, atol=2e-5, rtol=0)
 

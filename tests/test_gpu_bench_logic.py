@@ -92,14 +92,14 @@ def tiny_checkpoints(tmp_path_factory):
 def test_built_checkpoint_loads_and_counts_like_the_formula(tiny_checkpoints):
     from safetensors import safe_open
 
-    from text_generation_server.models.llama import LlamaConfig
+    from text_generation_server.models import read_model_config
     from text_generation_server.utils.checkpoint import Checkpoint
 
     root, record = tiny_checkpoints
     assert record["shards"] == len(list((root / "fp16").glob("*.safetensors"))) > 1
     assert record["bytes"] == 2 * TINY.params()
     ckpt = Checkpoint.open(str(root / "fp16"))
-    config = LlamaConfig.from_dict(ckpt.config)
+    _, config = read_model_config(ckpt.config)
     assert (config.hidden_size, config.num_key_value_heads, config.rope.rope_type) == (128, 2, "llama3")
     assert ckpt.eos_token_ids == {gl.eos_id(TINY.vocab)}
     index = json.loads((root / "fp16" / "model.safetensors.index.json").read_text())

@@ -144,7 +144,7 @@ def test_half_precision_checkpoint_loads_as_float32(tmp_path):
     """A float16 checkpoint computed in float32 matches transformers' upcast model exactly."""
     hf = write_checkpoint(tmp_path, "qwen2_bias", seed=5, dtype=torch.float16).float()
     lm = get_model(str(tmp_path), dtype="float32")
-    assert lm.model.embed_tokens.weight.dtype == torch.float32
+    assert lm.model.embeddings.tokens.weight.dtype == torch.float32
     got = engine_prompt_logprobs(lm, PROMPTS[:1])[0]
     want = hf_prompt_logprobs(hf, lm.tokenizer.encode(PROMPTS[0]).ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -2,8 +2,9 @@
 
 Tier 1 (CPU, always): decode (one split and several) and varlen prefill under
 TRITON_INTERPRET=1 against a float64 reference that rebuilds each sequence's K/V from its block
-table position by position; launcher argument checks; availability reasons with a mocked GPU;
-the split heuristic; the kernels compiled for sm80/sm90 without a GPU.
+table position by position, with and without logit soft-capping (and softcap=None bit for bit
+the uncapped path); launcher argument checks; availability reasons with a mocked GPU; the split
+heuristic; the kernels compiled for sm80/sm90 without a GPU.
 Tier 2 (CUDA, skipped without a GPU): the compiled kernels against the same reference.
 
 Caches are poisoned: block 0 (never handed out, where padding table entries point), spare
@@ -19,6 +20,7 @@ gives errors of order one.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -73,8 +75,9 @@ class Paged:
                 setattr(self, name, getattr(self, name).to(device))
 
     def reference(self, b: int, q: torch.Tensor, positions: torch.Tensor, scale: float,
-                  window: int | None) -> torch.Tensor:
-        """float64 attention of q [n, H, D] at `positions` [n] over sequence b's cached keys."""
+                  window: int | None, softcap: float | None = None) -> torch.Tensor:
+        """float64 attention of q [n, H, D] at `positions` [n] over sequence b's cached keys;
+        softcap as in transformers' Gemma 2 (after the scale, before the mask and the softmax)."""
         seq_len = int(self.seq_lens[b])
         pos = torch.arange(seq_len)
         ids = self.block_tables[b].cpu()[pos // self.block_size].long()
@@ -83,6 +86,8 @@ class Paged:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,khd->nhk", q.cpu().double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = pos[None, :] <= positions[:, None]
         if window is not None:
             visible &= positions[:, None] - pos[None, :] < window
@@ -90,11 +95,12 @@ class Paged:
         return torch.einsum("nhk,khd->nhd", scores.softmax(-1), v)
 
 
-def decode_reference(paged: Paged, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def decode_reference(paged: Paged, q: torch.Tensor, scale: float, window: int | None,
+                     softcap: float | None = None) -> torch.Tensor:
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b, n in enumerate(paged.seq_lens.tolist()):
         if n:
-            out[b] = paged.reference(b, q[b:b + 1], torch.tensor([n - 1]), scale, window)[0]
+            out[b] = paged.reference(b, q[b:b + 1], torch.tensor([n - 1]), scale, window, softcap)[0]
     return out
 
 
@@ -107,12 +113,13 @@ def prefill_batch(q_lens: list[int], cache_lens: list[int], heads: int, kv_heads
 
 
 def prefill_reference(paged: Paged, q: torch.Tensor, q_lens: list[int], cache_lens: list[int], scale: float,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, softcap: float | None = None) -> torch.Tensor:
     out = torch.zeros(q.shape, dtype=torch.float64)
     start = 0
     for b, (n, c) in enumerate(zip(q_lens, cache_lens)):
         if n:
-            out[start:start + n] = paged.reference(b, q[start:start + n], c + torch.arange(n), scale, window)
+            out[start:start + n] = paged.reference(b, q[start:start + n], c + torch.arange(n), scale, window,
+                                                   softcap)
         start += n
     return out
 
@@ -288,6 +295,105 @@ def test_prefill_out_buffer_and_larger_max_q_len(interpret):
 
 
 # ---------------------------------------------------------------------------------------------
+# Logit soft-capping (Gemma 2): softcap * tanh(scores / softcap) after the scale, before the masks
+
+SOFTCAP_DECODE_CASES = [
+    # (dtype, heads, kv_heads, head_dim, block_size, seq_lens, window, splits, softcap)
+    (torch.float32, 8, 2, 64, 16, [40, 0, 17], None, 1, 50.0),  # Gemma 2's cap: tanh's polynomial range
+    (torch.float32, 4, 4, 256, 8, [33, 9], 12, 3, 5.0),  # head_dim 256, window, 3 splits
+    (torch.bfloat16, 8, 1, 256, 16, [50, 3], None, 2, 1.0),  # H = 8 KVH, splits with an empty one
+    (torch.float16, 8, 2, 128, 32, [70, 12], 30, 4, 0.5),  # tanh saturated for most scores
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_DECODE_CASES, ids=lambda c: f"{_decode_id(c[:8])}-cap{c[8]:g}")
+def test_decode_softcap_matches_reference(case, interpret):
+    dtype, heads, kv_heads, dim, bs, lens, window, splits, softcap = case
+    paged = Paged(lens, kv_heads, dim, bs, dtype, seed=dim + bs)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = dim ** -0.5
+    out = pa.paged_decode(q, paged.key_cache, paged.value_cache, paged.block_tables, paged.seq_lens, scale,
+                          window, num_splits=splits, softcap=softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert max_err(out, decode_reference(paged, q, scale, window, softcap)) < BOUND[dtype]
+    # The cap matters here: a kernel that ignored it would miss the reference by far more.
+    assert max_err(out, decode_reference(paged, q, scale, window)) > 10 * BOUND[dtype]
+
+
+SOFTCAP_PREFILL_CASES = [
+    # (dtype, heads, kv_heads, head_dim, block_size, q_lens, cache_lens, window, softcap)
+    (torch.float32, 8, 2, 64, 8, [3, 8, 1], [5, 16, 20], None, 50.0),  # cached prefixes, GQA, Gemma 2's cap
+    (torch.float32, 4, 1, 256, 4, [6, 9], [5, 0], 5, 2.0),  # head_dim 256, group 4, window
+    (torch.bfloat16, 8, 2, 256, 16, [1, 12], [9, 3], None, 1.0),  # bf16, head_dim 256, a decode row
+    (torch.float16, 6, 2, 32, 8, [9, 0, 4], [0, 5, 13], 4, 0.5),  # group of 3, q_len 0, window, saturated
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_PREFILL_CASES, ids=lambda c: f"{_prefill_id(c[:8])}-cap{c[8]:g}")
+def test_prefill_softcap_matches_reference(case, interpret):
+    dtype, heads, kv_heads, dim, bs, q_lens, cache_lens, window, softcap = case
+    paged, q, cu = prefill_batch(q_lens, cache_lens, heads, kv_heads, dim, bs, dtype, seed=dim + bs)
+    scale = dim ** -0.5
+    out = pa.paged_prefill(q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables, scale,
+                           window, max_q_len=max(q_lens), softcap=softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert max_err(out, prefill_reference(paged, q, q_lens, cache_lens, scale, window, softcap)) < BOUND[dtype]
+    assert max_err(out, prefill_reference(paged, q, q_lens, cache_lens, scale, window)) > 10 * BOUND[dtype]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's exp2 -> inf: the point
+def test_softcap_extreme_scores_stay_finite(interpret):
+    """Scores of +-1e4 x the cap: tanh saturates to +-1 (exp2 overflowing to inf or reaching 0), no NaN;
+    split partials included."""
+    lens = [37, 20]
+    paged = Paged(lens, 2, 32, 8, torch.float32, seed=9)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(3)) * 100.0
+    for splits in (1, 3):
+        out = pa.paged_decode(q, paged.key_cache, paged.value_cache, paged.block_tables, paged.seq_lens, 1.0,
+                              num_splits=splits, softcap=0.05)
+        assert max_err(out, decode_reference(paged, q, 1.0, None, 0.05)) < BOUND[torch.float32], splits
+    q_lens, cache_lens = [5, 7], [4, 0]
+    paged, q, cu = prefill_batch(q_lens, cache_lens, 4, 2, 32, 8, torch.float32, seed=10)
+    q = q * 100.0
+    out = pa.paged_prefill(q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables, 1.0, 3,
+                           max_q_len=7, softcap=0.05)
+    assert max_err(out, prefill_reference(paged, q, q_lens, cache_lens, 1.0, 3, 0.05)) < BOUND[torch.float32]
+
+
+def test_softcap_prefill_single_token_rows_equal_decode(interpret):
+    q_lens, cache_lens = [1, 1, 1], [0, 30, 47]
+    paged, q, cu = prefill_batch(q_lens, cache_lens, 8, 2, 32, 8, torch.float32, seed=6)
+    pre = pa.paged_prefill(q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables, 0.3, 20,
+                           max_q_len=1, softcap=3.0)
+    dec = pa.paged_decode(q, paged.key_cache, paged.value_cache, paged.block_tables, paged.seq_lens, 0.3, 20,
+                          softcap=3.0)
+    assert torch.allclose(pre, dec, rtol=0, atol=1e-6)
+
+
+def test_softcap_none_is_bit_identical_to_no_softcap(interpret):
+    """softcap=None takes the kernels' uncapped path (SOFTCAP a compile-time False, so the same
+    operations as before the feature): bit for bit what a call without the argument gives, for
+    decode with one split and several, and prefill with a cached prefix and a window. (That the
+    uncapped kernels compile without a single extra operation is checked in
+    test_kernels_compile_for_sm80_and_sm90.)"""
+    lens = [45, 7, 0, 20]
+    paged = Paged(lens, 2, 64, 8, torch.bfloat16, seed=3)
+    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    args = (q, paged.key_cache, paged.value_cache, paged.block_tables, paged.seq_lens, 0.125)
+    for splits, window in ((1, None), (3, 16)):
+        plain = pa.paged_decode(*args, window, num_splits=splits)
+        assert torch.equal(pa.paged_decode(*args, window, num_splits=splits, softcap=None), plain)
+        assert not torch.equal(pa.paged_decode(*args, window, num_splits=splits, softcap=30.0), plain)
+    q_lens, cache_lens = [3, 8, 1], [5, 16, 20]
+    paged, q, cu = prefill_batch(q_lens, cache_lens, 8, 2, 64, 8, torch.float16, seed=2)
+    args = (q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables, 0.125)
+    for window in (None, 6):
+        plain = pa.paged_prefill(*args, window, max_q_len=8)
+        assert torch.equal(pa.paged_prefill(*args, window, max_q_len=8, softcap=None), plain)
+        assert max_err(plain, prefill_reference(paged, q, q_lens, cache_lens, 0.125, window)) < BOUND[torch.float16]
+
+
+# ---------------------------------------------------------------------------------------------
 # Launcher checks
 
 def _decode_args(**change):
@@ -330,6 +436,12 @@ BAD_DECODE = [
     (dict(num_splits=2, workspace=pa.decode_workspace(2, 4, 32, 2, torch.device("cpu"))[:2]),
      r"workspace must be the 3 tensors decode_workspace returns"),
     (dict(out=torch.empty(2, 4, 32)), r"out must be torch.float16 \[2, 4, 32\]"),
+    (dict(softcap=0.0), r"softcap must be None or a positive finite number, got 0.0"),
+    (dict(softcap=-50.0), r"softcap must be None or a positive finite number, got -50.0"),
+    (dict(softcap=float("inf")), r"softcap must be None or a positive finite number, got inf"),
+    (dict(softcap=float("nan")), r"softcap must be None or a positive finite number, got nan"),
+    (dict(softcap=True), r"softcap must be None or a positive finite number, got True"),
+    (dict(softcap="50"), r"softcap must be None or a positive finite number, got '50'"),
 ]
 
 
@@ -358,6 +470,8 @@ BAD_PREFILL = [
           cu_seqlens_q=torch.arange(65537, dtype=torch.int32), q=torch.zeros(65536, 4, 32).half(), max_q_len=1),
      r"65536 sequences in one launch, at most 65535"),
     (dict(out=torch.empty(5, 4, 32, dtype=torch.bfloat16)), r"out must be torch.float16 \[5, 4, 32\]"),
+    (dict(softcap=0), r"softcap must be None or a positive finite number, got 0"),
+    (dict(softcap=-1e-3), r"softcap must be None or a positive finite number, got -0.001"),
 ]
 
 
@@ -489,9 +603,17 @@ def _wide_loads(ptx: str) -> bool:
     return ("cp.async.cg.shared.global" in ptx and ", 0x10," in ptx) or "ld.global.v4" in ptx
 
 
-@pytest.mark.parametrize("cap,dtype,dim", [(90, torch.float16, 128), (80, torch.bfloat16, 80),
-                                           (80, torch.float32, 256)])
-def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, monkeypatch):
+def _exp2_and_softcap_reads(ttir: str) -> tuple[int, int]:
+    """(math.exp2 ops, uses of the softcap argument beyond its declaration) in a kernel's TTIR."""
+    return ttir.count("math.exp2"), len(re.findall(r"%softcap\b", ttir)) - 1
+
+
+@pytest.mark.parametrize("cap,dtype,dim,softcap", [(90, torch.float16, 128, False), (80, torch.bfloat16, 80, False),
+                                                   (80, torch.float32, 256, False), (90, torch.bfloat16, 256, True),
+                                                   (80, torch.float16, 128, True)])
+def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, softcap, monkeypatch):
+    """Also: without a cap (SOFTCAP False) the kernels never read the softcap argument and hold just
+    the online softmax's two exp2 ops, as before soft-capping existed; with one, a third (tanh)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernels = pa._kernels()
     d = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
@@ -500,11 +622,15 @@ def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, monkeypatch):
                "stride_vh", "stride_bt", "stride_ob", "stride_oh"]
     ptrs = {"q_ptr": d, "k_ptr": d, "v_ptr": d, "bt_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": d,
             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
-    sig = {**ptrs, "qk_scale": "fp32", **{a: "i32" for a in ["window", "num_splits", "max_blocks"] + strides}}
+    sig = {**ptrs, "qk_scale": "fp32", "softcap": "fp32",
+           **{a: "i32" for a in ["window", "num_splits", "max_blocks"] + strides}}
     block_n, warps, stages = pa._decode_config(dim, dtype)
-    const = dict(GROUP=4, GP=16, D=dim, DP=dp, BS=16, BLOCK_N=block_n, SPLIT=True, DOT_F32=dtype == torch.float32)
+    const = dict(GROUP=4, GP=16, D=dim, DP=dp, BS=16, BLOCK_N=block_n, SPLIT=True, DOT_F32=dtype == torch.float32,
+                 SOFTCAP=softcap)
     compiled = _compile(kernels.decode, cap, sig, const, list(ptrs) + strides, num_warps=warps, num_stages=stages)
     assert _wide_loads(compiled.asm["ptx"])
+    exp2, reads = _exp2_and_softcap_reads(compiled.asm["ttir"])
+    assert (exp2, reads > 0) == ((3, True) if softcap else (2, False))
     assert compiled.metadata.shared <= 99 * 1024
 
     sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": d, "num_splits": "i32",
@@ -516,11 +642,13 @@ def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, monkeypatch):
                "stride_vh", "stride_bt", "stride_ot", "stride_oh"]
     ptrs = {"q_ptr": d, "k_ptr": d, "v_ptr": d, "bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32",
             "out_ptr": d}
-    sig = {**ptrs, "qk_scale": "fp32", **{a: "i32" for a in ["window", "max_blocks"] + strides}}
+    sig = {**ptrs, "qk_scale": "fp32", "softcap": "fp32", **{a: "i32" for a in ["window", "max_blocks"] + strides}}
     block_m, block_n, warps, stages = pa._prefill_config(8192, dim, dtype)
     const = dict(GROUP=4, D=dim, DP=dp, BS=16, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=cap == 80,
-                 DOT_F32=dtype == torch.float32)
+                 DOT_F32=dtype == torch.float32, SOFTCAP=softcap)
     compiled = _compile(kernels.prefill, cap, sig, const, list(ptrs) + strides, num_warps=warps, num_stages=stages)
+    exp2, reads = _exp2_and_softcap_reads(compiled.asm["ttir"])
+    assert (exp2, reads > 0) == ((3, True) if softcap else (2, False))
     ptx = compiled.asm["ptx"]
     assert _wide_loads(ptx)
     assert compiled.metadata.shared <= 99 * 1024  # fits sm86/sm89, the smallest sm80+ shared memory
@@ -550,6 +678,28 @@ def test_cuda_decode_and_prefill_match_reference(dtype):
         out = pa.paged_prefill(q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables,
                                128 ** -0.5, window, max_q_len=700)
         assert max_err(out, prefill_reference(paged, q, q_lens, cache_lens, 128 ** -0.5, window)) < BOUND[dtype]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_softcap_matches_reference(dtype):
+    """Gemma 2's shapes: head_dim 256, 2 query heads per KV head, cap 50, window 4096."""
+    dev, scale, cap = "cuda", 256 ** -0.5, 50.0
+    lens = [1, 300, 0, 5000]
+    paged = Paged(lens, 4, 256, 16, dtype, seed=3, device=dev)
+    q = torch.randn(len(lens), 8, 256, device=dev).to(dtype)
+    for window in (None, 4096):
+        ref = decode_reference(paged, q, scale, window, cap)
+        for splits in (1, pa.decode_splits(max(lens), 16, len(lens), 4)):
+            out = pa.paged_decode(q, paged.key_cache, paged.value_cache, paged.block_tables, paged.seq_lens, scale,
+                                  window, num_splits=splits, softcap=cap)
+            assert max_err(out, ref) < BOUND[dtype], (window, splits)
+    q_lens, cache_lens = [1, 600, 40], [300, 0, 4100]
+    paged, q, cu = prefill_batch(q_lens, cache_lens, 8, 4, 256, 16, dtype, seed=4, device=dev)
+    for window in (None, 4096):
+        out = pa.paged_prefill(q, paged.key_cache, paged.value_cache, cu, paged.seq_lens, paged.block_tables, scale,
+                               window, max_q_len=600, softcap=cap)
+        assert max_err(out, prefill_reference(paged, q, q_lens, cache_lens, scale, window, cap)) < BOUND[dtype]
 
 
 @needs_gpu

@@ -384,20 +384,21 @@ def test_layers_are_built_one_at_a_time(model_dir, text_file, tmp_path, monkeypa
     """Streaming: layer i is gone before layer i + 1 is read, so peak memory is one layer."""
     import weakref
 
-    from text_generation_server import quantize as pipeline
+    from text_generation_server.models.decoder import DecoderLayer
 
     live: weakref.WeakSet = weakref.WeakSet()
     most = []
+    original_init = DecoderLayer.__init__
 
-    class TrackedLayer(pipeline.LlamaLayer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            live.add(self)
-            most.append(len(live))
+    def tracked(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        live.add(self)
+        most.append(len(live))
 
-    monkeypatch.setattr(pipeline, "LlamaLayer", TrackedLayer)
+    monkeypatch.setattr(DecoderLayer, "__init__", tracked)
     quantize(str(model_dir), tmp_path / "q", options(text_file))
-    assert most == [1, 1]
+    # The first layer is built once to read the linears' shapes, then each layer in turn.
+    assert most == [1, 1, 1]
 
 
 # -- speed: fewer attention passes, blocked Hessians; progress reporting ----------------------------
@@ -416,12 +417,13 @@ def test_blocked_hessian_equals_one_block():
 
 
 def test_replayed_attention_is_the_full_forward(model_dir):
-    from text_generation_server import quantize as pipeline
+    from text_generation_server.layers.self_attention import SelfAttention
+    from text_generation_server.quantize.calibration import LayerRunner
 
     q = Quantizer(str(model_dir), model_dir.parent / "unused", QuantizeOptions(group_size=32, nsamples=6, seqlen=16))
-    runner = pipeline.LayerRunner(q.config, 16, 6, torch.device("cpu"), forward_bytes=1)  # one sample per forward
+    runner = LayerRunner(q.config, q.rotaries, 16, 6, torch.device("cpu"), forward_bytes=1)  # one sample per forward
     assert runner.chunk == 1 and runner.batches == 6
-    layer = pipeline.LlamaLayer(q.config, q.weights, 0, runner.rotary).eval()
+    layer = q.family.layer(q.config, q.weights, 0, q.rotaries).eval()
     inputs = torch.randn(6, 16, q.config.hidden_size, generator=torch.Generator().manual_seed(0))
     full, replayed = torch.empty_like(inputs), torch.empty_like(inputs)
     record = torch.full((6, 16, q.config.num_attention_heads * q.config.head_dim), float("nan"))
@@ -431,30 +433,28 @@ def test_replayed_attention_is_the_full_forward(model_dir):
     layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
     runner.run(layer, inputs, replayed, replay=record)
     assert torch.equal(full, replayed) and calls == []  # attention never ran
-    from text_generation_server.models.llama import LlamaAttention
-
-    assert isinstance(layer.self_attn, LlamaAttention)  # put back
+    assert isinstance(layer.self_attn, SelfAttention)  # put back
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(modules_to_not_convert=("model.layers.0.self_attn",)),
                                        dict(true_sequential=False)])
 def test_attention_replay_changes_nothing_and_runs_attention_less(model_dir, text_file, tmp_path, monkeypatch,
                                                                   overrides):
-    from text_generation_server import quantize as pipeline
-    from text_generation_server.models.llama import LlamaAttention
+    from text_generation_server.layers.self_attention import SelfAttention
+    from text_generation_server.quantize import calibration
 
     calls = []
-    original_forward = LlamaAttention.forward
+    original_forward = SelfAttention.forward
 
     def counting(self, hidden, *args):
         calls.append(hidden.shape[0])
         return original_forward(self, hidden, *args)
 
-    monkeypatch.setattr(LlamaAttention, "forward", counting)
+    monkeypatch.setattr(SelfAttention, "forward", counting)
     fast = stored(quantize(str(model_dir), tmp_path / "fast", options(text_file, **overrides)))
     fast_calls = len(calls)
-    original_run = pipeline.LayerRunner.run
-    monkeypatch.setattr(pipeline.LayerRunner, "run",
+    original_run = calibration.LayerRunner.run
+    monkeypatch.setattr(calibration.LayerRunner, "run",
                         lambda self, layer, inputs, outputs, record=None, replay=None, on_batch=None:
                         original_run(self, layer, inputs, outputs, on_batch=on_batch))
     calls.clear()
@@ -470,12 +470,14 @@ def test_attention_replay_changes_nothing_and_runs_attention_less(model_dir, tex
 
 def test_first_pass_stops_after_the_reference_samples(model_dir, text_file, tmp_path, monkeypatch):
     """Beyond REFERENCE_SAMPLES, the first pass only needs q/k/v's inputs: it stops there."""
-    from text_generation_server import quantize as pipeline
+    from text_generation_server.quantize import calibration, pipeline
     monkeypatch.setattr(pipeline, "REFERENCE_SAMPLES", 2)
-    monkeypatch.setattr(pipeline, "FORWARD_BYTES", 1)  # one sample per forward
+    monkeypatch.setattr(calibration, "FORWARD_BYTES", 1)  # one sample per forward
     tokens = []
-    silu = torch.nn.functional.silu  # runs once gate_up has run: counts forwards that reach the MLP's middle
-    monkeypatch.setattr(torch.nn.functional, "silu", lambda x: tokens.append(x.shape[0]) or silu(x))
+    from text_generation_server.layers import mlp
+
+    silu = mlp.ACTIVATIONS["silu"]  # runs once gate_up has run: counts forwards that reach the MLP's middle
+    monkeypatch.setitem(mlp.ACTIVATIONS, "silu", lambda x: tokens.append(x.shape[0]) or silu(x))
     quantize(str(model_dir), tmp_path / "q", options(text_file, modules_to_not_convert=("model.layers.1",)))
     # Layer 0: pass 1 gets there on 2 samples, passes 2 and 3 never (they stop at o_proj and
     # gate_up), passes 4 and 5 on all 8. Layer 1 (dense): only its last pass.
@@ -514,7 +516,7 @@ def log_lines():
 
 
 def test_progress_lines_when_not_a_terminal(model_dir, text_file, tmp_path, monkeypatch, log_lines):
-    from text_generation_server import quantize as pipeline
+    from text_generation_server.quantize import pipeline
 
     monkeypatch.setattr(pipeline, "PROGRESS_INTERVAL", 0.01)
     monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": lambda s, t: len(t), "flush": lambda s: None,

@@ -63,7 +63,7 @@ def test_a_model_failure_is_internal_whatever_its_type(lm, error, phase):
     free = lm.allocator.free_blocks
 
     def hook(module, args):
-        meta = args[-1]
+        meta = args[-1].meta  # (hidden, ForwardContext)
         if meta.is_prefill == (phase == "prefill"):
             raise error
 

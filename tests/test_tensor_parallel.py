@@ -86,8 +86,8 @@ def _rank_main(pg, folders: dict[str, str]) -> dict[str, object]:
             continue
         results[name] = run(lm)
         results[name]["shapes"] = {
-            "embed": list(lm.model.embed_tokens.weight.shape),
-            "head": list(lm.model.lm_head.weight.shape),
+            "embed": list(lm.model.embeddings.tokens.weight.shape),
+            "head": list(lm.model.head.projection.weight.shape),
             "kv_heads": lm.model.local_kv_heads,
         }
     return results

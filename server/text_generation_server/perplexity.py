@@ -156,10 +156,9 @@ def evaluate(lm, text: str, seqlen: int | None = None, max_tokens: int | None = 
     """Perplexity of a loaded `CausalLM` on `text`."""
     config = lm.config
     if seqlen is None:
-        seqlen = min(config.max_position_embeddings, DEFAULT_MAX_SEQLEN)
-    if seqlen > config.max_position_embeddings:
-        raise ValueError(f"--seqlen {seqlen} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+        seqlen = min(config.max_context, DEFAULT_MAX_SEQLEN)
+    if seqlen > config.max_context:
+        raise ValueError(f"--seqlen {seqlen} exceeds the model's {config.context_name}")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
     ids = lm.tokenizer.encode(text, add_special_tokens=False).ids

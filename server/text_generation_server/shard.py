@@ -204,6 +204,14 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self.memory_fraction = memory_fraction
         self.max_batch_total_tokens = max_batch_total_tokens
         self.prefix_caching = prefix_caching
+        if prefix_caching and model.config.rope_length_dependent:
+            # K/V computed while a sequence was short would be reused by one whose length puts its
+            # rotary in another regime: not what transformers computes.
+            self.prefix_caching = False
+            if rank == 0:
+                logger.warning("prefix caching off: {} rope scaling makes a token's rotary angle depend on its "
+                               "sequence's length, so cached K/V would not match a recompute",
+                               model.config.rope.rope_type)
         self.stall_timeout_s = stall_timeout_s
         self.cache: dict[int, Batch] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -341,7 +349,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup while batches are cached; ClearCache first")
             max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
             max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
-            limit = self.model.config.max_position_embeddings
+            limit = self.model.config.max_context
             if max_total is None:
                 max_total = min(limit, 4096)
             if max_input is None:

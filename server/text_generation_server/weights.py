@@ -111,6 +111,51 @@ class SafetensorsSource:
         return str(self._routing.get(name, "<unknown file>"))
 
 
+class _TransposedSlice:
+    """A stored [in, out] matrix seen as [out, in]: indices are swapped, the window transposed."""
+
+    def __init__(self, inner: TensorSlice, name: str):
+        self._inner = inner
+        self._name = name
+
+    def get_shape(self) -> list[int]:
+        return list(reversed(self._inner.get_shape()))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if index is Ellipsis:
+            index = (slice(None), slice(None))
+        elif not isinstance(index, tuple):
+            index = (index, slice(None))
+        if len(index) != 2 or any(not isinstance(i, slice) for i in index):
+            raise CheckpointError(f"tensor '{self._name}' is a transposed (Conv1D) matrix: read it by a window of "
+                                  f"rows and columns, not {index!r}")
+        return self._inner[(index[1], index[0])].t().contiguous()
+
+
+class TransposedSource:
+    """Tensors whose names `transposed(name)` selects appear transposed (GPT-2's Conv1D stores
+    weights as [in, out]); every loader and sharding rule then sees the Linear layout."""
+
+    def __init__(self, inner: TensorSource, transposed):
+        self.inner = inner
+        self._transposed = transposed
+
+    def keys(self) -> Sequence[str]:
+        return self.inner.keys()
+
+    def get_slice(self, name: str) -> TensorSlice:
+        found = self.inner.get_slice(name)
+        if not self._transposed(name):
+            return found
+        if len(found.get_shape()) != 2:
+            raise CheckpointError(f"tensor '{name}' has shape {found.get_shape()}: a Conv1D weight is a matrix "
+                                  f"(in {self.inner.describe(name)})")
+        return _TransposedSlice(found, name)
+
+    def describe(self, name: str) -> str:
+        return self.inner.describe(name)
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder, honouring a sharded index.
 
@@ -274,7 +319,8 @@ class Weights:
         loader: WeightsLoader | None = None,
         aliases: dict[str, list[str]] | None = None,
     ):
-        if not isinstance(source, (DictTensorSource, SafetensorsSource)) and isinstance(source, (list, tuple)):
+        if not isinstance(source, (DictTensorSource, SafetensorsSource, TransposedSource)) \
+                and isinstance(source, (list, tuple)):
             source = SafetensorsSource([Path(p) for p in source])
         self.source: TensorSource = source  # type: ignore[assignment]
         self._keys = set(self.source.keys())
@@ -283,6 +329,27 @@ class Weights:
         self.process_group = process_group or single_process_group()
         self.loader = loader or DefaultWeightsLoader()
         self.aliases = aliases or {}
+
+    def transpose(self, transposed) -> None:
+        """From now on, tensors `transposed(name)` selects are read transposed (Conv1D weights)."""
+        self.source = TransposedSource(self.source, transposed)
+
+    @property
+    def stored(self) -> TensorSource:
+        """The tensors as stored on disk (no Conv1D view): what `quantize` copies unchanged."""
+        return self.source.inner if isinstance(self.source, TransposedSource) else self.source
+
+    def read_names(self) -> dict[str, str]:
+        """Each stored tensor's name -> the name the model reads it by: itself, or the name an alias
+        resolves to it (GPT2Model checkpoints store "h.0..." for the family's "transformer.h.0...").
+        `quantize` sorts stored tensors into layers by these names and writes them back under the
+        stored ones."""
+        names = {key: key for key in self._keys}
+        for name in self.aliases:
+            stored = self._resolve(name, required=False)
+            if stored is not None and stored != name and names[stored] == stored:
+                names[stored] = name
+        return names
 
     # -- lookups -------------------------------------------------------------
     def tensor_names(self) -> set[str]:
@@ -428,6 +495,18 @@ class Weights:
             yield
         finally:
             self.loader = previous
+
+    @contextmanager
+    def sharded_as(self, view: ProcessGroup) -> Iterator[None]:
+        """Loads the enclosed modules as if the group were `view` (its rank and size only): K/V
+        heads fewer than the ranks are read whole (size 1) or by a narrower split, through every
+        loader alike. No collective runs while loading, so the view needs no communicator."""
+        previous = self.process_group
+        self.process_group = view
+        try:
+            yield
+        finally:
+            self.process_group = previous
 
     def get_weights(self, prefix: str):
         return self.loader.get_weights(self, prefix)

@@ -28,6 +28,17 @@ Softmax runs in base 2 with log2(e) folded into the scale; accumulation is fp32.
 are -inf and a row's running max is treated as 0 while it is still -inf, so fully masked tiles
 (and padding rows with seq_len 0, which read nothing) contribute exactly zero, never NaN.
 
+Logit soft-capping (Gemma 2; `softcap=` on both launchers): as in transformers' eager attention,
+each score becomes softcap * tanh(q.k * scale / softcap) after the scale and before the causal
+and window masks and the softmax, then goes to base 2 like the others. A constexpr (SOFTCAP)
+selects it, so without a cap the kernels compile exactly as they would without the feature;
+the cap itself is a runtime float, so one compiled kernel serves every cap. triton.language has
+no tanh (libdevice's is per backend), so it is built from builtins: for |x| >= 1/4,
+tanh(x) = 1 - 2 / (2^(2x log2(e)) + 1), which saturates to +-1 (exp2 going to 0 or inf), never
+NaN; near 0 that form cancels (an absolute error of ~2^-24, times softcap: with Gemma 2's cap of
+50 about 20x fp32's usual error), so for |x| < 1/4 an odd Taylor polynomial to x^9 takes over.
+Either way tanh is within 2e-7 of the exact value.
+
 Like kernels/triton_gemm.py, the module imports without Triton, and the @triton.jit functions
 are defined on first use for the current TRITON_INTERPRET setting, so tests run them on CPU
 tensors in Triton's interpreter. The kernels call only Triton builtins for the same reason.
@@ -38,6 +49,8 @@ a correctness setting.
 
 from __future__ import annotations
 
+import math
+import numbers
 from types import SimpleNamespace
 
 import torch
@@ -170,11 +183,11 @@ def _define_kernels() -> SimpleNamespace:
 
     @triton.jit
     def decode(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-               qk_scale, window, num_splits, max_blocks,
+               qk_scale, softcap, window, num_splits, max_blocks,
                stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                stride_bt, stride_ob, stride_oh,
                GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
         # Program (b, kvh, split): query heads kvh*GROUP .. +GROUP of sequence b against this
         # split's share of the positions [lo, hi) it can see.
         b = tl.program_id(0)
@@ -214,7 +227,18 @@ def _define_kernels() -> SimpleNamespace:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))  # [GP, BLOCK_N]
+            if SOFTCAP:
+                # softcap * tanh(x) in base 2, x = raw * scale / softcap (module docstring): an odd
+                # polynomial for |x| < 1/4, else 1 - 2 / (e^2x + 1)
+                x = s * (qk_scale / (softcap * 1.4426950408889634))
+                x2 = x * x
+                poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+                    -0.05396825396825397 + x2 * 0.021869488536155203))))
+                big = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+                s = tl.where(x2 < 0.0625, poly, big) * (softcap * 1.4426950408889634)
+            else:
+                s = s * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))  # [GP, BLOCK_N]
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
@@ -263,11 +287,12 @@ def _define_kernels() -> SimpleNamespace:
 
     @triton.jit
     def prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
-                qk_scale, window, max_blocks,
+                qk_scale, softcap, window, max_blocks,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_bt, stride_ot, stride_oh,
                 GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+                SOFTCAP: tl.constexpr):
         # Program (tile, kvh, b): rows tile*BLOCK_M .. +BLOCK_M of sequence b's (token, head) pairs
         # (row r = token r // GROUP, query head kvh*GROUP + r % GROUP); tiles in reverse order so
         # the longest (last queries, most keys) start first.
@@ -319,7 +344,18 @@ def _define_kernels() -> SimpleNamespace:
             visible = n_ok[None, :] & (pos[None, :] <= qpos[:, None])
             if HAS_WINDOW:
                 visible = visible & (qpos[:, None] - pos[None, :] < window)
-            s = tl.where(visible, s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            if SOFTCAP:
+                # softcap * tanh(x) in base 2, x = raw * scale / softcap (module docstring): an odd
+                # polynomial for |x| < 1/4, else 1 - 2 / (e^2x + 1)
+                x = s * (qk_scale / (softcap * 1.4426950408889634))
+                x2 = x * x
+                poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+                    -0.05396825396825397 + x2 * 0.021869488536155203))))
+                big = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+                s = tl.where(x2 < 0.0625, poly, big) * (softcap * 1.4426950408889634)
+            else:
+                s = s * qk_scale
+            s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
@@ -347,7 +383,7 @@ _kernels = LazyKernels(_define_kernels)
 
 def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                  extra: dict[str, torch.Tensor]) -> None:
+                  extra: dict[str, torch.Tensor], softcap: float | None = None) -> None:
     """Shapes, dtypes, strides and devices every launch needs; raises ValueError naming the problem."""
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be 3-D, got shape {list(q.shape)}")
@@ -378,6 +414,9 @@ def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cac
                          f"{list(seq_lens.shape)}")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{name}: window must be None or a positive int, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"{name}: softcap must be None or a positive finite number, got {softcap!r}")
     tensors = {"q": q, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
                "seq_lens": seq_lens, **extra}
     devices = {t.device for t in tensors.values()}
@@ -418,16 +457,18 @@ def decode_workspace(batch: int, heads: int, head_dim: int, num_splits: int,
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int | None = None, *, num_splits: int = 1,
                  out: torch.Tensor | None = None,
-                 workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (the new token's already stored).
 
     q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables int32 [B, max_blocks];
     seq_lens int32 [B], positions in cache including the new token (0: padding row, zeros out).
-    window: the query sees the last `window` positions. Returns out [B, H, D] in q's dtype.
+    window: the query sees the last `window` positions. softcap: scores (after `scale`) become
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2). Returns out [B, H, D] in q's dtype.
     No host sync and a grid of (B, KVH, num_splits): capturable in a CUDA graph with a workspace.
     """
     name = "paged_decode"
-    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {})
+    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {}, softcap)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     if seq_lens.shape[0] != batch:
@@ -452,13 +493,13 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     kernels = _kernels()
     kernels.decode[(batch, kv_heads, num_splits)](
         q, key_cache, value_cache, block_tables, seq_lens, out, m_ws, l_ws, acc_ws,
-        float(scale) * 1.4426950408889634, NO_WINDOW if window is None else window, num_splits,
-        block_tables.shape[1],
+        float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
+        NO_WINDOW if window is None else window, num_splits, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GP=max(16, _pow2(group)), D=dim, DP=dp, BS=block_size, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=_dot_f32(q.dtype), num_warps=warps, num_stages=stages,
+        DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, num_warps=warps, num_stages=stages,
     )
     if split:
         kernels.combine[(batch, heads)](
@@ -490,16 +531,17 @@ def _check_lengths_cpu(name: str, seq_lens: torch.Tensor, capacity: int) -> None
 
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int | None = None, *,
-                  max_q_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                  max_q_len: int, out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the new tokens of B sequences (flattened) over their paged K/V.
 
     q [T, H, D]; cu_seqlens_q int32 [B+1] (sequence b's new tokens are q[cu[b]:cu[b+1]], its
     last positions); seq_lens int32 [B] = positions in cache after this step, so the cached
     prefix is seq_lens[b] - q_len_b. max_q_len bounds every q_len (it sizes the grid; rows past
-    it would not be computed). Returns out [T, H, D] in q's dtype.
+    it would not be computed). softcap as in `paged_decode`. Returns out [T, H, D] in q's dtype.
     """
     name = "paged_prefill"
-    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {"cu_seqlens_q": cu_seqlens_q})
+    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {"cu_seqlens_q": cu_seqlens_q},
+                  softcap)
     batch = block_tables.shape[0]
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -528,11 +570,13 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     grid = (_cdiv(max_q_len * group, block_m), kv_heads, batch)
     _kernels().prefill[grid](
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        float(scale) * 1.4426950408889634, NO_WINDOW if window is None else window, block_tables.shape[1],
+        float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
+        NO_WINDOW if window is None else window, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, DP=max(16, _pow2(dim)), BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), num_warps=warps, num_stages=stages,
+        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None,
+        num_warps=warps, num_stages=stages,
     )
     return out

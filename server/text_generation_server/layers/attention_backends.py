@@ -31,7 +31,8 @@ ATTENTION_ENV = "TGS_ATTENTION_BACKEND"
 
 
 class TritonPagedAttention(AttentionBackend):
-    """kernels/paged_attention.py: no gather, GQA heads share K/V loads, flash-decoding splits.
+    """kernels/paged_attention.py: no gather, GQA heads share K/V loads, flash-decoding splits,
+    logit soft-capping (Gemma 2) in both kernels.
 
     Decode's split partials live in one workspace the backend owns, sized at warmup
     (`reserve_decode`) for the largest batch and context the limits allow, so a decode step
@@ -120,7 +121,7 @@ class TritonPagedAttention(AttentionBackend):
     def _int32(self, meta: AttentionMetadata, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return meta.memo(key, lambda: tensor if tensor.dtype == torch.int32 else tensor.to(torch.int32))
 
-    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window):
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None):
         if meta.block_tables is None:
             raise ValueError("triton-paged prefill reads K/V through the block tables: AttentionMetadata.block_tables "
                              "must be set (one row per sequence)")
@@ -130,16 +131,17 @@ class TritonPagedAttention(AttentionBackend):
         tables = self._int32(meta, "tables32", meta.block_tables)
         return self._kernels.paged_prefill(
             q, key_cache, value_cache, meta.cu_seqlens_q(q.device), seq_lens, tables, scale, window,
-            max_q_len=max(meta.prefill_lens),
+            max_q_len=max(meta.prefill_lens), softcap=softcap,
         )
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window):
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
         tables = self._int32(meta, "tables32", meta.block_tables)
         seq_lens = self._int32(meta, "seq_lens32", meta.seq_lens)
         splits = self.num_splits(meta, q.shape[0])
         workspace = meta.memo("decode_workspace", lambda: self._shared_workspace(q.shape[0], splits, q.device))
         return self._kernels.paged_decode(
             q, key_cache, value_cache, tables, seq_lens, scale, window, num_splits=splits, workspace=workspace,
+            softcap=softcap,
         )
 
 

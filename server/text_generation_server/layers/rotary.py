@@ -1,18 +1,29 @@
-"""Rotary position embeddings in the Hugging Face Llama convention (rotate_half).
+"""Rotary position embeddings: every scaling transformers implements for the families we serve.
 
-Supported scalings: none ("default"), "linear", and "llama3" (Llama 3.1's
-frequency-dependent scaling). The cos/sin table is computed once in float32 at load for
-every position the model supports, and cast once per compute dtype, so a step only
-gathers rows by position: no allocation that grows with the context, and no host sync
-when the caller passes the largest position (a decode step captured in a CUDA graph).
+Types (config.json `rope_scaling` / `rope_parameters`): default, linear, llama3, yarn, dynamic
+(NTK, recomputed from the sequence's length) and longrope (Phi-3's short/long factors). The
+frequencies follow transformers' `modeling_rope_utils` (read there, written here), so the
+angles agree to float32 rounding.
+
+cos/sin are computed per forward from the positions (one multiply, cos and sin of
+[tokens, rotary_dim / 2]), not gathered from a table: nothing grows with the context, no host
+sync is needed (CUDA graphs capture it), and the length-dependent types (dynamic, longrope)
+take a per-token sequence length instead of one for the whole batch, so every sequence of a
+batch gets the frequencies transformers would give it alone.
+
+Two layouts of the rotated pairs: `rotate_half` (Llama, GPT-NeoX: dimension i pairs with
+i + d/2) and interleaved (Cohere, GPT-J: 2i pairs with 2i + 1). A partial rotary factor rotates
+the first `rotary_dim` dimensions of each head and passes the rest through.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -20,112 +31,316 @@ class RopeConfig:
     head_dim: int
     theta: float = 10000.0
     rope_type: str = "default"
-    factor: float = 1.0
+    # None: config.json gave none (yarn and longrope then imply one). Not 1.0: transformers'
+    # _compute_yarn_parameters / _compute_longrope_parameters imply a factor only when it `is None`,
+    # and an explicit 1.0 stays 1.0.
+    factor: float | None = None
+    partial_rotary_factor: float = 1.0
+    interleaved: bool = False
+    # The model's max_position_embeddings: dynamic NTK's base length, and the implied factor of
+    # yarn/longrope configs that give none.
+    max_position_embeddings: int = 2048
+    # llama3, yarn, longrope: the pretraining context.
+    original_max_position_embeddings: int | None = None
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    partial_rotary_factor: float = 1.0
-
-    SUPPORTED = ("default", "linear", "llama3")
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # longrope
+    short_factor: tuple[float, ...] = field(default=())
+    long_factor: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.rope_type not in self.SUPPORTED:
-            raise ValueError(
-                f"rope_scaling type '{self.rope_type}' is not supported (supported: {', '.join(self.SUPPORTED)})"
-            )
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type '{self.rope_type}' is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if self.factor is None and self.rope_type in ("linear", "dynamic", "llama3"):
+            raise ValueError(f"rope type '{self.rope_type}' needs a factor")
+        if self.factor is not None and not self.factor > 0:
+            raise ValueError(f"rope factor must be > 0, got {self.factor}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim {self.head_dim} x partial_rotary_factor "
+                             f"{self.partial_rotary_factor}) must be even and at least 2")
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError("rope_scaling: high_freq_factor must be greater than low_freq_factor")
+            raise ValueError("rope: high_freq_factor must be greater than low_freq_factor")
+        if self.rope_type == "longrope":
+            half = self.rotary_dim // 2
+            for name in ("short_factor", "long_factor"):
+                values = getattr(self, name)
+                if len(values) != half:
+                    raise ValueError(f"rope longrope: {name} has {len(values)} entries, expected {half} "
+                                     f"(rotary dimension / 2)")
+        if self.rope_type in ("llama3", "yarn", "longrope") and self.original_max_position_embeddings is None:
+            raise ValueError(f"rope {self.rope_type}: original_max_position_embeddings is required")
 
+    # -- frequencies ---------------------------------------------------------------
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def _exponents(self) -> torch.Tensor:
+        return torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+
+    def _implied_factor(self) -> float:
+        # transformers: a yarn/longrope config without `factor` scales by the ratio of the two lengths.
+        if self.factor is not None:
+            return self.factor
+        if self.original_max_position_embeddings is None:
+            return 1.0
+        return self.max_position_embeddings / self.original_max_position_embeddings
+
     def inv_freq(self) -> torch.Tensor:
-        dim = self.rotary_dim
-        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        """[rotary_dim / 2] float32: the frequencies at (or below) the base length; for longrope
+        the short factors."""
+        inv = 1.0 / (self.theta ** self._exponents())
         if self.rope_type == "linear":
             return inv / self.factor
         if self.rope_type == "llama3":
-            old_len = self.original_max_position_embeddings
-            low_wavelen = old_len / self.low_freq_factor
-            high_wavelen = old_len / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return torch.where(medium, smoothed, scaled)
+            return self._llama3(inv)
+        if self.rope_type == "yarn":
+            return self._yarn()
+        if self.rope_type == "longrope":
+            return 1.0 / (torch.tensor(self.short_factor, dtype=torch.float32) * self.theta ** self._exponents())
         return inv
 
+    def long_inv_freq(self) -> torch.Tensor:
+        """longrope's frequencies for sequences past original_max_position_embeddings."""
+        return 1.0 / (torch.tensor(self.long_factor, dtype=torch.float32) * self.theta ** self._exponents())
 
-def rope_config_from_hf(config: dict, head_dim: int) -> RopeConfig:
-    """Reads rope settings from config.json (old `rope_scaling` or newer `rope_parameters`)."""
+    def _llama3(self, inv: torch.Tensor) -> torch.Tensor:
+        old_len = self.original_max_position_embeddings
+        low_wavelen = old_len / self.low_freq_factor
+        high_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    def _yarn(self) -> torch.Tensor:
+        dim, base, factor = self.rotary_dim, self.theta, self._implied_factor()
+        original = self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: no zero-width ramp
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (factor * pos_freqs)
+        keep = 1 - ramp  # share of extrapolation per frequency
+        return interpolation * (1 - keep) + extrapolation * keep
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor transformers multiplies cos and sin by (yarn's mscale, longrope's)."""
+        if self.rope_type == "yarn":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+            factor = self._implied_factor()
+
+            def mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            if self.mscale and self.mscale_all_dim:
+                return float(mscale(factor, self.mscale) / mscale(factor, self.mscale_all_dim))
+            return mscale(factor)
+        if self.rope_type == "longrope":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+            factor = self._implied_factor()
+            if factor <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a token's frequencies depend on its sequence's length (dynamic, longrope)."""
+        return self.rope_type in ("dynamic", "longrope")
+
+    def max_context(self, max_position_embeddings: int) -> int:
+        """Positions the model may reach: dynamic NTK stretches to max_position_embeddings x factor
+        (as TGI's launcher allows); yarn to original_max_position_embeddings x factor when the config
+        left max_position_embeddings at the pretraining length (Qwen2.5's long-context recipe)."""
+        if self.rope_type == "dynamic":
+            return int(max_position_embeddings * self.factor)
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is not None:
+            return max(max_position_embeddings, int(self.original_max_position_embeddings * self._implied_factor()))
+        return max_position_embeddings
+
+
+def _float(params: dict, key: str, default, source: str):
+    value = params.get(key, default)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: rope parameter '{key}' must be a number, got {value!r}") from None
+
+
+def rope_config_from_hf(config: dict, head_dim: int, layer_type: str | None = None,
+                        interleaved: bool = False, default_theta: float = 10000.0,
+                        partial_rotary_factor: float | None = None) -> RopeConfig:
+    """Reads rope settings from config.json: the older `rope_theta` + `rope_scaling`, or
+    transformers 5's `rope_parameters`, possibly nested by layer type (Gemma 3's
+    sliding_attention / full_attention)."""
+    source = "config.json"
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        raise ValueError(f"config.json: rope_scaling must be an object, got {params!r}")
+        raise ValueError(f"{source}: rope_scaling must be an object, got {params!r}")
+    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
+    if nested:
+        params = params[layer_type]
+    elif any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{source}: rope_parameters is nested by layer type ({', '.join(params)}) but this layer's "
+                         f"type is {layer_type!r}")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    phi3 = config.get("model_type") == "phi3"
+    if phi3 and rope_type == "yarn":
+        rope_type = "longrope"  # Phi3Config.convert_rope_params_to_dict: old Phi-3 configs call longrope "yarn"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source}: rope type '{rope_type}' is not supported (supported: {', '.join(ROPE_TYPES)})")
+    theta = params.get("rope_theta", config.get("rope_theta", default_theta))
+    if partial_rotary_factor is None:
+        partial_rotary_factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # As transformers' standardize_rope_params, which every ROPE_INIT_FUNCTIONS entry re-runs on
+        # the loaded config: a top-level original_max_position_embeddings overrides the flat rope
+        # dict's (Phi3Config always has one, default 4096); nested per-layer dicts keep their own;
+        # missing everywhere, max_position_embeddings.
+        top = config.get("original_max_position_embeddings")
+        if phi3 and top is None:
+            top = 4096
+        if nested:
+            original = params.get("original_max_position_embeddings")
+        elif top is not None:
+            original = top
+        if original is None:
+            original = max_pos
+    factor = params.get("factor")
+    if factor is None and rope_type in ("linear", "dynamic", "llama3"):
+        raise ValueError(f"{source}: rope type '{rope_type}' needs rope_scaling.factor")
     return RopeConfig(
         head_dim=head_dim,
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-        partial_rotary_factor=float(config.get("partial_rotary_factor", 1.0)),
+        factor=float(factor) if factor is not None else None,
+        partial_rotary_factor=float(partial_rotary_factor),
+        interleaved=interleaved,
+        max_position_embeddings=max_pos,
+        original_max_position_embeddings=int(original) if original is not None else None,
+        low_freq_factor=_float(params, "low_freq_factor", 1.0, source),
+        high_freq_factor=_float(params, "high_freq_factor", 4.0, source),
+        beta_fast=_float(params, "beta_fast", None, source) or 32.0,
+        beta_slow=_float(params, "beta_slow", None, source) or 1.0,
+        mscale=_float(params, "mscale", None, source),
+        mscale_all_dim=_float(params, "mscale_all_dim", None, source),
+        attention_factor=_float(params, "attention_factor", None, source),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
     )
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos and signed sin for a forward's positions, in the layout `apply` expects."""
+
     def __init__(self, config: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         if max_positions < 1:
-            raise ValueError(f"rotary table needs at least one position, got {max_positions}")
+            raise ValueError(f"rotary embedding needs at least one position, got {max_positions}")
         self.config = config
         self.max_positions = max_positions
         self.inv_freq = config.inv_freq().to(device)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)
-        # sin is stored with the sign of rotate_half folded in: [-sin, sin], so rotation is
-        # x * cos + roll(x, half) * signed_sin (see apply_rotary).
-        self._cos32 = torch.cat([freqs, freqs], dim=-1).cos()
-        self._sin32 = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self._cos32,
-                                                                                              self._sin32)}
+        self.long_inv_freq = config.long_inv_freq().to(device) if config.rope_type == "longrope" else None
+        self.scaling = config.attention_scaling
+        self.length_dependent = config.length_dependent
+        # sin carries the sign of the rotation: [-s, s] halves (rotate_half) or (-s, s) pairs.
+        half = config.rotary_dim // 2
+        sign = torch.ones(config.rotary_dim, device=device)
+        if config.interleaved:
+            sign[0::2] = -1
+        else:
+            sign[:half] = -1
+        self._sign = sign
 
-    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole cos and signed-sin tables [max_positions, rotary_dim] in `dtype`, cast once."""
-        cached = self._tables.get(dtype)
-        if cached is None:
-            cached = self._tables[dtype] = (self._cos32.to(dtype), self._sin32.to(dtype))
-        return cached
+    def _freqs(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
+        # -> [tokens, rotary_dim / 2] angles, float32
+        pos = positions.float()[:, None]
+        cfg = self.config
+        if not self.length_dependent or seq_lens is None:
+            return pos * self.inv_freq[None, :]
+        lengths = seq_lens.to(device=positions.device)
+        if cfg.rope_type == "longrope":
+            long = (lengths > cfg.original_max_position_embeddings)[:, None]
+            return pos * torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+        # dynamic NTK: the base grows with the sequence once it passes max_position_embeddings.
+        base_len = cfg.max_position_embeddings
+        dim = cfg.rotary_dim
+        lengths = torch.clamp(lengths, min=base_len).float()[:, None]
+        base = cfg.theta * ((cfg.factor * lengths / base_len) - (cfg.factor - 1)) ** (dim / (dim - 2))
+        exps = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
+        return pos * (1.0 / (base ** exps[None, :]))
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin: [tokens, 1, rotary_dim] in `dtype` for the given positions.
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [tokens, 1, rotary_dim] in `dtype`.
 
-        max_position bounds `positions` (a host int the caller knows); without it the bound is
-        read from the device (a sync: tools only, never the serving path).
+        seq_lens [tokens]: the length each token's sequence has in the forward that computes it
+        (length-dependent types only; None: the position + 1). max_position bounds `positions`
+        (a host int the caller knows); it is checked against the model's context, never read
+        from the device.
         """
-        if max_position is None:
-            max_position = int(positions.max().item()) if positions.numel() else 0
-        if max_position >= self.max_positions:
-            raise ValueError(f"position {max_position} is past the rotary table of {self.max_positions} positions "
-                             "(the model's max_position_embeddings)")
-        cos, sin = self.tables(dtype)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        if max_position is not None and max_position >= self.max_positions:
+            raise ValueError(f"position {max_position} is past the {self.max_positions} positions this model "
+                             "supports (max_position_embeddings, stretched by its rope scaling)")
+        if self.length_dependent and seq_lens is None:
+            seq_lens = positions + 1
+        freqs = self._freqs(positions, seq_lens)
+        if self.config.interleaved:
+            emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        else:
+            emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype).unsqueeze(1), (sin * self._sign).to(dtype).unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated by cos/sin [tokens, 1, rotary_dim]."""
+        return apply_rotary(x, cos, sin, self.config.interleaved)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF Llama's x * cos + rotate_half(x) * sin, with the sign of rotate_half inside `sin`."""
+def _partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Each dimension's rotation partner: i + d/2 (rotate_half) or its pair neighbour."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """transformers' x * cos + rotate(x) * sin, the rotation's sign folded into `sin`."""
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
+        return torch.addcmul(x * cos, _partner(x, interleaved), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    rotated = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, dims=-1), sin)
+    rotated = torch.addcmul(x_rot * cos, _partner(x_rot, interleaved), sin)
     return torch.cat([rotated, x_pass], dim=-1)

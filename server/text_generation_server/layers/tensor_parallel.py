@@ -33,7 +33,20 @@ def _check_in_features(weights: Weights, weight, expected: int, prefix: str) -> 
         )
 
 
-class TensorParallelColumnLinear(torch.nn.Module):
+class LinearSource:
+    """Which checkpoint tensors a parallel linear was built from: `quantize` reads it to write
+    each part back under its own name (rows: each tensor's full output features, in fused order)."""
+
+    tensors: tuple[str, ...] = ()
+    rows: tuple[int, ...] = ()
+    in_features: int = 0
+
+    def _record(self, tensors: list[str], rows: list[int], in_features: int):
+        self.tensors, self.rows, self.in_features = tuple(tensors), tuple(rows), in_features
+        return self
+
+
+class TensorParallelColumnLinear(LinearSource, torch.nn.Module):
     # x: [tokens, K] -> [tokens, N / world]
     def __init__(self, linear: torch.nn.Module):
         super().__init__()
@@ -46,7 +59,7 @@ class TensorParallelColumnLinear(torch.nn.Module):
         _check_out_features(weights, w, out_features // world, prefix)
         _check_in_features(weights, w, in_features, prefix)
         b = weights.get_sharded(f"{prefix}.bias", dim=0) if bias else None
-        return cls(w.get_linear(b))
+        return cls(w.get_linear(b))._record([prefix], [out_features], in_features)
 
     @classmethod
     def load_packed(
@@ -58,7 +71,7 @@ class TensorParallelColumnLinear(torch.nn.Module):
         _check_out_features(weights, w, sum(block_sizes) // world, prefix)
         _check_in_features(weights, w, in_features, prefix)
         b = weights.get_packed_sharded(f"{prefix}.bias", dim=0, block_sizes=block_sizes) if bias else None
-        return cls(w.get_linear(b))
+        return cls(w.get_linear(b))._record([prefix], [sum(block_sizes)], in_features)
 
     @classmethod
     def load_multi(
@@ -73,13 +86,13 @@ class TensorParallelColumnLinear(torch.nn.Module):
         b = None
         if bias:
             b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
-        return cls(w.get_linear(b))
+        return cls(w.get_linear(b))._record(prefixes, out_features, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
 
-class TensorParallelRowLinear(torch.nn.Module):
+class TensorParallelRowLinear(LinearSource, torch.nn.Module):
     # x: [tokens, K / world] -> [tokens, N] (summed over ranks)
     def __init__(self, linear: torch.nn.Module, process_group: ProcessGroup):
         super().__init__()
@@ -94,7 +107,7 @@ class TensorParallelRowLinear(torch.nn.Module):
         _check_in_features(weights, w, in_features // pg.size, prefix)
         # The bias is added once: by rank 0, before the all-reduce sums the partial products.
         b = weights.get_tensor(f"{prefix}.bias") if bias and pg.rank == 0 else None
-        return cls(w.get_linear(b), pg)
+        return cls(w.get_linear(b), pg)._record([prefix], [out_features], in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.process_group.all_reduce(self.linear(x))
@@ -130,14 +143,16 @@ class TensorParallelEmbedding(torch.nn.Module):
 
 class TensorParallelHead(torch.nn.Module):
     # hidden: [tokens, hidden] -> logits [tokens, vocab]
-    def __init__(self, weight: torch.Tensor, vocab_size: int, process_group: ProcessGroup):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, process_group: ProcessGroup,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.vocab_size = vocab_size
         self.process_group = process_group
 
     @classmethod
-    def load(cls, weights: Weights, prefix: str, vocab_size: int, hidden_size: int):
+    def load(cls, weights: Weights, prefix: str, vocab_size: int, hidden_size: int, bias: bool = False):
         name = f"{prefix}.weight"
         shape = weights.get_shape(name)
         if shape != [vocab_size, hidden_size]:
@@ -146,15 +161,24 @@ class TensorParallelHead(torch.nn.Module):
             )
         pg = weights.process_group
         weight = weights.get_partial_sharded(name, dim=0)
+        b = None
+        if bias:
+            bias_shape = weights.get_shape(f"{prefix}.bias")
+            if bias_shape != [vocab_size]:
+                raise CheckpointError(f"tensor '{prefix}.bias' has shape {bias_shape}, expected {[vocab_size]} "
+                                      f"(in {weights.files_of(prefix + '.bias')})")
+            b = weights.get_partial_sharded(f"{prefix}.bias", dim=0)
         block = (vocab_size + pg.size - 1) // pg.size
         if weight.shape[0] < block:
             # Pad the short last shard so every rank gathers equal shapes.
             pad = torch.zeros(block - weight.shape[0], hidden_size, dtype=weight.dtype, device=weight.device)
             weight = torch.cat([weight, pad], dim=0)
-        return cls(weight, vocab_size, pg)
+            if b is not None:
+                b = torch.cat([b, b.new_zeros(block - b.shape[0])])
+        return cls(weight, vocab_size, pg, b)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight, self.bias)
         if self.process_group.size > 1:
             logits = self.process_group.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits

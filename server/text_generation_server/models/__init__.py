@@ -9,7 +9,8 @@ from loguru import logger
 
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.cuda_graphs import GraphCapturer
-from text_generation_server.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from text_generation_server.models.decoder import ConfigReader, DecoderConfig
+from text_generation_server.models.families import Family, family_for, supported_model_types
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.utils.checkpoint import Checkpoint
 from text_generation_server.utils.dist import ProcessGroup, single_process_group
@@ -17,7 +18,14 @@ from text_generation_server.weights import CheckpointError, Weights, safetensors
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-__all__ = ["CausalLM", "CheckpointError", "DTYPES", "get_model", "resolve_dtype"]
+__all__ = ["CausalLM", "CheckpointError", "DTYPES", "get_model", "read_model_config", "resolve_dtype",
+           "supported_model_types"]
+
+
+def read_model_config(config: dict, source: str = "config.json") -> tuple[Family, DecoderConfig]:
+    """The family of a checkpoint's config.json and the config it reads from it."""
+    family = family_for(config.get("model_type"), source)
+    return family, family.read_config(ConfigReader(config, source))
 
 
 def resolve_dtype(name: str | None, device: torch.device, config: dict) -> torch.dtype:
@@ -53,7 +61,7 @@ def get_model(
     process_group = process_group or single_process_group()
     checkpoint = Checkpoint.open(model)
     config_path = checkpoint.folder / "config.json"
-    config = LlamaConfig.from_dict(checkpoint.config, source=str(config_path))
+    family, config = read_model_config(checkpoint.config, source=str(config_path))
     torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
     # Read once: every linear is then built by the loader this config selects. The
     # embedding and the head read their tensors directly, so they stay unquantized.
@@ -62,7 +70,8 @@ def get_model(
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
     weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
                       loader=get_loader(qconfig))
-    net = LlamaForCausalLM(config, weights).eval()
+    family.prepare(config, weights)
+    net = family.build(config, weights).eval()
     if process_group.rank == 0:
         logger.info(
             "loaded {} ({}, {} layers, hidden {}) as {} on {} with {} shard(s)",
@@ -84,8 +93,4 @@ def get_model(
         max_batch_size=max_batch_size,
         graph_capturer=graph_capturer,
     )
-
-
-def supported_model_types() -> tuple[str, ...]:
-    return SUPPORTED_MODEL_TYPES
 

@@ -4,7 +4,8 @@
 flattened into one forward) or one decode step of a cached batch, then chooses
 tokens, checks stopping and streams text. Requests that finish stay in the batch
 until the caller filters them out (the TGI v3 contract: the router calls
-FilterBatch), so the shard never drops work on its own.
+FilterBatch), so the shard never drops work on its own. Batches are built, and their
+KV blocks assigned and given back, by `BatchBuilder` (models/batch_builder.py).
 """
 
 from __future__ import annotations
@@ -18,19 +19,16 @@ import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
-from text_generation_server.generation.detokenize import IncrementalDetokenizer
-from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
-from text_generation_server.generation.stopping import StoppingCriteria
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
+from text_generation_server.models.batch_builder import BatchBuilder
 from text_generation_server.models.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from text_generation_server.models.types import (
     GeneratedText,
     Generation,
     Completion,
     GenerationRequest,
-    RequestError,
     StepTimings,
     Tokens,
 )
@@ -83,10 +81,15 @@ class CausalLM:
         self.device = device
         self.dtype = dtype
         self.process_group = process_group
-        self.block_size = block_size
+        self.builder = BatchBuilder(tokenizer, eos_token_ids, self.config.vocab_size, self.config.max_context,
+                                    block_size, device, self.config.context_name)
         self.quantize = quantize
+        rope = self.config.rope
+        # longrope (Phi-3): a sequence that grows past this length switches from the short to the
+        # long factors, and transformers then recomputes its whole cache with them.
+        self._rope_switch = rope.original_max_position_embeddings if rope is not None and \
+            rope.rope_type == "longrope" else None
         self.kv_cache: KVCache | None = None
-        self.allocator: BlockAllocator | None = None
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._vocab_size = self.config.vocab_size
         # Many checkpoints pad vocab_size past the tokenizer (Qwen2, Phi-3); those ids have no
@@ -99,6 +102,7 @@ class CausalLM:
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
             kv_heads=model.local_kv_heads, head_dim=self.config.head_dim, block_size=block_size,
             windowed=any(w is not None for w in self.config.layer_windows),
+            softcap=any(getattr(layer.self_attn, "softcap", None) is not None for layer in model.layers),
             device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
         self.attention, rejected = choose_attention_backend(spec, attention_backend)
@@ -127,176 +131,41 @@ class CausalLM:
             self.config.num_hidden_layers, num_blocks, self.block_size, self.model.local_kv_heads,
             self.config.head_dim, self.dtype, self.device,
         )
-        self.allocator = BlockAllocator(num_blocks)
+        self.builder.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
 
     def _drop_kv_cache(self) -> None:
         if self.graphs is not None:
             self.graphs.release()  # captured against this cache; buffers and pool stay
         self.kv_cache = None
-        self.allocator = None
+        self.builder.allocator = None
+
+    # -- batches (models/batch_builder.py builds them) -----------------------------
+    @property
+    def block_size(self) -> int:
+        return self.builder.block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self.builder.block_size = value
+
+    @property
+    def allocator(self) -> BlockAllocator | None:
+        """The current KV cache's free list, which the builder assigns blocks from."""
+        return self.builder.allocator
 
     def blocks_for(self, tokens: int) -> int:
-        return (tokens + self.block_size - 1) // self.block_size
-
-    # -- batches -------------------------------------------------------------
-    def tokenize(self, request: GenerationRequest) -> list[int]:
-        """The prompt's ids: the router's when it sent them, else tokenized here; truncated."""
-        if request.input_ids is not None:
-            ids = list(request.input_ids)
-        else:
-            ids = self.tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens).ids
-        if request.truncate and len(ids) > request.truncate:
-            ids = ids[-request.truncate:]
-        if not ids:
-            raise RequestError(f"request {request.id}: inputs tokenize to zero tokens")
-        return ids
+        return self.builder.blocks_for(tokens)
 
     def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch:
-        """Tokenizes and validates new requests, and gives them KV blocks and slots.
-
-        Every rejection is a RequestError naming the request and field: the caller's input
-        was wrong, and nothing (no block) has been taken yet.
-        """
-        if not requests:
-            raise RequestError("a batch needs at least one request")
-        if self.kv_cache is None:
-            raise RuntimeError("the KV cache is not allocated (call warmup or allocate_kv_cache first)")
-        ids_seen: set[int] = set()
-        prepared = []
-        for req in requests:
-            if req.id in ids_seen:
-                raise RequestError(f"request id {req.id} appears twice in the batch")
-            ids_seen.add(req.id)
-            if req.max_new_tokens < 1:
-                raise RequestError(f"request {req.id}: max_new_tokens must be >= 1")
-            if req.top_n_tokens < 0 or req.top_n_tokens > self._vocab_size:
-                raise RequestError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
-            try:
-                req.sampling.validate()
-            except ValueError as exc:
-                raise RequestError(f"request {req.id}: {exc}") from exc
-            prompt = self.tokenize(req)
-            if max(prompt) >= self._vocab_size or min(prompt) < 0:
-                bad = max(prompt) if max(prompt) >= self._vocab_size else min(prompt)
-                raise RequestError(
-                    f"request {req.id}: token id {bad} is outside the model's vocabulary of {self._vocab_size}"
-                )
-            total = len(prompt) + req.max_new_tokens
-            limit = self.config.max_position_embeddings
-            if total > limit:
-                raise RequestError(
-                    f"request {req.id}: {len(prompt)} input tokens + max_new_tokens {req.max_new_tokens} = {total} "
-                    f"exceeds the model's max_position_embeddings ({limit})"
-                )
-            if req.cache_len:
-                if not req.blocks:
-                    raise RequestError(f"request {req.id}: cache_len {req.cache_len} needs the blocks that hold it")
-                if req.cache_len >= len(prompt):
-                    raise RequestError(
-                        f"request {req.id}: cache_len {req.cache_len} must be less than its {len(prompt)} input "
-                        "tokens (the last one is always computed)"
-                    )
-            if req.chunk_len is not None and req.chunk_len < 1:
-                raise RequestError(f"request {req.id}: chunk_len must be >= 1, got {req.chunk_len}")
-            self._check_router_kv(req, total)
-            prepared.append((req, prompt, total))
-        states: list[RequestState] = []
-        try:
-            for req, prompt, total in prepared:
-                states.append(self._assign_blocks(req, prompt, total))
-        except Exception:
-            for state in states:
-                if state.owns_blocks:
-                    self.allocator.free(state.blocks)
-            raise
-        width = max(total for _, _, total in prepared)
-        max_blocks = max(len(s.blocks) for s in states)
-        history = torch.zeros(len(states), width, dtype=torch.long)
-        slot_table = torch.full((len(states), width), -1, dtype=torch.long)
-        block_tables = torch.zeros(len(states), max_blocks, dtype=torch.long)
-        for i, ((req, prompt, total), state) in enumerate(zip(prepared, states)):
-            history[i, : len(prompt)] = torch.tensor(prompt)
-            kv = self.kv_tokens(total)
-            slot_table[i, :kv] = torch.tensor(self._slots(state.blocks, kv))
-            block_tables[i, : len(state.blocks)] = torch.tensor(state.blocks)
-        lengths = torch.tensor([len(p) for _, p, _ in prepared], dtype=torch.long)
-        return Batch(
-            batch_id=batch_id,
-            states=states,
-            chooser=HeterogeneousNextTokenChooser([r.sampling for r in requests], self.device),
-            history=history.to(self.device),
-            history_lengths=lengths.to(self.device),
-            slot_table=slot_table.to(self.device),
-            block_tables=block_tables.to(self.device),
-        )
-
-    @staticmethod
-    def kv_tokens(total: int) -> int:
-        """Positions whose K/V a request can ever write: its last token is never fed back, so a
-        request of `total` tokens needs `total - 1` slots (TGI's allocation, liveness checks too)."""
-        return max(total - 1, 1)
-
-    def _check_router_kv(self, req: GenerationRequest, total: int) -> None:
-        """Validates router-provided blocks and slots before any block is allocated, so a bad
-        request leaves the allocator untouched. Attention reads the cache through the block
-        table, so a slot that is not `blocks[p // block_size] * block_size + p % block_size`
-        would be written where attention never looks: such slots are rejected."""
-        if req.slots and not req.blocks:
-            raise RequestError(f"request {req.id}: slots were given without the blocks that hold them")
-        if not req.blocks:
-            return
-        num_blocks = self.kv_cache.num_blocks
-        bad = [b for b in req.blocks if not 0 <= b < num_blocks]
-        if bad:
-            raise RequestError(f"request {req.id}: blocks {bad[:4]} are outside the KV cache of {num_blocks} blocks")
-        needed = self.kv_tokens(total)
-        if len(req.blocks) * self.block_size < needed:
-            raise RequestError(
-                f"request {req.id}: {len(req.blocks)} blocks of {self.block_size} cannot hold {needed} tokens"
-            )
-        if req.slots:
-            if len(req.slots) < needed:
-                raise RequestError(f"request {req.id}: {len(req.slots)} slots given, {needed} needed")
-            expected = self._slots(req.blocks, needed)
-            for position, (got, want) in enumerate(zip(req.slots, expected)):
-                if got != want:
-                    raise RequestError(
-                        f"request {req.id}: slot {got} for position {position} does not match its blocks "
-                        f"(expected {want})"
-                    )
-
-    def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
-        # Everything that can reject the request runs before blocks are taken: a block
-        # allocated here and then dropped by an exception would be lost for good.
-        try:
-            stopping = StoppingCriteria(
-                self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
-            )
-        except ValueError as exc:
-            raise RequestError(f"request {req.id}: {exc}") from exc
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        if req.blocks:  # validated by _check_router_kv
-            blocks, owns = list(req.blocks), False
-        else:
-            blocks, owns = self.allocator.allocate(self.blocks_for(self.kv_tokens(total))), True
-        remaining = len(prompt) - req.cache_len
-        chunk = remaining if req.chunk_len is None else min(req.chunk_len, remaining)
-        return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt),
-                            prefilled=req.cache_len, chunk=chunk)
-
-    def _slots(self, blocks: list[int], total: int) -> list[int]:
-        bs = self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(total)]
+        """New requests as a batch (`BatchBuilder.make_batch`: rejections are RequestErrors)."""
+        return self.builder.make_batch(batch_id, requests)
 
     def filter(self, batch: Batch, request_ids: list[int]) -> Batch | None:
-        if not request_ids:
-            batch.release(self.allocator)
-            return None
-        return batch.filter(request_ids, self.allocator)
+        return self.builder.filter(batch, request_ids)
 
     def release(self, batch: Batch) -> None:
-        batch.release(self.allocator)
+        self.builder.release(batch)
 
     # -- the step --------------------------------------------------------------
     @torch.inference_mode()
@@ -304,7 +173,7 @@ class CausalLM:
         """One forward over the batch: decoding requests get their next token; requests still
         prefilling compute their next prompt chunk and get a token only with their last one."""
         start = time.perf_counter_ns()
-        if batch.prefilling:
+        if batch.prefilling or (self._rope_switch is not None and any(map(self._recomputes, batch.states))):
             logits, emit, prompt_spans = self._prefill_forward(batch)
         else:
             logits, emit, prompt_spans = self._decode_forward(batch), None, []
@@ -369,7 +238,7 @@ class CausalLM:
         self._plan_chunks(batch)
         all_stopped = all(s.finished for s in batch.states)
         if all_stopped:
-            batch.release(self.allocator)
+            self.builder.release(batch)
         end = time.perf_counter_ns()
         timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
         return generations, (None if all_stopped else batch), timings
@@ -427,10 +296,18 @@ class CausalLM:
             state.chunk = int(max(1 if index == 0 else 0, min(remaining, budget)))
             budget -= state.chunk
 
+    def _recomputes(self, state: RequestState) -> bool:
+        """Whether this decode step crosses the longrope switch for a sequence computed with the
+        short factors: then the step recomputes the whole sequence with the long ones, as
+        transformers does (Phi3ForCausalLM.prepare_inputs_for_generation drops its cache there)."""
+        return (self._rope_switch is not None and not state.prefilling and state.length == self._rope_switch + 1
+                and state.input_length <= self._rope_switch)
+
     def _prefill_forward(self, batch: Batch) -> tuple[torch.Tensor, list[int], list["_PromptSpan"]]:
         """One forward over every request's new tokens, flattened: prompt chunks for requests
         still prefilling (over their cached prefix), the last token for decoding ones."""
         ids, positions, slots, q_lens, cache_lens, logit_rows = [], [], [], [], [], []
+        lengths = [] if self.config.rope_length_dependent else None
         emit: list[int] = []
         last_rows: list[int] = []
         spans: list[_PromptSpan] = []
@@ -453,6 +330,9 @@ class CausalLM:
                     logit_rows.extend(range(offset, offset + n))
                 elif done:
                     logit_rows.append(offset + n - 1)
+            elif self._recomputes(state):
+                first, n, done = 0, state.length, True  # the whole sequence, over its own slots
+                logit_rows.append(offset + n - 1)
             else:
                 first, n, done = state.length - 1, 1, True
                 logit_rows.append(offset)
@@ -462,6 +342,11 @@ class CausalLM:
             ids.append(batch.history[i, first:first + n])
             slots.append(batch.slot_table[i, first:first + n])
             positions.append(torch.arange(first, first + n, device=self.device))
+            if lengths is not None:
+                # The length transformers computes a token's rotary with: the whole prompt for
+                # prompt tokens (however it is chunked), the sequence so far for generated ones.
+                lengths.append(torch.clamp(positions[-1] + 1, min=state.length if self._recomputes(state)
+                                           else state.input_length))
             q_lens.append(n)
             cache_lens.append(first)
             offset += n
@@ -473,7 +358,8 @@ class CausalLM:
             block_tables=tables, backend=self.attention,
         )
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows, head=False)
+        hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows, head=False,
+                            seq_lens=torch.cat(lengths) if lengths is not None else None)
         for span in spans:
             span.values = self._prompt_logprobs(span, hidden)
         if len(last_rows) != hidden.shape[0]:
@@ -520,7 +406,6 @@ class CausalLM:
         ids = state.prompt_ids
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return Tokens(list(ids), list(state.prompt_logprobs), texts, [t in self.special_ids for t in ids])
-
 
     # -- CUDA graphs -------------------------------------------------------------
     def graphs_off_reason(self) -> str | None:
@@ -579,7 +464,8 @@ class CausalLM:
 
         Allocates a KV cache just large enough when none exists (the CLI path).
         """
-        needed = sum(self.blocks_for(len(self.tokenize(r)) + r.max_new_tokens) for r in requests if not r.blocks)
+        needed = sum(self.blocks_for(len(self.builder.tokenize(r)) + r.max_new_tokens)
+                     for r in requests if not r.blocks)
         idle = self.allocator is not None and self.allocator.free_blocks == self.allocator.num_blocks - 1
         if self.kv_cache is None or (idle and self.allocator.free_blocks < needed):
             self.allocate_kv_cache(needed + 1)

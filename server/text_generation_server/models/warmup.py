@@ -60,10 +60,10 @@ def run_warmup(
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
-    if max_total_tokens > lm.config.max_position_embeddings:
+    if max_total_tokens > lm.config.max_context:
         raise ValueError(
-            f"max_total_tokens {max_total_tokens} exceeds the model's max_position_embeddings "
-            f"({lm.config.max_position_embeddings}); lower --max-total-tokens"
+            f"max_total_tokens {max_total_tokens} exceeds the model's {lm.config.context_name}; "
+            "lower --max-total-tokens"
         )
     # TGI's router sends every warmup request with id 0: ids are the shard's to give here. One
     # new token each: the prefill is what is measured, and fewer blocks stay idle in the
@@ -96,7 +96,7 @@ def run_warmup(
     after_prefill = f"after the prefill of max_batch_prefill_tokens={max_prefill_tokens}"
     with _phase(lm, f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} "
                             "does not fit in memory", "; lower --max-batch-prefill-tokens"):
-        prompt_blocks = sum(lm.blocks_for(len(lm.tokenize(r)) + 1) for r in requests)
+        prompt_blocks = sum(lm.blocks_for(len(lm.builder.tokenize(r)) + 1) for r in requests)
         lm.allocate_kv_cache(1 + max(prompt_blocks, lm.blocks_for(2)))
         batch = lm.make_batch(0, requests)
         prefill_tokens = sum(s.input_length for s in batch.states)
@@ -176,7 +176,7 @@ def _decode_batch(lm: "CausalLM", rows: int, token: int) -> Batch:
     step's activations do not depend on the context, so one block serves the whole batch
     (rows write the same slot; block 1 exists only in warmup's temporary cache)."""
     blocks = [1] * lm.blocks_for(2)
-    slots = lm._slots(blocks, 2)
+    slots = lm.builder.slots(blocks, 2)
     requests = [GenerationRequest(id=i, inputs="", input_ids=[token], max_new_tokens=1, ignore_eos_token=True,
                                   blocks=blocks, slots=slots) for i in range(rows)]
     batch = lm.make_batch(1, requests)

@@ -11,6 +11,7 @@ from loguru import logger
 
 from text_generation_server.about import __version__
 from text_generation_server.metrics import Metrics
+from text_generation_server.models import read_model_config
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -32,12 +33,14 @@ class RouterError(RuntimeError):
     """Startup cannot go on; the message tells the user what to change."""
 
 
-def resolve_limits(args: ServeArgs, max_position_embeddings: int) -> tuple[int, int, int]:
+def resolve_limits(args: ServeArgs, max_context: int, context_name: str | None = None
+                   ) -> tuple[int, int, int]:
     """max_input_tokens, max_total_tokens, max_batch_prefill_tokens with TGI's defaults."""
-    max_total = args.max_total_tokens or min(max_position_embeddings, 4096)
-    if max_total > max_position_embeddings:
+    max_total = args.max_total_tokens or min(max_context, 4096)
+    if max_total > max_context:
         raise RouterError(
-            f"--max-total-tokens {max_total} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+            f"--max-total-tokens {max_total} exceeds the model's "
+            f"{context_name or f'max_position_embeddings ({max_context})'}"
         )
     max_input = args.max_input_tokens or max_total - 1
     if max_input >= max_total:
@@ -80,8 +83,8 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
 async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event) -> None:
     checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
     qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
-    max_pos = int(checkpoint.config.get("max_position_embeddings", 2048))
-    max_input, max_total, max_prefill = resolve_limits(args, max_pos)
+    _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config, str(checkpoint.folder / "config.json"))
+    max_input, max_total, max_prefill = resolve_limits(args, model_config.max_context, model_config.context_name)
 
     client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
     metrics_server = None

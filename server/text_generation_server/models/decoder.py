@@ -1,0 +1,291 @@
+"""The decoder-only causal LM every native family is built from.
+
+A family (models/families/) reads its config.json into a `DecoderConfig` and assembles
+these parts: `Embeddings` (token table, optional scale and learned positions), a stack of
+`DecoderLayer`s (attention and MLP with the norms and residual wiring the family uses), a
+final norm and a `Head` (logit scale, soft-capping). The engine (CausalLM, warmup, CUDA
+graphs, quantize) sees only this model and its config, never a family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from text_generation_server.layers.attention import AttentionMetadata, KVCache
+from text_generation_server.layers.context import ForwardContext
+from text_generation_server.layers.rotary import RopeConfig
+from text_generation_server.layers.tensor_parallel import (
+    QuantizedTensorParallelHead,
+    TensorParallelEmbedding,
+    TensorParallelHead,
+)
+from text_generation_server.weights import CheckpointError, Weights
+
+
+class ConfigReader:
+    """config.json values with errors that name the file, the key and the value."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw = raw
+        self.source = source
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def need(self, key: str) -> Any:
+        if self.raw.get(key) is None:
+            raise CheckpointError(f"{self.source}: missing required key '{key}'")
+        return self.raw[key]
+
+    def first(self, *keys: str, default: Any = None, required: bool = False) -> Any:
+        """The first of several names a key goes by (n_embd / hidden_size)."""
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.raw[key]
+        if required:
+            raise CheckpointError(f"{self.source}: missing required key '{keys[0]}' (or {', '.join(keys[1:])})")
+        return default
+
+    def positive_int(self, *keys: str, default: int | None = None) -> int:
+        value = self.first(*keys, default=default, required=default is None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
+            raise CheckpointError(f"{self.source}: '{keys[0]}' must be a positive integer, got {value!r}")
+        return int(value)
+
+    def number(self, key: str, default: float | None = None) -> float | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CheckpointError(f"{self.source}: '{key}' must be a finite number, got {value!r}")
+        return float(value)
+
+    def refuse(self, key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {key} = {self.raw.get(key)!r} is not supported: {why}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the engine needs of any native model; families subclass it for their own fields."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope: RopeConfig | None
+    tie_word_embeddings: bool
+    layer_windows: tuple[int | None, ...]
+    norm_eps: float = 1e-6
+
+    @property
+    def sliding_window(self) -> int | None:
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    @property
+    def max_context(self) -> int:
+        """Positions a sequence may reach: max_position_embeddings, stretched by dynamic/yarn rope."""
+        return self.rope.max_context(self.max_position_embeddings) if self.rope is not None \
+            else self.max_position_embeddings
+
+    @property
+    def context_name(self) -> str:
+        """How error messages name the limit: max_position_embeddings, or what stretched it."""
+        if self.max_context == self.max_position_embeddings:
+            return f"max_position_embeddings ({self.max_position_embeddings})"
+        return (f"context ({self.max_context}: max_position_embeddings {self.max_position_embeddings} stretched by "
+                f"{self.rope.rope_type} rope scaling)")
+
+    @property
+    def rope_length_dependent(self) -> bool:
+        """Whether rotary frequencies depend on a sequence's length (dynamic NTK, longrope)."""
+        return self.rope is not None and self.rope.length_dependent
+
+
+def check_heads(config: DecoderConfig, source: str) -> None:
+    for key, value in (("hidden_size", config.hidden_size), ("num_attention_heads", config.num_attention_heads),
+                       ("num_hidden_layers", config.num_hidden_layers), ("head_dim", config.head_dim)):
+        if value <= 0:
+            raise CheckpointError(f"{source}: '{key}' must be positive, got {value}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise CheckpointError(f"{source}: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({config.num_key_value_heads})")
+
+
+class Embeddings(torch.nn.Module):
+    """Token embedding, optionally scaled (Gemma: by sqrt(hidden) rounded to the compute dtype;
+    Granite: by embedding_multiplier) and plus learned positions (GPT-2, BigCode)."""
+
+    # ids, positions: [tokens] -> [tokens, hidden]
+    def __init__(self, weights: Weights, prefix: str, vocab_size: int, hidden_size: int,
+                 scale: float | None = None, scale_in_dtype: bool = False, positions: str | None = None,
+                 max_positions: int = 0):
+        super().__init__()
+        self.tokens = TensorParallelEmbedding(weights, prefix, vocab_size, hidden_size)
+        self.scale = scale
+        self.scale_in_dtype = scale_in_dtype
+        self.positions = None
+        if positions is not None:
+            name = f"{positions}.weight"
+            shape = weights.get_shape(name)
+            if shape != [max_positions, hidden_size]:
+                raise CheckpointError(f"tensor '{name}' has shape {shape}, expected {[max_positions, hidden_size]} "
+                                      f"(in {weights.files_of(name)})")
+            self.positions = torch.nn.Parameter(weights.get_tensor(name), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.tokens(ids)
+        if self.scale is not None:
+            hidden = hidden * (torch.tensor(self.scale, dtype=hidden.dtype) if self.scale_in_dtype else self.scale)
+        if self.positions is not None:
+            hidden = hidden + torch.nn.functional.embedding(positions, self.positions)
+        return hidden
+
+
+class Head(torch.nn.Module):
+    """The vocabulary projection and what some families do to the logits after it."""
+
+    # hidden: [rows, hidden] (normed) -> [rows, vocab] float32
+    def __init__(self, projection: torch.nn.Module, multiplier: float | None = None, divisor: float | None = None,
+                 softcap: float | None = None):
+        super().__init__()
+        self.projection = projection
+        self.multiplier = multiplier  # Cohere's logit_scale
+        self.divisor = divisor  # Granite's logits_scaling
+        self.softcap = softcap  # Gemma 2's final_logit_softcapping
+
+    @classmethod
+    def load(cls, weights: Weights, config: DecoderConfig, prefix: str = "lm_head",
+             tied_prefix: str = "model.embed_tokens", bias: bool = False, **transforms) -> "Head":
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if config.tie_word_embeddings:
+            projection: torch.nn.Module = TensorParallelHead.load(weights, tied_prefix, vocab, hidden, bias=bias)
+        elif weights.has_tensor(f"{prefix}.weight"):
+            projection = TensorParallelHead.load(weights, prefix, vocab, hidden, bias=bias)
+        elif quantized_head(weights, prefix):
+            projection = QuantizedTensorParallelHead.load(weights, prefix, vocab, hidden)
+        else:
+            raise CheckpointError(f"tensor '{prefix}.weight' not found and tie_word_embeddings is false in config.json")
+        return cls(projection, **transforms)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.projection(hidden)
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+
+def quantized_head(weights: Weights, prefix: str = "lm_head") -> bool:
+    """Whether the checkpoint stores the head quantized: no weight, but the loader's format
+    claims the module and tensors under it are there."""
+    config = getattr(weights.loader, "config", None)
+    if config is None or not config.quantizes(prefix):
+        return False
+    return any(name.startswith(prefix + ".") for name in weights.tensor_names())
+
+
+class DecoderLayer(torch.nn.Module):
+    """Attention and MLP with the residual wiring of the family.
+
+    Sequential (Llama): h += attn(n1(h)); h += mlp(n2(h)). Parallel (GPT-NeoX, Phi-2, Falcon,
+    Cohere): h += attn(n1(h)) + mlp(n2(h) or n1(h)). Post norms (Gemma 2/3, OLMo 2) normalise a
+    sublayer's output before the residual add; OLMo 2 has no pre-norms. Granite scales both
+    sublayers' outputs by residual_multiplier.
+    """
+
+    # hidden: [tokens, hidden] -> [tokens, hidden]
+    def __init__(self, self_attn: torch.nn.Module, mlp: torch.nn.Module, input_norm: torch.nn.Module | None = None,
+                 mlp_norm: torch.nn.Module | None = None, post_attn_norm: torch.nn.Module | None = None,
+                 post_mlp_norm: torch.nn.Module | None = None, parallel: bool = False,
+                 residual_scale: float | None = None):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_norm = input_norm
+        self.mlp_norm = mlp_norm
+        self.post_attn_norm = post_attn_norm
+        self.post_mlp_norm = post_mlp_norm
+        self.parallel = parallel
+        self.residual_scale = residual_scale
+
+    @staticmethod
+    def _apply(norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        return x if norm is None else norm(x)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.parallel:
+            attn_in = self._apply(self.input_norm, hidden)
+            mlp_in = attn_in if self.mlp_norm is None else self.mlp_norm(hidden)
+            attn = self._apply(self.post_attn_norm, self.self_attn(attn_in, ctx))
+            mlp = self._apply(self.post_mlp_norm, self.mlp(mlp_in))
+            return hidden + (attn + mlp)
+        attn = self._apply(self.post_attn_norm, self.self_attn(self._apply(self.input_norm, hidden), ctx))
+        hidden = hidden + (attn if self.residual_scale is None else attn * self.residual_scale)
+        mlp = self._apply(self.post_mlp_norm, self.mlp(self._apply(self.mlp_norm, hidden)))
+        return hidden + (mlp if self.residual_scale is None else mlp * self.residual_scale)
+
+    def linear_stages(self) -> list[list[str]]:
+        """This layer's linears (module paths) in the order `quantize` calibrates them."""
+        stages = [[f"self_attn.{p}" for p in stage] for stage in self.self_attn.linear_stages()]
+        return stages + [[f"mlp.{p}" for p in stage] for stage in self.mlp.linear_stages()]
+
+
+class DecoderModel(torch.nn.Module):
+    def __init__(self, config: DecoderConfig, embeddings: Embeddings, layers: list[DecoderLayer],
+                 norm: torch.nn.Module, head: Head, process_group):
+        super().__init__()
+        self.config = config
+        self.embeddings = embeddings
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = norm
+        self.head = head
+        self.process_group = process_group
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.layers[0].self_attn.kv_heads
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+        head: bool = True,
+        seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
+        # (head=False: the final normed hidden states of those rows, for `logits` in pieces)
+        hidden = self.embeddings(input_ids, positions)
+        ctx = ForwardContext(positions, cache, meta, hidden.dtype, seq_lens)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        hidden = self.norm(hidden)
+        return self.logits(hidden) if head else hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [rows, hidden] (normed) -> [rows, vocab] float32
+        return self.head(hidden)
+
+
+Predicate = Callable[[str], bool]

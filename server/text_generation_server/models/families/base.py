@@ -1,0 +1,67 @@
+"""What a model family provides: its config reading and its decoder block.
+
+A family subclasses `Family`, names its model types and reads config.json into a
+`DecoderConfig` (`read_config`); `layer` assembles one decoder layer from the shared parts
+(SelfAttention, GatedMLP/MLP, norms). The defaults cover the Llama layout of names
+(model.embed_tokens, model.layers.N, model.norm, lm_head); families with other names
+override the prefixes or the part. A family built on another subclasses it and overrides
+only what differs (Qwen3 = Llama + q/k norms).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from text_generation_server.layers.norm import RMSNorm
+from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.models.decoder import (
+    ConfigReader,
+    DecoderConfig,
+    DecoderLayer,
+    DecoderModel,
+    Embeddings,
+    Head,
+)
+from text_generation_server.weights import Weights
+
+
+class Family:
+    model_types: tuple[str, ...] = ()
+    embed_prefix = "model.embed_tokens"
+    layer_prefix = "model.layers"
+    norm_prefix = "model.norm"
+    head_prefix = "lm_head"
+
+    def read_config(self, r: ConfigReader) -> DecoderConfig:
+        raise NotImplementedError
+
+    def prepare(self, config: DecoderConfig, weights: Weights) -> None:
+        """Sets up the weight view this family reads (before any part loads): aliases of tensor
+        names, Conv1D weights read transposed."""
+
+    def rotaries(self, config: DecoderConfig, max_positions: int, device: torch.device) -> dict[str, RotaryEmbedding]:
+        """The rotary embeddings layers share, by name ({} for learned positions)."""
+        if config.rope is None:
+            return {}
+        return {"default": RotaryEmbedding(config.rope, max_positions, device)}
+
+    def embeddings(self, config: DecoderConfig, weights: Weights) -> Embeddings:
+        return Embeddings(weights, self.embed_prefix, config.vocab_size, config.hidden_size)
+
+    def layer(self, config: DecoderConfig, weights: Weights, index: int,
+              rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:
+        raise NotImplementedError
+
+    def final_norm(self, config: DecoderConfig, weights: Weights) -> torch.nn.Module:
+        return RMSNorm.load(weights, self.norm_prefix, config.hidden_size, config.norm_eps)
+
+    def head(self, config: DecoderConfig, weights: Weights) -> Head:
+        return Head.load(weights, config, self.head_prefix, tied_prefix=self.embed_prefix)
+
+    def build(self, config: DecoderConfig, weights: Weights) -> DecoderModel:
+        """The whole model on this rank (rotary sized for the model's full context)."""
+        rotaries = self.rotaries(config, config.max_context, weights.device)
+        embeddings = self.embeddings(config, weights)
+        layers = [self.layer(config, weights, i, rotaries) for i in range(config.num_hidden_layers)]
+        return DecoderModel(config, embeddings, layers, self.final_norm(config, weights), self.head(config, weights),
+                            weights.process_group)

@@ -1,0 +1,113 @@
+"""Tiny random checkpoints of every native model family, written by transformers' own classes.
+
+Each case is a model_type and the config values that exercise its variants (windows, soft caps,
+partial rotary, fused layouts, multipliers, rope scalings). Weights are widened so greedy
+choices are clear (no near-ties for float rounding to flip), and norm weights sit around 1 so
+every layer contributes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from helpers import build_tokenizer
+
+VOCAB = 300  # helpers.build_tokenizer()
+BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=88, num_hidden_layers=2, max_position_embeddings=256,
+            eos_token_id=0, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+GPT2_BASE = dict(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, n_positions=256, eos_token_id=0, bos_token_id=0,
+                 pad_token_id=0, tie_word_embeddings=False)
+
+LONGROPE_HALF = 6  # head_dim 12, full rotary
+SHORT = [1.0 + 0.1 * i for i in range(LONGROPE_HALF)]
+LONG = [1.5 + 0.7 * i for i in range(LONGROPE_HALF)]
+
+# name -> (model_type, overrides)
+CASES: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "qwen3_window_yarn": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=7, max_window_layers=1,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 16})),
+    "gemma": ("gemma", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=7,
+                              attn_logit_softcapping=4.0, final_logit_softcapping=6.0, query_pre_attn_scalar=24)),
+    "gemma3_text": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=7,
+                                        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                                          "sliding_attention"],
+                                        final_logit_softcapping=8.0,
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 1000000.0}})),
+    "phi": ("phi", dict(num_attention_heads=4, partial_rotary_factor=0.5)),
+    "phi_qk_layernorm": ("phi", dict(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75,
+                                     qk_layernorm=True)),
+    "phi3_longrope": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                                   max_position_embeddings=128, original_max_position_embeddings=16,
+                                   rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})),
+    "starcoder2": ("starcoder2", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=7)),
+    "gpt_neox": ("gpt_neox", dict(hidden_size=64, num_attention_heads=4, rotary_pct=0.25)),
+    "gpt_neox_sequential": ("gpt_neox", dict(num_attention_heads=4, rotary_pct=0.5, use_parallel_residual=False,
+                                             attention_bias=False)),
+    "falcon": ("falcon", dict(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True)),
+    "falcon_mqa": ("falcon", dict(num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
+                                  parallel_attn=True, bias=True)),
+    "falcon_sequential": ("falcon", dict(num_attention_heads=4, new_decoder_architecture=False, multi_query=False,
+                                         parallel_attn=False)),
+    "gpt2": ("gpt2", dict()),
+    "gpt2_layer_scaled": ("gpt2", dict(scale_attn_by_inverse_layer_idx=True, activation_function="gelu")),
+    "gpt_bigcode_mqa": ("gpt_bigcode", dict(multi_query=True)),
+    "gpt_bigcode_mha": ("gpt_bigcode", dict(multi_query=False)),
+    "cohere": ("cohere", dict(num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5)),
+    "cohere_qk_norm": ("cohere", dict(num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True,
+                                      logit_scale=0.8)),
+    "olmo2": ("olmo2", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "granite": ("granite", dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+                                residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=0.5)),
+    "llama_dynamic": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                    rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    "qwen2_yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2,
+                                 rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                               "original_max_position_embeddings": 32})),
+}
+
+
+def hf_config(name: str):
+    import transformers
+
+    model_type, overrides = CASES[name]
+    base = dict(GPT2_BASE if model_type in ("gpt2", "gpt_bigcode") else BASE)
+    base.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **base)
+
+
+def widen(model: torch.nn.Module, seed: int) -> None:
+    """Random weights large enough that greedy choices are not near-ties; norm weights around 1
+    (Gemma's stored w of 1 + w around 0)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = model.config.model_type in ("gemma", "gemma2", "gemma3_text")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.2
+            is_norm = name.endswith(".weight") and any(k in name for k in ("norm", "ln_", "ln_f", "layernorm"))
+            p.copy_(noise + (1.0 if is_norm and not gemma else 0.0))
+
+
+def write_family_checkpoint(folder: Path, name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Writes case `name` with transformers' own class and a tokenizer; returns the model (eval)."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_config(name)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    widen(model, seed)
+    model = model.to(dtype).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    return model
