@@ -132,10 +132,13 @@ def padding_scenario(lm) -> dict:
     return rec.out
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window", *FAMILY_CASES])
+@pytest.mark.parametrize("name", ["llama", "mistral_window", *FAMILY_CASES, "mistral_window@transformers"])
 def test_graph_tokens_equal_eager_across_padding(folders, name):
-    eager = padding_scenario(load(folders[name]))
-    lm = load(folders[name], buckets=[1, 2, 4], capturer=EagerReplayCapturer())
+    name, _, impl = name.partition("@")  # @transformers: through transformers' modeling code
+    kw = {"model_impl": impl} if impl else {}
+    eager = padding_scenario(load(folders[name], **kw))
+    lm = load(folders[name], buckets=[1, 2, 4], capturer=EagerReplayCapturer(), **kw)
+    assert lm.model_impl == (impl or "native")
     assert_same(padding_scenario(lm), eager)
     if name == "phi3_longrope":
         # Each sequence crossing the longrope switch (16) recomputes itself once, eagerly.

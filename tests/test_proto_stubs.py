@@ -360,7 +360,7 @@ def test_tokenize_and_info_messages() -> None:
         "model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens",
         "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens",
         "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels",
-        "attention_backend", "prefix_caching", "chunked_prefill",
+        "attention_backend", "prefix_caching", "chunked_prefill", "model_impl",
     ]
     info = tg_pb2.InfoResponse(model_id="m", kernels=["marlin", "torch_dense"], num_shard=2)
     assert tg_pb2.InfoResponse.FromString(info.SerializeToString()) == info

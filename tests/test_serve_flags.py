@@ -113,6 +113,7 @@ ENV_CASES = {
     "USE_PREFIX_CACHING": ("false", "prefix_caching", False),
     "CUDA_GRAPHS": ("1,2,4", "cuda_graphs", [1, 2, 4]),
     "ATTENTION_BACKEND": ("torch-sdpa", "attention_backend", "torch-sdpa"),
+    "MODEL_IMPL": ("transformers", "model_impl", "transformers"),
     "DISABLE_CUSTOM_KERNELS": ("true", "disable_custom_kernels", True),
     "ALLOW_DENSE_FALLBACK": ("1", "allow_dense_fallback", True),
     "DRAIN_TIMEOUT_S": ("12.5", "drain_timeout_s", 12.5),

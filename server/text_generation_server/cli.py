@@ -95,6 +95,10 @@ def generate(
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
     ),
+    model_impl: str = typer.Option(
+        "auto", "--model-impl", metavar="auto|native|transformers",
+        help="Which code computes the model (as for serve).",
+    ),
     do_sample: bool = typer.Option(False, "--do-sample", help="Sample instead of greedy decoding."),
     temperature: float = typer.Option(1.0, "--temperature", help="Divide the logits by this (with --do-sample)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k likeliest tokens; 0 keeps all."),
@@ -125,7 +129,7 @@ def generate(
     )
     try:
         sampling.validate()
-        lm = get_model(model, dtype=dtype, quantize=quantize)
+        lm = get_model(model, dtype=dtype, quantize=quantize, model_impl=model_impl)
         requests = [
             GenerationRequest(id=i, inputs=p, sampling=sampling, max_new_tokens=max_new_tokens, stop_sequences=stop)
             for i, p in enumerate(prompts)
@@ -237,6 +241,11 @@ def serve(
     ),
     dtype: Optional[str] = _env_option(None, "--dtype", help="float32, float16 or bfloat16."),
     device: Optional[str] = _env_option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    model_impl: str = _env_option(
+        "auto", "--model-impl", metavar="auto|native|transformers",
+        help="auto: this server's implementation of the family, else transformers' modeling code over its "
+        "paged cache; native refuses other types; transformers always takes the latter.",
+    ),
     # -- request limits
     max_input_tokens: Optional[int] = _env_option(
         None, "--max-input-tokens",
@@ -432,7 +441,7 @@ def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
         prefix_caching=choose(ctx, "prefix_caching", "use_prefix_caching"), cuda_graphs=cuda_graphs,
         attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
         allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
-        rank_stall_timeout_s=params["rank_stall_timeout_s"],
+        rank_stall_timeout_s=params["rank_stall_timeout_s"], model_impl=params["model_impl"],
     )
     args.validate()
     return dataclasses.replace(args, attention_backend=args.effective_attention_backend), warnings

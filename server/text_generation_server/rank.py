@@ -120,7 +120,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
         model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
                           attention_backend=args.effective_attention_backend,
-                          cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit)
+                          cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
+                          model_impl=args.model_impl)
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
         logger.error("cannot start: {}", exc)
         return 2

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 ATTENTION_BACKENDS = ("triton-paged", "torch-sdpa")
 # The attention backend that needs none of our custom kernels (--disable-custom-kernels).
 PORTABLE_ATTENTION_BACKEND = "torch-sdpa"
+# Which code computes the model (models.model_impl): auto = native when a family covers the
+# model_type, else transformers' modeling code over our cache.
+MODEL_IMPLS = ("auto", "native", "transformers")
 # Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 
@@ -55,6 +58,7 @@ class ServeArgs:
     allow_dense_fallback: bool = False  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
     cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
     rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
+    model_impl: str = "auto"  # auto | native | transformers (models.MODEL_IMPLS)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -109,6 +113,8 @@ class ServeArgs:
                 raise ValueError(
                     f"--cuda-graphs must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}"
                 )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

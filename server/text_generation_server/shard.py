@@ -152,6 +152,7 @@ DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
 # TGI router ignores, so the message itself stays exactly TGI's.
 KERNELS_METADATA = "tgs-kernels"
 ATTENTION_METADATA = "tgs-attention"
+MODEL_IMPL_METADATA = "tgs-model-impl"
 
 
 def model_kernels(model: torch.nn.Module) -> list[str]:
@@ -285,6 +286,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         context.set_trailing_metadata((
             (KERNELS_METADATA, ",".join(model_kernels(m.model))),
             (ATTENTION_METADATA, m.attention.name),
+            (MODEL_IMPL_METADATA, m.model_impl),
         ))
         return info
 

@@ -10,20 +10,51 @@ from loguru import logger
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.cuda_graphs import GraphCapturer
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig
-from text_generation_server.models.families import Family, family_for, supported_model_types
+from text_generation_server.models.families import BY_MODEL_TYPE, Family, family_for, supported_model_types
 from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.serve_args import MODEL_IMPLS
 from text_generation_server.utils.checkpoint import Checkpoint
 from text_generation_server.utils.dist import ProcessGroup, single_process_group
 from text_generation_server.weights import CheckpointError, Weights, safetensors_files
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-__all__ = ["CausalLM", "CheckpointError", "DTYPES", "get_model", "read_model_config", "resolve_dtype",
-           "supported_model_types"]
+__all__ = ["CausalLM", "CheckpointError", "DTYPES", "MODEL_IMPLS", "get_model", "model_impl", "read_model_config",
+           "resolve_dtype", "supported_model_types"]
 
 
-def read_model_config(config: dict, source: str = "config.json") -> tuple[Family, DecoderConfig]:
-    """The family of a checkpoint's config.json and the config it reads from it."""
+def model_impl(config: dict, requested: str = "auto", source: str = "config.json") -> str:
+    """Which implementation serves a checkpoint: "native" (a family here) or "transformers"
+    (transformers' modeling code over our cache). auto: native when a family covers the
+    model_type; native: refuses any other; transformers: always the fallback."""
+    if requested not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {requested!r}")
+    if requested == "transformers":
+        return "transformers"
+    if config.get("model_type") in BY_MODEL_TYPE:
+        return "native"
+    if requested == "native":
+        family_for(config.get("model_type"), source)  # raises, naming what is supported
+    from text_generation_server.models import transformers_impl
+
+    transformers_impl.refuse_unsupported(config, source)
+    if not transformers_impl.knows(config.get("model_type")):  # raises with what to install when missing
+        try:
+            family_for(config.get("model_type"), source)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; transformers {transformers_impl.transformers_version()} does not "
+                                  "implement it either") from None
+    return "transformers"
+
+
+def read_model_config(config: dict, source: str = "config.json", impl: str = "auto"
+                      ) -> tuple[Family | None, DecoderConfig]:
+    """The family of a checkpoint's config.json (None when transformers' code serves it) and the
+    config the engine reads from it."""
+    if model_impl(config, impl, source) == "transformers":
+        from text_generation_server.models import transformers_impl
+
+        return None, transformers_impl.decoder_config(config, source)
     family = family_for(config.get("model_type"), source)
     return family, family.read_config(ConfigReader(config, source))
 
@@ -50,18 +81,20 @@ def get_model(
     cuda_graphs: Sequence[int] = (),
     max_batch_size: int | None = None,
     graph_capturer: GraphCapturer | None = None,
+    model_impl: str = "auto",
 ) -> CausalLM:
     """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
 
     cuda_graphs: decode batch sizes to capture as CUDA graphs at warmup (ignored off CUDA);
     max_batch_size: the most requests a decode step will hold (what warmup measures);
-    graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation).
+    graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation);
+    model_impl: "auto", "native" or "transformers" (see `model_impl`).
     """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
     checkpoint = Checkpoint.open(model)
     config_path = checkpoint.folder / "config.json"
-    family, config = read_model_config(checkpoint.config, source=str(config_path))
+    family, config = read_model_config(checkpoint.config, str(config_path), model_impl)
     torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
     # Read once: every linear is then built by the loader this config selects. The
     # embedding and the head read their tensors directly, so they stay unquantized.
@@ -70,12 +103,19 @@ def get_model(
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
     weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
                       loader=get_loader(qconfig))
-    family.prepare(config, weights)
-    net = family.build(config, weights).eval()
+    if family is None:
+        from text_generation_server.models import transformers_impl
+
+        net = transformers_impl.build(checkpoint.config, weights, torch_dtype, str(config_path))
+        impl = "transformers"
+    else:
+        family.prepare(config, weights)
+        net = family.build(config, weights).eval()
+        impl = "native"
     if process_group.rank == 0:
         logger.info(
-            "loaded {} ({}, {} layers, hidden {}) as {} on {} with {} shard(s)",
-            checkpoint.model_id, config.model_type, config.num_hidden_layers, config.hidden_size,
+            "loaded {} ({}, {} implementation, {} layers, hidden {}) as {} on {} with {} shard(s)",
+            checkpoint.model_id, config.model_type, impl, config.num_hidden_layers, config.hidden_size,
             str(torch_dtype).removeprefix("torch."), device, process_group.size,
         )
     return CausalLM(
@@ -92,5 +132,6 @@ def get_model(
         cuda_graphs=cuda_graphs,
         max_batch_size=max_batch_size,
         graph_capturer=graph_capturer,
+        model_impl=impl,
     )
 

@@ -62,6 +62,7 @@ class CausalLM:
         cuda_graphs: Sequence[int] = (),
         max_batch_size: int | None = None,
         graph_capturer: GraphCapturer | None = None,
+        model_impl: str = "native",
     ):
         """cuda_graphs: decode batch sizes warmup captures as CUDA graphs (empty: none); on CPU
         they are ignored unless `graph_capturer` is given (tests emulate graphs through it).
@@ -84,6 +85,7 @@ class CausalLM:
         self.builder = BatchBuilder(tokenizer, eos_token_ids, self.config.vocab_size, self.config.max_context,
                                     block_size, device, self.config.context_name)
         self.quantize = quantize
+        self.model_impl = model_impl  # "native" or "transformers": reported in Info
         rope = self.config.rope
         # longrope (Phi-3): a sequence that grows past this length switches from the short to the
         # long factors, and transformers then recomputes its whole cache with them.
@@ -102,7 +104,7 @@ class CausalLM:
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
             kv_heads=model.local_kv_heads, head_dim=self.config.head_dim, block_size=block_size,
             windowed=any(w is not None for w in self.config.layer_windows),
-            softcap=any(getattr(layer.self_attn, "softcap", None) is not None for layer in model.layers),
+            softcap=model.attention_softcap,
             device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
         self.attention, rejected = choose_attention_backend(spec, attention_backend)

@@ -262,6 +262,11 @@ class DecoderModel(torch.nn.Module):
     def local_kv_heads(self) -> int:
         return self.layers[0].self_attn.kv_heads
 
+    @property
+    def attention_softcap(self) -> bool:
+        """Whether some layer soft-caps its attention scores (the backend must support it)."""
+        return any(getattr(layer.self_attn, "softcap", None) is not None for layer in self.layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -83,7 +83,8 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
 async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event) -> None:
     checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
     qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
-    _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config, str(checkpoint.folder / "config.json"))
+    _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config,
+                                              str(checkpoint.folder / "config.json"), args.model_impl)
     max_input, max_total, max_prefill = resolve_limits(args, model_config.max_context, model_config.context_name)
 
     client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
@@ -132,7 +133,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_batch_total_tokens=batch_total, max_batch_prefill_tokens=max_prefill, num_shard=len(client.urls),
             quantize=qconfig.describe() if qconfig is not None else "", version=__version__, block_size=info.block_size,
             kernels=await client.kernels(), attention_backend=await client.attention_backend(),
-            prefix_caching=prefix_caching,
+            model_impl=await client.model_impl(), prefix_caching=prefix_caching,
             chunked_prefill=info.support_chunking,
         )
         server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[

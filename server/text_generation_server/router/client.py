@@ -68,6 +68,10 @@ class ShardClient:
         """The attention implementation the ranks report (`tgs-attention`); "" when none says."""
         return ",".join(sorted(set(await self._info_metadata("tgs-attention"))))
 
+    async def model_impl(self) -> str:
+        """Which implementation the ranks run (`tgs-model-impl`); "" when none says."""
+        return ",".join(sorted(set(await self._info_metadata("tgs-model-impl"))))
+
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", pb.HealthRequest(), timeout=timeout)
 

@@ -156,7 +156,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens", "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens", "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels", "attention_backend", "prefix_caching", "chunked_prefill")
+    __slots__ = ("model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens", "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens", "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels", "attention_backend", "prefix_caching", "chunked_prefill", "model_impl")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class InfoResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_dtype: str
     model_device_type: str
@@ -191,4 +192,5 @@ class InfoResponse(_message.Message):
     attention_backend: str
     prefix_caching: bool
     chunked_prefill: bool
-    def __init__(self, model_id: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., num_shard: _Optional[int] = ..., quantize: _Optional[str] = ..., version: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ...) -> None: ...
+    model_impl: str
+    def __init__(self, model_id: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., num_shard: _Optional[int] = ..., quantize: _Optional[str] = ..., version: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., model_impl: _Optional[str] = ...) -> None: ...
