@@ -193,13 +193,14 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
     from safetensors.torch import load_file, save_file
 
     from text_generation_server.kernels.base import DISABLE_ENV
-    from text_generation_server.models.transformers_impl import _Linear
+    from text_generation_server.layers.tensor_parallel import LinearSource
 
     folder = Path(folders["glm4"])
     dense = load_file(str(folder / "model.safetensors"))
     lm = get_model(str(folder), dtype="float32")
-    linears = [name for name, m in lm.model.hf.named_modules() if isinstance(m, _Linear)]
-    assert linears, "no linear was replaced"
+    # Our parallel linears say which checkpoint tensors they hold (q/k/v and gate/up fused).
+    linears = [t for m in lm.model.hf.modules() if isinstance(m, LinearSource) for t in m.tensors]
+    assert len(linears) == 2 * 6 and "model.layers.0.self_attn.k_proj" in linears, linears
     quantized, dequantized = dict(dense), dict(dense)
     for name in linears:
         w = dense[f"{name}.weight"]
@@ -222,9 +223,28 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
             (target / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv(DISABLE_ENV, "cpu-int4pack,cpu-int8,marlin-layout")
     q_lm, deq_lm = load(str(tmp_path / "gptq")), load(str(tmp_path / "deq"))
-    kinds = {m.inner.linear.kernel_name for m in q_lm.model.hf.modules() if isinstance(m, _Linear)}
+    kinds = {m.linear.kernel_name for m in q_lm.model.hf.modules() if isinstance(m, LinearSource)}
     assert kinds == {"reference"}, kinds
     req = [ids_request(0, PROMPTS[0], 1, prefill_logprobs=True)]
     got = run_to_end(q_lm, q_lm.make_batch(0, req))[0]["prompt"]
     want = run_to_end(deq_lm, deq_lm.make_batch(0, req))[0]["prompt"]
     torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(want[1:]), atol=1e-4, rtol=0)
+
+
+def test_fused_siblings_recompute_for_an_input_they_did_not_see():
+    """q/k/v-style siblings share one matmul only when transformers' code feeds them one tensor;
+    a sibling called with another input gets its own projection of that input."""
+    from text_generation_server.layers.linear import DenseLinear
+    from text_generation_server.models.transformers_impl import _Fused, _FusedMember
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 5, generator=g)
+    group = _Fused(DenseLinear(w, None), [3, 4])
+    first, second = _FusedMember(group, 0, 5, 3), _FusedMember(group, 1, 5, 4)
+    x, y = torch.randn(1, 2, 5, generator=g), torch.randn(1, 2, 5, generator=g)
+    torch.testing.assert_close(first(x), x @ w[:3].T)
+    torch.testing.assert_close(second(y), y @ w[3:].T)  # not x's cached output
+    torch.testing.assert_close(second(x), x @ w[3:].T)
+    assert group._input is x and group._out is not None
+    torch.testing.assert_close(first(x), x @ w[:3].T)
+    assert group._input is None and group._out is None  # both served: nothing held

@@ -157,6 +157,48 @@ class _Linear(torch.nn.Module):
         return y.view(*lead, y.shape[-1])
 
 
+class _Fused:
+    """Sibling linears that read the same input (q/k/v, gate/up) computed as one matmul, as the
+    native families do: the first member called with an input computes every member's output,
+    the others take their slice. The input is held (so its memory cannot be reused by another
+    tensor while the outputs are cached) and compared by identity (inference tensors keep no
+    version counter; no model edits its hidden states in place between sibling projections); a
+    member called with another input recomputes, so a model that feeds siblings differently
+    stays correct."""
+
+    def __init__(self, inner: torch.nn.Module, sizes: list[int]):
+        self.inner = inner
+        self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        self._input: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._left = 0
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self._input is not x:
+            self._out = self.inner(x.reshape(-1, x.shape[-1]))
+            self._input, self._left = x, len(self.bounds)
+        start, stop = self.bounds[index]
+        out = self._out[:, start:stop]
+        self._left -= 1
+        if self._left <= 0:  # every member served: let go of the input and the outputs
+            self._input = self._out = None
+        return out.reshape(*x.shape[:-1], stop - start)
+
+
+class _FusedMember(torch.nn.Module):
+    def __init__(self, group: _Fused, index: int, in_features: int, out_features: int):
+        super().__init__()
+        self.group = group
+        self.index = index
+        self.in_features = in_features
+        self.out_features = out_features
+        if index == 0:
+            self.inner = group.inner  # registered once, so kernels and parameters are found
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(x, self.index)
+
+
 @dataclass(frozen=True)
 class LoadReport:
     linears: int
@@ -264,7 +306,7 @@ def build(config: dict, weights: Weights, dtype: torch.dtype, source: str) -> Tr
                             ("num_key_value_heads", cfg.num_key_value_heads)):
             if value % pg.size:
                 raise CheckpointError(f"{source}: {what} ({value}) must be divisible by the {pg.size} shards")
-    report = _load(model, weights, plan if pg.size > 1 else {}, source)
+    report = _load(model, weights, plan, pg.size > 1, source)
     head_name = "lm_head"
     tied = cfg.tie_word_embeddings or not weights.has_tensor(f"{head_name}.weight")
     embed_name = _embedding_name(model)
@@ -298,10 +340,36 @@ def _set(model: torch.nn.Module, name: str, value) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, value)
 
 
-def _load(model: torch.nn.Module, weights: Weights, plan: dict[str, str], source: str) -> LoadReport:
+def _sibling_groups(model: torch.nn.Module, plan: dict[str, str]) -> list[list[str]]:
+    """Linears of one parent module that the tp plan splits colwise and that share input size
+    and bias: what transformers' code calls on one input (q/k/v, gate/up)."""
+    by_parent: dict[tuple, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and _tp_style(plan, name) == "colwise":
+            key = (name.rpartition(".")[0], module.in_features, module.bias is not None)
+            by_parent.setdefault(key, []).append(name)
+    return [names for names in by_parent.values() if len(names) > 1]
+
+
+def _load(model: torch.nn.Module, weights: Weights, plan: dict[str, str], shard: bool, source: str) -> LoadReport:
     """Replaces every nn.Linear (bar the head) by ours and fills every other tensor from the
-    checkpoint; non-persistent buffers (rotary frequencies) are computed as transformers does."""
+    checkpoint; non-persistent buffers (rotary frequencies) are computed as transformers does.
+    The tp plan splits linears when `shard`; it groups colwise siblings into one matmul always."""
     device, linears, parallel = weights.device, 0, 0
+    pg = weights.process_group
+    view = pg if shard else ProcessGroup(0, 1)
+    for names in _sibling_groups(model, plan):
+        modules = [model.get_submodule(n) for n in names]
+        k, sizes = modules[0].in_features, [m.out_features for m in modules]
+        with weights.sharded_as(view):
+            inner = TensorParallelColumnLinear.load_multi(weights, names, modules[0].bias is not None, sizes, k)
+        group = _Fused(inner, [n // view.size for n in sizes])
+        for index, (name, n) in enumerate(zip(names, sizes)):
+            _set(model, name, _FusedMember(group, index, k, n // view.size))
+        linears += len(names)
+        parallel += len(names) if shard else 0
+    if not shard:
+        plan = {}
     for name, module in list(model.named_modules()):
         if name == "lm_head" or not isinstance(module, torch.nn.Linear):
             continue
@@ -311,7 +379,6 @@ def _load(model: torch.nn.Module, weights: Weights, plan: dict[str, str], source
                                   f"implemented here ({', '.join(sorted(TP_STYLES))} are); run it on one rank")
         bias = module.bias is not None
         k, n = module.in_features, module.out_features
-        pg = weights.process_group
         if style in ("rowwise", "rowwise_split_input"):
             inner = TensorParallelRowLinear.load(weights, name, bias, n, k)
         elif style == "packed_colwise":
