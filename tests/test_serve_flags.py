@@ -19,7 +19,7 @@ import typer
 from loguru import logger
 from typer.testing import CliRunner
 
-from text_generation_server import cli, launcher, logging_setup, process_exit, rank, serve_flags
+from text_generation_server import cli, launcher, logging_setup, process_exit, rank
 from text_generation_server.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs
 from text_generation_server.serve_flags import (
     CUSTOM_KERNELS,

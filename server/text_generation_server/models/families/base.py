@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from text_generation_server.layers.norm import RMSNorm
+from text_generation_server.layers.norm import LayerNorm, RMSNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.models.decoder import (
     ConfigReader,
@@ -31,6 +31,9 @@ class Family:
     layer_prefix = "model.layers"
     norm_prefix = "model.norm"
     head_prefix = "lm_head"
+    # The norm of the family: RMSNorm, or LayerNorm (with or without a bias).
+    layer_norm = False
+    norm_bias = True
 
     def read_config(self, r: ConfigReader) -> DecoderConfig:
         raise NotImplementedError
@@ -52,8 +55,14 @@ class Family:
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:
         raise NotImplementedError
 
+    def norm(self, config: DecoderConfig, weights: Weights, prefix: str) -> torch.nn.Module:
+        """The family's norm of the hidden state at `prefix`."""
+        if self.layer_norm:
+            return LayerNorm.load(weights, prefix, config.hidden_size, config.norm_eps, bias=self.norm_bias)
+        return RMSNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
+
     def final_norm(self, config: DecoderConfig, weights: Weights) -> torch.nn.Module:
-        return RMSNorm.load(weights, self.norm_prefix, config.hidden_size, config.norm_eps)
+        return self.norm(config, weights, self.norm_prefix)
 
     def head(self, config: DecoderConfig, weights: Weights) -> Head:
         return Head.load(weights, config, self.head_prefix, tied_prefix=self.embed_prefix)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import GatedMLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Head, check_heads
@@ -26,6 +25,8 @@ class CohereConfig(DecoderConfig):
 
 class CohereFamily(Family):
     model_types = ("cohere",)
+    layer_norm = True
+    norm_bias = False
 
     def read_config(self, r: ConfigReader) -> CohereConfig:
         hidden = r.positive_int("hidden_size")
@@ -48,9 +49,6 @@ class CohereFamily(Family):
         check_heads(config, r.source)
         return config
 
-    def final_norm(self, config: CohereConfig, weights: Weights) -> LayerNorm:
-        return LayerNorm.load(weights, self.norm_prefix, config.hidden_size, config.norm_eps, bias=False)
-
     def head(self, config: CohereConfig, weights: Weights) -> Head:
         return Head.load(weights, config, self.head_prefix, tied_prefix=self.embed_prefix,
                          multiplier=config.logit_scale)
@@ -67,5 +65,4 @@ class CohereFamily(Family):
         attn = SelfAttention(opts, weights, f"{prefix}.self_attn", index, rotaries["default"])
         mlp = GatedMLP(weights, f"{prefix}.mlp", config.hidden_size, config.intermediate_size,
                        activation(config.hidden_act))
-        norm = LayerNorm.load(weights, f"{prefix}.input_layernorm", config.hidden_size, config.norm_eps, bias=False)
-        return DecoderLayer(attn, mlp, input_norm=norm, parallel=True)
+        return DecoderLayer(attn, mlp, input_norm=self.norm(config, weights, f"{prefix}.input_layernorm"), parallel=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, SPLIT, AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
@@ -29,6 +28,7 @@ class FalconConfig(DecoderConfig):
 
 class FalconFamily(Family):
     model_types = ("falcon",)
+    layer_norm = True
     embed_prefix = "transformer.word_embeddings"
     layer_prefix = "transformer.h"
     norm_prefix = "transformer.ln_f"
@@ -61,12 +61,6 @@ class FalconFamily(Family):
         )
         check_heads(config, r.source)
         return config
-
-    def norm(self, config: FalconConfig, weights: Weights, prefix: str) -> LayerNorm:
-        return LayerNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
-
-    def final_norm(self, config: FalconConfig, weights: Weights) -> LayerNorm:
-        return self.norm(config, weights, self.norm_prefix)
 
     def layer(self, config: FalconConfig, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:

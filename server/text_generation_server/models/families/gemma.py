@@ -111,11 +111,8 @@ class GemmaFamily(Family):
         return Embeddings(weights, self.embed_prefix, config.vocab_size, config.hidden_size,
                           scale=config.hidden_size ** 0.5, scale_in_dtype=True)
 
-    def norm(self, config: GemmaConfig, weights: Weights, prefix: str, size: int | None = None) -> RMSNorm:
-        return RMSNorm.load(weights, prefix, size or config.hidden_size, config.norm_eps, offset=1.0)
-
-    def final_norm(self, config: GemmaConfig, weights: Weights) -> RMSNorm:
-        return self.norm(config, weights, self.norm_prefix)
+    def norm(self, config: GemmaConfig, weights: Weights, prefix: str) -> RMSNorm:
+        return RMSNorm.load(weights, prefix, config.hidden_size, config.norm_eps, offset=1.0)
 
     def head(self, config: GemmaConfig, weights: Weights) -> Head:
         return Head.load(weights, config, self.head_prefix, tied_prefix=self.embed_prefix,

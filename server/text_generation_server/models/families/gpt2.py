@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, SPLIT, AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Embeddings, check_heads
@@ -29,6 +28,7 @@ class GPT2Config(DecoderConfig):
 
 class GPT2Family(Family):
     model_types = ("gpt2", "gpt_bigcode")
+    layer_norm = True
     embed_prefix = "transformer.wte"
     layer_prefix = "transformer.h"
     norm_prefix = "transformer.ln_f"
@@ -71,12 +71,6 @@ class GPT2Family(Family):
     def embeddings(self, config: GPT2Config, weights: Weights) -> Embeddings:
         return Embeddings(weights, self.embed_prefix, config.vocab_size, config.hidden_size,
                           positions="transformer.wpe", max_positions=config.max_position_embeddings)
-
-    def norm(self, config: GPT2Config, weights: Weights, prefix: str) -> LayerNorm:
-        return LayerNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
-
-    def final_norm(self, config: GPT2Config, weights: Weights) -> LayerNorm:
-        return self.norm(config, weights, self.norm_prefix)
 
     def layer(self, config: GPT2Config, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
@@ -24,6 +23,7 @@ class GPTNeoXConfig(DecoderConfig):
 
 class GPTNeoXFamily(Family):
     model_types = ("gpt_neox",)
+    layer_norm = True
     embed_prefix = "gpt_neox.embed_in"
     layer_prefix = "gpt_neox.layers"
     norm_prefix = "gpt_neox.final_layer_norm"
@@ -58,12 +58,6 @@ class GPTNeoXFamily(Family):
     def prepare(self, config: GPTNeoXConfig, weights: Weights) -> None:
         # Checkpoints before transformers 5 name the head embed_out.
         weights.aliases.setdefault("lm_head.weight", ["embed_out.weight"])
-
-    def norm(self, config: GPTNeoXConfig, weights: Weights, prefix: str) -> LayerNorm:
-        return LayerNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
-
-    def final_norm(self, config: GPTNeoXConfig, weights: Weights) -> LayerNorm:
-        return self.norm(config, weights, self.norm_prefix)
 
     def layer(self, config: GPTNeoXConfig, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import GatedMLP, activation
-from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import RotaryEmbedding, rope_config_from_hf
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
@@ -130,9 +129,6 @@ class LlamaFamily(Family):
     def mlp(self, config: LlamaConfig, weights: Weights, prefix: str) -> GatedMLP:
         return GatedMLP(weights, prefix, config.hidden_size, config.intermediate_size, activation(config.hidden_act),
                         gate_up=("gate_up_proj",) if config.fused else ("gate_proj", "up_proj"), bias=config.mlp_bias)
-
-    def norm(self, config: LlamaConfig, weights: Weights, prefix: str) -> RMSNorm:
-        return RMSNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
 
     def layer(self, config: LlamaConfig, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:

@@ -34,6 +34,3 @@ class Olmo2Family(LlamaFamily):
             post_attn_norm=self.norm(config, weights, f"{prefix}.post_attention_layernorm"),
             post_mlp_norm=self.norm(config, weights, f"{prefix}.post_feedforward_layernorm"),
         )
-
-    def final_norm(self, config: LlamaConfig, weights: Weights) -> RMSNorm:
-        return self.norm(config, weights, self.norm_prefix)

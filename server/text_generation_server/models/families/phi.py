@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Head, check_heads
@@ -24,6 +23,7 @@ class PhiConfig(DecoderConfig):
 class PhiFamily(Family):
     model_types = ("phi",)
     norm_prefix = "model.final_layernorm"
+    layer_norm = True
 
     def read_config(self, r: ConfigReader) -> PhiConfig:
         hidden = r.positive_int("hidden_size")
@@ -44,9 +44,6 @@ class PhiFamily(Family):
         check_heads(config, r.source)
         return config
 
-    def final_norm(self, config: PhiConfig, weights: Weights) -> LayerNorm:
-        return LayerNorm.load(weights, self.norm_prefix, config.hidden_size, config.norm_eps)
-
     def head(self, config: PhiConfig, weights: Weights) -> Head:
         return Head.load(weights, config, self.head_prefix, tied_prefix=self.embed_prefix, bias=True)
 
@@ -62,5 +59,4 @@ class PhiFamily(Family):
         attn = SelfAttention(opts, weights, f"{prefix}.self_attn", index, rotaries["default"])
         mlp = MLP(weights, f"{prefix}.mlp", config.hidden_size, config.intermediate_size, activation(config.hidden_act),
                   fc_in="fc1", fc_out="fc2")
-        norm = LayerNorm.load(weights, f"{prefix}.input_layernorm", config.hidden_size, config.norm_eps)
-        return DecoderLayer(attn, mlp, input_norm=norm, parallel=True)
+        return DecoderLayer(attn, mlp, input_norm=self.norm(config, weights, f"{prefix}.input_layernorm"), parallel=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.norm import LayerNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
@@ -23,6 +22,7 @@ class Starcoder2Config(DecoderConfig):
 
 class Starcoder2Family(Family):
     model_types = ("starcoder2",)
+    layer_norm = True
 
     def read_config(self, r: ConfigReader) -> Starcoder2Config:
         hidden = r.positive_int("hidden_size")
@@ -42,12 +42,6 @@ class Starcoder2Family(Family):
         )
         check_heads(config, r.source)
         return config
-
-    def norm(self, config: Starcoder2Config, weights: Weights, prefix: str) -> LayerNorm:
-        return LayerNorm.load(weights, prefix, config.hidden_size, config.norm_eps)
-
-    def final_norm(self, config: Starcoder2Config, weights: Weights) -> LayerNorm:
-        return self.norm(config, weights, self.norm_prefix)
 
     def layer(self, config: Starcoder2Config, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:
