@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from helpers import build_tokenizer, ids_request, random_ids, run_ranks, run_to_end, write_checkpoint
+from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.models import get_model, model_impl
 from text_generation_server.weights import CheckpointError
@@ -186,10 +187,26 @@ def test_without_transformers_the_refusal_says_what_to_install(monkeypatch):
     assert model_impl({"model_type": "qwen3"}) == "native"  # native families never need it
 
 
-def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypatch):
-    """GPTQ tensors under transformers' own linear names load through the loader factory: on the
-    reference kernel the model equals a dense checkpoint of the dequantized weights."""
-    from quant_packers import gptq_tensors, quantize_rtn
+CT_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8,
+                 "dynamic": False, "actorder": None}}}}
+QUANTIZED = {  # format -> (its tensors for one linear, its quantization_config)
+    "gptq": (lambda prefix, q: gptq_tensors(prefix, q, "gptq"),
+             {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": False, "sym": True,
+              "checkpoint_format": "gptq"}),
+    "awq": (awq_tensors,
+            {"quant_method": "awq", "bits": 4, "group_size": 8, "zero_point": True, "version": "gemm"}),
+    "compressed-tensors": (lambda prefix, q: ct_tensors(prefix, q, with_g_idx=False),
+                           CT_CONFIG),
+}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypatch, fmt):
+    """GPTQ/AWQ/compressed-tensors tensors under transformers' own linear names load through the
+    loader factory: on the reference kernel the model equals a dense checkpoint of the dequantized
+    weights."""
     from safetensors.torch import load_file, save_file
 
     from text_generation_server.kernels.base import DISABLE_ENV
@@ -201,16 +218,15 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
     # Our parallel linears say which checkpoint tensors they hold (q/k/v and gate/up fused).
     linears = [t for m in lm.model.hf.modules() if isinstance(m, LinearSource) for t in m.tensors]
     assert len(linears) == 2 * 6 and "model.layers.0.self_attn.k_proj" in linears, linears
+    pack, qconfig_of_format = QUANTIZED[fmt]
     quantized, dequantized = dict(dense), dict(dense)
     for name in linears:
         w = dense[f"{name}.weight"]
-        q = quantize_rtn(w, bits=4, group_size=16, sym=True)
+        q = quantize_rtn(w, bits=4, group_size=8, sym=fmt != "awq")
         del quantized[f"{name}.weight"]
-        quantized.update(gptq_tensors(name, q, "gptq"))
+        quantized.update(pack(name, q))
         dequantized[f"{name}.weight"] = q.dense().to(w.dtype)
-    for target, tensors, qconfig in ((tmp_path / "gptq", quantized, {"quant_method": "gptq", "bits": 4,
-                                                                      "group_size": 16, "desc_act": False,
-                                                                      "sym": True, "checkpoint_format": "gptq"}),
+    for target, tensors, qconfig in ((tmp_path / "quantized", quantized, qconfig_of_format),
                                      (tmp_path / "deq", dequantized, None)):
         target.mkdir()
         for f in folder.iterdir():
@@ -222,7 +238,7 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
             config["quantization_config"] = qconfig
             (target / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv(DISABLE_ENV, "cpu-int4pack,cpu-int8,marlin-layout")
-    q_lm, deq_lm = load(str(tmp_path / "gptq")), load(str(tmp_path / "deq"))
+    q_lm, deq_lm = load(str(tmp_path / "quantized")), load(str(tmp_path / "deq"))
     kinds = {m.linear.kernel_name for m in q_lm.model.hf.modules() if isinstance(m, LinearSource)}
     assert kinds == {"reference"}, kinds
     req = [ids_request(0, PROMPTS[0], 1, prefill_logprobs=True)]
