@@ -191,6 +191,13 @@ CT_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "
              "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8,
                  "dynamic": False, "actorder": None}}}}
+def fp8_tensors(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """AutoFP8's per-channel layout (e4m3 codes, one float32 scale per output row) and what they mean."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale.float()}, codes.float() * scale
+
+
 QUANTIZED = {  # format -> (its tensors for one linear, its quantization_config)
     "gptq": (lambda prefix, q: gptq_tensors(prefix, q, "gptq"),
              {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": False, "sym": True,
@@ -199,12 +206,13 @@ QUANTIZED = {  # format -> (its tensors for one linear, its quantization_config)
             {"quant_method": "awq", "bits": 4, "group_size": 8, "zero_point": True, "version": "gemm"}),
     "compressed-tensors": (lambda prefix, q: ct_tensors(prefix, q, with_g_idx=False),
                            CT_CONFIG),
+    "fp8": (None, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
 }
 
 
 @pytest.mark.parametrize("fmt", list(QUANTIZED))
 def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypatch, fmt):
-    """GPTQ/AWQ/compressed-tensors tensors under transformers' own linear names load through the
+    """GPTQ/AWQ/compressed-tensors/FP8 tensors under transformers' own linear names load through the
     loader factory: on the reference kernel the model equals a dense checkpoint of the dequantized
     weights."""
     from safetensors.torch import load_file, save_file
@@ -222,8 +230,13 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
     quantized, dequantized = dict(dense), dict(dense)
     for name in linears:
         w = dense[f"{name}.weight"]
-        q = quantize_rtn(w, bits=4, group_size=8, sym=fmt != "awq")
         del quantized[f"{name}.weight"]
+        if fmt == "fp8":
+            tensors, meaning = fp8_tensors(name, w)
+            quantized.update(tensors)
+            dequantized[f"{name}.weight"] = meaning.to(w.dtype)
+            continue
+        q = quantize_rtn(w, bits=4, group_size=8, sym=fmt != "awq")
         quantized.update(pack(name, q))
         dequantized[f"{name}.weight"] = q.dense().to(w.dtype)
     for target, tensors, qconfig in ((tmp_path / "quantized", quantized, qconfig_of_format),
@@ -240,7 +253,7 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
     monkeypatch.setenv(DISABLE_ENV, "cpu-int4pack,cpu-int8,marlin-layout")
     q_lm, deq_lm = load(str(tmp_path / "quantized")), load(str(tmp_path / "deq"))
     kinds = {m.linear.kernel_name for m in q_lm.model.hf.modules() if isinstance(m, LinearSource)}
-    assert kinds == {"reference"}, kinds
+    assert kinds == ({"fp8-dense"} if fmt == "fp8" else {"reference"}), kinds
     req = [ids_request(0, PROMPTS[0], 1, prefill_logprobs=True)]
     got = run_to_end(q_lm, q_lm.make_batch(0, req))[0]["prompt"]
     want = run_to_end(deq_lm, deq_lm.make_batch(0, req))[0]["prompt"]
