@@ -113,6 +113,14 @@ def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
     from text_generation_server.rank import cpu_threads_per_rank
 
     assert cpu_threads_per_rank(cores, world) == threads
+    assert cpu_threads_per_rank(cores, world, weight_bytes=2**20) == threads  # small: the same
+
+
+@pytest.mark.parametrize("cores,world,threads", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (16, 1, 16), (16, 2, 8), (3, 4, 1)])
+def test_matmul_bound_ranks_take_every_core(cores, world, threads):
+    from text_generation_server.rank import MATMUL_BOUND_BYTES, cpu_threads_per_rank
+
+    assert cpu_threads_per_rank(cores, world, weight_bytes=MATMUL_BOUND_BYTES) == threads
 
 
 def test_version_at_the_top_level_and_on_serve():

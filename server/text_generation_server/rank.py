@@ -43,13 +43,24 @@ def shard_args_from_env(flag_args: ServeArgs) -> ServeArgs:
         raise ValueError(f"{SERVE_ARGS_ENV} does not hold valid serve settings: {exc}") from exc
 
 
-def cpu_threads_per_rank(cores: int, world_size: int) -> int:
+# Weights a rank streams per decode step above which its step is matmul-bound: the cores the
+# matmuls lose then cost more than the router's interference (BENCHMARKS.md, "CPU threads").
+MATMUL_BOUND_BYTES = 256 * 2**20
+
+
+def cpu_threads_per_rank(cores: int, world_size: int, weight_bytes: int = 0) -> int:
     """Torch threads for each CPU rank: the cores split between ranks, one kept back for the
-    router and gRPC. A rank using every core stalls each time the router runs (its threads
-    wait on the one that was descheduled), and the decode step computed ahead overlaps the
-    router only if there is a core to overlap on (on 2 cores, see BENCHMARKS.md: 1 thread with
-    decode ahead outran 2 threads with or without it, at concurrency 1 and 32)."""
-    return max(1, (cores - 1) // world_size) if cores > 1 else 1
+    router and gRPC when the model is small. A rank using every core stalls each time the router
+    runs (its threads wait on the one that was descheduled), and the decode step computed ahead
+    overlaps the router only if there is a core to overlap on (on 2 cores with the embedded
+    model, 1 thread with decode ahead outran 2 threads). A model of `weight_bytes` >=
+    MATMUL_BOUND_BYTES on the rank spends its step in matmuls that scale with threads: on 2 cores
+    a 0.5B model's step takes 1.6x as long on 1 thread, far more than the router costs it."""
+    if cores <= 1:
+        return 1
+    if weight_bytes >= MATMUL_BOUND_BYTES:
+        return max(1, cores // world_size)
+    return max(1, (cores - 1) // world_size)
 
 
 def rank_environment(args: ServeArgs, environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
@@ -122,6 +133,16 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
                           attention_backend=args.effective_attention_backend,
                           cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
                           model_impl=args.model_impl)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            weight_bytes = sum(t.numel() * t.element_size() for t in model.model.state_dict().values())
+            threads = cpu_threads_per_rank(os.cpu_count() or 1, world_size, weight_bytes)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            if rank == 0:
+                logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
+                            weight_bytes / 2**20, os.cpu_count())
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
         logger.error("cannot start: {}", exc)
         return 2
