@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -291,6 +291,3 @@ class DecoderModel(torch.nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [rows, hidden] (normed) -> [rows, vocab] float32
         return self.head(hidden)
-
-
-Predicate = Callable[[str], bool]

@@ -210,7 +210,7 @@ class TransformersModel(torch.nn.Module):
     """transformers' base model with our linears, attention and head: the engine's model interface."""
 
     def __init__(self, config: DecoderConfig, hf_model: torch.nn.Module, head: Head, process_group: ProcessGroup,
-                 softcap: bool):
+                 softcap: bool, dtype: torch.dtype):
         super().__init__()
         self.config = config
         self.hf = hf_model
@@ -218,6 +218,7 @@ class TransformersModel(torch.nn.Module):
         self.head = head
         self.process_group = process_group
         self.attention_softcap = softcap
+        self.dtype = dtype  # the compute dtype (a quantized head's parameters say nothing of it)
 
     @property
     def local_kv_heads(self) -> int:
@@ -225,7 +226,7 @@ class TransformersModel(torch.nn.Module):
 
     def forward(self, input_ids, positions, cache, meta, logits_indices=None, head: bool = True, seq_lens=None):
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
-        token = _CURRENT.set(ForwardContext(positions, cache, meta, self.config_dtype, seq_lens))
+        token = _CURRENT.set(ForwardContext(positions, cache, meta, self.dtype, seq_lens))
         try:
             out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         finally:
@@ -234,10 +235,6 @@ class TransformersModel(torch.nn.Module):
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         return self.logits(hidden) if head else hidden
-
-    @property
-    def config_dtype(self) -> torch.dtype:
-        return next(self.head.parameters()).dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
@@ -307,16 +304,14 @@ def build(config: dict, weights: Weights, dtype: torch.dtype, source: str) -> Tr
             if value % pg.size:
                 raise CheckpointError(f"{source}: {what} ({value}) must be divisible by the {pg.size} shards")
     report = _load(model, weights, plan, pg.size > 1, source)
+    # Head.load refuses a missing untied head itself (and accepts a quantized one).
     head_name = "lm_head"
-    tied = cfg.tie_word_embeddings or not weights.has_tensor(f"{head_name}.weight")
     embed_name = _embedding_name(model)
     head = Head.load(weights, cfg, head_name, tied_prefix=embed_name,
                      bias=weights.has_tensor(f"{head_name}.bias"),
                      multiplier=getattr(hf, "logit_scale", None),
                      divisor=getattr(hf, "logits_scaling", None),
                      softcap=getattr(hf, "final_logit_softcapping", None))
-    if tied and not cfg.tie_word_embeddings:
-        raise CheckpointError(f"tensor '{head_name}.weight' not found and tie_word_embeddings is false in {source}")
     model.lm_head = torch.nn.Identity()  # ours is `head`; transformers' one is never called
     model.eval()
     softcap = getattr(hf, "attn_logit_softcapping", None) is not None
@@ -324,7 +319,7 @@ def build(config: dict, weights: Weights, dtype: torch.dtype, source: str) -> Tr
         logger.info("transformers {} implementation of {}: {} linears ours ({} split over {} ranks), {} other tensors",
                     transformers.__version__, type(model).__name__, report.linears, report.parallel, pg.size,
                     report.tensors)
-    return TransformersModel(cfg, model, head, pg, softcap)
+    return TransformersModel(cfg, model, head, pg, softcap, dtype)
 
 
 def _embedding_name(model: torch.nn.Module) -> str:

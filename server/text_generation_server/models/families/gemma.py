@@ -28,7 +28,7 @@ from text_generation_server.models.decoder import (
 )
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import layer_windows, rope_of
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.weights import Weights
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,3 @@ class GemmaFamily(Family):
             mlp_norm=self.norm(config, weights, f"{prefix}.pre_feedforward_layernorm"),
             post_mlp_norm=self.norm(config, weights, f"{prefix}.post_feedforward_layernorm"),
         )
-
-
-__all__ = ["CheckpointError", "GemmaConfig", "GemmaFamily"]
