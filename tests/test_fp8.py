@@ -6,8 +6,10 @@ per-tensor scales, fbgemm per-channel [N, 1], DeepSeek-V3 / transformers block
 and computes the dequantized weights with torch's own e4m3 cast, independently of the
 server. Loaded weights must equal those exactly, at every world size: a rank boundary
 inside a 128-block, a block spanning two fused parts, per-tensor parts fused into one
-matmul. Only the CUDA _scaled_mm check needs a GPU; its scaling logic also runs on the
-CPU here through torch's CPU _scaled_mm.
+matmul. Layers and models compute the input quantization each checkpoint declares
+(test_fp8_activations.py has its reference, and checks it against transformers). Only the
+CUDA _scaled_mm check needs a GPU; its scaling logic also runs on the CPU here through
+torch's CPU _scaled_mm.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (METHODS, assert_bfloat16_close, greedy, join_shards, kernel_names, load_qkv, prompt_logprobs,
+from helpers import (METHODS, PROMPTS, greedy, join_shards, kernel_names, load_qkv, prompt_logprobs,
                      qkv_of, run_ranks, write_checkpoint, write_model_folder)
 from safetensors.torch import load_file, save_file
+from test_fp8_activations import formula, hf_model, hf_prompt_logprobs, hook_declared_inputs
 
 from text_generation_server.kernels import registry  # noqa: F401  (registers every kernel in priority order)
 from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, NoKernelError, choose_kernel
@@ -36,7 +39,7 @@ from text_generation_server.kernels.fp8 import (
 from text_generation_server.models import get_model
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.config import CompressedTensorsConfig
-from text_generation_server.quantizers.fp8 import Fp8Config
+from text_generation_server.quantizers.fp8 import Fp8Config, fp8_scheme
 from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
 
@@ -133,6 +136,17 @@ def fp8_pack(prefix: str, w: torch.Tensor, layout: str, input_scale: float = 0.0
 def config_of(qconfig: dict):
     cls = CompressedTensorsConfig if qconfig["quant_method"] == "compressed-tensors" else Fp8Config
     return cls.from_config(qconfig, "test/config.json", "quantization_config.")
+
+
+# Fp8Weight.activation -> the kind of input rounding test_fp8_activations.declared_inputs computes
+KIND = {"none": "none", "static": "static", "dynamic-token": "token", "dynamic-tensor": "tensor",
+        "dynamic-group": "group"}
+
+
+def declared_matmul(w: Fp8Weight, x: torch.Tensor) -> torch.Tensor:
+    """float32 x @ W^T with x rounded as the loaded weight says its checkpoint declares."""
+    return formula(w, x, KIND[w.activation], None if w.input_scale is None else float(w.input_scale),
+                   w.activation_group_size, w.activation_group_offset)
 
 
 # -- loader matrix ---------------------------------------------------------------------------
@@ -238,7 +252,9 @@ def test_static_input_scales(cases, layout):
 
 
 @pytest.mark.parametrize("layout", ["fp8-tensor", "fp8-block", "ct-channel"])
-def test_get_linear_runs_the_dequantized_weight(cases, layout):
+def test_get_linear_runs_the_declared_model(cases, layout):
+    """The loaded weight's kernel: the dequantized weight, fed inputs rounded as declared (per token;
+    fp8-block: per token and 128 columns, this rank's columns 160.. lined up with the checkpoint's)."""
     case = cases[layout]
     for dtype in (torch.float32, torch.bfloat16):
         weight = weights_for(case[0], case[2], 1, 2, dtype).get_weights_row("m.qkv")
@@ -249,8 +265,12 @@ def test_get_linear_runs_the_dequantized_weight(cases, layout):
         # One byte per weight, plus float32 scales and int32 row/column indices.
         assert weight.fp8.nbytes() == N * K // 2 + 4 * weight.fp8.scale.numel() + 4 * (N + K // 2)
         x = torch.randn(3, 5, K // 2)
-        want = torch.nn.functional.linear(x.to(dtype), weight.dequantize(dtype), bias.to(dtype))
-        torch.testing.assert_close(module(x.to(dtype)), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        want = declared_matmul(weight.fp8, x.to(dtype).reshape(15, -1)).reshape(3, 5, N) + bias.to(dtype).float()
+        got = module(x.to(dtype))
+        assert got.dtype == dtype
+        # bfloat16: the float32 result rounded, and rounded again with the bias added
+        torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 2 ** -7,
+                                   atol=1e-4 if dtype == torch.float32 else 1e-2)
 
 
 def test_dequant_in_row_chunks_is_exact(cases, monkeypatch):
@@ -263,7 +283,7 @@ def test_dequant_in_row_chunks_is_exact(cases, monkeypatch):
     rows = torch.cat([module.dequantize_rows(s, min(s + 37, N)) for s in range(0, N, 37)])
     assert torch.equal(rows, weight.dequantize())
     x = torch.randn(4, K)
-    torch.testing.assert_close(module(x), x @ weight.dequantize().t(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(module(x), declared_matmul(weight.fp8, x), rtol=1e-5, atol=1e-4)
     module.col_block = weight.fp8.col_block  # what CUDA uses for block scales: one gather across K
     assert torch.equal(module.dequantize_rows(0, N), weight.dequantize())
 
@@ -318,7 +338,7 @@ def test_kernel_choice():
     reasons = dict(rejected)
     assert kernel.name == "fp8-dequant"
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
-        assert "block scales" in reasons["fp8-scaled-mm"]
+        assert "block weight scales" in reasons["fp8-scaled-mm"]
     else:
         assert "CUDA" in reasons["fp8-scaled-mm"] or "capability" in reasons["fp8-scaled-mm"]
     os.environ[DISABLE_ENV] = "fp8-dense,fp8-dequant"
@@ -416,8 +436,12 @@ def test_published_configs():
     cfg = config_of(QCONFIGS["fbgemm"])
     assert (cfg.method, cfg.checkpoint_method, cfg.activation_scale_ub) == ("fp8", "fbgemm_fp8", 1200.0)
     scheme = config_of(QCONFIGS["ct-block"]).schemes[0]
-    assert (scheme.type, scheme.strategy, scheme.block, scheme.activations) == ("float", "block", (128, 128),
-                                                                                  "dynamic-token")
+    assert (scheme.type, scheme.strategy, scheme.block, scheme.activations, scheme.activation_group_size) == (
+        "float", "block", (128, 128), "dynamic-group", 128)
+    # transformers' and DeepSeek-V3's fp8 kernels quantize inputs of 128x128-block weights per token and 128 columns.
+    block = fp8_scheme(config_of(QCONFIGS["fp8-block"]))
+    assert (block.activation, block.activation_group_size) == ("dynamic-group", 128)
+    assert fp8_scheme(config_of(QCONFIGS["fp8-tensor-static"])).activation == "static"
     assert config_of(QCONFIGS["ct-tensor-static"]).schemes[0].activations == "static"
     assert config_of(ct_config("channel", None)).schemes[0].activations is None  # W8A16 fp8
     assert "float-quantized fp8 block 128x128" in config_of(QCONFIGS["ct-block"]).describe()
@@ -439,6 +463,8 @@ BAD_CONFIGS = {
     "ct-block-structure": (ct_config("block", None) | {"config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
         CTW + r"block_structure' must be two positive integers"),
+    "ct-group-acts-no-size": (ct_config("block", {k: v for k, v in GROUP_ACTS.items() if k != "group_size"}),
+                              QC + r"config_groups\.group_0\.input_activations\.group_size' is required"),
     "ct-static-token": (ct_config("channel", STATIC_ACTS | {"strategy": "token"}),
                         QC + r"config_groups\.group_0\.input_activations\.strategy' = 'token' is not yet supported"),
     "ct-asym": (ct_config("tensor", None) | {"config_groups": {"group_0": {
@@ -526,6 +552,7 @@ def write_variant(original: Path, folder: Path, reference: Path, layout: str, qc
     state = load_file(str(original / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     quantized, dense = {}, {}
+    input_scales: dict[tuple[str, str], float] = {}  # linears that read one input share its calibrated scale
     for name, tensor in state.items():
         prefix = name.removesuffix(".weight")
         kind = prefix.split(".", 3)[-1] if prefix.startswith("model.layers.") else None
@@ -538,7 +565,10 @@ def write_variant(original: Path, folder: Path, reference: Path, layout: str, qc
             scale = scales_of(tensor.float(), "channel")
             dense[name] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * scale
             continue
-        t, d = fp8_pack(prefix, tensor.float(), layout, input_scale=float(torch.rand((), generator=g)) * 0.05 + 0.01)
+        reads = {"q": "attn", "k": "attn", "v": "attn", "qkv": "attn", "gate": "mlp", "up": "mlp", "gate_up": "mlp"}
+        key = (prefix.rsplit(".", 2)[0], reads.get(kind.split(".")[-1].removesuffix("_proj"), kind))
+        scale = input_scales.setdefault(key, float(torch.rand((), generator=g)) * 0.05 + 0.01)
+        t, d = fp8_pack(prefix, tensor.float(), layout, input_scale=scale)
         quantized |= t
         dense[name] = d
     outputs = [(reference, dense)] + ([] if layout == "on-load" else [(folder, quantized)])
@@ -573,11 +603,30 @@ def original_logprobs(folders) -> dict[str, torch.Tensor]:
 
 
 FP8_ERROR = 0.05  # mean |logprob difference| against the unquantized model
+# layout -> the input rounding its checkpoint declares (test_fp8_activations.declared_inputs' kind, group)
+DECLARED = {"fp8-tensor-static": ("static", None), "fp8-block": ("group", 128), "fbgemm": ("token", None),
+            "ct-channel": ("token", None), "ct-block": ("group", 128), "on-load": ("token", None)}
+
+
+def declared_logprobs(lm, dense_folder: Path, layout: str, fp8_folder: Path | None = None,
+                      dense_prefixes=(), world: int = 1) -> torch.Tensor:
+    """prompt_logprobs(lm) as transformers computes them for the dequantized weights with the
+    declared input rounding (static scales read from the fp8 checkpoint's input_scale tensors);
+    world > 1: dynamic scales of the row-parallel layers from each rank's columns."""
+    kind, group = DECLARED[layout]
+    scales = None
+    if kind == "static":
+        scales = {name.removesuffix(".input_scale"): float(t) for name, t in
+                  load_file(str(fp8_folder / "model.safetensors")).items() if name.endswith(".input_scale")}
+    model = hf_model(dense_folder)
+    assert hook_declared_inputs(model, kind, scales, group, tuple(dense_prefixes), world) > 0
+    return torch.cat([hf_prompt_logprobs(model, lm.tokenizer.encode(p).ids) for p in PROMPTS])
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_checkpoint_equals_its_dequantized_weights(folders, original_logprobs, name):
-    arch, _, _, dense = VARIANTS[name]
+def test_checkpoint_computes_its_declared_model(folders, original_logprobs, name):
+    """The dequantized weights, fed inputs rounded to e4m3 as the checkpoint declares."""
+    arch, layout, _, dense = VARIANTS[name]
     lm = get_model(str(folders[name]), dtype="float32")
     assert lm.quantize in ("fp8", "compressed-tensors")
     kernels = kernel_names(lm)
@@ -585,8 +634,8 @@ def test_checkpoint_equals_its_dequantized_weights(folders, original_logprobs, n
     if dense:
         assert kernels["layers.1.mlp.down.linear"] == "dense" and kernels["layers.0.mlp.down.linear"] == "fp8-dequant"
     got = prompt_logprobs(lm)
-    torch.testing.assert_close(got, prompt_logprobs(get_model(str(folders[f"{name}.dense"]), dtype="float32")),
-                               atol=2e-5, rtol=0)
+    want = declared_logprobs(lm, folders[f"{name}.dense"], layout, folders[name], dense)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     error = (got - original_logprobs[arch]).abs().mean().item()
     assert 0 < error < FP8_ERROR, error
 
@@ -599,9 +648,11 @@ def test_quantize_fp8_on_load(folders, original_logprobs, arch):
     assert lm.quantize == "fp8"
     linear = lm.model.layers[0].mlp.down.linear
     assert linear.kernel_name == "fp8-dequant" and linear.weight.dtype == E4M3
+    assert "fp8 per-token dynamic activations (emulated on CPU)" in linear.computes
     got = prompt_logprobs(lm)
-    want = prompt_logprobs(get_model(str(folders[f"{arch}.on-load.dense"]), dtype="float32"))
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    # `--quantize fp8` declares per-token dynamic inputs, as fp8-scaled-mm computes them on a GPU.
+    want = declared_logprobs(lm, folders[f"{arch}.on-load.dense"], "on-load")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     error = (got - original_logprobs[arch]).abs().mean().item()
     assert 0 < error < FP8_ERROR, error
 
@@ -629,8 +680,11 @@ def test_quantize_flag(folders, tmp_path):
 
 
 def test_bfloat16_activations(folders):
-    assert_bfloat16_close(get_model(str(folders["ct-fp8-block-phi3"]), dtype="bfloat16"),
-                          folders["ct-fp8-block-phi3.dense"])
+    """bfloat16 activations stay within bfloat16's reach of the float32 declared model."""
+    lm = get_model(str(folders["ct-fp8-block-phi3"]), dtype="bfloat16")
+    got = prompt_logprobs(lm)
+    want = declared_logprobs(lm, folders["ct-fp8-block-phi3.dense"], "ct-block", dense_prefixes=DENSE_MLP1)
+    assert torch.isfinite(got).all() and (got - want).abs().max() < 0.1, (got - want).abs().max()
 
 
 # -- world size 2 ------------------------------------------------------------------------------
@@ -658,12 +712,26 @@ def world2(folders, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("name", [*VARIANTS, "on-load"])
 def test_world_size_2_matches_world_size_1(folders, world2, name):
-    """Block scales cut by the rank boundary (q rows 96.., o_proj/down_proj columns 96..) included."""
+    """Block scales cut by the rank boundary (q rows 96.., o_proj/down_proj columns 96..) included.
+
+    Dynamic input scales of a row-parallel layer (o_proj, down_proj) come from each rank's own
+    columns, as on GPUs (and in vLLM): per-token and per-group (where the boundary cuts a 128-column
+    group) scales then differ from world size 1's. Those models equal transformers' with that
+    rounding, and stay close to world size 1."""
     folder, quantize = world2_runs(folders)[name]
+    _, layout, _, dense = VARIANTS.get(name, ("llama", "on-load", None, ()))
     lm = get_model(folder, dtype="float32", quantize=quantize)
     want_logprobs, want_tokens = prompt_logprobs(lm), greedy(lm, TOKENS)
+    dynamic = DECLARED[layout][0] in ("token", "group")
+    if dynamic:
+        dense_folder = folders[f"{name}.dense" if name in VARIANTS else "llama.on-load.dense"]
+        sharded = declared_logprobs(lm, dense_folder, layout, folders.get(name), dense, world=WORLD)
     for rank in range(WORLD):
         got = world2[rank][name]
-        assert got["tokens"] == want_tokens
         assert math.isfinite(got["logprobs"].sum().item())
+        if dynamic:
+            torch.testing.assert_close(got["logprobs"], sharded, atol=1e-4, rtol=0)
+            assert (got["logprobs"] - want_logprobs).abs().mean() < FP8_ERROR
+            continue
+        assert got["tokens"] == want_tokens
         torch.testing.assert_close(got["logprobs"], want_logprobs, atol=1e-4, rtol=0)

@@ -206,7 +206,13 @@ QUANTIZED = {  # format -> (its tensors for one linear, its quantization_config)
             {"quant_method": "awq", "bits": 4, "group_size": 8, "zero_point": True, "version": "gemm"}),
     "compressed-tensors": (lambda prefix, q: ct_tensors(prefix, q, with_g_idx=False),
                            CT_CONFIG),
-    "fp8": (None, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+    # Weight-only (compressed-tensors float-quantized, no input_activations): a checkpoint that
+    # declares fp8 activations computes their rounding too, which the dequantized model does not.
+    "fp8": (None, {"quant_method": "compressed-tensors", "format": "float-quantized",
+                   "quantization_status": "compressed", "ignore": ["lm_head"],
+                   "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                       "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                       "dynamic": False}}}}),
 }
 
 

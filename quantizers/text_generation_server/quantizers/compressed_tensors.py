@@ -11,9 +11,12 @@ W = s * (q - z) directly; symmetric means z = 2^(b-1).
 float-quantized: `weight` float8_e4m3fn [N, K], `weight_scale` [1] (tensor), [N, 1]
 (channel) or [ceil(N/bn), ceil(K/bk)] (block, block_structure [bn, bk]), `input_scale` [1]
 for static activations; an all-zero `weight_zero_point` may be stored. Those modules are
-read by the fp8 loader (quantizers/fp8.py). A weight-only group (input_activations null)
-runs with dynamic per-token activation scales where a kernel quantizes activations at all
-(fp8-scaled-mm): they need no calibration.
+read by the fp8 loader (quantizers/fp8.py), with the group's input_activations: static
+per-tensor (input_scale), or dynamic per token, per tensor or per token and group (FP8_BLOCK's
+1x128). Every fp8 kernel computes that declared input quantization (on CPU by emulation), as
+compressed-tensors does when the checkpoint's authors (and transformers) run it. A weight-only
+group (input_activations null) keeps its inputs as they are, except on fp8-scaled-mm, whose
+tensor cores need e4m3 inputs: there they get dynamic per-token scales.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ class CompressedTensorsLoader(WeightsLoader):
         if scheme not in self._fp8_loaders:
             self._fp8_loaders[scheme] = Fp8CheckpointLoader(Fp8Scheme(
                 source=self.config.source, scale_name="weight_scale", strategy=scheme.strategy, block=scheme.block,
-                activation=scheme.activations or "dynamic-token", zero_point_name="weight_zero_point"))
+                activation=scheme.activations or "none", activation_group_size=scheme.activation_group_size,
+                zero_point_name="weight_zero_point"))
         return self._fp8_loaders[scheme]
 
     def describe(self) -> str:

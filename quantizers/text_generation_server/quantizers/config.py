@@ -303,14 +303,17 @@ class WeightScheme:
     targets: tuple[str, ...]
     type: str = "int"  # "int" (format pack-quantized) or "float" (float-quantized: fp8 e4m3)
     block: tuple[int, int] | None = None  # float "block": block_structure (rows, columns) per scale
-    # float only: how the fp8 kernels quantize activations. None: weight-only (W8A16) checkpoint;
-    # "static" (input_scale per linear), "dynamic-token", "dynamic-tensor".
+    # float only: how the checkpoint quantizes activations (the fp8 kernels compute the same). None:
+    # weight-only (W8A16) checkpoint; "static" (input_scale per linear), "dynamic-token",
+    # "dynamic-tensor", "dynamic-group" (per token, activation_group_size columns per scale).
     activations: str | None = None
+    activation_group_size: int | None = None
 
     def describe(self) -> str:
         if self.type == "float":
             block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
-            acts = f", {self.activations} activations" if self.activations else " weight-only"
+            group = f" {self.activation_group_size}" if self.activation_group_size else ""
+            acts = f", {self.activations}{group} activations" if self.activations else " weight-only"
             return f"float-quantized fp8 {self.strategy}{block}{acts}"
         group = "" if self.group_size == -1 else f" {self.group_size}"
         return f"pack-quantized int{self.bits} {self.strategy}{group} {'sym' if self.symmetric else 'asym'}"
@@ -332,10 +335,10 @@ def _block_structure(value: Any, keys: Keys) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _ct_activations(acts: Any, keys: Keys) -> str | None:
-    """The fp8 activation scheme of a float-quantized group's input_activations."""
+def _ct_activations(acts: Any, keys: Keys) -> tuple[str | None, int | None]:
+    """(the fp8 activation scheme, its group size) of a float-quantized group's input_activations."""
     if acts is None:
-        return None
+        return None, None
     if not isinstance(acts, dict):
         raise CheckpointError(f"{keys.where('input_activations')} must be an object or null")
     akeys = Keys(acts, keys.source, keys.prefix + "input_activations.")
@@ -348,15 +351,18 @@ def _ct_activations(acts: Any, keys: Keys) -> str | None:
         raise akeys.unsupported("num_bits", bits, method, "8")
     strategy = akeys.str("strategy", "tensor")
     if akeys.bool("dynamic", False):
-        # Per-group (1x128) dynamic scales run per token: a dynamic scheme is not calibrated, and
-        # only the _scaled_mm path quantizes activations at all.
-        dynamic = {"token": "dynamic-token", "group": "dynamic-token", "tensor": "dynamic-tensor"}
+        dynamic = {"token": "dynamic-token", "group": "dynamic-group", "tensor": "dynamic-tensor"}
         if strategy not in dynamic:
             raise akeys.unsupported("strategy", strategy, method + " (dynamic)", "token, group, tensor")
-        return dynamic[strategy]
+        group = None
+        if strategy == "group":
+            group = akeys.int("group_size")
+            if group <= 0:
+                raise CheckpointError(f"{akeys.where('group_size')} must be positive, got {group}")
+        return dynamic[strategy], group
     if strategy != "tensor":
         raise akeys.unsupported("strategy", strategy, method + " (static)", "tensor")
-    return "static"
+    return "static", None
 
 
 def _ct_float_scheme(group: dict, w: dict, wkeys: Keys, gkeys: Keys, targets: tuple[str, ...]) -> WeightScheme:
@@ -370,8 +376,9 @@ def _ct_float_scheme(group: dict, w: dict, wkeys: Keys, gkeys: Keys, targets: tu
     if not wkeys.bool("symmetric", True):
         raise wkeys.unsupported("symmetric", False, method, "true")
     block = _block_structure(w.get("block_structure"), wkeys) if strategy == "block" else None
+    activations, act_group = _ct_activations(group.get("input_activations"), gkeys)
     return WeightScheme(bits=bits, strategy=strategy, group_size=-1, symmetric=True, targets=targets, type="float",
-                        block=block, activations=_ct_activations(group.get("input_activations"), gkeys))
+                        block=block, activations=activations, activation_group_size=act_group)
 
 
 @dataclass(frozen=True)

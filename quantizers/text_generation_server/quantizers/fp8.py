@@ -14,7 +14,19 @@ Sharding keeps the checkpoint's exact weights: column shards take their rows' sc
 row shards their columns' block scales, and a rank boundary inside a 128-block keeps
 that block's scale on both sides. Fused parts (q, k, v) keep one scale each: per-tensor
 parts become per-channel scales of the fused weight, never a common requantized scale.
-Their static input scales fuse to the largest one, so no part's calibrated range clips.
+Their static input scales fuse to the largest one, so no part's calibrated range clips (the
+parts of one matmul see one input, so calibration gives them one scale; where it did not, the
+load says so).
+
+Activations: each loader records what the checkpoint declares (kernels/fp8.py computes it on
+every device): "fp8" checkpoints with activation_scheme "static" use each linear's input_scale;
+"dynamic" means per-token scales, or per token and 128-column group (the weight's block columns)
+for block-scaled weights, as DeepSeek-V3 and transformers' fp8 kernels quantize them; fbgemm_fp8
+is per token capped at activation_scale_ub; `--quantize fp8` declares per-token dynamic inputs.
+A row-parallel shard holds part of each input row, so its dynamic scales come from its own
+columns (groups stay aligned to the checkpoint's): at world size > 1 those inputs round slightly
+differently from world size 1's, on every device, as in other tensor-parallel fp8 servers; the
+checkpoint loader says so once. Static scales are exact at every world size.
 
 `--quantize fp8` on a dense checkpoint quantizes each linear while loading it, with
 per-channel scales (amax of each full output row / 448) and dynamic activations (a
@@ -36,6 +48,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+
+from loguru import logger
 
 from text_generation_server.kernels import registry  # noqa: F401  (kernel priority is registration order)
 from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, build_fp8_linear, dequantize_fp8
@@ -66,13 +80,16 @@ class Fp8Config(QuantizerConfig):
 
     def describe(self) -> str:
         if self.quantize_on_load:
-            return "fp8 e4m3, quantized on load (per-channel weight scales, dynamic activations)"
+            return "fp8 e4m3, quantized on load (per-channel weight scales, dynamic per-token activations)"
         if self.checkpoint_method == "fbgemm_fp8":
             ub = "" if self.activation_scale_ub is None else f", activation_scale_ub {self.activation_scale_ub:g}"
             return f"fbgemm_fp8 e4m3 per-channel, dynamic per-token activations{ub}"
         scales = ("block {}x{}".format(*self.weight_block_size) if self.weight_block_size
                   else "per-tensor/per-channel")
-        return f"fp8 e4m3 {scales}, {self.activation_scheme} activations"
+        acts = "static per-tensor" if self.activation_scheme == "static" else (
+            f"dynamic per-token (groups of {self.weight_block_size[1]})" if self.weight_block_size
+            else "dynamic per-token")
+        return f"fp8 e4m3 {scales}, {acts} activations"
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "Fp8Config":
@@ -125,8 +142,9 @@ class Fp8Scheme:
     scale_name: str = "weight_scale"
     strategy: str | None = None  # "tensor", "channel", "block"; None: per-tensor or per-channel by shape
     block: tuple[int, int] | None = None  # (rows, columns) per scale, for "block"
-    activation: str = "dynamic-token"  # see kernels.fp8.ACTIVATIONS
+    activation: str = "dynamic-token"  # what the checkpoint declares: see kernels.fp8.ACTIVATIONS
     activation_scale_ub: float | None = None
+    activation_group_size: int | None = None  # "dynamic-group": input columns per scale
     zero_point_name: str | None = None  # compressed-tensors may store an all-zero weight_zero_point
 
 
@@ -184,6 +202,7 @@ class Fp8CheckpointLoader(WeightsLoader):
 
     def __init__(self, scheme: Fp8Scheme):
         self.scheme = scheme
+        self._noted_row_scales = False
 
     def describe(self) -> str:
         return f"Fp8CheckpointLoader({self.scheme.strategy or 'tensor/channel'}, {self.scheme.activation})"
@@ -271,15 +290,37 @@ class Fp8CheckpointLoader(WeightsLoader):
             raise CheckpointError(f"tensor '{name}' holds non-zero zero points (in {weights.files_of(name)}): "
                                   "asymmetric fp8 weights are not yet supported (supported: symmetric)")
 
+    def _note_row_scales(self, prefix: str, cols: torch.Tensor, k: int) -> None:
+        """Says (once) where dynamic input scales cannot see a whole row: a row-parallel shard holds
+        some of the input columns, and its kernel (on any device) takes amax over those only."""
+        s = self.scheme
+        if not s.activation.startswith("dynamic") or len(cols) in (0, k) or self._noted_row_scales:
+            return
+        start, stop, group = int(cols[0]), int(cols[-1]) + 1, s.activation_group_size
+        if s.activation == "dynamic-group":
+            if start % group == 0 and (stop % group == 0 or stop == k):
+                return  # whole groups: exactly the checkpoint's scales
+            what = (f"the checkpoint's {group}-column input groups cut by a rank boundary take their scales from "
+                    f"this rank's part only (a world size that splits K into multiples of {group} keeps them whole)")
+        else:
+            what = (f"their per-{s.activation.removeprefix('dynamic-')} input scales come from these columns only, "
+                    "as tensor-parallel fp8 kernels compute them")
+        self._noted_row_scales = True
+        logger.info("{} and the other row-parallel fp8 layers: this rank holds input columns [{}, {}) of {}, so {}; "
+                    "their rounded inputs differ slightly from world size 1's", prefix, start, stop, k, what)
+
     def _weight(self, weights: Weights, prefix: str, w8: torch.Tensor, strategy: str, n: int, rows: torch.Tensor,
-                cols: torch.Tensor, layer: str) -> Fp8LinearWeight:
-        """`rows` and `cols`: the global indices of w8's rows and columns; n: the full N."""
+                cols: torch.Tensor, layer: str, k: int) -> Fp8LinearWeight:
+        """`rows` and `cols`: the global indices of w8's rows and columns; n, k: the full N and K."""
         grid = self._grid(weights, prefix, strategy, n)
         scale, row_block, col_block = self._select(grid, strategy, rows, cols)
         self._check_zero_point(weights, prefix)
+        self._note_row_scales(prefix, cols, k)
         fp8 = Fp8Weight(weight=w8, scale=scale, row_block=row_block, col_block=col_block,
                         activation=self.scheme.activation, input_scale=self._input_scale(weights, prefix),
-                        activation_scale_ub=self.scheme.activation_scale_ub)
+                        activation_scale_ub=self.scheme.activation_scale_ub,
+                        activation_group_size=self.scheme.activation_group_size,
+                        activation_group_offset=int(cols[0]) if len(cols) else 0)
         return Fp8LinearWeight(fp8, prefix, layer, weights.dtype, weights.device.type)
 
     # -- WeightsLoader -----------------------------------------------------------------
@@ -287,7 +328,7 @@ class Fp8CheckpointLoader(WeightsLoader):
         n, k, strategy = self._layout(weights, prefix)
         name = f"{prefix}.weight"
         w8 = _check_fp8(weights.get_tensor(name, to_dtype=False), name, weights, self.scheme.source)
-        return self._weight(weights, prefix, w8, strategy, n, torch.arange(n), torch.arange(k), layer_kind(prefix))
+        return self._weight(weights, prefix, w8, strategy, n, torch.arange(n), torch.arange(k), layer_kind(prefix), k)
 
     def get_weights_col_packed(self, weights: Weights, prefix: str, block_sizes: int | list[int]
                                ) -> Fp8LinearWeight:
@@ -297,7 +338,7 @@ class Fp8CheckpointLoader(WeightsLoader):
         rows = _rank_part_rows(weights, sizes, name)
         w8 = weights.get_packed_sharded(name, dim=0, block_sizes=sizes, to_dtype=False)
         _check_fp8(w8, name, weights, self.scheme.source)
-        return self._weight(weights, prefix, w8, strategy, n, rows, torch.arange(k), layer_kind(prefix))
+        return self._weight(weights, prefix, w8, strategy, n, rows, torch.arange(k), layer_kind(prefix), k)
 
     def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int) -> Fp8LinearWeight:
         if dim != 0:
@@ -313,6 +354,11 @@ class Fp8CheckpointLoader(WeightsLoader):
                                       f"{first.scale.shape[1]} scale columns) into one matmul")
         offsets = torch.tensor([0] + [p.fp8.scale.shape[0] for p in parts[:-1]]).cumsum(0).tolist()
         inputs = [p.fp8.input_scale for p in parts]
+        if inputs[0] is not None and len({float(s) for s in inputs}) > 1:
+            logger.warning("{}: fused into one matmul, the parts' static input scales {} differ; the fused "
+                           "layer quantizes its input with the largest, so the smaller parts' inputs round "
+                           "more coarsely than the checkpoint declares", "+".join(prefixes),
+                           [round(float(s), 6) for s in inputs])
         fused = Fp8Weight(
             weight=torch.cat([p.fp8.weight for p in parts]),
             scale=torch.cat([p.fp8.scale for p in parts]),
@@ -320,7 +366,8 @@ class Fp8CheckpointLoader(WeightsLoader):
             col_block=first.col_block, activation=first.activation,
             # The largest calibrated input scale covers every part's range.
             input_scale=None if inputs[0] is None else torch.stack(inputs).max(),
-            activation_scale_ub=first.activation_scale_ub,
+            activation_scale_ub=first.activation_scale_ub, activation_group_size=first.activation_group_size,
+            activation_group_offset=first.activation_group_offset,
         )
         return Fp8LinearWeight(fused, "+".join(prefixes), layer_kind(prefixes), weights.dtype, weights.device.type)
 
@@ -331,7 +378,7 @@ class Fp8CheckpointLoader(WeightsLoader):
         w8 = weights.get_sharded(name, dim=1, to_dtype=False)
         _check_fp8(w8, name, weights, self.scheme.source)
         return self._weight(weights, prefix, w8, strategy, n, torch.arange(n), torch.arange(cols.start, cols.stop),
-                            layer_kind(prefix))
+                            layer_kind(prefix), k)
 
 
 # -- quantize on load --------------------------------------------------------------------------
@@ -407,11 +454,14 @@ def fp8_scheme(config: Fp8Config) -> Fp8Scheme:
     if config.checkpoint_method == "fbgemm_fp8":
         return Fp8Scheme(source=config.source, strategy="channel", activation="dynamic-token",
                          activation_scale_ub=config.activation_scale_ub)
-    activation = "static" if config.activation_scheme == "static" else "dynamic-token"
     if config.weight_block_size is not None:
+        # Dynamic inputs of block-scaled weights: one scale per token and block of input columns.
+        static = config.activation_scheme == "static"
         return Fp8Scheme(source=config.source, scale_name="weight_scale_inv", strategy="block",
-                         block=config.weight_block_size, activation=activation)
-    return Fp8Scheme(source=config.source, activation=activation)
+                         block=config.weight_block_size, activation="static" if static else "dynamic-group",
+                         activation_group_size=None if static else config.weight_block_size[1])
+    return Fp8Scheme(source=config.source,
+                     activation="static" if config.activation_scheme == "static" else "dynamic-token")
 
 
 def fp8_loader(config: Fp8Config) -> WeightsLoader:
