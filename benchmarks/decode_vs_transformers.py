@@ -222,6 +222,18 @@ def profile_ours(ours: OursRunner, batch_size: int, steps: int = 20, top: int = 
     return "\n".join(lines)
 
 
+def parse_targets(text: str) -> dict[int, float]:
+    """"1:2.0,32:1.5" -> {1: 2.0, 32: 1.5}."""
+    targets = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batch, _, ratio = part.partition(":")
+        try:
+            targets[int(batch)] = float(ratio)
+        except ValueError:
+            raise ValueError(f"--targets wants batch:ratio pairs like 8:1.5, got {part!r}") from None
+    return targets
+
+
 def compare(ours: Run, theirs: Run) -> list[str]:
     """Rows whose greedy ids differ, with the first differing position (never hidden)."""
     problems = []
@@ -286,7 +298,7 @@ def report(rows: list[Row], args: argparse.Namespace, model_id: str) -> str:
                        "ours prefill ms", "transformers prefill ms", "ours ms/step (forward + rest)", "identical ids"],
                       cells, "r" * 8 + "l")
     lines.append("")
-    targets = {1: 2.0, 32: 1.5}
+    targets = args.targets
     for row in rows:
         if row.batch in targets:
             ratio = statistics.median(paired_ratios(row))
@@ -308,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (default: all cores; 1 is steadier on a machine others are using)")
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="after this many seconds, remaining batch sizes get a single timed run")
+    parser.add_argument("--targets", default="1:2.0,32:1.5",
+                        help="batch:ratio pairs the report checks (ours / transformers at least ratio)")
     parser.add_argument("--profile", action="store_true",
                         help="after the table, print where our decode step spends its time, per batch size")
     args = parser.parse_args(argv)
@@ -322,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         if args.budget_s <= 0:
             raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
+        args.targets = parse_targets(args.targets)
     except ValueError as exc:
         parser.error(str(exc))
     logger.remove()

@@ -72,6 +72,19 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen2_yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2,
                                  rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                "original_max_position_embeddings": 32})),
+    # Mixtures of experts: 8 experts, 2 per token, so the prompts reach every expert.
+    "mixtral": ("mixtral", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=40, mlp_only_layers=[1])),
+    "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "gpt_oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=8,
+                                num_experts_per_tok=2, intermediate_size=32, sliding_window=7,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 64})),
 }
 
 

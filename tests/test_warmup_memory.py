@@ -152,8 +152,8 @@ class GraphSafePadded(TorchAttention):
     name = "torch-padded"
     graph_safe = True
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
-        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap)
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks)
 
     def capture_memo(self, batch, max_seq_len, device):
         return {}

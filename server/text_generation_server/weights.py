@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
-
 from text_generation_server.utils.dist import ProcessGroup, single_process_group
 
 
@@ -156,6 +156,52 @@ class TransposedSource:
         return self.inner.describe(name)
 
 
+@dataclass(frozen=True)
+class DerivedTensor:
+    """A tensor the model reads that the checkpoint stores inside another one: `take` maps the
+    stored tensor `stored[index]` to it (gpt-oss keeps every expert of a layer in one
+    interleaved [E, H, 2I] tensor; the model reads expert e's gate as a Linear [I, H])."""
+
+    stored: str
+    index: int
+    take: Callable[[torch.Tensor], torch.Tensor]
+    shape: tuple[int, ...]
+
+
+class _DerivedSlice:
+    def __init__(self, inner: TensorSlice, view: DerivedTensor):
+        self._inner = inner
+        self._view = view
+
+    def get_shape(self) -> list[int]:
+        return list(self._view.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._view.take(self._inner[self._view.index])[index].contiguous()
+
+
+class DerivedSource:
+    """The stored tensors plus derived ones (`DerivedTensor`) under their own names, so every
+    loader and sharding rule reads a stacked checkpoint as if it stored each part apart."""
+
+    def __init__(self, inner: TensorSource, views: dict[str, DerivedTensor]):
+        self.inner = inner
+        self.views = views
+
+    def keys(self) -> Sequence[str]:
+        return list(self.inner.keys()) + list(self.views)
+
+    def get_slice(self, name: str) -> TensorSlice:
+        view = self.views.get(name)
+        if view is None:
+            return self.inner.get_slice(name)
+        return _DerivedSlice(self.inner.get_slice(view.stored), view)
+
+    def describe(self, name: str) -> str:
+        view = self.views.get(name)
+        return self.inner.describe(view.stored if view is not None else name)
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder, honouring a sharded index.
 
@@ -209,22 +255,22 @@ class WeightsLoader(ABC):
     """
 
     @abstractmethod
-    def get_weights(self, weights: "Weights", prefix: str):
+    def get_weights(self, weights: Weights, prefix: str):
         """The whole, unsharded weight of `prefix`."""
 
     @abstractmethod
-    def get_weights_col_packed(self, weights: "Weights", prefix: str, block_sizes: int | list[int]):
+    def get_weights_col_packed(self, weights: Weights, prefix: str, block_sizes: int | list[int]):
         """A fused column weight (qkv, gate_up) whose parts are sharded separately."""
 
-    def get_weights_col(self, weights: "Weights", prefix: str):
+    def get_weights_col(self, weights: Weights, prefix: str):
         return self.get_weights_col_packed(weights, prefix, 1)
 
     @abstractmethod
-    def get_multi_weights_col(self, weights: "Weights", prefixes: list[str], dim: int):
+    def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int):
         """Several column weights (q, k, v) sharded and concatenated along the output dim."""
 
     @abstractmethod
-    def get_weights_row(self, weights: "Weights", prefix: str):
+    def get_weights_row(self, weights: Weights, prefix: str):
         """A row-parallel weight, sharded along the input dimension."""
 
     def describe(self) -> str:
@@ -234,15 +280,15 @@ class WeightsLoader(ABC):
 class DefaultWeightsLoader(WeightsLoader):
     """Unquantized checkpoints: `{prefix}.weight` in a floating dtype."""
 
-    def get_weights(self, weights: "Weights", prefix: str) -> UnquantizedWeight:
+    def get_weights(self, weights: Weights, prefix: str) -> UnquantizedWeight:
         return UnquantizedWeight(weights.get_tensor(f"{prefix}.weight"))
 
     def get_weights_col_packed(
-        self, weights: "Weights", prefix: str, block_sizes: int | list[int]
+        self, weights: Weights, prefix: str, block_sizes: int | list[int]
     ) -> UnquantizedWeight:
         return UnquantizedWeight(weights.get_packed_sharded(f"{prefix}.weight", dim=0, block_sizes=block_sizes))
 
-    def get_multi_weights_col(self, weights: "Weights", prefixes: list[str], dim: int) -> UnquantizedWeight:
+    def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int) -> UnquantizedWeight:
         parts = [weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes]
         others = {tuple(s for d, s in enumerate(t.shape) if d != dim) for t in parts}
         if len(others) > 1:
@@ -253,7 +299,7 @@ class DefaultWeightsLoader(WeightsLoader):
             )
         return UnquantizedWeight(torch.cat(parts, dim=dim))
 
-    def get_weights_row(self, weights: "Weights", prefix: str) -> UnquantizedWeight:
+    def get_weights_row(self, weights: Weights, prefix: str) -> UnquantizedWeight:
         return UnquantizedWeight(weights.get_sharded(f"{prefix}.weight", dim=1))
 
 
@@ -319,7 +365,7 @@ class Weights:
         loader: WeightsLoader | None = None,
         aliases: dict[str, list[str]] | None = None,
     ):
-        if not isinstance(source, (DictTensorSource, SafetensorsSource, TransposedSource)) \
+        if not isinstance(source, (DictTensorSource, SafetensorsSource, TransposedSource, DerivedSource)) \
                 and isinstance(source, (list, tuple)):
             source = SafetensorsSource([Path(p) for p in source])
         self.source: TensorSource = source  # type: ignore[assignment]
@@ -334,10 +380,29 @@ class Weights:
         """From now on, tensors `transposed(name)` selects are read transposed (Conv1D weights)."""
         self.source = TransposedSource(self.source, transposed)
 
+    def derive(self, views: dict[str, DerivedTensor]) -> None:
+        """From now on, the `views` names read parts of stored tensors (stacked experts)."""
+        self.source = DerivedSource(self.source, views)
+        self._keys |= set(views)
+
+    @property
+    def derived(self) -> dict[str, DerivedTensor]:
+        """The derived tensors this view adds (stacked experts read per expert), by name."""
+        views: dict[str, DerivedTensor] = {}
+        source = self.source
+        while isinstance(source, (TransposedSource, DerivedSource)):
+            if isinstance(source, DerivedSource):
+                views.update(source.views)
+            source = source.inner
+        return views
+
     @property
     def stored(self) -> TensorSource:
-        """The tensors as stored on disk (no Conv1D view): what `quantize` copies unchanged."""
-        return self.source.inner if isinstance(self.source, TransposedSource) else self.source
+        """The tensors as stored on disk (no Conv1D or derived view): what `quantize` copies unchanged."""
+        source = self.source
+        while isinstance(source, (TransposedSource, DerivedSource)):
+            source = source.inner
+        return source
 
     def read_names(self) -> dict[str, str]:
         """Each stored tensor's name -> the name the model reads it by: itself, or the name an alias

@@ -121,6 +121,7 @@ class AttentionSpec:
     windowed: bool
     device_capability: tuple[int, int] | None = None
     softcap: bool = False  # attention logit soft-capping (Gemma 2)
+    sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
 
 
 class AttentionBackend:
@@ -141,14 +142,16 @@ class AttentionBackend:
         raise NotImplementedError
 
     def prefill(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-                window: int | None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (the new tokens, already stored) -> [T, H, D].
 
-        softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+        softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        sinks: [H] float32 logits, one per head, that join every softmax's denominator and
+        attend to nothing (gpt-oss): the weights of the real keys sum to less than one."""
         raise NotImplementedError
 
     def decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-               window: int | None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, H, D] -> [B, H, D]."""
         raise NotImplementedError
 
@@ -187,25 +190,32 @@ def _band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
 
 
 def sdpa(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor | None, scale: float,
-         softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+         softcap: float | None = None, is_causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention on [B, H, L, D] inputs (K/V may have fewer heads: GQA); with
-    a soft cap, the eager form transformers uses for Gemma 2 (scores capped before the mask and
-    the float32 softmax). mask: bool, True where a key is visible."""
+    a soft cap or sinks, the eager form transformers uses (Gemma 2: scores capped before the mask;
+    gpt-oss: each head's sink logit joins the softmax as one more column, dropped after), with a
+    float32 softmax. mask: bool, True where a key is visible."""
     gqa = q4.shape[1] != k4.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=gqa)
     if gqa:
         group = q4.shape[1] // k4.shape[1]
         k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
     scores = torch.matmul(q4, k4.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         n, total = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(n, total, dtype=torch.bool, device=q4.device).tril(total - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q4.dtype)
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        probs = probs.to(q4.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q4.dtype)
     if mask is not None:
         # A row that sees no key (a CUDA graph's padding row) gets zeros, not NaN: its output is
         # written to the cache's padding block, which other rows gather (and mask) when padded.
@@ -221,6 +231,7 @@ def sequence_attention(
     scale: float,
     window: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's causal attention: q [n, H, D] at positions cache_len.., k/v [cache_len + n,
     KVH, D] -> [n, H, D]. 4-D inputs, so CUDA can take its fused kernels. With a window shorter
@@ -233,11 +244,11 @@ def sequence_attention(
     v4 = v.transpose(0, 1).unsqueeze(0)
     if window is None or window >= total:
         if cache_len == 0:
-            out = sdpa(q4, k4, v4, None, scale, softcap, is_causal=True)
+            out = sdpa(q4, k4, v4, None, scale, softcap, is_causal=True, sinks=sinks)
         else:
             pos = torch.arange(total, device=q.device)
             mask = _band_mask(pos[cache_len:], pos, None)
-            out = sdpa(q4, k4, v4, mask, scale, softcap)
+            out = sdpa(q4, k4, v4, mask, scale, softcap, sinks=sinks)
         return out.squeeze(0).transpose(0, 1)
     out = torch.empty_like(q)
     for start in range(0, n, window):
@@ -248,7 +259,8 @@ def sequence_attention(
         q_pos = torch.arange(first_pos, cache_len + stop, device=q.device)
         k_pos = torch.arange(key_lo, key_hi, device=q.device)
         mask = _band_mask(q_pos, k_pos, window)
-        o = sdpa(q4[:, :, start:stop], k4[:, :, key_lo:key_hi], v4[:, :, key_lo:key_hi], mask, scale, softcap)
+        o = sdpa(q4[:, :, start:stop], k4[:, :, key_lo:key_hi], v4[:, :, key_lo:key_hi], mask, scale, softcap,
+                 sinks=sinks)
         out[start:stop] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -269,7 +281,7 @@ class TorchAttention(AttentionBackend):
     def can_implement(cls, spec: AttentionSpec) -> tuple[bool, str]:
         return True, ""
 
-    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None):
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
         lens = meta.prefill_lens
         caches = meta.cache_lens if meta.has_prefix else None
         out = torch.empty_like(q)
@@ -282,7 +294,7 @@ class TorchAttention(AttentionBackend):
         if len(single) > 1:
             sub, tokens = meta.memo("single_meta", lambda: _rows_as_decode(meta, single, starts, q.device))
             out.index_copy_(0, tokens, self.decode(q.index_select(0, tokens), key_cache, value_cache, sub, scale,
-                                                   window, softcap))
+                                                   window, softcap, sinks))
         done = set(single) if len(single) > 1 else set()
         for row, n in enumerate(lens):
             if row in done:
@@ -295,13 +307,13 @@ class TorchAttention(AttentionBackend):
                 vs = _gather_sequence(value_cache, blocks, cached + n)
             else:
                 ks, vs = k[start:stop], v[start:stop]
-            out[start:stop] = sequence_attention(q[start:stop], ks, vs, cached, scale, window, softcap)
+            out[start:stop] = sequence_attention(q[start:stop], ks, vs, cached, scale, window, softcap, sinks)
         return out
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
-        if q.device.type == "cuda" and softcap is None:
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+        if q.device.type == "cuda" and softcap is None and sinks is None:
             return blockwise_decode(q, key_cache, value_cache, meta, scale, window)
-        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap)
+        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks)
 
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
         # One layer's K and V of every live token gathered at once, and its scores.
@@ -322,7 +334,7 @@ def _rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int],
 
 
 def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                  softcap: float | None = None):
+                  softcap: float | None = None, sinks: torch.Tensor | None = None):
     # q: [B, H, D]; caches: [blocks, block_size, KVH, D] -> [B, H, D]
     batch, heads, dim = q.shape
     kv_heads = key_cache.shape[2]
@@ -343,7 +355,7 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
         return mask[:, None, None, :]
 
     mask = meta.memo(("padded_mask", window), build_mask)
-    return sdpa(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+    return sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
 
 
 def _block_layout(meta: AttentionMetadata, block_size: int, device: torch.device):

@@ -67,6 +67,8 @@ class TritonPagedAttention(AttentionBackend):
             return False, f"block size {spec.block_size} is not a power of two <= 256"
         if spec.head_dim > 256:
             return False, f"head_dim {spec.head_dim} > 256"
+        if spec.sinks:
+            return False, "attention sinks (gpt-oss) are not in the Triton paged kernels"
         return True, ""
 
     # -- decode splits and their workspace ------------------------------------------------------
@@ -121,7 +123,9 @@ class TritonPagedAttention(AttentionBackend):
     def _int32(self, meta: AttentionMetadata, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return meta.memo(key, lambda: tensor if tensor.dtype == torch.int32 else tensor.to(torch.int32))
 
-    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None):
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+        if sinks is not None:
+            raise ValueError("triton-paged has no attention sinks: choose torch-sdpa for this model")
         if meta.block_tables is None:
             raise ValueError("triton-paged prefill reads K/V through the block tables: AttentionMetadata.block_tables "
                              "must be set (one row per sequence)")
@@ -134,7 +138,9 @@ class TritonPagedAttention(AttentionBackend):
             max_q_len=max(meta.prefill_lens), softcap=softcap,
         )
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None):
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+        if sinks is not None:
+            raise ValueError("triton-paged has no attention sinks: choose torch-sdpa for this model")
         tables = self._int32(meta, "tables32", meta.block_tables)
         seq_lens = self._int32(meta, "seq_lens32", meta.seq_lens)
         splits = self.num_splits(meta, q.shape[0])

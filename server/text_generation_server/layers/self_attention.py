@@ -64,6 +64,7 @@ class AttentionOptions:
     window: int | None = None
     softcap: float | None = None
     head_norm: HeadNorm | None = None
+    sinks: bool = False  # gpt-oss: a learned logit per head in each softmax ({prefix}.sinks)
 
 
 class _HeadNormModule(torch.nn.Module):
@@ -117,6 +118,13 @@ class SelfAttention(torch.nn.Module):
         self.window = opts.window
         self.scale = opts.scale
         self.softcap = opts.softcap
+        self.sinks: torch.Tensor | None = None
+        if opts.sinks:
+            # One logit per head; this rank's heads, kept in float32 like the softmax.
+            self.sinks = weights.get_sharded(f"{prefix}.sinks", dim=0, to_dtype=False).float()
+            if self.sinks.shape != (self.heads,):
+                raise CheckpointError(f"'{prefix}.sinks' has shape {list(self.sinks.shape)}, expected "
+                                      f"[{opts.heads}] (one per head) (in {weights.files_of(prefix + '.sinks')})")
         d = opts.head_dim
         q_size, kv_size = opts.heads * d, opts.kv_heads * d
         names = [f"{prefix}.{n}" for n in opts.qkv]
@@ -241,9 +249,10 @@ class SelfAttention(torch.nn.Module):
         key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
         if meta.is_prefill:
             out = backend.prefill(q, k, v, key_cache, value_cache, meta, self.scale, self.window,
-                                  softcap=self.softcap)
+                                  softcap=self.softcap, sinks=self.sinks)
         else:
-            out = backend.decode(q, key_cache, value_cache, meta, self.scale, self.window, softcap=self.softcap)
+            out = backend.decode(q, key_cache, value_cache, meta, self.scale, self.window, softcap=self.softcap,
+                                 sinks=self.sinks)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
 
     def linear_stages(self) -> list[list[str]]:

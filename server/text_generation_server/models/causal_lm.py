@@ -104,7 +104,7 @@ class CausalLM:
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
             kv_heads=model.local_kv_heads, head_dim=self.config.head_dim, block_size=block_size,
             windowed=any(w is not None for w in self.config.layer_windows),
-            softcap=model.attention_softcap,
+            softcap=model.attention_softcap, sinks=getattr(model, "attention_sinks", False),
             device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
         self.attention, rejected = choose_attention_backend(spec, attention_backend)
@@ -117,7 +117,7 @@ class CausalLM:
         if self.graph_buckets and device.type != "cuda" and graph_capturer is None:
             logger.debug("CUDA graphs {} ignored on {}", self.graph_buckets, device)
             self.graph_buckets = []
-        elif self.graph_buckets and not self.attention.graph_safe and process_group.rank == 0:
+        elif self.graph_buckets and self.graphs_off_reason() is not None and process_group.rank == 0:
             logger.info("CUDA graphs off: {}", self.graphs_off_reason())
 
     # -- KV cache ------------------------------------------------------------
@@ -418,6 +418,10 @@ class CausalLM:
         if not self.attention.graph_safe:
             return (f"attention backend {self.attention.name} is not graph-safe (its decode reads sequence "
                     "lengths on the host); --attention-backend triton-paged is")
+        for module in self.model.modules():
+            blocker = getattr(module, "graph_blocker", None)
+            if isinstance(blocker, str):
+                return blocker
         return None
 
     @torch.inference_mode()

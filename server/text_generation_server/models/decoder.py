@@ -267,6 +267,11 @@ class DecoderModel(torch.nn.Module):
         """Whether some layer soft-caps its attention scores (the backend must support it)."""
         return any(getattr(layer.self_attn, "softcap", None) is not None for layer in self.layers)
 
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether some layer has attention sinks (gpt-oss; the backend must support them)."""
+        return any(getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,

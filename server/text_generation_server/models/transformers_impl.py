@@ -101,10 +101,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = sliding_window if sliding_window and sliding_window > 0 else None
     key_cache, value_cache = cache.keys[layer], cache.values[layer]
+    # gpt-oss passes its attention sinks as s_aux (one logit per head of this rank).
+    sinks = kwargs.get("s_aux")
+    sinks = None if sinks is None else sinks.float()
     if meta.is_prefill:
-        out = backend.prefill(q, k, v, key_cache, value_cache, meta, scale, window, softcap=softcap)
+        out = backend.prefill(q, k, v, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks)
     else:
-        out = backend.decode(q, key_cache, value_cache, meta, scale, window, softcap=softcap)
+        out = backend.decode(q, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks)
     return out.unsqueeze(0), None
 
 
@@ -218,6 +221,7 @@ class TransformersModel(torch.nn.Module):
         self.head = head
         self.process_group = process_group
         self.attention_softcap = softcap
+        self.attention_sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf_model.modules())
         self.dtype = dtype  # the compute dtype (a quantized head's parameters say nothing of it)
 
     @property

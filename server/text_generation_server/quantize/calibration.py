@@ -72,15 +72,16 @@ def check_shapes(stages: list[list[LinearGroup]], options: QuantizeOptions) -> N
                                         f"cannot store (it needs a multiple of {multiple})")
 
 
-def dense_groups(stages: list[list[LinearGroup]], layer_prefix: str, layers: int,
+def dense_groups(layer_stages: list[list[list[LinearGroup]]], layer_prefix: str,
                  options: QuantizeOptions) -> set[tuple[int, str]]:
-    """(layer, group module) pairs that --modules-to-not-convert leaves dense; fused parts must agree."""
+    """(layer, group module) pairs that --modules-to-not-convert leaves dense; fused parts must
+    agree. layer_stages: each layer's groups, stage by stage."""
     if not options.modules_to_not_convert:
         return set()
     rule = GPTQConfig(source="--modules-to-not-convert", bits=options.bits,
                       modules_to_not_convert=options.modules_to_not_convert)
     dense = set()
-    for layer in range(layers):
+    for layer, stages in enumerate(layer_stages):
         for stage in stages:
             for group in stage:
                 prefixes = [f"{layer_prefix}.{layer}.{t}" for t in group.tensors]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 from loguru import logger
-
 from text_generation_server.kernels.base import QuantizedWeight, dequantize
+from text_generation_server.layers.moe import grouped_experts_only
 from text_generation_server.models import read_model_config
 from text_generation_server.models.decoder import DecoderLayer
 from text_generation_server.perplexity import calibration_samples, calibration_text
@@ -35,7 +35,11 @@ from text_generation_server.quantize.options import QuantizeError, QuantizeOptio
 from text_generation_server.quantize.writer import ShardWriter, Staging, copy_side_files
 from text_generation_server.quantizers.config import read_quantization_config
 from text_generation_server.quantizers.gptq_solver import (
-    HessianAccumulator, gptq_quantize, gptq_tensors, output_error, split_columns,
+    HessianAccumulator,
+    gptq_quantize,
+    gptq_tensors,
+    output_error,
+    split_columns,
 )
 from text_generation_server.quantizers.rtn import rtn_quantize
 from text_generation_server.utils.checkpoint import Checkpoint
@@ -47,6 +51,9 @@ from text_generation_server.weights import CheckpointError, Weights, safetensors
 # figure, without a second copy of every calibration activation.
 REFERENCE_SAMPLES = 16
 PROGRESS_INTERVAL = 5.0  # seconds between progress lines when stderr is not a terminal
+# A linear that sees fewer calibration tokens (a mixture-of-experts expert the router rarely
+# picks) is quantized with RTN: its Hessian would say nothing about the inputs it will get.
+MIN_CALIBRATION_ROWS = 8
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,20 +92,33 @@ class Quantizer:
         # tensors are written under the stored ones: a checkpoint read through aliases (GPT2Model's
         # "h.0..." for "transformer.h.0...") keeps its own naming, and none of its layers is missed.
         self.read_names = self.weights.read_names()
+        # Stacked tensors the family reads per part (gpt-oss experts): the output stores the parts,
+        # quantized or as read, and not the stacks.
+        self.derived = self.weights.derived
+        self.stacked = {view.stored for view in self.derived.values()}
         # Calibration positions run to seqlen; RTN runs no forward (one position is enough).
         self.rotaries = self.family.rotaries(self.config, self.seqlen, self.device)
-        # Every layer of a family has the same linears: read them off the first one.
-        first = self._layer(0)
-        self.groups = linear_groups(first, self._prefix(0))
-        del first
-        check_shapes(self.groups, options)
-        self.dense = dense_groups(self.groups, self.family.layer_prefix, self.config.num_hidden_layers, options)
+        # Layers of one kind have the same linears: read them off the first layer of each kind
+        # (a mixture of experts may keep some layers dense).
+        by_kind: dict[object, list[list[LinearGroup]]] = {}
+        self.groups: list[list[list[LinearGroup]]] = []
+        for index in range(self.config.num_hidden_layers):
+            kind = self.family.layer_kind(self.config, index)
+            if kind not in by_kind:
+                layer = self._layer(index)
+                by_kind[kind] = linear_groups(layer, self._prefix(index))
+                del layer
+                check_shapes(by_kind[kind], options)
+            self.groups.append(by_kind[kind])
+        self.dense = dense_groups(self.groups, self.family.layer_prefix, options)
 
     def _prefix(self, index: int) -> str:
         return f"{self.family.layer_prefix}.{index}"
 
     def _layer(self, index: int) -> DecoderLayer:
-        return self.family.layer(self.config, self.weights, index, self.rotaries).eval()
+        # Calibration hooks every linear, so experts keep theirs (no fused kernel, even on CUDA).
+        with grouped_experts_only():
+            return self.family.layer(self.config, self.weights, index, self.rotaries).eval()
 
     # -- the pipeline ----------------------------------------------------------------
     def run(self) -> Path:
@@ -132,7 +152,7 @@ class Quantizer:
                              summary, time.monotonic() - layer_started, clock(elapsed), clock(eta))
             progress.step("writing embeddings, norms and head", 1, unit="step")
             for stored in self.weights.stored.keys():
-                if not self.read_names[stored].startswith(self.family.layer_prefix + "."):
+                if stored not in self.stacked and not self.read_names[stored].startswith(self.family.layer_prefix + "."):
                     writer.add(stored, self._raw(stored))
             files = writer.finish()
             progress.advance(1)
@@ -146,7 +166,10 @@ class Quantizer:
                     clock(time.monotonic() - started))
 
     def _raw(self, name: str) -> torch.Tensor:
-        """A checkpoint tensor exactly as stored (dtype and layout kept: Conv1D stays [in, out])."""
+        """A checkpoint tensor exactly as stored (dtype and layout kept: Conv1D stays [in, out]); a
+        derived one as the family reads it."""
+        if name in self.derived:
+            return self.weights.source.get_slice(name)[...].cpu()
         return self.weights.stored.get_slice(name)[...].cpu()
 
     def _embedded_samples(self) -> torch.Tensor:
@@ -167,7 +190,7 @@ class Quantizer:
 
     def _stages(self, index: int) -> list[list[LinearGroup]]:
         """The groups of layer `index` to quantize, stage by stage (a stage is one calibration pass)."""
-        stages = self.groups
+        stages = self.groups[index]
         if not self.options.true_sequential:
             stages = [[group for stage in stages for group in stage]]
         todo = [[g for g in stage if (index, g.module) not in self.dense] for stage in stages]
@@ -220,7 +243,17 @@ class Quantizer:
                         hook.remove()
             for group in todo:
                 progress.step(f"{'gptq' if runner is not None else 'rtn'} {group.names}", 1, unit="solve")
-                h = hessians[group.module].hessian if runner is not None else None
+                h = None
+                if runner is not None:
+                    seen = hessians[group.module].rows
+                    if seen >= MIN_CALIBRATION_ROWS:
+                        h = hessians[group.module].hessian
+                    else:
+                        # An expert the router sends (almost) no calibration token to: GPTQ would
+                        # solve against nothing, so its weights are rounded instead.
+                        logger.warning("layer {}: {} saw {} calibration token(s) (fewer than {}): quantized "
+                                       "with RTN", index, group.module, seen, MIN_CALIBRATION_ROWS)
+                        errors.append(f"[{group.module}: rtn]")
                 quantized.update(self._quantize_group(index, layer, group, h, errors))
                 progress.advance()
                 qkv_final = qkv_final or group.module == "self_attn.qkv"
@@ -262,7 +295,8 @@ class Quantizer:
     def _write_layer(self, writer: ShardWriter, index: int, quantized: dict[str, QuantizedWeight]) -> None:
         prefix = f"{self._prefix(index)}."
         replaced = {f"{name}.weight": name for name in quantized}  # by the family's names
-        for stored in sorted(k for k, name in self.read_names.items() if name.startswith(prefix)):
+        for stored in sorted(k for k, name in self.read_names.items()
+                             if name.startswith(prefix) and k not in self.stacked):
             name = self.read_names[stored]
             if name in replaced:
                 # Under the stored weight's own prefix, as its other tensors (bias) are kept.

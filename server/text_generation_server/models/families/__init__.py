@@ -14,6 +14,7 @@ from text_generation_server.models.families.gpt2 import GPT2Family
 from text_generation_server.models.families.gpt_neox import GPTNeoXFamily
 from text_generation_server.models.families.granite import GraniteFamily
 from text_generation_server.models.families.llama import LlamaFamily
+from text_generation_server.models.families.moe import GptOssFamily, MixtralFamily, Qwen2MoeFamily, Qwen3MoeFamily
 from text_generation_server.models.families.olmo2 import Olmo2Family
 from text_generation_server.models.families.phi import PhiFamily
 from text_generation_server.models.families.qwen3 import Qwen3Family
@@ -32,6 +33,10 @@ FAMILIES: list[Family] = [
     CohereFamily(),
     Olmo2Family(),
     GraniteFamily(),
+    MixtralFamily(),
+    Qwen2MoeFamily(),
+    Qwen3MoeFamily(),
+    GptOssFamily(),
 ]
 
 BY_MODEL_TYPE: dict[str, Family] = {t: family for family in FAMILIES for t in family.model_types}

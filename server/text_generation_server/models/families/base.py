@@ -42,6 +42,11 @@ class Family:
         """Sets up the weight view this family reads (before any part loads): aliases of tensor
         names, Conv1D weights read transposed."""
 
+    def layer_kind(self, config: DecoderConfig, index: int) -> object:
+        """Layers of one kind have the same linears (`quantize` reads them off one layer per kind);
+        a family whose layers differ (dense and sparse MLPs) says which is which."""
+        return None
+
     def rotaries(self, config: DecoderConfig, max_positions: int, device: torch.device) -> dict[str, RotaryEmbedding]:
         """The rotary embeddings layers share, by name ({} for learned positions)."""
         if config.rope is None:

@@ -35,6 +35,8 @@ def layer_windows(r: ConfigReader, layers: int, every_layer: bool) -> tuple[int 
     whenever sliding_window is set.
     """
     window = r.get("sliding_window")
+    if window == 0 and not isinstance(window, bool):
+        window = None  # Qwen2-MoE's config writes 0 when use_sliding_window is off
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise CheckpointError(f"{r.source}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = r.get("layer_types")
