@@ -8,6 +8,7 @@ log file, never a pipe, so a chatty server cannot block on a full pipe buffer.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from text_generation_server.client_channel import ClientOptions
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -31,8 +34,11 @@ SMALL_LIMITS = [
     "--max-batch-prefill-tokens", "512",
     "--memory-fraction", "0.05",
 ]
-# Variables a surrounding launcher or torchrun may have set; a test server must not inherit them.
-_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TGS_SERVE_ARGS", "TGS_LAUNCHER_PID")
+# Variables a surrounding launcher or torchrun may have set, or that would make a test server
+# demand a key or TLS it was not started with; a test server must not inherit them.
+_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TGS_SERVE_ARGS", "TGS_LAUNCHER_PID",
+              "API_KEY", "API_KEY_FILE", "API_KEY_PROTECTS_HEALTH", "TLS_CERT_PATH", "TLS_KEY_PATH",
+              "TLS_CLIENT_CA_PATH", "METRICS_HOSTNAME")
 
 
 def free_port() -> int:
@@ -115,6 +121,46 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+# -- calls with an API key ------------------------------------------------------------------------------
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata (the API key) to every call of a channel, so test code that builds
+    stubs from a channel need not know whether the server checks keys."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), *self.metadata],
+                            details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def client_channel(target: str, client: ClientOptions, options=()) -> grpc.Channel:
+    """`client`'s channel (plaintext or TLS) with its API key on every call."""
+    channel = client.channel(target, options)
+    return grpc.intercept_channel(channel, MetadataInterceptor(client.metadata)) if client.metadata else channel
+
+
 # -- one server --------------------------------------------------------------------------------------
 @dataclass
 class ServeProcess:
@@ -125,6 +171,7 @@ class ServeProcess:
     log_path: Path
     num_shard: int
     channels: list[grpc.Channel] = field(default_factory=list)
+    client: ClientOptions = field(default_factory=ClientOptions)  # how channel() calls: API key, TLS
 
     @property
     def pid(self) -> int:
@@ -136,8 +183,12 @@ class ServeProcess:
     def socket_path(self, rank: int) -> str:
         return f"{self.uds_path}-{rank}"
 
-    def channel(self) -> grpc.Channel:
-        ch = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+    def channel(self, client: ClientOptions | None = None, fresh: bool = False) -> grpc.Channel:
+        """A channel to the client API as `client` (default: the server's own ClientOptions) calls.
+        `fresh`: its own connection, never one shared with another channel, so it does a TLS
+        handshake of its own."""
+        options = [("grpc.use_local_subchannel_pool", 1)] if fresh else []
+        ch = client_channel(f"127.0.0.1:{self.port}", self.client if client is None else client, options)
         self.channels.append(ch)
         return ch
 
@@ -223,13 +274,15 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def start_serve(tmp_path) -> Callable[..., ServeProcess]:
-    """start_serve(model, *flags, num_shard=1, limits=True, env=None, uds_path=None) -> ServeProcess, cleaned up."""
+    """start_serve(model, *flags, num_shard=1, limits=True, env=None, uds_path=None, client=None) -> ServeProcess,
+    cleaned up; `client` says how its channels call (API key, TLS)."""
     started: list[ServeProcess] = []
     sock_dir = tmp_path / "sock"  # pytest keeps these names short, well inside the unix socket limit
     sock_dir.mkdir(mode=0o700)
 
     def start(model: str | Path | None, *flags: str, num_shard: int = 1, limits: bool = True,
-              env: dict[str, str] | None = None, uds_path: str | None = None) -> ServeProcess:
+              env: dict[str, str] | None = None, uds_path: str | None = None,
+              client: ClientOptions | None = None) -> ServeProcess:
         port, metrics_port = free_port(), free_port()
         uds_path = uds_path or str(sock_dir / f"s{len(started)}")
         log_path = tmp_path / f"serve-{len(started)}.log"
@@ -240,7 +293,7 @@ def start_serve(tmp_path) -> Callable[..., ServeProcess]:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env if env is not None else clean_env(), start_new_session=True)
-        server = ServeProcess(proc, port, metrics_port, uds_path, log_path, num_shard)
+        server = ServeProcess(proc, port, metrics_port, uds_path, log_path, num_shard, client=client or ClientOptions())
         started.append(server)
         return server
 

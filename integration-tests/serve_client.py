@@ -17,6 +17,7 @@ import grpc
 from conftest import SMALL_LIMITS, ServeProcess, clean_env, free_port, serve_command
 from prometheus_client.parser import text_string_to_metric_families
 
+from text_generation_server.client_channel import ClientOptions
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
@@ -33,11 +34,13 @@ CORPUS = (
 
 # -- servers -------------------------------------------------------------------------------------------
 def launch_serve(model: str | Path | None, sock_dir: Path, log_dir: Path, *flags: str, num_shard: int = 1,
-                 name: str = "serve") -> ServeProcess:
+                 name: str = "serve", client: ClientOptions | None = None,
+                 env: dict[str, str] | None = None) -> ServeProcess:
     """Starts `serve` like conftest's start_serve, for fixtures wider than one test (module scope).
 
     The caller owns cleanup (ServeProcess.cleanup()); conftest's start_serve is
-    function-scoped, so a server shared by a whole module is built here instead.
+    function-scoped, so a server shared by a whole module is built here instead. `client`
+    is how the server's channels call it (API key, TLS); `env` is added to the clean environment.
     """
     port, metrics_port = free_port(), free_port()
     uds_path = str(sock_dir / name)
@@ -47,8 +50,8 @@ def launch_serve(model: str | Path | None, sock_dir: Path, log_dir: Path, *flags
             "--num-shard", str(num_shard), *SMALL_LIMITS, *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=clean_env(), start_new_session=True)
-    return ServeProcess(proc, port, metrics_port, uds_path, log_path, num_shard)
+                                env=clean_env(**(env or {})), start_new_session=True)
+    return ServeProcess(proc, port, metrics_port, uds_path, log_path, num_shard, client=client or ClientOptions())
 
 
 def client_stub(server: ServeProcess) -> cpb_grpc.TextGenerationStub:

@@ -271,8 +271,9 @@ PARAMETER_ZEROS = {
 
 def test_every_generate_parameter_scalar_is_optional() -> None:
     fields = tg_pb2.GenerateParameters.DESCRIPTOR.fields
-    scalars = {f.name for f in fields if not f.is_repeated}
+    scalars = {f.name for f in fields if not f.is_repeated and f.message_type is None}
     assert scalars == set(PARAMETER_ZEROS)
+    assert {f.name for f in fields if f.message_type is not None} == {"grammar"}  # messages have presence anyway
     assert [f.name for f in fields if f.is_repeated] == ["stop"]
     assert all(f.has_presence for f in fields if not f.is_repeated)
 
@@ -394,6 +395,8 @@ def test_client_service_methods() -> None:
         "GenerateStream": ("GenerateRequest", "GenerateStreamResponse", False, True),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False, False),
         "Info": ("InfoRequest", "InfoResponse", False, False),
+        "Chat": ("ChatRequest", "GenerateResponse", False, False),
+        "ChatStream": ("ChatRequest", "GenerateStreamResponse", False, True),
     }
 
 

@@ -116,6 +116,7 @@ ENV_CASES = {
     "MODEL_IMPL": ("transformers", "model_impl", "transformers"),
     "DISABLE_CUSTOM_KERNELS": ("true", "disable_custom_kernels", True),
     "ALLOW_DENSE_FALLBACK": ("1", "allow_dense_fallback", True),
+    "DISABLE_GRAMMAR_SUPPORT": ("true", "disable_grammar_support", True),
     "DRAIN_TIMEOUT_S": ("12.5", "drain_timeout_s", 12.5),
     "GRACEFUL_TERMINATION_TIMEOUT": ("90", "drain_timeout_s", 90.0),
     "RANK_STALL_TIMEOUT_S": ("30", "rank_stall_timeout_s", 30.0),
@@ -123,7 +124,13 @@ ENV_CASES = {
     "LOG_LEVEL": ("warn", "logger_level", "WARNING"),
     "JSON_OUTPUT": ("true", "json_output", True),
     "SHARDED": ("false", "num_shard", 1),
+    "API_KEY": ("old-key,new-key", "api_keys", ["old-key", "new-key"]),
+    "METRICS_HOSTNAME": ("0.0.0.0", "metrics_hostname", "0.0.0.0"),
 }
+# Variables naming files that must exist and load (key file, certificates) or that need another
+# flag: tests/test_auth_tls_unit.py::test_every_security_setting_reads_its_variable.
+SECURITY_FILE_VARIABLES = {"API_KEY_FILE", "API_KEY_PROTECTS_HEALTH", "TLS_CERT_PATH", "TLS_KEY_PATH",
+                           "TLS_CLIENT_CA_PATH"}
 
 
 @pytest.mark.parametrize("variable", sorted(ENV_CASES))
@@ -149,7 +156,8 @@ def test_every_serve_option_reads_a_variable_and_each_is_tested():
         read.update(names)
     hidden_read = {n for p in SERVE.params if getattr(p, "hidden", False) for n in envvars_of(p)}
     tgi_only = {f.envvar for f in TGI_ONLY_FLAGS if f.read_env}
-    tested = set(ENV_CASES) | {"SHARD_ONLY"}  # SHARD_ONLY: test_shard_only_from_the_environment
+    # SHARD_ONLY: test_shard_only_from_the_environment
+    tested = set(ENV_CASES) | {"SHARD_ONLY"} | SECURITY_FILE_VARIABLES
     assert read | (hidden_read - tgi_only) <= tested, sorted((read | hidden_read) - tested - tgi_only)
 
 

@@ -22,7 +22,9 @@ from text_generation_server.serve_flags import (
     check_tgi_only_flags,
     choose,
     hostname_from_env,
+    is_loopback,
     origin,
+    parse_api_keys,
     parse_bool,
     parse_cuda_graphs,
     parse_log_level,
@@ -84,6 +86,36 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# -- options of the commands that call a running server (health, generate --server) ---------
+_CLIENT_API_KEY = typer.Option(
+    None, "--api-key", envvar="API_KEY", metavar="KEY",
+    help="Send 'authorization: Bearer KEY' (API_KEY, as serve reads it: the first of several).",
+)
+_CLIENT_API_KEY_FILE = typer.Option(
+    None, "--api-key-file", envvar="API_KEY_FILE", help="Send the first key of this file (as serve reads it)."
+)
+_CLIENT_TLS = typer.Option(False, "--tls", help="Use TLS, trusting the system's CAs (implied by the --tls-* options).")
+_CLIENT_TLS_CA = typer.Option(None, "--tls-ca-path", help="PEM CA certificates to trust for the server's certificate.")
+_CLIENT_TLS_CERT = typer.Option(
+    None, "--tls-client-cert-path", help="PEM client certificate chain, for a server that requires one (mutual TLS)."
+)
+_CLIENT_TLS_KEY = typer.Option(None, "--tls-client-key-path", help="PEM private key of --tls-client-cert-path.")
+_CLIENT_TLS_NAME = typer.Option(
+    None, "--tls-server-name", help="Name the server's certificate must carry (default: the host dialled)."
+)
+
+
+def _client_options(api_key: Optional[str], api_key_file: Optional[str], tls: bool, ca_path: Optional[str],
+                    cert_path: Optional[str], key_path: Optional[str], server_name: Optional[str]) -> Any:
+    """ClientOptions from the client flags; a bad combination or unreadable file exits 2."""
+    from text_generation_server.client_channel import ClientOptions, client_api_key
+
+    try:
+        return ClientOptions(client_api_key(api_key, api_key_file), tls, ca_path, cert_path, key_path, server_name)
+    except ValueError as exc:
+        fail(str(exc))
+
+
 @app.command()
 def generate(
     prompts: List[str] = typer.Argument(..., metavar="PROMPT...", help="One or more prompts; all run as one batch."),
@@ -115,10 +147,43 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed for sampling (default: a random one)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop sequence (repeatable)."),
     json_lines: bool = typer.Option(False, "--json", help="One JSON object per prompt, one per line."),
+    chat: bool = typer.Option(
+        False, "--chat", help="Each PROMPT is a user message of its own conversation, rendered with the model's "
+        "chat template (the Chat RPC with --server).",
+    ),
     logger_level: str = typer.Option("WARNING", "--logger-level", help=_LEVEL_HELP),
+    server: Optional[str] = typer.Option(
+        None, "--server", metavar="HOST:PORT",
+        help="Send the prompts to a running serve (its client API) instead of loading a model here.",
+    ),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", min=0.1, help="With --server: deadline of each request."),
+    api_key: Optional[str] = _CLIENT_API_KEY,
+    api_key_file: Optional[str] = _CLIENT_API_KEY_FILE,
+    tls: bool = _CLIENT_TLS,
+    tls_ca_path: Optional[str] = _CLIENT_TLS_CA,
+    tls_client_cert_path: Optional[str] = _CLIENT_TLS_CERT,
+    tls_client_key_path: Optional[str] = _CLIENT_TLS_KEY,
+    tls_server_name: Optional[str] = _CLIENT_TLS_NAME,
 ) -> None:
-    """Generate completions for PROMPTS with a local model."""
+    """Generate completions for PROMPTS with a local model, or with a running server (--server)."""
     setup_logging(logger_level)
+    if server is not None:
+        if model is not None or dtype is not None or quantize is not None or model_impl != "auto":
+            fail("--server uses the server's model: --model, --dtype, --quantize and --model-impl do not apply")
+        client = _client_options(api_key, api_key_file, tls, tls_ca_path, tls_client_cert_path,
+                                 tls_client_key_path, tls_server_name)
+        from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+
+        params = cpb.GenerateParameters(max_new_tokens=max_new_tokens, do_sample=do_sample, stop=stop, details=True)
+        # Only what differs from the server's defaults (1 / 0 / off), so its own validation applies as written.
+        for name, value, default in (("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
+                                     ("typical_p", typical_p, 1.0), ("repetition_penalty", repetition_penalty, 1.0),
+                                     ("frequency_penalty", frequency_penalty, 0.0), ("seed", seed, None)):
+            if value != default:
+                setattr(params, name, value)
+        model_id, rows = _generate_remote(server, prompts, params, client, timeout_s, chat)
+        _echo_completions(model_id, prompts, rows, json_lines)
+        return
     from text_generation_server.generation.sampling import SamplingParams
     from text_generation_server.models import get_model
     from text_generation_server.models.types import GenerationRequest
@@ -129,29 +194,84 @@ def generate(
     )
     try:
         sampling.validate()
+        inputs = _chat_prompts(model, prompts) if chat else prompts
         lm = get_model(model, dtype=dtype, quantize=quantize, model_impl=model_impl)
         requests = [
-            GenerationRequest(id=i, inputs=p, sampling=sampling, max_new_tokens=max_new_tokens, stop_sequences=stop)
-            for i, p in enumerate(prompts)
+            GenerationRequest(id=i, inputs=p, sampling=sampling, max_new_tokens=max_new_tokens, stop_sequences=stop,
+                              add_special_tokens=not chat)  # a chat template writes its special tokens itself
+            for i, p in enumerate(inputs)
         ]
         completions = lm.generate(requests)
     except ValueError as exc:  # CheckpointError is a ValueError
         fail(str(exc))
-    for prompt, done in zip(prompts, completions):
+    rows = [(done.text, done.token_ids, done.finish_reason.name.lower(), done.seed) for done in completions]
+    _echo_completions(lm.model_id, prompts, rows, json_lines)
+
+
+def _echo_completions(model_id: str, prompts: List[str], rows: List[tuple], json_lines: bool) -> None:
+    """(text, token_ids, finish_reason, seed) per prompt, as JSON lines or as prompt + text."""
+    for prompt, (text, token_ids, finish_reason, seed) in zip(prompts, rows):
         if json_lines:
             typer.echo(json.dumps({
-                "model": lm.model_id,
+                "model": model_id,
                 "prompt": prompt,
-                "text": done.text,
-                "token_ids": done.token_ids,
-                "generated_tokens": len(done.token_ids),
-                "finish_reason": done.finish_reason.name.lower(),
-                "seed": done.seed,
+                "text": text,
+                "token_ids": token_ids,
+                "generated_tokens": len(token_ids),
+                "finish_reason": finish_reason,
+                "seed": seed,
             }))
         else:
-            typer.echo(prompt + done.text)
+            typer.echo(prompt + text)
             if len(prompts) > 1:
                 typer.echo("")
+
+
+def _chat_prompts(model: Optional[str], prompts: List[str]) -> List[str]:
+    """Each prompt as a one-message conversation rendered by the model's chat template; a model
+    without one (or a template that refuses the message) fails with the template's reason."""
+    from text_generation_server.chat_template import ChatTemplate, ChatTemplateMissing
+    from text_generation_server.utils.checkpoint import resolve_model
+
+    try:
+        template = ChatTemplate.load(resolve_model(model)[1])
+        return [template.render([{"role": "user", "content": p}]) for p in prompts]
+    except ChatTemplateMissing as exc:
+        fail(str(exc))
+        raise  # fail() exits; this keeps type checkers informed
+
+
+def _generate_remote(server: str, prompts: List[str], params: Any, client: Any,
+                     timeout_s: float, chat: bool = False) -> tuple[str, List[tuple]]:
+    """Every prompt sent at once (the server batches them); the model id from Info. chat: each
+    prompt is a user message sent to Chat."""
+    import grpc
+
+    from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+    from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+
+    try:
+        with client.channel(server) as channel:
+            stub = cpb_grpc.TextGenerationStub(channel)
+            if chat:
+                calls = [stub.Chat.future(cpb.ChatRequest(messages=[cpb.Message(role="user", content=p)],
+                                                          parameters=params),
+                                          timeout=timeout_s, metadata=client.metadata) for p in prompts]
+            else:
+                calls = [stub.Generate.future(cpb.GenerateRequest(inputs=p, parameters=params), timeout=timeout_s,
+                                              metadata=client.metadata) for p in prompts]
+            info = stub.Info(cpb.InfoRequest(), timeout=timeout_s, metadata=client.metadata)
+            responses = [call.result() for call in calls]
+    except ValueError as exc:  # an unreadable TLS file
+        fail(str(exc))
+    except grpc.RpcError as exc:
+        fail(f"{server}: {exc.code().name}: {exc.details()}", code=1)
+    rows = []
+    for resp in responses:
+        d = resp.details
+        reason = cpb.FinishReason.Name(d.finish_reason).removeprefix("FINISH_REASON_").lower()
+        rows.append((resp.generated_text, [t.id for t in d.tokens], reason, d.seed if d.HasField("seed") else None))
+    return info.model_id, rows
 
 
 @app.command()
@@ -202,7 +322,7 @@ def _tgi_name(ours: str) -> str:
 
 _SERVE_EPILOG = (
     "Every option can also be set by the environment variable shown; a flag given on the command "
-    "line wins. TGI launcher flags that mean nothing here (--revision, --speculate, --api-key, "
+    "line wins. TGI launcher flags that mean nothing here (--revision, --speculate, "
     "--lora-adapters, ...) are refused with the reason; harmless ones (--max-best-of, --usage-stats, "
     "--trust-remote-code, ...) are ignored with a warning."
 )
@@ -230,6 +350,33 @@ def serve(
         _SERVE_DEFAULTS.uds_path, "--uds-path", help="Shard sockets are {uds_path}-{rank}."
     ),
     shard_uds_path: Optional[str] = _env_option(None, "--shard-uds-path", help=_tgi_name("--uds-path")),
+    metrics_hostname: Optional[str] = _env_option(
+        None, "--metrics-hostname", help="Address of /metrics (default: --hostname's). It is plain HTTP."
+    ),
+    # -- who may call
+    api_key: List[str] = _env_option(
+        [], "--api-key", metavar="KEY",
+        help="Calls must send metadata 'authorization: Bearer KEY' (repeatable; API_KEY may hold several, "
+        "comma-separated, to rotate keys).",
+    ),
+    api_key_file: Optional[str] = _env_option(
+        None, "--api-key-file", help="API keys, one per line; re-read when it changes or on SIGHUP."
+    ),
+    api_key_protects_health: bool = _env_option(
+        False, "--api-key-protects-health",
+        help="Health and reflection need the key too (default: open, for probes).",
+    ),
+    tls_cert_path: Optional[str] = _env_option(
+        None, "--tls-cert-path",
+        help="PEM certificate chain: the client API speaks TLS. Re-read when it changes or on SIGHUP.",
+    ),
+    tls_key_path: Optional[str] = _env_option(
+        None, "--tls-key-path", help="PEM private key of --tls-cert-path (unencrypted)."
+    ),
+    tls_client_ca_path: Optional[str] = _env_option(
+        None, "--tls-client-ca-path",
+        help="PEM CA certificates: clients must present a certificate they signed (mutual TLS).",
+    ),
     # -- model and ranks
     num_shard: Optional[int] = _env_option(None, "--num-shard", help="Tensor-parallel ranks (default 1)."),
     sharded: Optional[str] = _env_option(
@@ -334,6 +481,10 @@ def serve(
     allow_dense_fallback: bool = _env_option(
         False, "--allow-dense-fallback",
         help="Let quantized layers with no CUDA kernel run dequantized (more memory) instead of failing.",
+    ),
+    disable_grammar_support: bool = _env_option(
+        False, "--disable-grammar-support",
+        help="Refuse requests with parameters.grammar (JSON schema / regex constrained output).",
     ),
     # -- lifecycle and logs
     drain_timeout_s: float = _env_option(
@@ -442,9 +593,48 @@ def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
         attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
         allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
         rank_stall_timeout_s=params["rank_stall_timeout_s"], model_impl=params["model_impl"],
+        disable_grammar_support=params["disable_grammar_support"],
+        api_keys=_api_keys(ctx), api_key_file=params["api_key_file"],
+        api_key_protects_health=params["api_key_protects_health"], tls_cert_path=params["tls_cert_path"],
+        tls_key_path=params["tls_key_path"], tls_client_ca_path=params["tls_client_ca_path"],
+        metrics_hostname=params["metrics_hostname"],
     )
     args.validate()
+    if not args.shard_only:
+        warnings += check_security_files(args)
     return dataclasses.replace(args, attention_backend=args.effective_attention_backend), warnings
+
+
+def _api_keys(ctx: typer.Context) -> list[str]:
+    """--api-key values, or API_KEY split on commas only: click splits a repeatable option's
+    variable on whitespace, which would turn a key with a space into two keys instead of an error."""
+    where = origin(ctx, "api_key")
+    values = ctx.params["api_key"]
+    if where.startswith("environment variable "):
+        values = [os.environ[where.removeprefix("environment variable ")]]
+    return parse_api_keys(values, where)
+
+
+def check_security_files(args: ServeArgs) -> list[str]:
+    """Reads the key file and the TLS files now, so a missing, empty or mismatched one is a
+    startup error naming it rather than a failure after warmup; returns warnings."""
+    warnings = []
+    if args.api_key_protects_health and not args.requires_api_key:  # here: the ranks' copy has no keys
+        raise ValueError("--api-key-protects-health needs --api-key or --api-key-file")
+    if args.requires_api_key or args.tls_cert_path is not None:
+        from text_generation_server.router.auth import api_keys
+        from text_generation_server.router.tls import load_tls, tls_files
+
+        api_keys(args)
+        files = tls_files(args)
+        if files is not None:
+            load_tls(files)
+    if args.requires_api_key and args.tls_cert_path is None and not is_loopback(args.hostname):
+        warnings.append(
+            f"API keys are checked on {args.hostname}, but the client API is plaintext: keys and prompts cross "
+            "the network readable; add --tls-cert-path/--tls-key-path or a TLS proxy"
+        )
+    return warnings
 
 
 def _serve_fail(message: str, ctx: typer.Context) -> None:
@@ -466,18 +656,30 @@ def health(
     port: int = typer.Option(_SERVE_DEFAULTS.port, "--port", min=1, max=65535, help="Port of the client gRPC API."),
     service: str = typer.Option("", "--service", help="Service to check ('' is the whole server)."),
     timeout_s: float = typer.Option(5.0, "--timeout-s", min=0.1, help="Give up (unhealthy) after this long."),
+    api_key: Optional[str] = _CLIENT_API_KEY,
+    api_key_file: Optional[str] = _CLIENT_API_KEY_FILE,
+    tls: bool = _CLIENT_TLS,
+    tls_ca_path: Optional[str] = _CLIENT_TLS_CA,
+    tls_client_cert_path: Optional[str] = _CLIENT_TLS_CERT,
+    tls_client_key_path: Optional[str] = _CLIENT_TLS_KEY,
+    tls_server_name: Optional[str] = _CLIENT_TLS_NAME,
 ) -> None:
     """Exit 0 when the server's grpc.health.v1 reports SERVING, else 1: a container HEALTHCHECK without grpcurl."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    host = f"[{hostname}]" if ":" in hostname and not hostname.startswith("[") else hostname
-    target = f"{host}:{port}"
+    from text_generation_server.client_channel import target as client_target
+
+    client = _client_options(api_key, api_key_file, tls, tls_ca_path, tls_client_cert_path, tls_client_key_path,
+                             tls_server_name)
+    target = client_target(hostname, port)
     try:
-        with grpc.insecure_channel(target) as channel:
+        with client.channel(target) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=client.metadata
             )
+    except ValueError as exc:  # an unreadable TLS file
+        fail(str(exc))
     except grpc.RpcError as exc:
         fail(f"{target}: health check failed: {exc.code().name}: {exc.details()}", code=1)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -5,7 +5,8 @@ rank processes. A rank that dies takes the whole server down within seconds,
 because the surviving ranks would block forever in their next collective; the
 orchestrator (systemd, Kubernetes) is the right place to restart. SIGTERM/SIGINT
 drain in-flight requests before the ranks are stopped; a second signal stops the
-ranks at once and exits with EXIT_INTERRUPTED.
+ranks at once and exits with EXIT_INTERRUPTED. SIGHUP stops nothing: it asks the
+router to re-read its API key file and TLS certificate files.
 
 Rank processes stay in the launcher's process group so Ctrl-C reaches the
 launcher; they ignore SIGINT themselves and wait for the launcher's SIGTERM, so a
@@ -96,7 +97,7 @@ def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence
     return asyncio.run(_Launch(args, run_router, startup_timeout_s).run())
 
 
-RunRouter = Callable[[ServeArgs, list[str], asyncio.Event], Awaitable[None]]
+RunRouter = Callable[[ServeArgs, list[str], asyncio.Event, asyncio.Event], Awaitable[None]]
 
 
 class _Launch:
@@ -108,6 +109,7 @@ class _Launch:
         self.startup_timeout_s = startup_timeout_s
         self.shutdown = asyncio.Event()  # first signal: drain
         self.forced = asyncio.Event()  # second signal: leave now
+        self.reload = asyncio.Event()  # SIGHUP: re-read the key and certificate files
         self.signals = 0
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -119,10 +121,15 @@ class _Launch:
             logger.warning("received {} again: forcing exit", sig.name)
             self.forced.set()
 
+    def _on_hangup(self) -> None:
+        logger.info("received SIGHUP: re-reading the API key file and TLS files (if any)")
+        self.reload.set()
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)  # its default action would kill us
         shards = ShardProcesses(self.args, free_port())
         code = 1
         try:
@@ -136,7 +143,7 @@ class _Launch:
         finally:
             grace = FORCED_STOP_GRACE_S if self.forced.is_set() or code != 0 else STOP_GRACE_S
             await shards.stop(grace, hurry=self.forced)
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             logger.info("stopped (exit code {})", code)
 
@@ -162,7 +169,7 @@ class _Launch:
 
     async def _serve(self, shards: ShardProcesses) -> int:
         urls = [f"unix://{shard_socket(self.args.uds_path, r)}" for r in range(self.args.num_shard)]
-        router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown), name="router")
+        router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown, self.reload), name="router")
         drain_deadline: float | None = None
         while not router.done():
             await asyncio.wait({router}, timeout=SUPERVISE_INTERVAL_S)

@@ -47,6 +47,9 @@ FAILURE_REASONS = ("validation", "overloaded", "unavailable", "dropped", "prefil
 # (enough requests waited), "wait_exceeded" (one waited max_waiting_tokens steps), "chunking"
 # (chunked prefill: every admission joins the running batch).
 CONCAT_REASONS = ("backpressure", "wait_exceeded", "chunking")
+# tgs_request_unauthenticated{reason}: calls refused for their API key (router/auth.py): no
+# `authorization` metadata, or one that is not a valid `Bearer <key>`.
+UNAUTHENTICATED_REASONS = ("missing", "invalid")
 
 
 class Metrics:
@@ -118,6 +121,9 @@ class Metrics:
 
         # -- ours ------------------------------------------------------------------------------
         self.request_cancelled = Counter("tgs_request_cancelled", "Requests cancelled by the client", registry=r)
+        self.request_unauthenticated = Counter(
+            "tgs_request_unauthenticated", "Calls refused for a missing or invalid API key, by reason", ["reason"],
+            registry=r)
         self.kv_blocks_used = Gauge("tgs_kv_blocks_used", "KV cache blocks held by requests", registry=r)
         self.kv_blocks_free = Gauge("tgs_kv_blocks_free", "KV cache blocks free", registry=r)
         self.kv_cache_usage = Gauge(
@@ -170,6 +176,8 @@ class Metrics:
             self.request_success.labels(finish_reason=reason)
         for err in FAILURE_REASONS:
             self.request_failure.labels(err=err)
+        for reason in UNAUTHENTICATED_REASONS:
+            self.request_unauthenticated.labels(reason=reason)
 
     def set_kv_blocks(self, used: int, free: int) -> None:
         """The KV gauges together (usable blocks = used + free; block 0 is reserved)."""

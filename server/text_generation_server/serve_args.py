@@ -59,6 +59,16 @@ class ServeArgs:
     cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
     rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
     model_impl: str = "auto"  # auto | native | transformers (models.MODEL_IMPLS)
+    disable_grammar_support: bool = False  # requests with parameters.grammar are refused (TGI's flag)
+    # Who may call the client API (router/auth.py, router/tls.py). The keys never leave the
+    # launcher: repr hides them and to_json (the ranks' copy) drops them.
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    api_key_file: str | None = None  # one key per line, re-read when it changes
+    api_key_protects_health: bool = False  # health and reflection need a key too
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    tls_client_ca_path: str | None = None  # mutual TLS: client certificates must chain to this CA
+    metrics_hostname: str | None = None  # None = where the client API listens (hostname)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -124,6 +134,20 @@ class ServeArgs:
                 f"--disable-custom-kernels rules out --attention-backend {self.attention_backend} "
                 f"(use {PORTABLE_ATTENTION_BACKEND})"
             )
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            missing = "--tls-cert-path" if self.tls_cert_path is None else "--tls-key-path"
+            raise ValueError(f"--tls-cert-path and --tls-key-path go together: {missing} is missing")
+        if self.tls_client_ca_path is not None and self.tls_cert_path is None:
+            raise ValueError("--tls-client-ca-path needs --tls-cert-path and --tls-key-path (mutual TLS is TLS)")
+
+    @property
+    def requires_api_key(self) -> bool:
+        return bool(self.api_keys) or self.api_key_file is not None
+
+    @property
+    def effective_metrics_hostname(self) -> str:
+        """Where /metrics listens: its own flag, else beside the client API."""
+        return self.metrics_hostname or self.hostname
 
     @property
     def effective_cuda_graphs(self) -> list[int]:
@@ -138,7 +162,9 @@ class ServeArgs:
         return self.attention_backend
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The settings as the ranks get them (in their environment), without the API keys:
+        ranks never check keys, and a process environment is readable by its user's tools."""
+        return json.dumps(dataclasses.asdict(dataclasses.replace(self, api_keys=[])))
 
     @classmethod
     def from_json(cls, text: str) -> "ServeArgs":

@@ -84,11 +84,11 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("rope_factor", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
     TgiFlag("lora_adapters", "LoRA adapters are not supported by this server", True),
     TgiFlag("otlp_endpoint", "OpenTelemetry export is not supported; use /metrics and --json-output logs", True),
-    TgiFlag("api_key", "this server checks no API key; put an authenticating proxy in front of it", True),
     TgiFlag("cors_allow_origin", "the client API is gRPC, not HTTP: CORS does not apply", True),
     TgiFlag("watermark_gamma", "watermarking is not supported by this server", True),
     TgiFlag("watermark_delta", "watermarking is not supported by this server", True),
-    TgiFlag("tokenizer_config_path", "no chat template is applied (the gRPC API takes raw prompts)", True),
+    TgiFlag("tokenizer_config_path", "the chat template is read from the model folder (chat_template.jinja or "
+            "tokenizer_config.json)", True),
     TgiFlag("weights_cache_override", "weights are read from MODEL_DIR; there is no weights cache", True),
     TgiFlag("ngrok", "ngrok tunnels are not supported; publish the gRPC port yourself", True, is_flag=True),
     TgiFlag("ngrok_authtoken", "ngrok tunnels are not supported; publish the gRPC port yourself", True),
@@ -109,8 +109,6 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("validation_workers", "ignored: requests are validated on the router's thread pool", False),
     TgiFlag("otlp_service_name", "ignored: no OpenTelemetry export", False),
     TgiFlag("usage_stats", "ignored: this server collects no usage statistics", False, quiet=("off",)),
-    TgiFlag("disable_grammar_support", "ignored: grammar-constrained generation is not supported anyway", False,
-            is_flag=True, quiet=("true",)),
     TgiFlag("enable_prefill_logprobs", "ignored: prompt logprobs (decoder_input_details) are always available",
             False, is_flag=True, quiet=("true",)),
 )
@@ -267,6 +265,37 @@ def resolve_num_shard(sharded: bool | None, num_shard: int | None, device: str |
     if count < 2:
         raise ValueError(f"--sharded true needs at least 2 CUDA devices, found {count}")
     return count
+
+
+def check_api_key(key: str, where: str) -> str:
+    """A key as gRPC metadata can carry it: printable ASCII, no spaces, no commas (the separator).
+    The error never quotes the key."""
+    if not key:
+        raise ValueError(f"{where}: an empty API key")
+    bad = sum(1 for c in key if not 0x21 <= ord(c) <= 0x7E or c == ",")
+    if bad:
+        raise ValueError(f"{where}: an API key may hold only printable ASCII without spaces or commas "
+                         f"({bad} other character(s) in one)")
+    return key
+
+
+def parse_api_keys(values: list[str], where: str) -> list[str]:
+    """--api-key values (repeatable) and API_KEY (TGI's; here several may be comma-separated, so
+    a new key can be added before the old one is retired) as one list of keys."""
+    keys = [check_api_key(part.strip(), where) for value in values for part in value.split(",") if part.strip()]
+    if values and not keys:
+        raise ValueError(f"{where}: no API key in it")
+    return keys
+
+
+def is_loopback(hostname: str) -> bool:
+    """True for an address only this machine can reach."""
+    if hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 def hostname_from_env(value: str) -> str | None:

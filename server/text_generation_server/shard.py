@@ -32,6 +32,7 @@ import grpc
 import torch
 from loguru import logger
 
+from text_generation_server.generation.grammar import GrammarError, GrammarSpec, GrammarType
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models.batch import Batch, OutOfBlocksError
 from text_generation_server.models.causal_lm import CausalLM
@@ -80,8 +81,13 @@ def _request_from_pb(req: pb.Request) -> GenerationRequest:
             parts.append(chunk.text)
         inputs = "".join(parts)
     p = req.parameters
-    if p.grammar or p.grammar_type:
-        raise ValueError(f"request {req.id}: grammar-constrained generation is not supported")
+    grammar = None
+    if p.grammar_type != pb.GRAMMAR_TYPE_NONE:  # NONE: `grammar` is ignored (the protocol's rule)
+        if p.grammar_type not in (pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX):
+            raise ValueError(f"request {req.id}: grammar_type {p.grammar_type} is not a GrammarType")
+        if not p.grammar:
+            raise ValueError(f"request {req.id}: grammar_type {pb.GrammarType.Name(p.grammar_type)} needs a grammar")
+        grammar = GrammarSpec(GrammarType(p.grammar_type), p.grammar)
     if p.logit_bias:
         raise ValueError(f"request {req.id}: logit_bias is not supported")
     sampling = SamplingParams(
@@ -93,6 +99,7 @@ def _request_from_pb(req: pb.Request) -> GenerationRequest:
         seed=p.seed,
         repetition_penalty=_or_default(p.repetition_penalty, 1.0),
         frequency_penalty=p.frequency_penalty,
+        grammar=grammar,
     ).with_tgi_sampling()  # TGI shards sample whenever a warper is set, whatever do_sample says
     s = req.stopping_parameters
     return GenerationRequest(
@@ -253,13 +260,19 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _requests(self, context, batch: pb.Batch) -> list[GenerationRequest]:
-        """The batch's requests, tokenized on a thread of their own: the model thread only runs steps."""
+        """The batch's requests, tokenized (and their grammars compiled) on a thread of their own: the
+        model thread only runs steps, and finds each grammar in the compiler's cache."""
         def convert() -> list[GenerationRequest]:
             requests = [request_from_pb(r) for r in batch.requests]
             for req in requests:
                 if req.input_ids is None:
                     req.input_ids = self.model.tokenizer.encode(
                         req.inputs, add_special_tokens=req.add_special_tokens).ids
+                if req.sampling.grammar is not None:
+                    try:
+                        self.model.builder.grammars.compile(req.sampling.grammar)
+                    except GrammarError as exc:
+                        raise RequestError(f"request {req.id}: grammar: {exc}") from exc
             return requests
 
         try:

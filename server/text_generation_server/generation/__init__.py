@@ -1,6 +1,7 @@
 """Token selection, stopping and streaming detokenisation, shared by every model's generate_token."""
 
 from text_generation_server.generation.detokenize import IncrementalDetokenizer
+from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
 from text_generation_server.generation.sampling import (
     HeterogeneousNextTokenChooser,
     SamplingParams,
@@ -11,6 +12,10 @@ from text_generation_server.generation.stopping import FinishReason, StoppingCri
 
 __all__ = [
     "FinishReason",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarSpec",
+    "GrammarType",
     "HeterogeneousNextTokenChooser",
     "IncrementalDetokenizer",
     "SamplingParams",

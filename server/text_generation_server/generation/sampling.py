@@ -3,9 +3,9 @@
 Every processor works on the whole batch at once with one tensor of per-row
 parameters; a row whose parameter is "off" passes through unchanged, so a request
 gets the same distribution whether it runs alone or beside others. The order is
-the one TGI uses: repetition penalty, frequency penalty, temperature, top-k,
-top-p, typical-p. Filters keep every token tied with the last one kept, so the
-result never depends on how a sort orders equal values.
+the one TGI uses: repetition penalty, frequency penalty, the grammar mask,
+temperature, top-k, top-p, typical-p. Filters keep every token tied with the last
+one kept, so the result never depends on how a sort orders equal values.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 from loguru import logger
 from torch import Tensor
+
+from text_generation_server.generation.grammar import GrammarMatcher, GrammarSpec, PendingMasks, apply_masks
 
 MAX_SEED = 2**64 - 1  # seeds travel as uint64 on the wire
 # Rows of [L, V] log-softmax computed at once by prefill_logprobs; bounds its memory.
@@ -35,6 +38,9 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    # Constrained output (a JSON schema or a regex); None: unconstrained. The chooser masks the
+    # logits with the row's GrammarMatcher, which the batch builder compiles from this.
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         """Fail early with the offending field, rather than with NaNs deep inside a batch."""
@@ -63,6 +69,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "a finite number > 0 (1 disables it)")
         if not real(self.frequency_penalty):
             raise bad("frequency_penalty", "a finite number (0 disables it)")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", "None or a GrammarSpec")
 
     def with_tgi_sampling(self) -> "SamplingParams":
         """These parameters as TGI's shard would run them: sampling whenever a warper is set.
@@ -206,18 +214,29 @@ def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
 class HeterogeneousNextTokenChooser:
     """Chooses the next token for every row of a batch whose rows have different parameters.
 
-    Each sampling row owns a torch.Generator seeded with its seed. filter() and
-    concatenate() hand the same generator objects to the new chooser, so a request
-    continues its own random stream across continuous-batching changes; the old
-    chooser must not be used after either call.
+    Each sampling row owns a torch.Generator seeded with its seed, and each row with a
+    grammar its GrammarMatcher. filter() and concatenate() hand the same generator and
+    matcher objects to the new chooser, so a request continues its own random stream and
+    grammar across continuous-batching changes; the old chooser must not be used after
+    either call.
     """
 
-    def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
+    def __init__(self, params: list[SamplingParams], device: torch.device,
+                 matchers: Sequence[GrammarMatcher | None] | None = None) -> None:
+        """matchers: one per row, compiled from the row's `grammar` (GrammarCompiler.matcher);
+        None where the row has none. Omitted: no row may have a grammar."""
         for index, row in enumerate(params):
             try:
                 row.validate()
             except ValueError as error:
                 raise ValueError(f"request {index} in batch: {error}") from error
+        if matchers is None:
+            matchers = [None] * len(params)
+        if len(matchers) != len(params):
+            raise ValueError(f"{len(matchers)} grammar matchers for {len(params)} rows")
+        for index, (row, matcher) in enumerate(zip(params, matchers)):
+            if (row.grammar is None) != (matcher is None):
+                raise ValueError(f"request {index} in batch: a grammar needs its matcher, and only it has one")
         seeds: list[int] = []
         generators: list[torch.Generator | None] = []
         for row in params:
@@ -232,7 +251,7 @@ class HeterogeneousNextTokenChooser:
                 generator = None
             seeds.append(seed)
             generators.append(generator)
-        self._setup(list(params), seeds, generators, torch.device(device))
+        self._setup(list(params), seeds, generators, list(matchers), torch.device(device))
 
     @classmethod
     def _from_parts(
@@ -240,10 +259,11 @@ class HeterogeneousNextTokenChooser:
         params: list[SamplingParams],
         seeds: list[int],
         generators: list[torch.Generator | None],
+        matchers: list[GrammarMatcher | None],
         device: torch.device,
     ) -> "HeterogeneousNextTokenChooser":
         chooser = cls.__new__(cls)
-        chooser._setup(params, seeds, generators, device)
+        chooser._setup(params, seeds, generators, matchers, device)
         return chooser
 
     def _setup(
@@ -251,12 +271,15 @@ class HeterogeneousNextTokenChooser:
         params: list[SamplingParams],
         seeds: list[int],
         generators: list[torch.Generator | None],
+        matchers: list[GrammarMatcher | None],
         device: torch.device,
     ) -> None:
         self.device = device
         self._params = params
         self._seeds = seeds
         self._generators = generators
+        self._matchers = matchers
+        self._grammar_rows = [i for i, m in enumerate(matchers) if m is not None]
 
         def column(name: str, off: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
             values = [getattr(row, name) for row in params]
@@ -291,13 +314,29 @@ class HeterogeneousNextTokenChooser:
         """The seed each row used (drawn ones included, so clients can replay); 0 for unseeded greedy rows."""
         return list(self._seeds)
 
-    def __call__(self, scores: Tensor, history: Tensor, history_lengths: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def matchers(self) -> list[GrammarMatcher | None]:
+        """Each row's grammar matcher (None: unconstrained), for GrammarCompiler.start_masks."""
+        return list(self._matchers)
+
+    def accept(self, tokens: list[int]) -> list[bool] | None:
+        """Advances every row's grammar by the token it was given; per row, whether its grammar is
+        now complete (the request must end). None when no row has a grammar."""
+        if not self._grammar_rows:
+            return None
+        if len(tokens) != len(self._params):
+            raise ValueError(f"{len(tokens)} tokens for a batch of {len(self._params)}")
+        return [matcher is not None and matcher.accept(token) for matcher, token in zip(self._matchers, tokens)]
+
+    def __call__(self, scores: Tensor, history: Tensor, history_lengths: Tensor,
+                 masks: PendingMasks | None = None) -> tuple[Tensor, Tensor]:
         """Process the batch's last-position logits and pick one token per row.
 
         scores: [B, V] logits; history: [B, T] token ids, right-padded with any
-        value; history_lengths: [B] valid lengths. Returns next_ids [B] int64 and
-        logprobs [B, V] float32, the log-softmax of the processed scores (filtered
-        tokens are -inf).
+        value; history_lengths: [B] valid lengths; masks: the grammar rows' next-token
+        masks (GrammarCompiler.start_masks on this chooser's matchers, computed while the
+        forward ran). Returns next_ids [B] int64 and logprobs [B, V] float32, the
+        log-softmax of the processed scores (filtered tokens are -inf).
         """
         batch = len(self._params)
         if scores.dim() != 2 or scores.shape[0] != batch:
@@ -314,6 +353,11 @@ class HeterogeneousNextTokenChooser:
             scores = apply_repetition_penalty(scores, history, history_lengths, self._repetition)
         if self._frequency is not None:
             scores = apply_frequency_penalty(scores, history, history_lengths, self._frequency)
+        if masks is not None:
+            # Before the warpers, so top-k/top-p/typical-p choose among allowed tokens (TGI's order).
+            scores = apply_masks(scores, masks)
+        elif self._grammar_rows:
+            raise ValueError("rows with a grammar need their masks (GrammarCompiler.start_masks)")
         if self._temperature is not None:
             scores = apply_temperature(scores, self._temperature)
         if self._top_k is not None:
@@ -354,13 +398,16 @@ class HeterogeneousNextTokenChooser:
             [self._params[i] for i in indices],
             [self._seeds[i] for i in indices],
             [self._generators[i] for i in indices],
+            [self._matchers[i] for i in indices],
             self.device,
         )
 
     def fork(self, indices: list[int]) -> "HeterogeneousNextTokenChooser":
-        """Like `filter`, but with copied generators: draws on the fork leave this chooser's
-        random streams where they were, so a step computed ahead can be thrown away."""
+        """Like `filter`, but with copied generators and grammar matchers: draws and tokens on the
+        fork leave this chooser's random streams and grammars where they were, so a step computed
+        ahead can be thrown away."""
         forked = self.filter(indices)
+        forked._matchers = [None if m is None else m.fork() for m in forked._matchers]
         generators = []
         for generator in forked._generators:
             if generator is None:
@@ -384,6 +431,7 @@ class HeterogeneousNextTokenChooser:
             [row for chooser in choosers for row in chooser._params],
             [seed for chooser in choosers for seed in chooser._seeds],
             [generator for chooser in choosers for generator in chooser._generators],
+            [matcher for chooser in choosers for matcher in chooser._matchers],
             choosers[0].device,
         )
 

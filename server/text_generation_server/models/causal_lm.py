@@ -20,6 +20,7 @@ from loguru import logger
 from tokenizers import Tokenizer
 
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache
+from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.models.batch_builder import BatchBuilder
@@ -175,10 +176,17 @@ class CausalLM:
         """One forward over the batch: decoding requests get their next token; requests still
         prefilling compute their next prompt chunk and get a token only with their last one."""
         start = time.perf_counter_ns()
-        if batch.prefilling or (self._rope_switch is not None and any(map(self._recomputes, batch.states))):
-            logits, emit, prompt_spans = self._prefill_forward(batch)
-        else:
-            logits, emit, prompt_spans = self._decode_forward(batch), None, []
+        # Grammar rows' masks fill on the compiler's worker while the forward runs.
+        masks = self.builder.grammar_masks(batch.chooser)
+        try:
+            if batch.prefilling or (self._rope_switch is not None and any(map(self._recomputes, batch.states))):
+                logits, emit, prompt_spans = self._prefill_forward(batch)
+            else:
+                logits, emit, prompt_spans = self._decode_forward(batch), None, []
+        except BaseException:
+            if masks is not None:
+                masks.done()  # the worker must let go of the matchers before anyone else steps them
+            raise
         forward_done = time.perf_counter_ns()
 
         if self._text_vocab < logits.shape[-1]:
@@ -192,7 +200,8 @@ class CausalLM:
             chooser = batch.chooser.filter(emit)
             history = batch.history.index_select(0, emit_rows)
             lengths = batch.history_lengths.index_select(0, emit_rows)
-        next_ids, logprobs = chooser(logits, history, lengths)
+            masks = masks.select(emit) if masks is not None else None
+        next_ids, logprobs = chooser(logits, history, lengths, masks)
         rows = torch.arange(len(next_ids), device=next_ids.device)
         if emit_rows is None:
             batch.history[rows, lengths] = next_ids
@@ -204,6 +213,7 @@ class CausalLM:
         top_n = [s.request.top_n_tokens for s in emitting]
         next_list, chosen_logprobs, tops, prompt_lps = self._to_host(next_ids, logprobs, top_n, prompt_spans)
         seeds = chooser.seeds
+        grammar_complete = chooser.accept(next_list)  # None without grammar rows
 
         self._advance_prompts(batch, prompt_spans, prompt_lps)
         generations: list[Generation] = []
@@ -212,6 +222,9 @@ class CausalLM:
             state.length += 1
             text = state.detokenizer.step(token)
             stop, reason = state.stopping(token, text)
+            if not stop and grammar_complete is not None and grammar_complete[i]:
+                # Nothing can follow: the output is a complete document (EOS is all the mask allows).
+                stop, reason = True, FinishReason.EOS_TOKEN
             if stop:
                 text += state.detokenizer.flush()
             gen = Generation(

@@ -16,12 +16,14 @@ from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+from text_generation_server.router.auth import ApiKeyInterceptor, ApiKeys, api_keys
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
 from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.block_pool import BlockPool
 from text_generation_server.router.scheduler import Scheduler, SchedulerLimits
 from text_generation_server.router.service import MalformedRequestInterceptor, TextGenerationService
+from text_generation_server.router.tls import CertificateStore, tls_files
 from text_generation_server.router.validation import Limits
 from text_generation_server.serve_args import ServeArgs
 from text_generation_server.utils.checkpoint import Checkpoint
@@ -80,7 +82,45 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int) -> spb.Batch:
     return spb.Batch(id=0, requests=requests, size=len(requests), max_tokens=0, max_blocks=0)
 
 
-async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event) -> None:
+def load_security(args: ServeArgs) -> tuple[ApiKeys | None, CertificateStore | None]:
+    """The API keys and the certificate store of the client port, read before the (slow) warmup
+    so a bad file stops startup at once."""
+    try:
+        keys = api_keys(args)
+        files = tls_files(args)
+        return keys, (CertificateStore(files) if files is not None else None)
+    except ValueError as exc:  # ApiKeyError, TlsError: the message names the file
+        raise RouterError(str(exc)) from None
+
+
+def describe_security(keys: ApiKeys | None, tls: CertificateStore | None, protect_health: bool) -> str:
+    """One phrase for the startup log: what a caller needs."""
+    transport = "plaintext" if tls is None else ("mutual TLS" if tls.mutual else "TLS")
+    if keys is None:
+        return f"{transport}, no API key"
+    scope = "every service" if protect_health else "all but health and reflection"
+    return f"{transport}, API key ({len(keys)} accepted) on {scope}"
+
+
+async def reload_on_request(reload: asyncio.Event, keys: ApiKeys | None, tls: CertificateStore | None) -> None:
+    """Re-reads the key file and the TLS files each time `reload` is set (the launcher's SIGHUP).
+    Changes are picked up without it too (by their stat); this forces a read."""
+    while True:
+        await reload.wait()
+        reload.clear()
+        if keys is not None:
+            keys.refresh(force=True)
+        if tls is not None:
+            await asyncio.to_thread(tls.refresh, True)
+
+
+async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event,
+                     reload: asyncio.Event | None = None) -> None:
+    """Serves the client API over the shards at `shard_urls` until `shutdown` is set, then drains.
+
+    `reload` (set by the launcher on SIGHUP) re-reads the API key file and the TLS files.
+    """
+    keys, tls = load_security(args)
     checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
     qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
     _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config,
@@ -92,6 +132,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     server = None
     scheduler = None
     monitor = None
+    reloader = None
     try:
         await client.clear_cache()
         info = await client.info()
@@ -136,32 +177,44 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             model_impl=await client.model_impl(), prefix_caching=prefix_caching,
             chunked_prefill=info.support_chunking,
         )
-        server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if keys is not None:  # first: a call without a key goes no further
+            interceptors.insert(0, ApiKeyInterceptor(keys, metrics, protect_health=args.api_key_protects_health))
+        server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", args.max_message_bytes),
             ("grpc.max_send_message_length", max(args.max_message_bytes, 64 * 2**20)),
         ])
         cpb_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics), server
+            TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics,
+                                  model_folder=checkpoint.folder, eos_token_ids=checkpoint.eos_token_ids,
+                                  grammar_support=not getattr(args, "disable_grammar_support", False)), server
         )
         health = RouterHealth(["", SERVICE_NAME])
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         enable_reflection(server, [SERVICE_NAME, HEALTH_SERVICE_NAME])
         address = f"{args.hostname}:{args.port}"
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
         if port == 0:
             raise RouterError(f"cannot listen on {address} (port in use?)")
         await server.start()
+        metrics_host = args.effective_metrics_hostname
         try:
-            metrics_server = metrics.serve(args.metrics_port, addr=args.hostname)
+            metrics_server = metrics.serve(args.metrics_port, addr=metrics_host)
         except OSError as exc:
-            raise RouterError(f"cannot serve metrics on {args.hostname}:{args.metrics_port}: {exc}") from exc
+            raise RouterError(f"cannot serve metrics on {metrics_host}:{args.metrics_port}: {exc}") from exc
+        if reload is not None and (keys is not None or tls is not None):
+            reloader = asyncio.create_task(reload_on_request(reload, keys, tls), name="reload-on-sighup")
         await health.update(started=True)
         monitor = ShardHealthMonitor(client, health, metrics,
                                      interval_s=getattr(args, "shard_health_interval_s", 5.0),
                                      timeout_s=getattr(args, "shard_health_timeout_s", 5.0))
         monitor.start()
-        logger.info("serving gRPC on {}:{}, metrics on http://{}:{}/metrics", args.hostname, port,
-                    args.hostname, metrics_server.server_port)
+        logger.info("serving gRPC on {}:{} ({}), metrics on http://{}:{}/metrics", args.hostname, port,
+                    describe_security(keys, tls, args.api_key_protects_health), metrics_host,
+                    metrics_server.server_port)
 
         await shutdown.wait()
         logger.info("shutting down: no new requests; draining {} in flight", scheduler.inflight)
@@ -173,6 +226,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         if scheduler.inflight:
             logger.warning("drain timeout: {} requests still in flight are cancelled", scheduler.inflight)
     finally:
+        if reloader is not None:
+            reloader.cancel()
         if monitor is not None:
             await monitor.stop()
         if scheduler is not None:

@@ -1,17 +1,32 @@
-"""The client API (text_generation.v1.TextGeneration) on top of the scheduler."""
+"""The client API (text_generation.v1.TextGeneration) on top of the scheduler.
+
+Chat and ChatStream are Generate and GenerateStream on the prompt the model's chat template
+renders from the messages (text_generation_server.chat_template), tokenized without adding
+special tokens again (the template wrote them), as transformers' apply_chat_template does.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
+import threading
 import time
+from pathlib import Path
+from typing import Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
 from loguru import logger
 from tokenizers import Tokenizer
 
+from text_generation_server.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateMissing,
+    load_chat_template,
+)
+from text_generation_server.generation.grammar import GrammarCompiler
 from text_generation_server.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -32,18 +47,43 @@ def _tokens(t: spb.Tokens) -> list[cpb.Token]:
 
 class TextGenerationService(cpb_grpc.TextGenerationServicer):
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: Limits, info: cpb.InfoResponse,
-                 metrics: Metrics):
+                 metrics: Metrics, *, model_folder: Path | None = None, eos_token_ids: Iterable[int] = (),
+                 grammar_support: bool = True):
+        """model_folder: where the chat template is read from (None: Chat is unavailable).
+        eos_token_ids: the tokens that end a grammar's output. grammar_support: False refuses
+        requests with a grammar (--disable-grammar-support)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
         self.info = info
         self.metrics = metrics
+        self.chat_template: ChatTemplate | None = None
+        self.chat_unavailable = "the server was started without a model folder to read a chat template from"
+        if model_folder is not None:
+            self.chat_template, self.chat_unavailable = load_chat_template(model_folder)
+        self.grammar_support = grammar_support
+        self._eos_token_ids = set(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
-    async def _submit(self, request: cpb.GenerateRequest, context) -> Entry:
+    def _grammar_compiler(self, request: cpb.GenerateRequest) -> GrammarCompiler | None:
+        """The tokenizer's grammar compiler, built by the first request with a grammar (reading
+        a large vocabulary into llguidance takes about a second); None when grammars are off."""
+        if not self.grammar_support or not request.parameters.HasField("grammar"):
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self._eos_token_ids)
+            return self._grammars
+
+    def _validate(self, request: cpb.GenerateRequest, add_special_tokens: bool = True):
+        return validate(request, self.tokenizer, self.limits, self._grammar_compiler(request), add_special_tokens)
+
+    async def _submit(self, request: cpb.GenerateRequest, context, add_special_tokens: bool = True) -> Entry:
         self.metrics.request_count.inc()
         started = time.monotonic()
         try:
-            valid = await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+            valid = await asyncio.to_thread(self._validate, request, add_special_tokens)
         except ValidationError as exc:
             self.metrics.request_failure.labels(err="validation").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -106,7 +146,9 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         return details
 
     async def Generate(self, request, context):
-        entry = await self._submit(request, context)
+        return await self._generate(await self._submit(request, context), context)
+
+    async def _generate(self, entry: Entry, context) -> cpb.GenerateResponse:
         gens = [g async for g in self._events(entry, context)]
         response = cpb.GenerateResponse(generated_text=gens[-1].generated_text.text)
         if entry.request.details:  # the contract: Details only when asked for
@@ -114,7 +156,50 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         return response
 
     async def GenerateStream(self, request, context):
-        entry = await self._submit(request, context)
+        async for msg in self._stream(await self._submit(request, context), context):
+            yield msg
+
+    async def Chat(self, request, context):
+        return await self._generate(await self._submit_chat(request, context), context)
+
+    async def ChatStream(self, request, context):
+        async for msg in self._stream(await self._submit_chat(request, context), context):
+            yield msg
+
+    async def _submit_chat(self, request: cpb.ChatRequest, context) -> Entry:
+        """The conversation rendered by the chat template, then queued as a Generate of that prompt."""
+        try:
+            if self.chat_template is None:
+                raise ChatTemplateMissing(self.chat_unavailable)
+            prompt = await asyncio.to_thread(self._render_chat, self.chat_template, request)
+        except ChatTemplateMissing as exc:  # the server's lack, not the request's fault
+            self._count_refused()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (ValidationError, ChatTemplateError) as exc:
+            self._count_refused()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        generate = cpb.GenerateRequest(inputs=prompt, parameters=request.parameters)
+        return await self._submit(generate, context, add_special_tokens=False)
+
+    def _count_refused(self) -> None:
+        """A chat refused before it became a Generate counts as a request that failed validation."""
+        self.metrics.request_count.inc()
+        self.metrics.request_failure.labels(err="validation").inc()
+
+    def _render_chat(self, template: ChatTemplate, request: cpb.ChatRequest) -> str:
+        if not request.messages:
+            raise ValidationError("messages must hold at least one message")
+        chars = 0
+        for i, message in enumerate(request.messages):
+            if not message.role:
+                raise ValidationError(f"messages[{i}].role must not be empty")
+            chars += len(message.content)
+        if chars > self.limits.max_input_chars:  # before rendering: the template may repeat them
+            raise ValidationError(
+                f"messages have {chars} characters, more than the limit of {self.limits.max_input_chars}")
+        return template.render([{"role": m.role, "content": m.content} for m in request.messages])
+
+    async def _stream(self, entry: Entry, context):
         gens: list[spb.Generation] = []
         async for g in self._events(entry, context):
             gens.append(g)

@@ -13,12 +13,18 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
 
 class ValidationError(ValueError):
     pass
+
+
+# Why a grammar is refused when the server runs without grammar support (the flag is named so an
+# operator knows what to change).
+GRAMMAR_DISABLED = "grammar-constrained generation is disabled on this server (--disable-grammar-support)"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class ValidRequest:
     decoder_input_details: bool
     top_n_tokens: int
     ignore_eos_token: bool = False
+    # False for a chat prompt: the template wrote the special tokens already.
+    add_special_tokens: bool = True
 
     def to_shard(self, request_id: int, blocks: list[int], slots: list[int], cache_len: int = 0,
                  chunk_len: int | None = None) -> spb.Request:
@@ -61,7 +69,7 @@ class ValidRequest:
             top_n_tokens=self.top_n_tokens,
             blocks=blocks,
             slots=slots,
-            add_special_tokens=True,
+            add_special_tokens=self.add_special_tokens,
             cache_len=cache_len,
             input_ids=self.input_ids,
         )
@@ -83,8 +91,36 @@ def _positive_float(p: cpb.GenerateParameters, name: str, upper: float | None = 
     return value
 
 
-def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
-    """Checks every field; tokenizes once to know the input length. Runs off the event loop."""
+def _grammar(p: cpb.GenerateParameters, grammars: GrammarCompiler | None) -> GrammarSpec | None:
+    """The request's grammar, compiled here so that an invalid one never reaches a shard (the
+    compiled grammar is cached, so this costs a lookup for schemas seen before)."""
+    if not p.HasField("grammar"):
+        return None
+    if grammars is None:
+        raise ValidationError(f"parameters.grammar: {GRAMMAR_DISABLED}")
+    g = p.grammar
+    if g.type not in (cpb.GRAMMAR_TYPE_JSON, cpb.GRAMMAR_TYPE_REGEX):
+        raise ValidationError(
+            f"parameters.grammar.type must be GRAMMAR_TYPE_JSON or GRAMMAR_TYPE_REGEX, got "
+            f"{cpb.GrammarType.Name(g.type) if g.type in cpb.GrammarType.values() else g.type}"
+        )
+    spec = GrammarSpec(GrammarType(g.type), g.value)
+    if not g.value:
+        raise ValidationError(f"parameters.grammar.value must hold the {spec.describe()}, got an empty string")
+    try:
+        grammars.compile(spec)
+    except GrammarError as exc:
+        raise ValidationError(f"parameters.grammar.value: {exc}") from None
+    return spec
+
+
+def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
+             grammars: GrammarCompiler | None = None, add_special_tokens: bool = True) -> ValidRequest:
+    """Checks every field; tokenizes once to know the input length. Runs off the event loop.
+
+    grammars: the tokenizer's compiler, which checks a request's grammar; None refuses any
+    grammar (--disable-grammar-support). add_special_tokens: False for a prompt rendered by
+    a chat template, which holds its special tokens already."""
     inputs = request.inputs
     if not inputs:
         raise ValidationError("inputs must not be empty")
@@ -137,7 +173,8 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
                 f"parameters.truncate must be <= max_input_tokens ({limits.max_input_tokens}), got {p.truncate}"
             )
         truncate = p.truncate
-    ids = tokenizer.encode(inputs, add_special_tokens=True).ids
+    grammar = _grammar(p, grammars)
+    ids = tokenizer.encode(inputs, add_special_tokens=add_special_tokens).ids
     if truncate is not None and len(ids) > truncate:
         ids = ids[-truncate:]  # keep the end, as the shards do
     length = len(ids)
@@ -172,6 +209,9 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         seed=seed,
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
         frequency_penalty=frequency_penalty,
+        # generate.v3's GrammarType has the same numbers as ours (GrammarType's values)
+        grammar=grammar.value if grammar is not None else "",
+        grammar_type=spb.GrammarType.Name(grammar.type.value) if grammar is not None else "GRAMMAR_TYPE_NONE",
     )
     return ValidRequest(
         inputs=inputs,
@@ -185,4 +225,5 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         decoder_input_details=decoder_input_details,
         top_n_tokens=p.top_n_tokens if p.HasField("top_n_tokens") else 0,
         ignore_eos_token=p.ignore_eos_token if p.HasField("ignore_eos_token") else False,
+        add_special_tokens=add_special_tokens,
     )

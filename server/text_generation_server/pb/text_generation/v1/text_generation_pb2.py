@@ -25,41 +25,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(text_generation/v1/text_generation.proto\x12\x12text_generation.v1\"]\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12:\n\nparameters\x18\x02 \x01(\x0b\x32&.text_generation.v1.GenerateParameters\"\xf2\x04\n\x12GenerateParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\ttypical_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x16\n\tdo_sample\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08truncate\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x14\n\x07\x64\x65tails\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\"\n\x15\x64\x65\x63oder_input_details\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x19\n\x0ctop_n_tokens\x18\x0e \x01(\rH\x0c\x88\x01\x01\x12\x1d\n\x10ignore_eos_token\x18\x0f \x01(\x08H\r\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x0c\n\n_do_sampleB\x07\n\x05_seedB\x0b\n\t_truncateB\n\n\x08_detailsB\x18\n\x16_decoder_input_detailsB\x0f\n\r_top_n_tokensB\x13\n\x11_ignore_eos_token\"C\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\"J\n\x0cPrefillToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"6\n\tTopTokens\x12)\n\x06tokens\x18\x01 \x03(\x0b\x32\x19.text_generation.v1.Token\"\x89\x02\n\x07\x44\x65tails\x12\x37\n\rfinish_reason\x18\x01 \x01(\x0e\x32 .text_generation.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x31\n\x07prefill\x18\x04 \x03(\x0b\x32 .text_generation.v1.PrefillToken\x12)\n\x06tokens\x18\x05 \x03(\x0b\x32\x19.text_generation.v1.Token\x12\x31\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x1d.text_generation.v1.TopTokensB\x07\n\x05_seed\"X\n\x10GenerateResponse\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12,\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x1b.text_generation.v1.Details\"\xe0\x01\n\x16GenerateStreamResponse\x12(\n\x05token\x18\x01 \x01(\x0b\x32\x19.text_generation.v1.Token\x12-\n\ntop_tokens\x18\x02 \x03(\x0b\x32\x19.text_generation.v1.Token\x12\x1b\n\x0egenerated_text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x07\x64\x65tails\x18\x04 \x01(\x0b\x32\x1b.text_generation.v1.DetailsH\x01\x88\x01\x01\x42\x11\n\x0f_generated_textB\n\n\x08_details\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"C\n\x10TokenizeResponse\x12/\n\x06tokens\x18\x01 \x03(\x0b\x32\x1f.text_generation.v1.SimpleToken\"\r\n\x0bInfoRequest\"\xbe\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x19\n\x11model_device_type\x18\x03 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x06 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x07 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x08 \x01(\r\x12 \n\x18max_batch_prefill_tokens\x18\t \x01(\r\x12\x11\n\tnum_shard\x18\n \x01(\r\x12\x10\n\x08quantize\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x0f\n\x07kernels\x18\x0e \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x16\n\x0eprefix_caching\x18\x10 \x01(\x08\x12\x17\n\x0f\x63hunked_prefill\x18\x11 \x01(\x08\x12\x12\n\nmodel_impl\x18\x12 \x01(\t*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xee\x02\n\x0eTextGeneration\x12U\n\x08Generate\x12#.text_generation.v1.GenerateRequest\x1a$.text_generation.v1.GenerateResponse\x12\x63\n\x0eGenerateStream\x12#.text_generation.v1.GenerateRequest\x1a*.text_generation.v1.GenerateStreamResponse0\x01\x12U\n\x08Tokenize\x12#.text_generation.v1.TokenizeRequest\x1a$.text_generation.v1.TokenizeResponse\x12I\n\x04Info\x12\x1f.text_generation.v1.InfoRequest\x1a .text_generation.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(text_generation/v1/text_generation.proto\x12\x12text_generation.v1\"]\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12:\n\nparameters\x18\x02 \x01(\x0b\x32&.text_generation.v1.GenerateParameters\"\xa0\x05\n\x12GenerateParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\ttypical_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x16\n\tdo_sample\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08truncate\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x14\n\x07\x64\x65tails\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\"\n\x15\x64\x65\x63oder_input_details\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x19\n\x0ctop_n_tokens\x18\x0e \x01(\rH\x0c\x88\x01\x01\x12\x1d\n\x10ignore_eos_token\x18\x0f \x01(\x08H\r\x88\x01\x01\x12,\n\x07grammar\x18\x10 \x01(\x0b\x32\x1b.text_generation.v1.GrammarB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x0c\n\n_do_sampleB\x07\n\x05_seedB\x0b\n\t_truncateB\n\n\x08_detailsB\x18\n\x16_decoder_input_detailsB\x0f\n\r_top_n_tokensB\x13\n\x11_ignore_eos_token\"G\n\x07Grammar\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.text_generation.v1.GrammarType\x12\r\n\x05value\x18\x02 \x01(\t\"C\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\"J\n\x0cPrefillToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"6\n\tTopTokens\x12)\n\x06tokens\x18\x01 \x03(\x0b\x32\x19.text_generation.v1.Token\"\x89\x02\n\x07\x44\x65tails\x12\x37\n\rfinish_reason\x18\x01 \x01(\x0e\x32 .text_generation.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x31\n\x07prefill\x18\x04 \x03(\x0b\x32 .text_generation.v1.PrefillToken\x12)\n\x06tokens\x18\x05 \x03(\x0b\x32\x19.text_generation.v1.Token\x12\x31\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x1d.text_generation.v1.TopTokensB\x07\n\x05_seed\"X\n\x10GenerateResponse\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12,\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x1b.text_generation.v1.Details\"\xe0\x01\n\x16GenerateStreamResponse\x12(\n\x05token\x18\x01 \x01(\x0b\x32\x19.text_generation.v1.Token\x12-\n\ntop_tokens\x18\x02 \x03(\x0b\x32\x19.text_generation.v1.Token\x12\x1b\n\x0egenerated_text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x07\x64\x65tails\x18\x04 \x01(\x0b\x32\x1b.text_generation.v1.DetailsH\x01\x88\x01\x01\x42\x11\n\x0f_generated_textB\n\n\x08_details\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0b\x43hatRequest\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.text_generation.v1.Message\x12:\n\nparameters\x18\x02 \x01(\x0b\x32&.text_generation.v1.GenerateParameters\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"C\n\x10TokenizeResponse\x12/\n\x06tokens\x18\x01 \x03(\x0b\x32\x1f.text_generation.v1.SimpleToken\"\r\n\x0bInfoRequest\"\xbe\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x19\n\x11model_device_type\x18\x03 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x06 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x07 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x08 \x01(\r\x12 \n\x18max_batch_prefill_tokens\x18\t \x01(\r\x12\x11\n\tnum_shard\x18\n \x01(\r\x12\x10\n\x08quantize\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x0f\n\x07kernels\x18\x0e \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x16\n\x0eprefix_caching\x18\x10 \x01(\x08\x12\x17\n\x0f\x63hunked_prefill\x18\x11 \x01(\x08\x12\x12\n\nmodel_impl\x18\x12 \x01(\t*Z\n\x0bGrammarType\x12\x1c\n\x18GRAMMAR_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11GRAMMAR_TYPE_JSON\x10\x01\x12\x16\n\x12GRAMMAR_TYPE_REGEX\x10\x02*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x9a\x04\n\x0eTextGeneration\x12U\n\x08Generate\x12#.text_generation.v1.GenerateRequest\x1a$.text_generation.v1.GenerateResponse\x12\x63\n\x0eGenerateStream\x12#.text_generation.v1.GenerateRequest\x1a*.text_generation.v1.GenerateStreamResponse0\x01\x12U\n\x08Tokenize\x12#.text_generation.v1.TokenizeRequest\x1a$.text_generation.v1.TokenizeResponse\x12I\n\x04Info\x12\x1f.text_generation.v1.InfoRequest\x1a .text_generation.v1.InfoResponse\x12M\n\x04\x43hat\x12\x1f.text_generation.v1.ChatRequest\x1a$.text_generation.v1.GenerateResponse\x12[\n\nChatStream\x12\x1f.text_generation.v1.ChatRequest\x1a*.text_generation.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'text_generation_server.pb.text_generation.v1.text_generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2269
-  _globals['_FINISHREASON']._serialized_end=2402
+  _globals['_GRAMMARTYPE']._serialized_start=2551
+  _globals['_GRAMMARTYPE']._serialized_end=2641
+  _globals['_FINISHREASON']._serialized_start=2644
+  _globals['_FINISHREASON']._serialized_end=2777
   _globals['_GENERATEREQUEST']._serialized_start=64
   _globals['_GENERATEREQUEST']._serialized_end=157
   _globals['_GENERATEPARAMETERS']._serialized_start=160
-  _globals['_GENERATEPARAMETERS']._serialized_end=786
-  _globals['_TOKEN']._serialized_start=788
-  _globals['_TOKEN']._serialized_end=855
-  _globals['_PREFILLTOKEN']._serialized_start=857
-  _globals['_PREFILLTOKEN']._serialized_end=931
-  _globals['_TOPTOKENS']._serialized_start=933
-  _globals['_TOPTOKENS']._serialized_end=987
-  _globals['_DETAILS']._serialized_start=990
-  _globals['_DETAILS']._serialized_end=1255
-  _globals['_GENERATERESPONSE']._serialized_start=1257
-  _globals['_GENERATERESPONSE']._serialized_end=1345
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1348
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1572
-  _globals['_TOKENIZEREQUEST']._serialized_start=1574
-  _globals['_TOKENIZEREQUEST']._serialized_end=1663
-  _globals['_SIMPLETOKEN']._serialized_start=1665
-  _globals['_SIMPLETOKEN']._serialized_end=1733
-  _globals['_TOKENIZERESPONSE']._serialized_start=1735
-  _globals['_TOKENIZERESPONSE']._serialized_end=1802
-  _globals['_INFOREQUEST']._serialized_start=1804
-  _globals['_INFOREQUEST']._serialized_end=1817
-  _globals['_INFORESPONSE']._serialized_start=1820
-  _globals['_INFORESPONSE']._serialized_end=2266
-  _globals['_TEXTGENERATION']._serialized_start=2405
-  _globals['_TEXTGENERATION']._serialized_end=2771
+  _globals['_GENERATEPARAMETERS']._serialized_end=832
+  _globals['_GRAMMAR']._serialized_start=834
+  _globals['_GRAMMAR']._serialized_end=905
+  _globals['_TOKEN']._serialized_start=907
+  _globals['_TOKEN']._serialized_end=974
+  _globals['_PREFILLTOKEN']._serialized_start=976
+  _globals['_PREFILLTOKEN']._serialized_end=1050
+  _globals['_TOPTOKENS']._serialized_start=1052
+  _globals['_TOPTOKENS']._serialized_end=1106
+  _globals['_DETAILS']._serialized_start=1109
+  _globals['_DETAILS']._serialized_end=1374
+  _globals['_GENERATERESPONSE']._serialized_start=1376
+  _globals['_GENERATERESPONSE']._serialized_end=1464
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1467
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1691
+  _globals['_MESSAGE']._serialized_start=1693
+  _globals['_MESSAGE']._serialized_end=1733
+  _globals['_CHATREQUEST']._serialized_start=1735
+  _globals['_CHATREQUEST']._serialized_end=1855
+  _globals['_TOKENIZEREQUEST']._serialized_start=1857
+  _globals['_TOKENIZEREQUEST']._serialized_end=1946
+  _globals['_SIMPLETOKEN']._serialized_start=1948
+  _globals['_SIMPLETOKEN']._serialized_end=2016
+  _globals['_TOKENIZERESPONSE']._serialized_start=2018
+  _globals['_TOKENIZERESPONSE']._serialized_end=2085
+  _globals['_INFOREQUEST']._serialized_start=2087
+  _globals['_INFOREQUEST']._serialized_end=2100
+  _globals['_INFORESPONSE']._serialized_start=2103
+  _globals['_INFORESPONSE']._serialized_end=2549
+  _globals['_TEXTGENERATION']._serialized_start=2780
+  _globals['_TEXTGENERATION']._serialized_end=3318
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_TYPE_UNSPECIFIED: _ClassVar[GrammarType]
+    GRAMMAR_TYPE_JSON: _ClassVar[GrammarType]
+    GRAMMAR_TYPE_REGEX: _ClassVar[GrammarType]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+GRAMMAR_TYPE_UNSPECIFIED: GrammarType
+GRAMMAR_TYPE_JSON: GrammarType
+GRAMMAR_TYPE_REGEX: GrammarType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
@@ -28,7 +37,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens", "ignore_eos_token")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens", "ignore_eos_token", "grammar")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +53,7 @@ class GenerateParameters(_message.Message):
     DECODER_INPUT_DETAILS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -59,7 +69,16 @@ class GenerateParameters(_message.Message):
     decoder_input_details: bool
     top_n_tokens: int
     ignore_eos_token: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., ignore_eos_token: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("type", "value")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    type: GrammarType
+    value: str
+    def __init__(self, type: _Optional[_Union[GrammarType, str]] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -124,6 +143,22 @@ class GenerateStreamResponse(_message.Message):
     generated_text: str
     details: Details
     def __init__(self, token: _Optional[_Union[Token, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatRequest(_message.Message):
+    __slots__ = ("messages", "parameters")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    parameters: GenerateParameters
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")

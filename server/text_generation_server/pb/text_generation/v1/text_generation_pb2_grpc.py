@@ -56,6 +56,16 @@ class TextGenerationStub:
                 request_serializer=text__generation_dot_v1_dot_text__generation__pb2.InfoRequest.SerializeToString,
                 response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_unary(
+                '/text_generation.v1.TextGeneration/Chat',
+                request_serializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.ChatStream = channel.unary_stream(
+                '/text_generation.v1.TextGeneration/ChatStream',
+                request_serializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -91,6 +101,24 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """Generate on a conversation: the messages rendered with the model's chat
+        template (as transformers' apply_chat_template renders it, with the
+        generation prompt), tokenized without adding special tokens again.
+        FAILED_PRECONDITION when the model has no chat template; INVALID_ARGUMENT
+        when the template refuses the conversation (its own message).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatStream(self, request, context):
+        """Chat, streamed as GenerateStream streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +141,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.InfoRequest.FromString,
                     response_serializer=text__generation_dot_v1_dot_text__generation__pb2.InfoResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.FromString,
+                    response_serializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ChatStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatStream,
+                    request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.FromString,
+                    response_serializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +262,60 @@ class TextGeneration:
             '/text_generation.v1.TextGeneration/Info',
             text__generation_dot_v1_dot_text__generation__pb2.InfoRequest.SerializeToString,
             text__generation_dot_v1_dot_text__generation__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/text_generation.v1.TextGeneration/Chat',
+            text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
+            text__generation_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/text_generation.v1.TextGeneration/ChatStream',
+            text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
+            text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
