@@ -393,6 +393,11 @@ def serve(
         help="auto: this server's implementation of the family, else transformers' modeling code over its "
         "paged cache; native refuses other types; transformers always takes the latter.",
     ),
+    quantize_lm_head: Optional[str] = _env_option(
+        None, "--quantize-lm-head", metavar="int8",
+        help="Run a dense lm_head as per-row int8 (the head is a small model's largest matrix and decode "
+        "reads it every step). Default: as the checkpoint stores it.",
+    ),
     # -- request limits
     max_input_tokens: Optional[int] = _env_option(
         None, "--max-input-tokens",
@@ -593,7 +598,7 @@ def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
         attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
         allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
         rank_stall_timeout_s=params["rank_stall_timeout_s"], model_impl=params["model_impl"],
-        disable_grammar_support=params["disable_grammar_support"],
+        quantize_lm_head=params["quantize_lm_head"], disable_grammar_support=params["disable_grammar_support"],
         api_keys=_api_keys(ctx), api_key_file=params["api_key_file"],
         api_key_protects_health=params["api_key_protects_health"], tls_cert_path=params["tls_cert_path"],
         tls_key_path=params["tls_key_path"], tls_client_ca_path=params["tls_client_ca_path"],

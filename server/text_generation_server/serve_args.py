@@ -14,6 +14,8 @@ PORTABLE_ATTENTION_BACKEND = "torch-sdpa"
 # Which code computes the model (models.model_impl): auto = native when a family covers the
 # model_type, else transformers' modeling code over our cache.
 MODEL_IMPLS = ("auto", "native", "transformers")
+# --quantize-lm-head: how a dense lm_head may be run instead (models.quantize_head).
+LM_HEAD_QUANTIZATIONS = ("int8",)
 # Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 
@@ -59,6 +61,7 @@ class ServeArgs:
     cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
     rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
     model_impl: str = "auto"  # auto | native | transformers (models.MODEL_IMPLS)
+    quantize_lm_head: str | None = None  # "int8": a dense lm_head runs as per-row int8
     disable_grammar_support: bool = False  # requests with parameters.grammar are refused (TGI's flag)
     # Who may call the client API (router/auth.py, router/tls.py). The keys never leave the
     # launcher: repr hides them and to_json (the ranks' copy) drops them.
@@ -123,6 +126,9 @@ class ServeArgs:
                 raise ValueError(
                     f"--cuda-graphs must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}"
                 )
+        if self.quantize_lm_head is not None and self.quantize_lm_head not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got "
+                             f"{self.quantize_lm_head!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

@@ -59,6 +59,27 @@ def read_model_config(config: dict, source: str = "config.json", impl: str = "au
     return family, family.read_config(ConfigReader(config, source))
 
 
+def quantize_head(net: torch.nn.Module, method: str, dtype: torch.dtype, log: bool) -> None:
+    """Replaces a dense lm_head by its int8 form (`--quantize-lm-head`); a head the checkpoint
+    already quantized is kept."""
+    from text_generation_server.layers.tensor_parallel import TensorParallelHead, int8_head
+    from text_generation_server.serve_args import LM_HEAD_QUANTIZATIONS
+
+    if method not in LM_HEAD_QUANTIZATIONS:
+        raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got {method!r}")
+    head = net.head
+    if not isinstance(head.projection, TensorParallelHead):
+        if log:
+            logger.info("--quantize-lm-head {}: the checkpoint's head is quantized already; kept", method)
+        return
+    dense = head.projection.weight
+    head.projection = int8_head(head.projection, dtype)
+    if log:
+        logger.info("lm_head as per-row int8 on kernel {}: {:.0f} MiB of codes per rank instead of {:.0f} MiB {}",
+                    getattr(head.projection.linear, "kernel_name", "?"), dense.numel() / 2**20,
+                    dense.numel() * dense.element_size() / 2**20, str(dense.dtype).removeprefix("torch."))
+
+
 def resolve_dtype(name: str | None, device: torch.device, config: dict) -> torch.dtype:
     """The compute dtype: as asked, else float32 on CPU and the checkpoint's half type on CUDA."""
     if name is not None:
@@ -82,13 +103,15 @@ def get_model(
     max_batch_size: int | None = None,
     graph_capturer: GraphCapturer | None = None,
     model_impl: str = "auto",
+    quantize_lm_head: str | None = None,
 ) -> CausalLM:
     """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
 
     cuda_graphs: decode batch sizes to capture as CUDA graphs at warmup (ignored off CUDA);
     max_batch_size: the most requests a decode step will hold (what warmup measures);
     graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation);
-    model_impl: "auto", "native" or "transformers" (see `model_impl`).
+    model_impl: "auto", "native" or "transformers" (see `model_impl`);
+    quantize_lm_head: "int8" runs a dense head as per-row int8 (`--quantize-lm-head`).
     """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
@@ -112,6 +135,8 @@ def get_model(
         family.prepare(config, weights)
         net = family.build(config, weights).eval()
         impl = "native"
+    if quantize_lm_head is not None:
+        quantize_head(net, quantize_lm_head, torch_dtype, process_group.rank == 0)
     if process_group.rank == 0:
         logger.info(
             "loaded {} ({}, {} implementation, {} layers, hidden {}) as {} on {} with {} shard(s)",
