@@ -24,6 +24,14 @@ LONGROPE_HALF = 6  # head_dim 12, full rotary
 SHORT = [1.0 + 0.1 * i for i in range(LONGROPE_HALF)]
 LONG = [1.5 + 0.7 * i for i in range(LONGROPE_HALF)]
 
+# DeepSeek's shape: 4 heads (num_key_value_heads must equal them in transformers' MLA), 8 experts.
+DEEPSEEK = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12,
+                qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=16)
+# yarn with mscale != mscale_all_dim: the rotary's attention factor and the softmax's mscale both count.
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.9,
+                 "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+
 # name -> (model_type, overrides)
 CASES: dict[str, tuple[str, dict]] = {
     "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
@@ -85,6 +93,21 @@ CASES: dict[str, tuple[str, dict]] = {
                                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                  "original_max_position_embeddings": 64})),
+    # Multi-head latent attention (kv_lora_rank 16 + rope 8 cached per token) and DeepSeek routing.
+    "deepseek_v2_lite": ("deepseek_v2", dict(DEEPSEEK, q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=1,
+                                             topk_method="greedy", n_shared_experts=2)),
+    "deepseek_v2": ("deepseek_v2", dict(DEEPSEEK, q_lora_rank=24, first_k_dense_replace=1,
+                                        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                        num_experts_per_tok=3,  # more than topk_group: the limit bites
+                                        routed_scaling_factor=1.5, n_shared_experts=1, rope_parameters=DEEPSEEK_YARN,
+                                        attention_bias=True, mlp_bias=True)),
+    "deepseek_v3": ("deepseek_v3", dict(DEEPSEEK, q_lora_rank=24, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                        norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1,
+                                        rope_parameters=DEEPSEEK_YARN)),
+    "deepseek_v3_no_q_lora": ("deepseek_v3", dict(DEEPSEEK, q_lora_rank=None, num_hidden_layers=3,
+                                                  first_k_dense_replace=1, n_group=2, topk_group=1,
+                                                  norm_topk_prob=False, routed_scaling_factor=1.5, n_shared_experts=2,
+                                                  rope_interleave=False)),
 }
 
 
@@ -107,6 +130,9 @@ def widen(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(p.shape, generator=g) * 0.2
             is_norm = name.endswith(".weight") and any(k in name for k in ("norm", "ln_", "ln_f", "layernorm"))
             p.copy_(noise + (1.0 if is_norm and not gemma else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zeros at init: give it a say
+                b.copy_(torch.randn(b.shape, generator=g) * 0.2)
 
 
 def write_family_checkpoint(folder: Path, name: str, seed: int = 0, dtype: torch.dtype = torch.float32):

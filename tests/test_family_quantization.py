@@ -40,7 +40,9 @@ from text_generation_server.quantize import pipeline
 
 torch.set_num_threads(1)
 
-NAMES = list(CASES)
+# DeepSeek (multi-head latent attention) is not calibrated by `quantize` yet: layers/mla.py absorbs
+# kv_b_proj at load, and its linear_stages() refuses by name (test_mla.py loads its FP8 checkpoints).
+NAMES = [n for n, (t, _) in CASES.items() if t not in ("deepseek_v2", "deepseek_v3")]
 # Mixtures of experts: quantization error (or bf16 activations) flips a router's top-k at near-ties,
 # and a flipped expert moves that position's log-probs much more than the error itself would.
 MOE = {n for n, (t, _) in CASES.items() if t in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")}

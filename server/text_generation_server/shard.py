@@ -160,6 +160,7 @@ DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
 KERNELS_METADATA = "tgs-kernels"
 ATTENTION_METADATA = "tgs-attention"
 MODEL_IMPL_METADATA = "tgs-model-impl"
+KV_BYTES_METADATA = "tgs-kv-bytes-per-token"  # this rank's KV cache bytes per token (all layers)
 
 
 def model_kernels(model: torch.nn.Module) -> list[str]:
@@ -300,6 +301,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             (KERNELS_METADATA, ",".join(model_kernels(m.model))),
             (ATTENTION_METADATA, m.attention.name),
             (MODEL_IMPL_METADATA, m.model_impl),
+            (KV_BYTES_METADATA, str(m.kv_bytes_per_token)),
         ))
         return info
 

@@ -1,7 +1,8 @@
 """Paged KV cache, the metadata of one forward, and the attention backends over them.
 
-The cache of each layer is [num_blocks, block_size, kv_heads, head_dim] for keys and values.
-A token's K/V lives at a *slot* (block_id * block_size + offset); a sequence's block table
+The cache of each layer is [num_blocks, block_size, kv_heads, head_dim] for keys and values;
+a model with multi-head latent attention (DeepSeek-V2/V3) holds one latent vector per token
+instead, in a single pool per layer (`KVLayout.latent`). A token's K/V lives at a *slot* (block_id * block_size + offset); a sequence's block table
 lists its blocks in order. The router (or the model itself when no router hands blocks in)
 decides blocks and slots; attention only reads them.
 
@@ -24,8 +25,49 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What one rank's paged cache holds for each token in each layer; the model says which
+    (`DecoderModel.kv_layout`), and the cache's size, warmup's plan, the startup log and Info
+    all read it from here, so they can never disagree with what the layers store.
+
+    Per head (every family but DeepSeek's): a key and a value of `head_dim` for each of
+    `kv_heads`. Latent (multi-head latent attention): one vector of `head_dim` numbers
+    (kv_lora_rank + qk_rope_head_dim), shared by every head and replicated on every rank, kept
+    as the key pool's single "head"; there is no value pool, since values are the latent's first
+    kv_lora_rank numbers seen through each head's up-projection.
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    latent: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.kv_heads, self.head_dim) < 1:
+            raise ValueError(f"KV layout needs positive sizes, got {self}")
+        if self.latent and self.kv_heads != 1:
+            raise ValueError(f"a latent KV layout holds one vector per token, got kv_heads={self.kv_heads}")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        pools = 1 if self.latent else 2
+        return pools * self.num_layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.bytes_per_token(dtype)
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+        return KVCache(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, dtype, device,
+                       latent=self.latent)
+
+    def describe(self) -> str:
+        if self.latent:
+            return f"{self.num_layers} layers x one latent of {self.head_dim}"
+        return f"{self.num_layers} layers x K and V of {self.kv_heads} heads x {self.head_dim}"
+
+
 class KVCache:
-    """Per-layer key and value block pools."""
+    """Per-layer key and value block pools (latent: one pool per layer, `values` all None)."""
 
     def __init__(
         self,
@@ -36,14 +78,17 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        latent: bool = False,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of size >= 1 (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.latent = latent
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values: list[torch.Tensor | None] = (
+            [None] * num_layers if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -53,8 +98,15 @@ class KVCache:
         # key/value: [tokens, kv_heads, head_dim]; slots: [tokens]
         k = self.keys[layer]
         v = self.values[layer]
+        if v is None:
+            raise ValueError("a latent KV cache has no value pool: multi-head latent attention calls store_latent")
         k.view(-1, k.shape[2], k.shape[3]).index_copy_(0, slots, key.to(k.dtype))
         v.view(-1, v.shape[2], v.shape[3]).index_copy_(0, slots, value.to(v.dtype))
+
+    def store_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        # latent: [tokens, width]; slots: [tokens]
+        pool = self.keys[layer]
+        pool.view(-1, pool.shape[3]).index_copy_(0, slots, latent.to(pool.dtype))
 
 
 @dataclass
@@ -122,6 +174,7 @@ class AttentionSpec:
     device_capability: tuple[int, int] | None = None
     softcap: bool = False  # attention logit soft-capping (Gemma 2)
     sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
+    latent_dim: int = 0  # multi-head latent attention: the cached latent's width (0: per-head K/V)
 
 
 class AttentionBackend:
@@ -154,6 +207,14 @@ class AttentionBackend:
                window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, H, D] -> [B, H, D]."""
         raise NotImplementedError
+
+    def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      value_dim: int) -> torch.Tensor:
+        """Multi-head latent attention's absorbed decode: q [B, H, W] (each head's query already
+        in latent space, then its rotary part) against the paged latents [blocks, block_size, 1, W];
+        values are the latents' first `value_dim` numbers. -> [B, H, value_dim]. The torch form
+        here is the reference; backends with a kernel for it override."""
+        return padded_latent_decode(q, latent_cache, meta, scale, value_dim)
 
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
         """Memory a decode step may take beyond its activations, given the KV cache size
@@ -292,7 +353,7 @@ class TorchAttention(AttentionBackend):
         single = meta.memo("single_rows", lambda: [
             i for i, n in enumerate(lens) if n == 1 and caches is not None and caches[i] > 0])
         if len(single) > 1:
-            sub, tokens = meta.memo("single_meta", lambda: _rows_as_decode(meta, single, starts, q.device))
+            sub, tokens = meta.memo("single_meta", lambda: rows_as_decode(meta, single, starts, q.device))
             out.index_copy_(0, tokens, self.decode(q.index_select(0, tokens), key_cache, value_cache, sub, scale,
                                                    window, softcap, sinks))
         done = set(single) if len(single) > 1 else set()
@@ -320,7 +381,7 @@ class TorchAttention(AttentionBackend):
         return 2 * kv_cache_bytes // max(num_layers, 1)
 
 
-def _rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], device: torch.device):
+def rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], device: torch.device):
     """Metadata of a decode step over some rows of a prefill step, and their token positions."""
     index = torch.tensor(rows, dtype=torch.long, device=device)
     lengths = [meta.cache_lens[r] + 1 for r in rows]
@@ -356,6 +417,26 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
 
     mask = meta.memo(("padded_mask", window), build_mask)
     return sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
+
+
+def padded_latent_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         value_dim: int) -> torch.Tensor:
+    """`AttentionBackend.latent_decode` in torch: every sequence's latents gathered, padded to
+    the longest, and one SDPA with a single shared KV "head" (values a view of the latents)."""
+    # q: [B, H, W]; latent_cache: [blocks, block_size, 1, W] -> [B, H, value_dim]
+    batch, heads, width = q.shape
+    bs = latent_cache.shape[1]
+    blocks_needed = (meta.max_seq_len + bs - 1) // bs
+    length = blocks_needed * bs
+    index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
+    latents = latent_cache.index_select(0, index).view(batch, 1, length, width)
+
+    def build_mask() -> torch.Tensor:
+        pos = torch.arange(length, device=q.device)
+        return (pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+
+    mask = meta.memo(("padded_mask", None), build_mask)
+    return sdpa(q.unsqueeze(2), latents, latents[..., :value_dim], mask, scale).squeeze(2)
 
 
 def _block_layout(meta: AttentionMetadata, block_size: int, device: torch.device):

@@ -69,6 +69,11 @@ class TritonPagedAttention(AttentionBackend):
             return False, f"head_dim {spec.head_dim} > 256"
         if spec.sinks:
             return False, "attention sinks (gpt-oss) are not in the Triton paged kernels"
+        if spec.latent_dim:
+            from text_generation_server.kernels.mla_decode import MAX_LATENT_DIM
+
+            if spec.latent_dim > MAX_LATENT_DIM:
+                return False, f"latent width {spec.latent_dim} > {MAX_LATENT_DIM} (the MLA decode kernel's)"
         return True, ""
 
     # -- decode splits and their workspace ------------------------------------------------------
@@ -92,6 +97,8 @@ class TritonPagedAttention(AttentionBackend):
         A larger workspace replaces the old one without touching it: graphs captured against
         the old one keep their own reference (see `capture_memo`).
         """
+        if self.spec.latent_dim:
+            return 0  # latent attention decodes through mla_decode, which needs no split workspace
         # Steps with one split write no partials: only batches small enough to split count.
         rows = max((b * s for b in range(1, max_batch + 1) if (s := self.splits_for(b, max_seq_len)) > 1), default=0)
         rows *= self.spec.heads
@@ -149,6 +156,14 @@ class TritonPagedAttention(AttentionBackend):
             q, key_cache, value_cache, tables, seq_lens, scale, window, num_splits=splits, workspace=workspace,
             softcap=softcap,
         )
+
+    def latent_decode(self, q, latent_cache, meta, scale, value_dim):
+        """kernels/mla_decode.py: the paged latents read in place, a head group per program."""
+        from text_generation_server.kernels.mla_decode import mla_decode
+
+        tables = self._int32(meta, "tables32", meta.block_tables)
+        seq_lens = self._int32(meta, "seq_lens32", meta.seq_lens)
+        return mla_decode(q, latent_cache, tables, seq_lens, scale, value_dim)
 
 
 # Ordered, preferred first, per device type.

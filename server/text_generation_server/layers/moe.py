@@ -7,6 +7,13 @@ Routing follows transformers' modeling code per family (read there, not copied):
   sigmoid(shared_expert_gate(x)).
 - gpt-oss: top-k of the biased router logits, a softmax over those k only; experts carry biases
   and a clamped SwiGLU ((u + 1) * g * sigmoid(alpha * g)).
+- DeepSeek-V2 ("softmax_group"): float32 logits of a float32 gate, softmax over every expert;
+  greedy top-k, or group-limited (each group scored by its best expert, the best topk_group
+  groups kept, the others' scores zeroed); never renormalised; times routed_scaling_factor.
+- DeepSeek-V3 ("sigmoid_group"): float32 sigmoid scores; the choice adds e_score_correction_bias
+  and is group-limited (a group scored by the sum of its two best, the others' experts set to
+  -inf), but the weights are the unbiased scores, renormalised with norm_topk_prob (+1e-20),
+  then times routed_scaling_factor. Both keep the weights float32 (transformers' routers do).
 Each routing weight multiplies the whole expert output, bias included.
 
 Experts are loaded one by one through the loader factory (any quantized format that loads a
@@ -46,8 +53,10 @@ SWIGLU_OAI = "swiglu_oai"
 class RouterOptions:
     """How a family turns router logits into k (expert, weight) pairs per token.
 
-    scoring: "softmax" (softmax over all experts, then top-k: Mixtral, Qwen-MoE) or
-    "topk_softmax" (top-k of the logits, then a softmax over those k: gpt-oss).
+    scoring: "softmax" (softmax over all experts, then top-k: Mixtral, Qwen-MoE),
+    "topk_softmax" (top-k of the logits, then a softmax over those k: gpt-oss), or DeepSeek's
+    grouped "softmax_group" (V2) and "sigmoid_group" (V3), whose logits are float32 from a
+    float32 gate weight (module docstring).
     """
 
     num_experts: int
@@ -56,32 +65,68 @@ class RouterOptions:
     renormalize: bool = False
     float32_weights: bool = False  # Mixtral keeps its routing weights in float32
     bias: bool = False
+    # DeepSeek: experts in n_group equal groups, the choice limited to the best topk_group groups.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # V3's e_score_correction_bias (added for the choice only)
+
+
+GROUPED_SCORINGS = ("softmax_group", "sigmoid_group")
 
 
 class Router(torch.nn.Module):
     """The replicated gate: hidden [T, H] -> (weights [T, k], expert ids [T, k] int64)."""
 
-    def __init__(self, opts: RouterOptions, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, opts: RouterOptions, weight: torch.Tensor, bias: torch.Tensor | None,
+                 correction: torch.Tensor | None = None):
         super().__init__()
-        if opts.scoring not in ("softmax", "topk_softmax"):
+        if opts.scoring not in ("softmax", "topk_softmax", *GROUPED_SCORINGS):
             raise ValueError(f"unknown router scoring '{opts.scoring}'")
         if not 0 < opts.top_k <= opts.num_experts:
             raise CheckpointError(f"config.json: num_experts_per_tok ({opts.top_k}) must be between 1 and the "
                                   f"{opts.num_experts} experts")
+        if opts.scoring in GROUPED_SCORINGS:
+            if opts.n_group < 1 or opts.num_experts % opts.n_group:
+                raise CheckpointError(f"config.json: n_group ({opts.n_group}) must divide the {opts.num_experts} "
+                                      "routed experts")
+            if not 0 < opts.topk_group <= opts.n_group:
+                raise CheckpointError(f"config.json: topk_group ({opts.topk_group}) must be between 1 and n_group "
+                                      f"({opts.n_group})")
+            per_group = opts.num_experts // opts.n_group
+            if opts.scoring == "sigmoid_group" and opts.topk_group < opts.n_group and per_group < 2:
+                raise CheckpointError(f"config.json: {per_group} expert per group; DeepSeek-V3 scores a group by "
+                                      "its two best experts")
+            if opts.top_k > opts.topk_group * per_group:
+                raise CheckpointError(f"config.json: num_experts_per_tok ({opts.top_k}) exceeds the "
+                                      f"{opts.topk_group * per_group} experts of the topk_group groups")
         self.opts = opts
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.correction = None if correction is None else torch.nn.Parameter(correction, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, opts: RouterOptions, hidden: int) -> Router:
-        weight = weights.get_tensor(f"{prefix}.weight")
+        # DeepSeek's routers compute in float32 from a float32 gate (transformers keeps gate.weight
+        # and e_score_correction_bias in float32 whatever the model's dtype).
+        keep32 = opts.scoring in GROUPED_SCORINGS
+        weight = weights.get_tensor(f"{prefix}.weight", to_dtype=not keep32)
         if list(weight.shape) != [opts.num_experts, hidden]:
             raise CheckpointError(f"'{prefix}.weight' has shape {list(weight.shape)}, expected "
                                   f"[{opts.num_experts}, {hidden}] (experts x hidden) (in {weights.files_of(prefix)})")
         bias = weights.get_tensor(f"{prefix}.bias") if opts.bias else None
-        return cls(opts, weight, bias)
+        correction = None
+        if opts.correction_bias:
+            name = f"{prefix}.e_score_correction_bias"
+            correction = weights.get_tensor(name, to_dtype=False).float()
+            if list(correction.shape) != [opts.num_experts]:
+                raise CheckpointError(f"'{name}' has shape {list(correction.shape)}, expected [{opts.num_experts}] "
+                                      f"(in {weights.files_of(name)})")
+        return cls(opts, weight.float() if keep32 else weight, bias, correction)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.opts.scoring in GROUPED_SCORINGS:
+            return self._grouped(x)
         logits = F.linear(x, self.weight, self.bias)
         opts = self.opts
         if opts.scoring == "topk_softmax":
@@ -92,6 +137,26 @@ class Router(torch.nn.Module):
         if opts.renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
         return (top if opts.float32_weights else top.to(logits.dtype)), ids
+
+    def _grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routing (module docstring); weights [T, k] float32."""
+        opts = self.opts
+        logits = F.linear(x.float(), self.weight)  # [T, E] float32
+        sigmoid = opts.scoring == "sigmoid_group"
+        scores = logits.sigmoid() if sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores + self.correction if self.correction is not None else scores
+        if opts.topk_group < opts.n_group:  # keeping every group is a no-op: skipped
+            grouped = choice.view(-1, opts.n_group, opts.num_experts // opts.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1) if sigmoid else grouped.amax(dim=-1)
+            kept = torch.topk(group_scores, opts.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            # V2 zeroes the other groups' scores, V3 sets them to -inf (a zero could still be chosen).
+            choice = grouped.masked_fill(~keep[..., None], float("-inf") if sigmoid else 0.0).flatten(1)
+        ids = torch.topk(choice, opts.top_k, dim=-1, sorted=False).indices
+        top = scores.gather(1, ids)
+        if opts.renormalize:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * opts.routed_scaling_factor, ids
 
 
 @dataclass(frozen=True)
@@ -309,7 +374,8 @@ class Experts(torch.nn.Module):
 
 
 class SparseMoE(torch.nn.Module):
-    """Router, routed experts and an optional shared expert (Qwen2-MoE), one all-reduce."""
+    """Router, routed experts and an optional shared expert (Qwen2-MoE: gated by shared_gate;
+    DeepSeek: ungated, a plain sum), one all-reduce."""
 
     # x: [tokens, hidden] -> [tokens, hidden]
     def __init__(self, router: Router, experts: Experts, process_group, shared: GatedMLP | None = None,

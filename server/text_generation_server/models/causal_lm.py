@@ -19,8 +19,8 @@ import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
-from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from text_generation_server.generation.stopping import FinishReason
+from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache, KVLayout
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.models.batch_builder import BatchBuilder
@@ -101,16 +101,20 @@ class CausalLM:
         # Prompt tokens one forward may compute (set by warmup); later chunks of a long prompt
         # are sized within it. None: no limit (the CLI and tests without warmup).
         self.max_prefill_tokens: int | None = None
+        layout = self.kv_layout
         spec = AttentionSpec(
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
             kv_heads=model.local_kv_heads, head_dim=self.config.head_dim, block_size=block_size,
             windowed=any(w is not None for w in self.config.layer_windows),
             softcap=model.attention_softcap, sinks=getattr(model, "attention_sinks", False),
             device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            latent_dim=layout.head_dim if layout.latent else 0,
         )
         self.attention, rejected = choose_attention_backend(spec, attention_backend)
         if process_group.rank == 0:
             log_choice(self.attention, rejected)
+            logger.info("KV cache: {} bytes per token ({}, {})", self.kv_bytes_per_token, layout.describe(),
+                        str(dtype).removeprefix("torch."))
         self.max_batch_size = max_batch_size
         self.graph_buckets = sorted(set(cuda_graphs))
         self._graph_capturer = graph_capturer
@@ -123,17 +127,25 @@ class CausalLM:
 
     # -- KV cache ------------------------------------------------------------
     @property
+    def kv_layout(self) -> KVLayout:
+        """What the cache holds per token and layer, as the model says (one latent for multi-head
+        latent attention); a model that does not say holds K and V per head."""
+        layout = getattr(self.model, "kv_layout", None)
+        if layout is None:
+            layout = KVLayout(self.config.num_hidden_layers, self.model.local_kv_heads, self.config.head_dim)
+        return layout
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_layout.bytes_per_token(self.dtype)
+
+    @property
     def kv_bytes_per_block(self) -> int:
-        return KVCache.bytes_per_block(
-            self.config.num_hidden_layers, self.block_size, self.model.local_kv_heads, self.config.head_dim, self.dtype
-        )
+        return self.kv_layout.bytes_per_block(self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._drop_kv_cache()  # free the old pool (and the graphs that point into it) first
-        self.kv_cache = KVCache(
-            self.config.num_hidden_layers, num_blocks, self.block_size, self.model.local_kv_heads,
-            self.config.head_dim, self.dtype, self.device,
-        )
+        self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.builder.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from text_generation_server.layers.attention import AttentionMetadata, KVCache
+from text_generation_server.layers.attention import AttentionMetadata, KVCache, KVLayout
 from text_generation_server.layers.context import ForwardContext
 from text_generation_server.layers.rotary import RopeConfig
 from text_generation_server.layers.tensor_parallel import (
@@ -261,6 +261,16 @@ class DecoderModel(torch.nn.Module):
     @property
     def local_kv_heads(self) -> int:
         return self.layers[0].self_attn.kv_heads
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What this rank's paged cache holds per token and layer: one latent when the layers'
+        attention caches one (multi-head latent attention, `latent_dim`), else K and V per head."""
+        attn = self.layers[0].self_attn
+        latent = getattr(attn, "latent_dim", None)
+        if latent is not None:
+            return KVLayout(len(self.layers), 1, latent, latent=True)
+        return KVLayout(len(self.layers), attn.kv_heads, self.config.head_dim)
 
     @property
     def attention_softcap(self) -> bool:

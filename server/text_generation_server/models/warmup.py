@@ -152,9 +152,9 @@ def run_warmup(
     capped = ", capped by max_batch_total_tokens" if plan.capped_by_max_batch_total_tokens else ""
     logger.info(
         "warmup: prefill of {} tokens {:.1f} ms; decode of {} requests ({}) {:.1f} ms ({}); {}; KV cache {} blocks "
-        "x {} tokens = {} tokens, {:.1f} MiB ({}{})",
+        "x {} tokens = {} tokens at {} bytes per token, {:.1f} MiB ({}{})",
         prefill_tokens, prefill_timings.forward_ns / 1e6, decode_rows, decode_why, decode_timings.forward_ns / 1e6,
-        decode_path, graphs_note, plan.num_blocks, lm.block_size, usable,
+        decode_path, graphs_note, plan.num_blocks, lm.block_size, usable, lm.kv_bytes_per_token,
         plan.num_blocks * lm.kv_bytes_per_block / mib, figures, capped,
     )
     return usable

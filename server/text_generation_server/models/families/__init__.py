@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.cohere import CohereFamily
+from text_generation_server.models.families.deepseek import DeepseekFamily
 from text_generation_server.models.families.falcon import FalconFamily
 from text_generation_server.models.families.gemma import GemmaFamily
 from text_generation_server.models.families.gpt2 import GPT2Family
@@ -37,6 +38,7 @@ FAMILIES: list[Family] = [
     Qwen2MoeFamily(),
     Qwen3MoeFamily(),
     GptOssFamily(),
+    DeepseekFamily(),  # deepseek_v2, deepseek_v3
 ]
 
 BY_MODEL_TYPE: dict[str, Family] = {t: family for family in FAMILIES for t in family.model_types}
