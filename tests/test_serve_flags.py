@@ -114,6 +114,7 @@ ENV_CASES = {
     "CUDA_GRAPHS": ("1,2,4", "cuda_graphs", [1, 2, 4]),
     "ATTENTION_BACKEND": ("torch-sdpa", "attention_backend", "torch-sdpa"),
     "MODEL_IMPL": ("transformers", "model_impl", "transformers"),
+    "SPECULATE": ("2", "speculate", 2),
     "QUANTIZE_LM_HEAD": ("int8", "quantize_lm_head", "int8"),
     "DISABLE_CUSTOM_KERNELS": ("true", "disable_custom_kernels", True),
     "ALLOW_DENSE_FALLBACK": ("1", "allow_dense_fallback", True),

@@ -14,7 +14,7 @@ import typer
 from loguru import logger
 
 from text_generation_server.about import EMBEDDED_MODEL_ID, __version__
-from text_generation_server.serve_args import ATTENTION_BACKENDS, PORTABLE_ATTENTION_BACKEND, ServeArgs
+from text_generation_server.serve_args import ATTENTION_BACKENDS, MAX_SPECULATE, PORTABLE_ATTENTION_BACKEND, ServeArgs
 from text_generation_server.serve_flags import (
     CUSTOM_KERNELS,
     TGI_ALIASES,
@@ -322,7 +322,7 @@ def _tgi_name(ours: str) -> str:
 
 _SERVE_EPILOG = (
     "Every option can also be set by the environment variable shown; a flag given on the command "
-    "line wins. TGI launcher flags that mean nothing here (--revision, --speculate, "
+    "line wins. TGI launcher flags that mean nothing here (--revision, --kv-cache-dtype, "
     "--lora-adapters, ...) are refused with the reason; harmless ones (--max-best-of, --usage-stats, "
     "--trust-remote-code, ...) are ignored with a warning."
 )
@@ -450,6 +450,11 @@ def serve(
     waiting_served_ratio: float = _env_option(
         _SERVE_DEFAULTS.waiting_served_ratio, "--waiting-served-ratio",
         help="Admit waiting requests early once waiting / running exceeds this ratio.",
+    ),
+    speculate: int = _env_option(
+        _SERVE_DEFAULTS.speculate, "--speculate", metavar="N",
+        help=f"Speculative decoding: each decode step checks up to N tokens proposed from the request's own "
+        f"earlier tokens (n-gram lookup) in one forward; the output is unchanged (0 to {MAX_SPECULATE}, 0 = off).",
     ),
     # -- memory and kernels
     block_size: int = _env_option(_SERVE_DEFAULTS.block_size, "--block-size", help="KV cache block size in tokens."),
@@ -598,6 +603,7 @@ def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
         attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
         allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
         rank_stall_timeout_s=params["rank_stall_timeout_s"], model_impl=params["model_impl"],
+        speculate=params["speculate"],
         quantize_lm_head=params["quantize_lm_head"], disable_grammar_support=params["disable_grammar_support"],
         api_keys=_api_keys(ctx), api_key_file=params["api_key_file"],
         api_key_protects_health=params["api_key_protects_health"], tls_cert_path=params["tls_cert_path"],

@@ -82,7 +82,8 @@ class Metrics:
         self.max_new_tokens = Histogram("tgi_request_max_new_tokens", "max_new_tokens per valid request",
                                         buckets=_TOKEN_BUCKETS, registry=r)
         self.request_skipped_tokens = Histogram(
-            "tgi_request_skipped_tokens", "Tokens beyond the first in one step of a request (speculation)",
+            "tgi_request_skipped_tokens",
+            "Tokens one step gave a request beyond its first: accepted speculative tokens (--speculate)",
             buckets=_SKIPPED_BUCKETS, registry=r)
 
         # -- queue and batches (TGI) -------------------------------------------------------

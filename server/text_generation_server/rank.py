@@ -172,7 +172,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         if stop_requested.is_set():
             stop.set()
         await serve_shard(model, args.uds_path, rank, world_size, memory_fraction, args.max_batch_total_tokens, stop,
-                          prefix_caching=args.prefix_caching, stall_timeout_s=args.rank_stall_timeout_s)
+                          prefix_caching=args.prefix_caching, stall_timeout_s=args.rank_stall_timeout_s,
+                          speculate=args.speculate)
 
     asyncio.run(serve())
     return 0

@@ -18,6 +18,10 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 LM_HEAD_QUANTIZATIONS = ("int8",)
 # Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
+# --speculate: the most n-gram tokens a request proposes per step (generation/speculation.py).
+# Beyond a handful a guess from an n-gram is rarely right all the way, while every proposed
+# position costs a token of compute.
+MAX_SPECULATE = 8
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ServeArgs:
     cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
     rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
     model_impl: str = "auto"  # auto | native | transformers (models.MODEL_IMPLS)
+    speculate: int = 0  # n-gram tokens proposed per request and decode step (TGI's --speculate); 0: none
     quantize_lm_head: str | None = None  # "int8": a dense lm_head runs as per-row int8
     disable_grammar_support: bool = False  # requests with parameters.grammar are refused (TGI's flag)
     # Who may call the client API (router/auth.py, router/tls.py). The keys never leave the
@@ -129,6 +134,8 @@ class ServeArgs:
         if self.quantize_lm_head is not None and self.quantize_lm_head not in LM_HEAD_QUANTIZATIONS:
             raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got "
                              f"{self.quantize_lm_head!r}")
+        if not _integer(self.speculate) or not 0 <= self.speculate <= MAX_SPECULATE:
+            raise ValueError(f"--speculate must be an integer from 0 to {MAX_SPECULATE}, got {self.speculate!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

@@ -17,6 +17,12 @@ a finished row) the fork is dropped and the step runs as usual. Either way the t
 are those of a plain step: forks copy every piece of state a step advances. Every rank
 sees the same RPCs in the same order, so every rank forks and commits alike and the
 collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
+
+Speculation (`serve --speculate N`, Info.speculate): a decode step may give a request several
+tokens, all in its one Generation (tokens.ids, with a logprob, text and is_special each, and one
+top_tokens entry per id), as TGI's shards send them. It goes with decode ahead unchanged: a fork
+proposes from its own copy of the history, and the K/V it writes past a row's accepted tokens
+lie beyond the sequence, where a replayed step writes again before anything reads them.
 """
 
 from __future__ import annotations
@@ -289,7 +295,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             requires_padding=False,
             dtype=str(m.dtype).removeprefix("torch."),
             device_type=m.device.type,
-            speculate=0,
+            speculate=m.speculate,
             support_chunking=True,
             use_prefix_caching=self.prefix_caching,
             attention_impl="paged",
@@ -570,8 +576,11 @@ async def serve_shard(
     stop: asyncio.Event,
     prefix_caching: bool = True,
     stall_timeout_s: float = 300.0,
+    speculate: int = 0,
 ) -> None:
-    """Serves one rank on `unix://{uds_path}-{rank}` until `stop` is set."""
+    """Serves one rank on `unix://{uds_path}-{rank}` until `stop` is set; `speculate`: the most
+    n-gram tokens a decoding request proposes per step (0: none)."""
+    model.speculate = speculate
     path = shard_uds(uds_path, rank)
     if os.path.exists(path):
         os.unlink(path)

@@ -218,7 +218,9 @@ class HeterogeneousNextTokenChooser:
     grammar its GrammarMatcher. filter() and concatenate() hand the same generator and
     matcher objects to the new chooser, so a request continues its own random stream and
     grammar across continuous-batching changes; the old chooser must not be used after
-    either call.
+    either call, except by a step that filters it to the rows drawing now (rows finishing their
+    prompt; a speculative step's rows reaching their next position), which is how a row draws
+    exactly once per token it gets, whatever the step's shape.
     """
 
     def __init__(self, params: list[SamplingParams], device: torch.device,

@@ -76,7 +76,9 @@ class RequestState:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens the next forward computes for this request."""
+        """Tokens the next forward computes for this request, at least: a decoding row that
+        speculates adds its proposal, within what this count leaves of max_batch_prefill_tokens
+        (CausalLM._proposals), so routers budget prompt chunks first, as without speculation."""
         return self.chunk if self.prefilling else 1
 
     def fork(self) -> "RequestState":
@@ -165,8 +167,10 @@ class Batch:
 
         Tensors, stopping counters, detokenizers and random streams are copied, so running
         a step on the fork leaves this batch exactly as it was; the KV blocks are shared
-        (the fork writes only the next position of rows that own it, and a replayed step
-        writes the same values there). The fork never frees blocks: this batch owns them.
+        (the fork writes only positions from each row's last token on, past what any step has
+        kept: the next position, or with speculation the proposed ones after it; a replayed step
+        writes them again before anything reads them). The fork never frees blocks: this batch
+        owns them.
         """
         position = {rid: i for i, rid in enumerate(self.request_ids)}
         keep = [position[rid] for rid in request_ids]

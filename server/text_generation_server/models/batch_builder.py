@@ -78,7 +78,10 @@ class BatchBuilder:
     @staticmethod
     def kv_tokens(total: int) -> int:
         """Positions whose K/V a request can ever write: its last token is never fed back, so a
-        request of `total` tokens needs `total - 1` slots (TGI's allocation, liveness checks too)."""
+        request of `total` tokens needs `total - 1` slots (TGI's allocation, liveness checks too).
+        Speculation needs none more: a row never proposes past its own last token
+        (generation/speculation.py speculation_limit), so every position a speculative step feeds
+        is one of these; TGI's router adds Info.speculate slots anyway, which are left unused."""
         return max(total - 1, 1)
 
     def slots(self, blocks: list[int], total: int) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
+from text_generation_server.generation.speculation import MAX_SPECULATE, Run, ngram_proposals, speculation_limit
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache, KVLayout
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
@@ -182,19 +183,42 @@ class CausalLM:
     def release(self, batch: Batch) -> None:
         self.builder.release(batch)
 
+    # -- speculation (generation/speculation.py) ---------------------------------------
+    _speculate = 0
+    speculated_tokens = 0  # proposed tokens fed to forwards (counters for logs and benchmarks)
+    accepted_tokens = 0  # of those, the ones the row's own choice confirmed
+
+    @property
+    def speculate(self) -> int:
+        """Most n-gram tokens a decoding row proposes per step (`serve --speculate`); 0: none."""
+        return self._speculate
+
+    @speculate.setter
+    def speculate(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SPECULATE:
+            raise ValueError(f"speculate must be an integer in [0, {MAX_SPECULATE}], got {value!r}")
+        if value and value != self._speculate and self.process_group.rank == 0:
+            graphs = " (CUDA graphs serve the steps without one)" if self.graph_buckets else ""
+            logger.info("speculation: up to {} n-gram tokens per row and step; steps with proposals run eagerly as "
+                        "one prefill-shaped forward{}", value, graphs)
+        self._speculate = value
+
     # -- the step --------------------------------------------------------------
     @torch.inference_mode()
     def generate_token(self, batch: Batch) -> tuple[list[Generation], Batch | None, StepTimings]:
-        """One forward over the batch: decoding requests get their next token; requests still
-        prefilling compute their next prompt chunk and get a token only with their last one."""
+        """One forward over the batch: decoding requests get their next token (with speculation,
+        up to 1 + speculate of them); requests still prefilling compute their next prompt chunk and
+        get a token only with their last one."""
         start = time.perf_counter_ns()
         # Grammar rows' masks fill on the compiler's worker while the forward runs.
         masks = self.builder.grammar_masks(batch.chooser)
         try:
-            if batch.prefilling or (self._rope_switch is not None and any(map(self._recomputes, batch.states))):
-                logits, emit, prompt_spans = self._prefill_forward(batch)
+            proposals = self._proposals(batch)
+            if batch.prefilling or proposals or (self._rope_switch is not None and
+                                                 any(map(self._recomputes, batch.states))):
+                logits, emit, prompt_spans, speculative = self._prefill_forward(batch, proposals)
             else:
-                logits, emit, prompt_spans = self._decode_forward(batch), None, []
+                logits, emit, prompt_spans, speculative = self._decode_forward(batch), None, [], None
         except BaseException:
             if masks is not None:
                 masks.done()  # the worker must let go of the matchers before anyone else steps them
@@ -230,38 +254,15 @@ class CausalLM:
         self._advance_prompts(batch, prompt_spans, prompt_lps)
         generations: list[Generation] = []
         for i, state in enumerate(emitting):
-            token = next_list[i]
-            state.length += 1
-            text = state.detokenizer.step(token)
-            stop, reason = state.stopping(token, text)
-            if not stop and grammar_complete is not None and grammar_complete[i]:
-                # Nothing can follow: the output is a complete document (EOS is all the mask allows).
-                stop, reason = True, FinishReason.EOS_TOKEN
-            if stop:
-                text += state.detokenizer.flush()
-            gen = Generation(
-                request_id=state.request.id,
-                tokens=Tokens([token], [chosen_logprobs[i]], [text], [token in self.special_ids]),
-            )
+            gen = Generation(request_id=state.request.id, tokens=Tokens())
             if state.prompt_logprobs is not None and len(state.prompt_logprobs) == state.input_length:
                 gen.prefill_tokens = self._prefill_tokens(state)
                 state.prompt_logprobs = None  # sent once, with the first token
-            if tops is not None and top_n[i]:
-                ids, lps = tops[i]
-                gen.top_tokens = [
-                    Tokens(ids, lps, [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
-                           [t in self.special_ids for t in ids])
-                ]
-            if stop:
-                state.finished = True
-                generated = state.detokenizer.generated_ids
-                gen.generated_text = GeneratedText(
-                    text=self.tokenizer.decode(generated, skip_special_tokens=True),
-                    generated_tokens=len(generated),
-                    finish_reason=reason,
-                    seed=seeds[i] if state.request.sampling.do_sample else None,
-                )
+            self._emit_token(state, gen, next_list[i], chosen_logprobs[i], tops[i] if tops is not None and top_n[i]
+                             else None, grammar_complete is not None and grammar_complete[i], seeds[i])
             generations.append(gen)
+        if speculative is not None:
+            self._verify(batch, *speculative, next_list, generations)
         self._plan_chunks(batch)
         all_stopped = all(s.finished for s in batch.states)
         if all_stopped:
@@ -269,6 +270,114 @@ class CausalLM:
         end = time.perf_counter_ns()
         timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
         return generations, (None if all_stopped else batch), timings
+
+    def _emit_token(self, state: RequestState, gen: Generation, token: int, logprob: float,
+                    top: tuple[list[int], list[float]] | None, grammar_complete: bool, seed: int) -> None:
+        """Adds one chosen token to the request and to its Generation of this step (a speculative
+        step adds several, each checked for stopping in order); ends the request when it stops."""
+        state.length += 1
+        text = state.detokenizer.step(token)
+        stop, reason = state.stopping(token, text)
+        if not stop and grammar_complete:
+            # Nothing can follow: the output is a complete document (EOS is all the mask allows).
+            stop, reason = True, FinishReason.EOS_TOKEN
+        if stop:
+            text += state.detokenizer.flush()
+        tokens = gen.tokens
+        tokens.ids.append(token)
+        tokens.logprobs.append(logprob)
+        tokens.texts.append(text)
+        tokens.is_special.append(token in self.special_ids)
+        if top is not None:
+            ids, lps = top
+            gen.top_tokens.append(Tokens(ids, lps, [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
+                                         [t in self.special_ids for t in ids]))
+        if stop:
+            state.finished = True
+            generated = state.detokenizer.generated_ids
+            gen.generated_text = GeneratedText(
+                text=self.tokenizer.decode(generated, skip_special_tokens=True),
+                generated_tokens=len(generated),
+                finish_reason=reason,
+                seed=seed if state.request.sampling.do_sample else None,
+            )
+
+    def _proposals(self, batch: Batch) -> dict[int, list[int]]:
+        """Row -> the n-gram tokens it proposes this step (none without `speculate`).
+
+        Rows still prefilling, finished, recomputing across a longrope switch, or with a grammar
+        do not propose: a grammar's matcher would have to be stepped through guesses and rolled
+        back, for outputs that are short anyway. The guesses share what is left of the tokens one
+        forward may compute (max_prefill_tokens, which warmup measured) after the prompt chunks
+        and one token per decoding row, first rows first, so a speculative step is never a
+        larger forward than the server was sized for."""
+        if not self._speculate:
+            return {}
+        matchers = batch.chooser.matchers
+        candidates, limits = [], []
+        for i, state in enumerate(batch.states):
+            if state.prefilling or state.finished or matchers[i] is not None or self._recomputes(state):
+                continue
+            limit = speculation_limit(self._speculate, state.length, state.max_length, self._rope_switch)
+            if limit:
+                candidates.append(i)
+                limits.append(limit)
+        budget = math.inf
+        if self.max_prefill_tokens is not None:
+            budget = self.max_prefill_tokens - sum(s.step_tokens for s in batch.states)
+        if not candidates or budget < 1:
+            return {}
+        index = torch.tensor(candidates, dtype=torch.long, device=self.device)
+        found = ngram_proposals(batch.history.index_select(0, index), [batch.states[i].length for i in candidates],
+                                limits)
+        proposals: dict[int, list[int]] = {}
+        for row, tokens in zip(candidates, found):
+            tokens = tokens[:int(min(budget, len(tokens)))] if budget >= 1 else []
+            if tokens:
+                proposals[row] = tokens
+                budget -= len(tokens)
+        return proposals
+
+    def _verify(self, batch: Batch, runs: list[Run], hidden: torch.Tensor, first: list[int],
+                generations: list[Generation]) -> None:
+        """The rest of a speculative step: each run's proposal checked position by position.
+
+        Position k (k >= 1) is reached by the runs whose first k proposed tokens were all chosen;
+        their rows' own chooser picks from that position's logits over the history holding what
+        was accepted so far (penalties see it), drawing from a seeded row's generator exactly as
+        the plain step for that token would. The choice is emitted like any token (stopping, text,
+        logprobs); a choice that differs from the proposal, or one that stops the request, ends the
+        run. Logits are computed per position for the runs still going, so a run rejected early
+        costs no head matmul for its later positions.
+        """
+        self.speculated_tokens += sum(len(r.proposal) for r in runs)
+        active = [r for r in runs if not batch.states[r.row].finished and first[r.emitted] == r.proposal[0]]
+        position = 1
+        while active:
+            self.accepted_tokens += len(active)
+            rows = [r.row for r in active]
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            at = torch.tensor([r.first + position - 1 for r in active], dtype=torch.long, device=self.device)
+            logits = self.model.logits(hidden.index_select(0, at))
+            if self._text_vocab < logits.shape[-1]:
+                logits = logits[:, : self._text_vocab]
+            chooser = batch.chooser.filter(rows)  # the same generators: their streams advance
+            lengths = batch.history_lengths.index_select(0, index)
+            next_ids, logprobs = chooser(logits, batch.history.index_select(0, index), lengths)
+            batch.history[index, lengths] = next_ids
+            batch.history_lengths.index_add_(0, index, torch.ones_like(index))
+            states = [batch.states[i] for i in rows]
+            top_n = [s.request.top_n_tokens for s in states]
+            tokens, chosen_logprobs, tops, _ = self._to_host(next_ids, logprobs, top_n, [])
+            seeds = chooser.seeds
+            going = []
+            for j, (run, state) in enumerate(zip(active, states)):
+                self._emit_token(state, generations[run.emitted], tokens[j], chosen_logprobs[j],
+                                 tops[j] if tops is not None and top_n[j] else None, False, seeds[j])
+                if not state.finished and position < len(run.proposal) and tokens[j] == run.proposal[position]:
+                    going.append(run)
+            active = going
+            position += 1
 
     def _to_host(self, next_ids, logprobs, top_n: list[int], prompt_spans):
         """Everything the step's Python side needs from the device, in one transfer: chosen ids
@@ -330,9 +439,21 @@ class CausalLM:
         return (self._rope_switch is not None and not state.prefilling and state.length == self._rope_switch + 1
                 and state.input_length <= self._rope_switch)
 
-    def _prefill_forward(self, batch: Batch) -> tuple[torch.Tensor, list[int], list["_PromptSpan"]]:
+    def _prefill_forward(
+        self, batch: Batch, proposals: dict[int, list[int]] | None = None,
+    ) -> tuple[torch.Tensor, list[int], list["_PromptSpan"], tuple[list[Run], torch.Tensor] | None]:
         """One forward over every request's new tokens, flattened: prompt chunks for requests
-        still prefilling (over their cached prefix), the last token for decoding ones."""
+        still prefilling (over their cached prefix), the last token for decoding ones, followed by
+        its proposed tokens when it speculates (their hidden states come back for `_verify`)."""
+        proposals = proposals or {}
+        if proposals:
+            # Written past each row's length, where the history is padding to everyone else (and
+            # where the accepted tokens land anyway): the forward reads its ids from there.
+            where = [(i, batch.states[i].length + j, t) for i, p in proposals.items() for j, t in enumerate(p)]
+            r, c, v = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*where))
+            batch.history[r, c] = v
+        runs: list[Run] = []
+        extra_rows: list[int] = []  # rows of the forward whose hidden states check a proposal
         ids, positions, slots, q_lens, cache_lens, logit_rows = [], [], [], [], [], []
         lengths = [] if self.config.rope_length_dependent else None
         emit: list[int] = []
@@ -361,8 +482,11 @@ class CausalLM:
                 first, n, done = 0, state.length, True  # the whole sequence, over its own slots
                 logit_rows.append(offset + n - 1)
             else:
-                first, n, done = state.length - 1, 1, True
+                first, n, done = state.length - 1, 1 + len(proposals.get(i, ())), True
                 logit_rows.append(offset)
+                if n > 1:
+                    runs.append(Run(row=i, emitted=len(emit), proposal=proposals[i], first=len(extra_rows)))
+                    extra_rows.extend(range(offset + 1, offset + n))
             if done:
                 emit.append(i)
                 last_rows.append(len(logit_rows) - 1)  # the row its token is drawn from
@@ -384,14 +508,15 @@ class CausalLM:
             is_prefill=True, slots=torch.cat(slots), prefill_lens=q_lens, cache_lens=cache_lens,
             block_tables=tables, backend=self.attention,
         )
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logit_rows + extra_rows, dtype=torch.long, device=self.device)
         hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows, head=False,
                             seq_lens=torch.cat(lengths) if lengths is not None else None)
         for span in spans:
             span.values = self._prompt_logprobs(span, hidden)
+        speculative = (runs, hidden[len(logit_rows):]) if runs else None
         if len(last_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=self.device))
-        return self.model.logits(hidden), emit, spans
+        return self.model.logits(hidden), emit, spans, speculative
 
     # Rows of vocabulary-wide logits computed at once for prompt logprobs: a 32k-token prompt
     # over a 128k vocabulary would otherwise hold 16 GiB of float32 logits.

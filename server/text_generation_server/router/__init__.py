@@ -165,7 +165,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_prefill, args.max_batch_size, args.max_concurrent_requests,
             waiting_served_ratio=getattr(args, "waiting_served_ratio", 1.2),
             max_waiting_tokens=getattr(args, "max_waiting_tokens", 20),
-        ), metrics, support_chunking=info.support_chunking)
+        ), metrics, support_chunking=info.support_chunking, speculate=info.speculate)
         scheduler.start()
         info_msg = cpb.InfoResponse(
             model_id=checkpoint.model_id, model_dtype=info.dtype, model_device_type=info.device_type,

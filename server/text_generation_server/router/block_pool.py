@@ -138,7 +138,11 @@ class BlockPool:
     def register(self, allocation: Allocation, token_ids: list[int], computed: int) -> int:
         """Caches the blocks of `allocation` whose tokens (`token_ids`, the sequence so far) all
         have K/V computed (`computed` tokens from the start). Returns how many blocks it added.
-        A block whose content another block already caches stays private (freed at release)."""
+        A block whose content another block already caches stays private (freed at release).
+
+        `computed` counts only positions whose K/V came from the request's own accepted tokens:
+        with speculation, slots past them hold the K/V of rejected guesses, so a block is cached
+        only when every one of its positions lies below `computed`."""
         if not self.prefix_caching:
             return 0
         full = min(computed, len(token_ids)) // self.block_size

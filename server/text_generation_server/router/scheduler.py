@@ -11,11 +11,17 @@ nothing to admit, the step is a Decode. Finished and cancelled requests are filt
 between steps, their blocks released at once.
 
 Blocks are the router's to hand out (TGI v3, `BlockPool`): a request is admitted only when
-blocks for its input plus max_new_tokens are free (or evictable), so a running request never
-runs out. With prefix caching the request's prompt is looked up first: the longest cached run
-of whole blocks is reused and only the rest computed (`cache_len`). A request's blocks enter the
-cache when their K/V are known to be computed: its prompt's blocks with its first token, and
-the generated ones when it finishes, so a follow-up turn reuses the whole conversation.
+blocks for its input plus max_new_tokens (plus the shards' Info.speculate, as TGI's queue adds
+it) are free (or evictable), so a running request never runs out. With prefix caching the
+request's prompt is looked up first: the longest cached run of whole blocks is reused and only
+the rest computed (`cache_len`). A request's blocks enter the cache when their K/V are known to
+be computed: its prompt's blocks with its first token, and the generated ones when it finishes,
+so a follow-up turn reuses the whole conversation.
+
+Speculation (shards with Info.speculate > 0): a step may give a request several tokens in one
+Generation; each is streamed to the client as a token of its own, and tgi_request_skipped_tokens
+records how many a step gave beyond the first (TGI's histogram). Only accepted tokens ever reach
+the router, so the K/V it registers in the prefix cache never holds a rejected guess.
 
 Shards without chunking (requires a separate prefill and a prompt that fits the budget) are
 driven the older way, with TGI's waiting_served_ratio and max_waiting_tokens deciding when a
@@ -62,11 +68,6 @@ class Entry:
         return self.request.input_length + self.request.max_new_tokens
 
     @property
-    def kv_tokens(self) -> int:
-        """Slots the request can fill: its last token is never fed back (TGI allocates the same)."""
-        return max(self.total_tokens - 1, 1)
-
-    @property
     def chunked(self) -> bool:
         return self.first_chunk is not None
 
@@ -96,8 +97,10 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, client: ShardClient, pool: BlockPool, limits: SchedulerLimits, metrics: Metrics,
-                 support_chunking: bool = True):
+                 support_chunking: bool = True, speculate: int = 0):
+        """speculate: the shards' Info.speculate, the most tokens a step may propose per request."""
         self.client = client
+        self.speculate = speculate
         self.pool = pool
         self.limits = limits
         self.metrics = metrics
@@ -128,7 +131,7 @@ class Scheduler:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server is at max_concurrent_requests ({self.limits.max_concurrent_requests}); retry later",
             )
-        if self.pool.blocks_for(max(request.input_length + request.max_new_tokens - 1, 1)) > self.pool.num_blocks - 1:
+        if self.pool.blocks_for(self._kv_tokens(request)) > self.pool.num_blocks - 1:
             raise StepFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request does not fit in the KV cache")
         entry = Entry(id=next(self._ids), request=request)
         self._inflight += 1
@@ -136,6 +139,14 @@ class Scheduler:
         self.metrics.queue_size.set(len(self.queue))
         self._wake.set()
         return entry
+
+    def _kv_tokens(self, request: ValidRequest) -> int:
+        """KV slots a request is given: the positions it can fill (its last token is never fed back),
+        plus Info.speculate (TGI's queue.rs allocates input + max_new_tokens + speculate - 1). A
+        speculating TGI shard writes the K/V of guessed tokens past the last token it keeps; ours
+        never guess past a request's last token (generation/speculation.py), so for them the extra
+        slots are only headroom."""
+        return max(request.input_length + request.max_new_tokens - 1, 1) + self.speculate
 
     def cancel(self, entry: Entry) -> None:
         """The client went away: drop it from the queue now, or from the batch after this step."""
@@ -207,7 +218,7 @@ class Scheduler:
             request = entry.request
             # Prompt logprobs need logits at every prompt position: a cached prefix has none.
             lookup = None if request.decoder_input_details else request.input_ids
-            allocation = self.pool.allocate(entry.kv_tokens, lookup)
+            allocation = self.pool.allocate(self._kv_tokens(request), lookup)
             if allocation is None:
                 break  # wait for running requests to free blocks; keep FIFO order
             compute = request.input_length - allocation.cache_len

@@ -200,18 +200,22 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         return template.render([{"role": m.role, "content": m.content} for m in request.messages])
 
     async def _stream(self, entry: Entry, context):
+        """One message per token. A speculative step's Generation carries several tokens (and one
+        top_tokens entry per token); each goes out as its own message, the last one of the request
+        with the generated text and details."""
         gens: list[spb.Generation] = []
         async for g in self._events(entry, context):
             gens.append(g)
             tokens = _tokens(g.tokens)
-            msg = cpb.GenerateStreamResponse(token=tokens[0])
-            for top in g.top_tokens:
-                msg.top_tokens.extend(_tokens(top))
-            if g.HasField("generated_text"):
-                msg.generated_text = g.generated_text.text
-                if entry.request.details:
-                    msg.details.CopyFrom(self._details(entry, gens))
-            yield msg
+            for i, token in enumerate(tokens):
+                msg = cpb.GenerateStreamResponse(token=token)
+                if i < len(g.top_tokens):
+                    msg.top_tokens.extend(_tokens(g.top_tokens[i]))
+                if i == len(tokens) - 1 and g.HasField("generated_text"):
+                    msg.generated_text = g.generated_text.text
+                    if entry.request.details:
+                        msg.details.CopyFrom(self._details(entry, gens))
+                yield msg
 
     async def Tokenize(self, request, context):
         if len(request.inputs) > self.limits.max_input_chars:
