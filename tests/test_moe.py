@@ -188,6 +188,19 @@ def test_grouped_experts_equal_a_per_token_loop(act, bias):
     torch.testing.assert_close(experts(x, weights, ids), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act,bias", [("silu", False), (SWIGLU_OAI, True)])
+def test_grouped_gemm_over_stacked_experts_equals_each_experts_own_linears(act, bias):
+    """The CPU path over stacked weights (torch's grouped GEMM) computes what each expert's own
+    linears compute (the path quantized experts and calibration take)."""
+    experts, _ = _experts(act, bias)
+    x = torch.randn(11, 12)
+    ids = torch.stack([torch.randperm(5)[:3] for _ in range(11)])
+    weights = torch.rand(11, 3)
+    fast = experts(x, weights, ids)
+    experts.per_expert_calls = True
+    torch.testing.assert_close(fast, experts(x, weights, ids), rtol=1e-6, atol=1e-6)
+
+
 def test_unquantized_experts_are_stacked_and_shared_with_the_per_expert_linears():
     experts, tensors = _experts("silu", True)
     assert experts.w13.shape == (5, 16, 12) and experts.w2.shape == (5, 12, 8)

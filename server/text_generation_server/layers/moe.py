@@ -206,6 +206,8 @@ def _stack_dense(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Te
 # fused kernel (which holds only stacked weights) must not be chosen.
 _GROUPED_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("moe_grouped_only", default=False)
 _LOGGED: set[str] = set()
+# torch's grouped GEMM (a CPU kernel since torch 2.9); None where this torch has none.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 @contextmanager
@@ -255,6 +257,8 @@ class Experts(torch.nn.Module):
             logger.info("experts run grouped GEMMs per expert ({})", reason)
         self.gate_up = torch.nn.ModuleList()
         self.down = torch.nn.ModuleList()
+        # Calibration hooks each expert's linears: every call must go through them.
+        self.per_expert_calls = _GROUPED_ONLY.get()
         if self.fused is None:
             self._load_grouped(weights)
 
@@ -345,18 +349,46 @@ class Experts(torch.nn.Module):
         return self.grouped(x, weights, ids)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One GEMM pair per expert any token chose, over that expert's tokens.
+        """Each active expert's GEMMs over that expert's tokens.
 
-        The (token, slot) pairs are sorted by expert once; each expert writes its weighted outputs
-        into its run of one [T*k, H] buffer, which is un-sorted with one gather and summed over the
-        k slots (index_add_ over the tokens would be a serial scatter on CPU: 70% of a step)."""
+        The (token, slot) pairs are sorted by expert once; the experts' weighted outputs fill their
+        runs of one [T*k, H] buffer (two grouped GEMMs over stacked dense weights on CPU, else a pair
+        of GEMMs per active expert), which is un-sorted with one gather and summed over the k slots
+        (index_add_ over the tokens would be a serial scatter on CPU: 70% of a step)."""
         tokens, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         weight_of = weights.reshape(-1).index_select(0, order)
+        if (self.w13 is not None and self.w2 is not None and not self.per_expert_calls and _GROUPED_MM is not None
+                and x.device.type == "cpu"):
+            sorted_out = self._grouped_mm(x, flat, order, token_of, weight_of)
+        else:
+            sorted_out = self._per_expert(x, flat, token_of, weight_of)
+        unsorted = sorted_out.index_select(0, torch.argsort(order))
+        return unsorted.view(tokens, k, -1).sum(dim=1)
+
+    def _grouped_mm(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor,
+                    weight_of: torch.Tensor) -> torch.Tensor:
+        """Both projections of every active expert as two grouped GEMMs over the stacked weights
+        (torch's grouped_mm: one call walks the experts' row runs), no host sync and no Python
+        loop over experts: what transformers' own grouped_mm experts do, and as exact in float32."""
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.opts.num_experts), 0).to(torch.int32)
+        gate_up = _GROUPED_MM(x.index_select(0, token_of), self.w13.transpose(1, 2), offs=offs)
+        expert_of = flat.index_select(0, order) if self.b13 is not None or self.b2 is not None else None
+        if self.b13 is not None:
+            gate_up = gate_up + self.b13.index_select(0, expert_of)
+        out = _GROUPED_MM(self.activate(gate_up), self.w2.transpose(1, 2), offs=offs)
+        if self.b2 is not None:
+            out = out + self.b2.index_select(0, expert_of)
+        return (out * weight_of[:, None]).to(x.dtype)
+
+    def _per_expert(self, x: torch.Tensor, flat: torch.Tensor, token_of: torch.Tensor,
+                    weight_of: torch.Tensor) -> torch.Tensor:
+        """Each active expert's own linears over its tokens (quantized experts; calibration,
+        whose hooks sit on those linears)."""
         counts = torch.bincount(flat, minlength=self.opts.num_experts).tolist()
-        sorted_out = x.new_empty(tokens * k, x.shape[1])
+        sorted_out = x.new_empty(flat.shape[0], x.shape[1])
         start = 0
         for e, count in enumerate(counts):
             if count == 0:
@@ -365,8 +397,7 @@ class Experts(torch.nn.Module):
             h = self.down[e].linear(self.activate(self.gate_up[e](x.index_select(0, rows))))
             sorted_out[start:start + count] = h * weight_of[start:start + count, None]
             start += count
-        unsorted = sorted_out.index_select(0, torch.argsort(order))
-        return unsorted.view(tokens, k, -1).sum(dim=1)
+        return sorted_out
 
     def linear_stages(self) -> list[list[str]]:
         n = self.opts.num_experts
