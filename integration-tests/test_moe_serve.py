@@ -49,3 +49,36 @@ def test_quantized_qwen3_moe_serves(tmp_path, start_serve):
     server.wait_serving(timeout_s=180)
     served = generate(client_stub(server), request(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos_token=True))
     assert list(served.token_ids) == local_tokens(out)
+
+
+def test_compressed_tensors_w4a16_qwen3_moe_serves(tmp_path, start_serve):
+    """A W4A16 checkpoint packed as llmcompressor writes compressed-tensors (every expert and
+    attention linear, group 8, symmetric; packed by the test-side packer): `serve` answers with the
+    tokens the same checkpoint gives in-process, and its experts run on this machine's int4 kernel."""
+    from quant_packers import ct_tensors, quantize_rtn
+    from safetensors.torch import load_file
+    from test_family_quantization import ct_config
+
+    from helpers import write_model_folder
+
+    dense = tmp_path / "qwen3_moe"
+    write_family_checkpoint(dense, "qwen3_moe", seed=13)
+    state = load_file(str(dense / "model.safetensors"))
+    packed = {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight"):
+            packed |= ct_tensors(name.removesuffix(".weight"), quantize_rtn(tensor.float(), 4, 8, sym=True),
+                                 with_g_idx=False)
+        else:
+            packed[name] = tensor
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = ct_config(4, 8, True, None)
+    out = write_model_folder(tmp_path / "qwen3_moe-w4a16", dense, packed, config)
+    assert "model.layers.1.mlp.experts.5.up_proj.weight_packed" in packed
+    server = start_serve(out)
+    server.wait_serving(timeout_s=180)
+    stub = client_stub(server)
+    info = stub.Info(cpb.InfoRequest(), timeout=10)
+    assert "moe-grouped" in info.kernels, list(info.kernels)
+    served = generate(stub, request(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos_token=True))
+    assert list(served.token_ids) == local_tokens(out)
