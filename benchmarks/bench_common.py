@@ -165,6 +165,14 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 # -- the server process --------------------------------------------------------------------------
+def file_tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of a server's log ("" when it cannot be read): for error messages."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -218,10 +226,7 @@ class StartedServer:
 
     def log_tail(self, lines: int = 30) -> str:
         """The last `lines` lines of its output (for error messages)."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return file_tail(self.log_path, lines)
 
     async def wait_ready(self) -> float:
         """Seconds until the gRPC health service answers SERVING (the router serves only after warmup).

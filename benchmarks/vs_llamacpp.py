@@ -66,7 +66,7 @@ from loguru import logger
 # benchmarks/ is on sys.path when a script there runs: its siblings import by name.
 import llamacpp_build as lb  # noqa: E402
 from bench_common import (  # noqa: E402
-    StartedServer, cli_entry, command_line, free_port, load_line, machine_line, md_table, now_iso, parse_ints, pct,
+    StartedServer, cli_entry, command_line, file_tail, free_port, load_line, machine_line, md_table, now_iso, parse_ints, pct,
     ratio, stream_generate,
 )
 from prompts import CODE_PROMPTS  # noqa: E402
@@ -597,10 +597,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return file_tail(self.log_path, lines)
 
     async def wait_ready(self) -> float:
         """Seconds until GET /health answers 200 (the model is loaded); RuntimeError with the log's tail

@@ -21,6 +21,7 @@ import grpc
 import jsonschema
 import pytest
 import torch
+from helpers import Context, StepFailedInShard
 
 from text_generation_server.generation.grammar import (
     GrammarCompiler,
@@ -368,20 +369,6 @@ def test_tgi_shard_requests_carry_grammars_as_tgi_sends_them():
         request_from_pb(pb_request("", spb.GRAMMAR_TYPE_REGEX))
 
 
-class Aborted(Exception):
-    def __init__(self, code, details):
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class Context:
-    async def abort(self, code, details):
-        raise Aborted(code, details)
-
-    def set_trailing_metadata(self, metadata):
-        pass
-
-
 def test_the_shard_refuses_a_bad_grammar_per_request_and_the_running_batch_steps_on(lm):
     from text_generation_server.shard import TextGenerationService
 
@@ -398,10 +385,10 @@ def test_the_shard_refuses_a_bad_grammar_per_request_and_the_running_batch_steps
         first = await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=1, requests=[
             pb_request(1, r"[a-z]{30}", spb.GRAMMAR_TYPE_REGEX)])), ctx)
         bad = spb.Batch(id=2, requests=[pb_request(2), pb_request(3, '{"type": "strin"}', spb.GRAMMAR_TYPE_JSON)])
-        with pytest.raises(Aborted) as info:
+        with pytest.raises(StepFailedInShard) as info:
             await service.Prefill(spb.PrefillRequest(batch=bad, cached_batch=first.batch), ctx)
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request 3: grammar: invalid JSON schema: Invalid type: strin" in info.value.details
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request 3: grammar: invalid JSON schema: Invalid type: strin" in info.value.details()
         tokens = [first.generations[0].tokens.ids[0]]
         batch = first.batch
         while batch.id:

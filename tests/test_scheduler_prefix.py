@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 import torch
+from helpers import InProcessClient
 
 from text_generation_server.metrics import Metrics
 from text_generation_server.models import get_model
@@ -27,63 +28,6 @@ torch.set_num_threads(1)
 SYSTEM = "# A helper module for parsing configuration files.\nimport os\nimport sys\nimport json\n\n"
 QUESTIONS = ["def load(path):", "class Config:\n    def __init__(self", "def main():\n    args =",
              "def parse_args(argv):", "def merge(a, b):"]
-
-
-class Context:
-    async def abort(self, code, details):
-        raise StepFailedInShard(code, details)
-
-    def set_trailing_metadata(self, metadata):
-        pass
-
-
-class StepFailedInShard(Exception):
-    def __init__(self, code, details):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-
-class InProcessClient:
-    """ShardClient's calls, answered by one shard service in this process."""
-
-    def __init__(self, service: TextGenerationService):
-        self.service = service
-        self.ctx = Context()
-        self.calls: list[str] = []
-
-    async def prefill(self, batch, cached=None):
-        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-
-        self.calls.append("prefill+cached" if cached is not None else "prefill")
-        req = pb.PrefillRequest(batch=batch)
-        if cached is not None:
-            req.cached_batch.CopyFrom(cached)
-        return await self.service.Prefill(req, self.ctx)
-
-    async def decode(self, batches):
-        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-
-        self.calls.append("decode")
-        return await self.service.Decode(pb.DecodeRequest(batches=batches), self.ctx)
-
-    async def filter_batch(self, batch_id, request_ids):
-        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-
-        resp = await self.service.FilterBatch(pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids),
-                                              self.ctx)
-        return resp.batch if resp.HasField("batch") else None
-
-    async def clear_cache(self, batch_id=None):
-        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-
-        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
-        await self.service.ClearCache(req, self.ctx)
 
 
 @pytest.fixture(scope="module")

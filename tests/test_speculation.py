@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 import typer
-from helpers import write_checkpoint
+from helpers import Context, InProcessClient, write_checkpoint
 from typer.testing import CliRunner
 
 from text_generation_server import cli, launcher, rank
@@ -360,52 +360,6 @@ def test_forwards_stay_within_budget_and_slots_with_chunks_and_cached_prefixes(f
 
 
 # -- shard and router -------------------------------------------------------------------------------------
-class Context:
-    async def abort(self, code, details):
-        raise StepFailedInShard(code, details)
-
-    def set_trailing_metadata(self, metadata):
-        pass
-
-
-class StepFailedInShard(Exception):
-    def __init__(self, code, details):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-
-class InProcessClient:
-    """The router's ShardClient calls, answered by a shard service in this process."""
-
-    def __init__(self, service: TextGenerationService):
-        self.service = service
-        self.ctx = Context()
-
-    async def prefill(self, batch, cached=None):
-        req = pb.PrefillRequest(batch=batch)
-        if cached is not None:
-            req.cached_batch.CopyFrom(cached)
-        return await self.service.Prefill(req, self.ctx)
-
-    async def decode(self, batches):
-        return await self.service.Decode(pb.DecodeRequest(batches=batches), self.ctx)
-
-    async def filter_batch(self, batch_id, request_ids):
-        resp = await self.service.FilterBatch(pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids),
-                                              self.ctx)
-        return resp.batch if resp.HasField("batch") else None
-
-    async def clear_cache(self, batch_id=None):
-        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
-        await self.service.ClearCache(req, self.ctx)
-
-
 LIMITS = Limits(max_input_tokens=700, max_total_tokens=1000, max_stop_sequences=4, max_stop_sequence_length=64,
                 max_top_n_tokens=5, max_input_chars=100_000)
 

@@ -31,7 +31,7 @@ from text_generation_server.layers.mla import MLAOptions, MultiHeadLatentAttenti
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.moe import RouterOptions, SparseMoE
 from text_generation_server.layers.rotary import RotaryEmbedding
-from text_generation_server.models.decoder import ConfigReader, DecoderLayer
+from text_generation_server.models.decoder import ConfigReader
 from text_generation_server.models.families.llama import rope_of
 from text_generation_server.models.families.moe import MoeConfig, MoeFamily
 from text_generation_server.weights import Weights
@@ -159,17 +159,6 @@ class DeepseekFamily(MoeFamily):
                                     activation(config.hidden_act), bias=config.mlp_bias)
         return block
 
-    def layer(self, config: DeepseekConfig, weights: Weights, index: int,
-              rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:
-        prefix = f"{self.layer_prefix}.{index}"
-        attn = MultiHeadLatentAttention(self.mla_options(config), weights, f"{prefix}.self_attn", index,
-                                        rotaries["default"])
-        if index in config.sparse_layers:
-            mlp: torch.nn.Module = self.sparse_block(config, weights, f"{prefix}.{self.moe_prefix}")
-        else:
-            mlp = self.mlp(config, weights, f"{prefix}.mlp")
-        return DecoderLayer(
-            attn, mlp,
-            input_norm=self.norm(config, weights, f"{prefix}.input_layernorm"),
-            mlp_norm=self.norm(config, weights, f"{prefix}.post_attention_layernorm"),
-        )
+    def attention(self, config: DeepseekConfig, weights: Weights, prefix: str, index: int,
+                  rotaries: dict[str, RotaryEmbedding]) -> torch.nn.Module:
+        return MultiHeadLatentAttention(self.mla_options(config), weights, prefix, index, rotaries["default"])

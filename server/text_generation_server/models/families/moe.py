@@ -91,11 +91,14 @@ class MoeFamily(LlamaFamily):
         experts = Experts(self.expert_options(config, prefix), weights)
         return SparseMoE(router, experts, weights.process_group)
 
+    def attention(self, config: MoeConfig, weights: Weights, prefix: str, index: int,
+                  rotaries: dict[str, RotaryEmbedding]) -> torch.nn.Module:
+        return SelfAttention(self.attention_options(config, index), weights, prefix, index, rotaries.get("default"))
+
     def layer(self, config: MoeConfig, weights: Weights, index: int,
               rotaries: dict[str, RotaryEmbedding]) -> DecoderLayer:
         prefix = f"{self.layer_prefix}.{index}"
-        attn = SelfAttention(self.attention_options(config, index), weights, f"{prefix}.self_attn", index,
-                             rotaries.get("default"))
+        attn = self.attention(config, weights, f"{prefix}.self_attn", index, rotaries)
         if index in config.sparse_layers:
             mlp: torch.nn.Module = self.sparse_block(config, weights, f"{prefix}.{self.moe_prefix}")
         else:
