@@ -390,11 +390,23 @@ def run_to_end(lm, batch, out: dict | None = None) -> dict:
 
 # -- a shard service in this process, called as the router's ShardClient calls it -------------------------
 class Context:
+    """A gRPC servicer context: abort raises, done callbacks wait for `end()` (the call ending)."""
+
+    def __init__(self):
+        self.done_callbacks: list = []
+
     async def abort(self, code, details):
         raise StepFailedInShard(code, details)
 
     def set_trailing_metadata(self, metadata):
         pass
+
+    def add_done_callback(self, callback) -> None:
+        self.done_callbacks.append(callback)
+
+    def end(self) -> None:
+        for callback in self.done_callbacks:
+            callback(self)
 
 
 class StepFailedInShard(Exception):

@@ -100,7 +100,18 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
             "request {} queued: {} input tokens, max_new_tokens {}", entry.id, valid.input_length,
             valid.max_new_tokens,
         )
+        # When a client cancels a stream while gRPC is writing to it, gRPC drops the handler's async
+        # generator without closing it, so a `finally` inside would run only when the garbage
+        # collector gets to it: the request would decode to its end and count as a success. The
+        # RPC's done callback runs when the call ends, however it ends.
+        context.add_done_callback(lambda _context: self._client_gone(entry))
         return entry
+
+    def _client_gone(self, entry: Entry) -> None:
+        """The call ended; a request still running has lost its client and is cancelled."""
+        if not entry.done and not entry.cancelled:
+            logger.bind(request_id=entry.id).info("request {} cancelled by the client", entry.id)
+            self.scheduler.cancel(entry)
 
     async def _events(self, entry: Entry, context):
         """Yields the shard generations of one request; cancels it if the client goes away."""
@@ -117,9 +128,7 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                     )
                     return
         finally:
-            if not entry.done:
-                logger.bind(request_id=entry.id).info("request {} cancelled by the client", entry.id)
-                self.scheduler.cancel(entry)
+            self._client_gone(entry)
 
     def _details(self, entry: Entry, gens: list[spb.Generation]) -> cpb.Details:
         last = gens[-1].generated_text
