@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
@@ -104,6 +105,8 @@ class Int4PackLinear(torch.nn.Module):
         self.in_features = packed.shape[1] * 2 if in_features is None else in_features
         self.padded = packed.shape[1] * 2 != self.in_features
         self.out_features = packed.shape[0]
+        # Prompt-sized inputs: row blocks dequantized to bf16 for torch's GEMM (cpu_native.py).
+        self.native = cpu_native.native()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -113,7 +116,13 @@ class Int4PackLinear(torch.nn.Module):
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.to(self.compute_dtype).contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        y = None
+        if self.native is not None and self.compute_dtype == torch.bfloat16:
+            sz = self.scales_and_zeros.float()
+            y = cpu_native.int4pack_linear(self.native, x, self.packed, sz[..., 0].contiguous(),
+                                           sz[..., 1].contiguous(), self.group_size)
+        if y is None:
+            y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         y = y.to(self.act_dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -205,10 +214,13 @@ def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int)
 class Int8Linear(torch.nn.Module):
     # x: [..., K] -> [..., N]
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None,
-                 bias: torch.Tensor | None, act_dtype: torch.dtype):
+                 bias: torch.Tensor | None, act_dtype: torch.dtype, scales_f32: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight)  # int8 [N, K]
         self.register_buffer("scales", scales)  # [N] compute dtype
+        # float32 [N], for the native kernels (cpu_native.py): decode rows and prompt-sized inputs
+        self.register_buffer("scales_f32", scales.float() if scales_f32 is None else scales_f32)
+        self.native = cpu_native.native()
         self.register_buffer("offset", offset)  # float32 [N]: s * (m - z), None when zero
         self.register_buffer("bias", bias)
         self.act_dtype = act_dtype
@@ -219,8 +231,11 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        xc = x.to(self.compute_dtype).contiguous()
-        y = torch._weight_int8pack_mm(xc, self.weight, self.scales)
+        y = None
+        if self.native is not None and self.compute_dtype == torch.bfloat16:
+            y = cpu_native.int8_linear(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+        if y is None:
+            y = torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
         if self.offset is not None:
             y = (y.float() + x.float().sum(dim=1, keepdim=True) * self.offset).to(self.act_dtype)
         else:
@@ -261,7 +276,7 @@ class CpuInt8Kernel(QuantKernel):
         offset = scales * (mid - zeros)  # zero for symmetric weights
         compute = _compute_dtype(act_dtype)
         return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
-                          None if bias is None else bias.to(act_dtype), act_dtype)
+                          None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
 
 
 register("cpu", CpuInt4PackKernel)

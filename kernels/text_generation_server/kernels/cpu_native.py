@@ -1,0 +1,130 @@
+"""Native CPU kernels, compiled on this machine on first use, with torch's ops as the fallback.
+
+Why compile at all: torch's weight-only ops are the CPU path for int8 and int4 weights, and two
+of their costs dominate CPU serving (benchmarks/kernels_cpu.py, BENCHMARKS.md):
+- `_weight_int8pack_mm` streams the weights once per activation row, so a decode batch of 8
+  reads them 8 times, and a single row reads them at ~2/3 of what this kernel reaches;
+- both ops run prompt-sized inputs 5-8x slower than dequantizing row blocks to bfloat16 and
+  calling torch's bfloat16 GEMM (oneDNN, AMX where the CPU has it).
+
+The extension is built by torch.utils.cpp_extension with `-O3 -march=native` into torch's
+extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), under a name that
+hashes the source, the compiler flags, torch's version and this CPU's model and flags, so a cache
+shared between machines never hands one CPU another's instructions. Building takes about 40 s
+once per machine and needs a C++ compiler; without one, or with TGS_CPU_NATIVE_KERNELS=0, every
+layer keeps torch's ops and the log says why, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from types import ModuleType
+
+import torch
+from loguru import logger
+
+from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
+
+ENV = "TGS_CPU_NATIVE_KERNELS"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# torch ships its own libgomp.so.1; the extension links against the same soname, so at run time
+# it shares torch's OpenMP runtime (one thread pool, torch.set_num_threads applies) rather than
+# bringing a second one whose idle threads would spin against torch's.
+LDFLAGS = ("-fopenmp",)
+
+# Activation rows up to which the int8 matrix-vector kernel runs (it keeps one accumulator per
+# row in registers); rows from which a layer dequantizes row blocks and calls the bfloat16 GEMM.
+INT8_GEMV_MAX_ROWS = 8
+INT8_DEQUANT_MIN_ROWS = 32
+INT4_DEQUANT_MIN_ROWS = 64
+# Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
+# K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
+DEQUANT_ROWS = 1024
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    """What the compiled instructions depend on: the CPU's model name and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_signature()):
+        digest.update(part.encode())
+    return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
+
+
+def native() -> ModuleType | None:
+    """The compiled extension, building it on the first call; None (and why, in the log) if it cannot be."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        module, reason = None, ""
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            reason = f"disabled by {ENV}={os.environ[ENV]}"
+        else:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                name = _build_name()
+                logger.info("native CPU kernels: loading {} (built once per machine, about a minute)", name)
+                module = load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS, extra_cflags=list(CFLAGS),
+                                     extra_ldflags=list(LDFLAGS), verbose=False)
+            except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
+                lines = str(exc).strip().splitlines()
+                reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
+        if module is None:
+            logger.warning("native CPU kernels unavailable ({}); int8/int4 layers use torch's ops only", reason)
+        _state["module"], _state["reason"] = module, reason
+        return module
+
+
+def unavailable_reason() -> str:
+    """Why native() returned None ("" when it did not, or was not called yet)."""
+    return str(_state.get("reason", ""))
+
+
+def reset() -> None:
+    """Forgets the loaded extension, so the next native() decides again (tests switch ENV)."""
+    with _lock:
+        _state.clear()
+
+
+def int8_linear(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, or None for row counts left to torch's op."""
+    rows = x.shape[0]
+    if rows <= INT8_GEMV_MAX_ROWS:
+        return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
+    if rows < INT8_DEQUANT_MIN_ROWS:
+        return None
+    xb = x.to(torch.bfloat16).contiguous()
+    n = weight.shape[0]
+    parts = [xb @ module.int8_dequant(weight, scales, n0, min(n, n0 + DEQUANT_ROWS)).t()
+             for n0 in range(0, n, DEQUANT_ROWS)]
+    return torch.cat(parts, dim=1).to(out_dtype)
+
+
+def int4pack_linear(module: ModuleType, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, or None for row counts left to torch's op.
+
+    W = (q - 8) * scales + zeros, scales and zeros float32 [Kp / group_size, N]."""
+    n = packed.shape[0]
+    if x.shape[0] < INT4_DEQUANT_MIN_ROWS or n % 64:
+        return None
+    blocks, step = n // 64, DEQUANT_ROWS // 64
+    parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
+             for b0 in range(0, blocks, step)]
+    return torch.cat(parts, dim=1)

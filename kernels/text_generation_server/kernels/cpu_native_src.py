@@ -1,0 +1,206 @@
+"""C++ source of the native CPU kernels (compiled on first use by cpu_native.py).
+
+An int8 weight-only matrix-vector product that reads each weight byte once for up to eight
+activation rows (torch's `_weight_int8pack_mm` re-reads the weights for every row), and
+dequantizers that turn row blocks of int8 or torch-int4-packed weights into bfloat16 for
+prompt-sized matmuls, where torch's weight-only ops run 5-8x slower than dequantizing and
+calling the bfloat16 GEMM. Written with GCC/Clang vector extensions, with AVX-512/AVX2
+intrinsics only for byte-to-float conversion: `-march=native` maps a 16-float vector onto one
+AVX-512 register, two AVX2 registers or four NEON ones, so one source serves x86-64 and aarch64.
+
+int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output row.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));     // 16 floats
+typedef int8_t vi8 __attribute__((vector_size(16)));   // 16 int8
+typedef uint8_t vu8 __attribute__((vector_size(16)));  // 16 uint8
+typedef int32_t vi32 __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+inline vf load_f(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
+// Byte codes to floats. With AVX-512 or AVX2 one extension and one conversion instruction each
+// (GCC 12 splits a generic int8->float vector conversion into 16 scalar ones); elsewhere the
+// generic conversion through int32, which compilers vectorise for NEON.
+#if defined(__AVX512F__)
+inline vf from_m512(__m512 v) { vf r; std::memcpy(&r, &v, sizeof(r)); return r; }
+inline vf to_f(vi8 b) { __m128i i; std::memcpy(&i, &b, 16); return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(i))); }
+inline vf to_f(vu8 b) { __m128i i; std::memcpy(&i, &b, 16); return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(i))); }
+#elif defined(__AVX2__)
+inline vf from_m256(__m256 lo, __m256 hi) { vf r; std::memcpy(&r, &lo, 32); std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32); return r; }
+inline vf to_f(vi8 b) {
+  __m128i i; std::memcpy(&i, &b, 16);
+  return from_m256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(i, 8))));
+}
+inline vf to_f(vu8 b) {
+  __m128i i; std::memcpy(&i, &b, 16);
+  return from_m256(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(i, 8))));
+}
+#else
+inline vf to_f(vi8 b) { return __builtin_convertvector(__builtin_convertvector(b, vi32), vf); }
+inline vf to_f(vu8 b) { return __builtin_convertvector(__builtin_convertvector(b, vi32), vf); }
+#endif
+inline vf load_i8(const int8_t* p) { vi8 b; std::memcpy(&b, p, sizeof(b)); return to_f(b); }
+inline vu8 load_u8(const uint8_t* p) { vu8 b; std::memcpy(&b, p, sizeof(b)); return b; }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += v[j];
+  return s;
+}
+// float -> bfloat16 bits, round to nearest even (finite inputs: dequantized weights are).
+inline void store_bf16(uint16_t* dst, vf v) {
+  vu32 u;
+  std::memcpy(&u, &v, sizeof(u));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  vu16 h = __builtin_convertvector(u >> 16, vu16);
+  std::memcpy(dst, &h, sizeof(h));
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
+template <int M, int NB>
+inline void int8_rows(const float* x, const int8_t* w, const float* s, float* y, int64_t K, int64_t N, int64_t n) {
+  vf acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
+  int64_t k = 0;
+  // One core alone cannot keep enough reads in flight to stream at memory speed: prefetch the
+  // weights PREFETCH_BYTES ahead, one cache line per step (past a row's end: the next rows).
+  for (; k + 64 <= K; k += 64) {
+    for (int b = 0; b < NB; ++b) __builtin_prefetch(w + (n + b) * K + k + PREFETCH_BYTES, 0, 0);
+    for (int64_t kk = k; kk < k + 64; kk += 16) {
+      vf wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = load_i8(w + (n + b) * K + kk);
+      for (int m = 0; m < M; ++m) {
+        vf xv = load_f(x + m * K + kk);
+        for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+      }
+    }
+  }
+  for (; k + 16 <= K; k += 16) {
+    vf wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load_i8(w + (n + b) * K + k);
+    for (int m = 0; m < M; ++m) {
+      vf xv = load_f(x + m * K + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      float t = hsum(acc[m][b]);
+      for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * float(w[(n + b) * K + kk]);
+      y[m * N + n + b] = t * s[n + b];
+    }
+}
+
+template <int M, int NB>
+void int8_gemv_impl(const float* x, const int8_t* w, const float* s, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) int8_rows<M, NB>(x, w, s, y, K, N, i * NB);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) int8_rows<M, 1>(x, w, s, y, K, N, n);
+}
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, got ", x.size(0));
+}
+
+}  // namespace
+
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K);
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.numel() == N && s.is_contiguous(), "s must be float32 [N]");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (M) {
+    case 1: int8_gemv_impl<1, 1>(xp, wp, sp, yp, K, N); break;
+    case 2: int8_gemv_impl<2, 4>(xp, wp, sp, yp, K, N); break;
+    case 3: int8_gemv_impl<3, 2>(xp, wp, sp, yp, K, N); break;
+    case 4: int8_gemv_impl<4, 2>(xp, wp, sp, yp, K, N); break;
+    case 5: int8_gemv_impl<5, 2>(xp, wp, sp, yp, K, N); break;
+    case 6: int8_gemv_impl<6, 2>(xp, wp, sp, yp, K, N); break;
+    case 7: int8_gemv_impl<7, 1>(xp, wp, sp, yp, K, N); break;
+    default: int8_gemv_impl<8, 1>(xp, wp, sp, yp, K, N); break;
+  }
+  return y;
+}
+
+// Rows n0..n1 of the int8 weight as bfloat16 [n1 - n0, K]: w * s.
+torch::Tensor int8_dequant(torch::Tensor w, torch::Tensor s, int64_t n0, int64_t n1) {
+  const int64_t K = w.size(1);
+  TORCH_CHECK(K % 16 == 0 && 0 <= n0 && n0 < n1 && n1 <= w.size(0), "bad rows or K");
+  auto out = torch::empty({n1 - n0, K}, w.options().dtype(torch::kBFloat16));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+      const float scale = sp[n];
+      for (int64_t k = 0; k < K; k += 16) store_bf16(op + (n - n0) * K + k, load_i8(wp + n * K + k) * scale);
+    }
+  });
+  return out;
+}
+
+// torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu, read off its output): rows in
+// blocks of 64; for block nb and input row k, 32 bytes at ((nb * K) + k) * 32, byte j holding
+// row nb * 64 + j in its low nibble and row nb * 64 + 32 + j in its high one.
+// Out: W^T of row blocks nb0..nb1 as bfloat16 [K, (nb1 - nb0) * 64], W = (q - 8) * s + z with
+// s, z float32 [K / gs, N].
+torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::Tensor z, int64_t gs, int64_t nb0,
+                                 int64_t nb1) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(N % 64 == 0 && 0 <= nb0 && nb0 < nb1 && nb1 * 64 <= N, "bad row blocks");
+  TORCH_CHECK(gs > 0 && K % gs == 0 && s.numel() == (K / gs) * N && z.numel() == s.numel(), "bad scales");
+  const int64_t width = (nb1 - nb0) * 64;
+  auto out = torch::empty({K, width}, packed.options().dtype(torch::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t g = k / gs;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const uint8_t* src = pp + (nb * K + k) * 32;
+        uint16_t* dst = op + k * width + (nb - nb0) * 64;
+        for (int h = 0; h < 2; ++h) {
+          vu8 bytes = load_u8(src + 16 * h);
+          const int64_t lo_n = nb * 64 + 16 * h, hi_n = lo_n + 32;
+          vf lo = (to_f(vu8(bytes & (uint8_t)15)) - 8.f) * load_f(sp + g * N + lo_n) + load_f(zp + g * N + lo_n);
+          vf hi = (to_f(vu8(bytes >> 4)) - 8.f) * load_f(sp + g * N + hi_n) + load_f(zp + g * N + hi_n);
+          store_bf16(dst + 16 * h, lo);
+          store_bf16(dst + 32 + 16 * h, hi);
+        }
+      }
+    }
+  });
+  return out;
+}
+"""
+
+FUNCTIONS = ["int8_gemv", "int8_dequant", "int4pack_dequant_t"]

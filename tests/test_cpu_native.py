@@ -1,0 +1,166 @@
+"""The native CPU kernels (kernels/cpu_native.py): built here, exact against the reference in every
+row band (matrix-vector up to 8 rows, torch's op in between, dequantized bf16 GEMM from 32/64
+rows), over several dequantization chunks, and torch's ops when they are switched off or cannot
+be built.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import make_weight
+from test_kernels import BOUND, rel_err
+
+from text_generation_server.kernels import cpu, cpu_native
+from text_generation_server.kernels.base import QuantizedWeight
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture
+def fresh_native():
+    """Each test decides availability anew and leaves the process as it found it."""
+    cpu_native.reset()
+    yield
+    cpu_native.reset()
+
+
+class Recorder:
+    """The extension's functions, counted per call."""
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+
+        return counted
+
+
+def test_the_extension_builds_on_a_machine_with_a_compiler(fresh_native):
+    module = cpu_native.native()
+    if shutil.which("c++") or shutil.which("g++"):
+        assert module is not None, cpu_native.unavailable_reason()
+        assert cpu_native.unavailable_reason() == ""
+        assert cpu_native.native() is module  # built (or loaded) once per process
+    else:
+        assert module is None and "could not be built" in cpu_native.unavailable_reason()
+
+
+@pytest.fixture
+def native():
+    module = cpu_native.native()
+    if module is None:  # the test above fails on such a machine and says why
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 31, 32, 77])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_int8_rows_in_every_band_match_the_reference(native, rows, sym, monkeypatch):
+    monkeypatch.setattr(cpu_native, "DEQUANT_ROWS", 64)  # N=200: four dequantized chunks, the last one short
+    k, n = 192, 200
+    w = make_weight(k, n, 8, k, sym, False, seed=rows)
+    bias = torch.randn(n)
+    for dtype in (torch.bfloat16, torch.float32):
+        module = cpu.CpuInt8Kernel.build(w, bias, dtype)
+        recorder = Recorder(native)
+        module.native = recorder
+        assert rel_err(w, module, dtype, bias, lead=(rows,)) < BOUND[dtype]
+        if rows <= cpu_native.INT8_GEMV_MAX_ROWS:
+            assert recorder.calls == {"int8_gemv": 1}
+        elif rows < cpu_native.INT8_DEQUANT_MIN_ROWS:
+            assert recorder.calls == {}  # torch's _weight_int8pack_mm
+        else:
+            assert recorder.calls == {"int8_dequant": 4}
+
+
+def test_int8_gemv_is_exact_in_float32(native):
+    """Against a float64 product of the same int8 codes and scales: only float32 accumulation differs."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (96, 320), generator=gen, dtype=torch.int8)
+    s = torch.rand(96, generator=gen)
+    for rows in range(1, 9):
+        x = torch.randn(rows, 320, generator=gen)
+        ref = x.double() @ (q.double() * s.double()[:, None]).t()
+        got = native.int8_gemv(x, q, s)
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+def test_int8_gemv_rejects_what_it_cannot_run(native):
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        native.int8_gemv(torch.zeros(9, 32), q, torch.ones(8))
+    with pytest.raises(RuntimeError, match="x must be"):
+        native.int8_gemv(torch.zeros(1, 16), q, torch.ones(8))
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 130])
+@pytest.mark.parametrize("case", [
+    (256, 192, 4, 64, False, False),  # three 64-row blocks
+    (256, 128, 4, 128, True, True),  # act-order: the input is permuted first
+    (384, 64, 4, 32, False, True),
+    (256, 80, 4, 128, False, False),  # N not a multiple of 64: torch's op at every size
+], ids=str)
+def test_int4_prompt_rows_match_the_reference(native, rows, case, monkeypatch):
+    monkeypatch.setattr(cpu_native, "DEQUANT_ROWS", 64)  # one 64-row block per chunk
+    k, n, bits, gs, sym, act = case
+    w = make_weight(k, n, bits, gs, sym, act, seed=rows + n)
+    module = cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
+    recorder = Recorder(native)
+    module.native = recorder
+    assert rel_err(w, module, torch.bfloat16, None, lead=(rows,)) < BOUND[torch.bfloat16]
+    expected = n // 64 if rows >= cpu_native.INT4_DEQUANT_MIN_ROWS and n % 64 == 0 else 0
+    assert recorder.calls.get("int4pack_dequant_t", 0) == expected
+
+
+def test_int4_dequantized_gemm_agrees_with_torchs_op(native):
+    """The same packed weight through both paths: they differ by bf16 rounding only."""
+    w = make_weight(512, 256, 4, 128, False, False, seed=5)
+    module = cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
+    x = torch.randn(96, 512).to(torch.bfloat16)
+    ours = module(x).double()
+    module.native = None
+    theirs = module(x).double()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 5e-3
+
+
+def test_switched_off_every_layer_uses_torchs_ops(fresh_native, monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    assert cpu_native.native() is None
+    assert cpu_native.unavailable_reason() == f"disabled by {cpu_native.ENV}=0"
+    w = make_weight(128, 64, 8, 128, False, False, seed=1)
+    module = cpu.CpuInt8Kernel.build(w, None, torch.bfloat16)
+    assert module.native is None
+    for rows in (1, 40):
+        assert rel_err(w, module, torch.bfloat16, None, lead=(rows,)) < BOUND[torch.bfloat16]
+
+
+def test_a_failed_build_falls_back_and_says_why(fresh_native, monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.delenv(cpu_native.ENV, raising=False)
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    assert cpu_native.native() is None
+    assert cpu_native.unavailable_reason() == "could not be built: RuntimeError: c++: command not found"
+    q = torch.randint(0, 16, (64, 32), dtype=torch.uint8)
+    w = QuantizedWeight(q, torch.rand(1, 32), None, torch.zeros(64, dtype=torch.int32), 4, 64)
+    module = cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
+    assert module.native is None
+    assert rel_err(w, module, torch.bfloat16, None, lead=(70,)) < BOUND[torch.bfloat16]
+
+
+def test_build_name_depends_on_the_cpu(monkeypatch):
+    first = cpu_native._build_name()
+    monkeypatch.setattr(cpu_native, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2\n")
+    assert cpu_native._build_name() != first and cpu_native._build_name().startswith("tgs_cpu_native_")
