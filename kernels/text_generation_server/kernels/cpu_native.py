@@ -84,7 +84,11 @@ def native() -> ModuleType | None:
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
-        if module is None:
+        if module is not None:
+            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows, int8 and int4 "
+                        "layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops otherwise",
+                        INT8_GEMV_MAX_ROWS, INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
+        else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason
         return module
