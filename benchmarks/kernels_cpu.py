@@ -9,6 +9,8 @@ the same interleaved rounds, so the ratios share the machine's state.
 Formats (--formats picks a subset; fp32 and bf16 dense always run):
   int4-sym, int4-asym, int4-act   4-bit g128 codes through build_linear (cpu-int4pack)
   int8                            8-bit per-channel codes through build_linear (cpu-int8)
+  int4-torch, int8-torch          int4-sym and int8 with the native CPU kernels detached
+                                  (kernels/cpu_native.py): torch's weight-only ops at every batch
   marlin4, marlin8                symmetric 4/8-bit g128 with cpu-int4pack, cpu-int8 and
                                   reference switched off by TGS_DISABLE_KERNELS for that build
                                   only, which is how a deployment reaches marlin-layout (it
@@ -110,12 +112,17 @@ def dense_weight(k: int, n: int) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)) * 0.02
 
 
-def int_format(bits: int, group_size: int | None, sym: bool, act_order: bool,
-               disable: tuple[str, ...] = ()) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+def int_format(bits: int, group_size: int | None, sym: bool, act_order: bool, disable: tuple[str, ...] = (),
+               torch_ops_only: bool = False) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+    """`torch_ops_only`: the same module with its native CPU kernels detached (kernels/cpu_native.py),
+    i.e. torch's weight-only op at every batch: the baseline the native paths are measured against."""
     def build(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
         w = random_weight(k, n, bits, group_size, sym, act_order)
         with kernels_disabled(list(disable)):
             module = build_linear(w, None, ACT, "cpu", layer=layer(k, n))
+        if torch_ops_only:
+            module.native = None
+            module.kernel_name = f"{module.kernel_name} (torch op only)"
         return module, dequantize(w)
     return build
 
@@ -186,7 +193,9 @@ FORMATS = [
     Format("int4-sym", "int4 g128 sym", int_format(4, 128, True, False)),
     Format("int4-asym", "int4 g128 asym", int_format(4, 128, False, False)),
     Format("int4-act", "int4 g128 act-order", int_format(4, 128, False, True)),
+    Format("int4-torch", "int4 g128 sym, torch op only*", int_format(4, 128, True, False, torch_ops_only=True)),
     Format("int8", "int8 per-channel", int_format(8, None, True, False)),
+    Format("int8-torch", "int8 per-channel, torch op only*", int_format(8, None, True, False, torch_ops_only=True)),
     Format("marlin4", "marlin 4-bit g128 sym*", int_format(4, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
     Format("marlin8", "marlin 8-bit g128 sym*", int_format(8, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
     Format("fp8", "fp8 e4m3 per-channel", fp8_format()),
