@@ -393,6 +393,9 @@ def main() -> None:
     if any(f.key.startswith("marlin") for f in formats):
         print(f"* built with {DISABLE_ENV}=cpu-int4pack,cpu-int8,reference (marlin-layout ranks after the dense "
               "reference on CPU; a Marlin checkpoint otherwise runs on cpu-int4pack or the reference).")
+    if any(f.key.endswith("-torch") for f in formats):
+        print("* int4-torch, int8-torch: the int4-sym and int8 modules with their native CPU kernels detached "
+              "(torch's weight-only op at every batch).")
     if any(f.key == "fp8-resident" for f in formats):
         print(f"* fp8-resident: built with {DISABLE_ENV}=fp8-dense (fp8-dequant keeps the weight in e4m3).")
     print()
