@@ -118,9 +118,7 @@ class Int4PackLinear(torch.nn.Module):
         x = x.to(self.compute_dtype).contiguous()
         y = None
         if self.native is not None and self.compute_dtype == torch.bfloat16:
-            sz = self.scales_and_zeros.float()
-            y = cpu_native.int4pack_linear(self.native, x, self.packed, sz[..., 0].contiguous(),
-                                           sz[..., 1].contiguous(), self.group_size)
+            y = cpu_native.int4pack_linear(self.native, x, self.packed, self.scales_and_zeros, self.group_size)
         if y is None:
             y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         y = y.to(self.act_dtype)

@@ -120,14 +120,16 @@ def int8_linear(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale
     return torch.cat(parts, dim=1).to(out_dtype)
 
 
-def int4pack_linear(module: ModuleType, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor, group_size: int) -> torch.Tensor | None:
+def int4pack_linear(module: ModuleType, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor | None:
     """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, or None for row counts left to torch's op.
 
-    W = (q - 8) * scales + zeros, scales and zeros float32 [Kp / group_size, N]."""
+    W = (q - 8) * scale + zero, scales_and_zeros [Kp / group_size, N, 2] as torch's op takes them."""
     n = packed.shape[0]
     if x.shape[0] < INT4_DEQUANT_MIN_ROWS or n % 64:
-        return None
+        return None  # decode: nothing computed here, so torch's op pays nothing for the check
+    sz = scales_and_zeros.float()
+    scales, zeros = sz[..., 0].contiguous(), sz[..., 1].contiguous()
     blocks, step = n // 64, DEQUANT_ROWS // 64
     parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]
