@@ -164,3 +164,13 @@ def test_build_name_depends_on_the_cpu(monkeypatch):
     first = cpu_native._build_name()
     monkeypatch.setattr(cpu_native, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2\n")
     assert cpu_native._build_name() != first and cpu_native._build_name().startswith("tgs_cpu_native_")
+
+
+def test_copies_of_a_layer_share_the_extension(native):
+    import copy
+
+    module = cpu.CpuInt8Kernel.build(make_weight(64, 32, 8, 64, True, False), None, torch.bfloat16)
+    clone = copy.deepcopy(module)
+    assert clone.native is module.native and clone.weight.data_ptr() != module.weight.data_ptr()
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert torch.equal(clone(x), module(x))

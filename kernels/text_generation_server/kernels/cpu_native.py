@@ -65,7 +65,24 @@ def _build_name() -> str:
     return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
 
 
-def native() -> ModuleType | None:
+class Extension:
+    """The compiled module, shared by every layer and every copy of a layer (a deepcopy of a model,
+    as benchmarks make for cold weights, would otherwise try to pickle a Python module)."""
+
+    def __init__(self, module: ModuleType):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+    def __copy__(self) -> Extension:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Extension:
+        return self
+
+
+def native() -> Extension | None:
     """The compiled extension, building it on the first call; None (and why, in the log) if it cannot be."""
     with _lock:
         if "module" in _state:
@@ -79,8 +96,8 @@ def native() -> ModuleType | None:
 
                 name = _build_name()
                 logger.info("native CPU kernels: loading {} (built once per machine, about a minute)", name)
-                module = load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS, extra_cflags=list(CFLAGS),
-                                     extra_ldflags=list(LDFLAGS), verbose=False)
+                module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
+                                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False))
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
@@ -105,7 +122,7 @@ def reset() -> None:
         _state.clear()
 
 
-def int8_linear(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+def int8_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor | None:
     """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, or None for row counts left to torch's op."""
     rows = x.shape[0]
@@ -120,7 +137,7 @@ def int8_linear(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale
     return torch.cat(parts, dim=1).to(out_dtype)
 
 
-def int4pack_linear(module: ModuleType, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+def int4pack_linear(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                     group_size: int) -> torch.Tensor | None:
     """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, or None for row counts left to torch's op.
 
