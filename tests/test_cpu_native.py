@@ -174,3 +174,14 @@ def test_copies_of_a_layer_share_the_extension(native):
     assert clone.native is module.native and clone.weight.data_ptr() != module.weight.data_ptr()
     x = torch.randn(2, 64).to(torch.bfloat16)
     assert torch.equal(clone(x), module(x))
+
+
+def test_int8_rows_past_the_inner_size_limit_stay_on_torchs_op(native, monkeypatch):
+    monkeypatch.setattr(cpu_native, "INT8_GEMV_MAX_K", 128)  # K=192 is past it
+    w = make_weight(192, 64, 8, 192, True, False, seed=2)
+    module = cpu.CpuInt8Kernel.build(w, None, torch.bfloat16)
+    recorder = Recorder(native)
+    module.native = recorder
+    for rows in (1, 8, 40):
+        assert rel_err(w, module, torch.bfloat16, None, lead=(rows,)) < BOUND[torch.bfloat16]
+    assert recorder.calls == {"int8_dequant": 1}  # 40 rows: dequantized; 1 and 8 rows: torch's op

@@ -38,6 +38,10 @@ LDFLAGS = ("-fopenmp",)
 # Activation rows up to which the int8 matrix-vector kernel runs (it keeps one accumulator per
 # row in registers); rows from which a layer dequantizes row blocks and calls the bfloat16 GEMM.
 INT8_GEMV_MAX_ROWS = 8
+# ... and inner sizes up to which it does: past them (an MLP's down projection, K = 8960 at 1.5B)
+# the float32 activation rows no longer stay in L1 and torch's op, which blocks over K, was
+# faster in both measurements (BENCHMARKS.md: 0.78x at 1 row, 0.71-0.81x at 8).
+INT8_GEMV_MAX_K = 4096
 INT8_DEQUANT_MIN_ROWS = 32
 INT4_DEQUANT_MIN_ROWS = 64
 # Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
@@ -102,9 +106,9 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
-            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows, int8 and int4 "
-                        "layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops otherwise",
-                        INT8_GEMV_MAX_ROWS, INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
+            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows (K up to {}), int8 "
+                        "and int4 layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops otherwise",
+                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason
@@ -127,6 +131,8 @@ def int8_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales
     """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, or None for row counts left to torch's op."""
     rows = x.shape[0]
     if rows <= INT8_GEMV_MAX_ROWS:
+        if weight.shape[1] > INT8_GEMV_MAX_K:
+            return None
         return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
     if rows < INT8_DEQUANT_MIN_ROWS:
         return None
