@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from text_generation_server import shard_procs
 from text_generation_server.client_channel import ClientOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,9 +42,8 @@ _INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", 
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Outside the ephemeral range, so no client connection of this run can take it first."""
+    return shard_procs.free_port()
 
 
 def serve_command() -> list[str]:

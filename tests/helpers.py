@@ -235,9 +235,10 @@ def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, mo
 
 # -- world size N: gloo ranks in spawned processes ---------------------------------------------------
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Outside the ephemeral range, so no client connection of this run can take it first."""
+    from text_generation_server.shard_procs import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 @contextmanager

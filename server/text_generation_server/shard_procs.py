@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import stat
@@ -26,9 +27,44 @@ from text_generation_server.serve_args import ServeArgs
 _UNIX_PATH_MAX = 107
 
 
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel picks source ports from for outgoing connections (Linux's default when unknown)."""
+    try:
+        low, high = (int(v) for v in _PORT_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free; torch.distributed binds it a moment later (the usual small race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free now, for a server that binds it a moment later (torch.distributed's store, a
+    test's serve), taken outside the kernel's ephemeral range where possible.
+
+    Why not bind(0): the port it reports is ephemeral, so any outgoing connection on the machine may
+    take it as its source port before the server binds it (seen in CI: a metrics port "already in
+    use" a second after it was chosen). Ports below the ephemeral range are only ever taken by
+    someone binding them on purpose. A port is handed out once per process."""
+    low, high = ephemeral_port_range()
+    pools = [(a, b) for a, b in ((_LOWEST_PORT, low - 1), (high + 1, 65535)) if a <= b]
+    rng = random.SystemRandom()
+    for _ in range(200 if pools else 0):
+        a, b = rng.choice(pools)
+        port = rng.randint(a, b)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room outside: the usual race
         s.bind((host, 0))
         return s.getsockname()[1]
 
