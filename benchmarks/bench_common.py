@@ -19,7 +19,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -174,10 +173,10 @@ def file_tail(path: Path, lines: int = 30) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now, outside the ephemeral range (shard_procs.free_port)."""
+    from text_generation_server.shard_procs import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 def cli_entry() -> list[str]:

@@ -18,7 +18,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from text_generation_server.shard_procs import free_port
 
 SAMPLE_TEXT = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -234,13 +235,6 @@ def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, mo
 
 
 # -- world size N: gloo ranks in spawned processes ---------------------------------------------------
-def free_port() -> int:
-    """Outside the ephemeral range, so no client connection of this run can take it first."""
-    from text_generation_server.shard_procs import free_port as outside_ephemeral
-
-    return outside_ephemeral()
-
-
 @contextmanager
 def rank_process_group(rank: int, port: int, world: int, timeout_s: float = 60):
     """In a spawned rank: one torch thread, the gloo group on 127.0.0.1:`port` (yielded), destroyed on exit."""

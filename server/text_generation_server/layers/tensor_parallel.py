@@ -191,8 +191,9 @@ def int8_head(head: TensorParallelHead, act_dtype: torch.dtype) -> "QuantizedTen
     Why: a small model's head is its largest matrix (Qwen2.5-0.5B: 151936 x 896, over a quarter of the
     weights) and decode reads all of it every step; int8 halves those bytes against bf16 (a
     quarter against float32), as llama.cpp keeps its output tensor at 6 bits (Q6_K) under Q4_0 weights.
-    Measured (BENCHMARKS.md): +9% decode at batch 1, -11% at batch 8, where torch's int8 kernel is slower
-    per row than the bf16 GEMM.
+    Measured (BENCHMARKS.md) on torch's int8 op: +9% decode at batch 1, -11% at batch 8, where that op is
+    slower per row than the bf16 GEMM; the native int8 kernel (kernels/cpu_native.py) now takes up
+    to 8 rows, not re-measured.
     """
     from text_generation_server.kernels.base import build_linear
     from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
