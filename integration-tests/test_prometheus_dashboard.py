@@ -83,6 +83,12 @@ def loaded(server, prometheus):
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         tokens = list(pool.map(lambda job: _run(stub, *job), jobs))
     assert all(tokens)
+    # The burst may all be admitted in one prefill (then nothing is ever concatenated): one more
+    # request arrives while another decodes, which the router must concatenate.
+    running = stub.GenerateStream(request(long_prompt, max_new_tokens=40), timeout=120)
+    next(running)
+    assert _run(stub, request(CORPUS[:40], max_new_tokens=4), False)
+    assert sum(1 for _ in running) > 0
     invalid = rpc_error(stub.Generate, request("x", max_new_tokens=10, temperature=-1.0), timeout=30)
     assert invalid.code() == grpc.StatusCode.INVALID_ARGUMENT
 
