@@ -11,6 +11,12 @@
 #   tests         pytest: the CUDA tests (see select_cuda_tests below)
 #   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py
 #   kernels-quick both with --quick
+#   quick         one call of at most 9 minutes on a bare machine (the first call of a session):
+#                 the CUDA tests that matter most (tests-quick, 150 s), a Llama-3.2-1B-shaped model
+#                 built on the card, quantized to int4 and served fp16 then int4 (decode-quick, 200 s),
+#                 then kernels-quick (45 s each); TGS_COMMAND_LIMIT_S defaults to 470 for it
+#   tests-quick   the first of those alone
+#   decode-quick  the second alone (TGS_GPU_QUICK_ARGS replaces its gpu_decode.py flags)
 #   report        the ratio table from whatever results the work dir holds
 #   prepare-wheels  NOT on the device: downloads the wheels the device lacks into .whl/ (below)
 #
@@ -34,6 +40,8 @@
 #      run(command="bash benchmarks/gpu_all.sh int4",    carry=[".whl"], timeout_s=600)
 #      run(command="bash benchmarks/gpu_all.sh tests",   carry=[".whl"], timeout_s=600)
 #      run(command="bash benchmarks/gpu_all.sh kernels", carry=[".whl"], timeout_s=600)
+#    With only one session's 15 minutes of device time, run the quick step instead, once:
+#      run(command="bash benchmarks/gpu_all.sh quick",   carry=[".whl"], timeout_s=520)
 #    Each command stops its steps by ~590 s (TGS_COMMAND_LIMIT_S) so that $OUT still comes back.
 #    On a bare machine `int4` rebuilds the model first (the build is seeded: the same weights).
 #
@@ -53,9 +61,19 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
 START=$SECONDS
-LIMIT=${TGS_COMMAND_LIMIT_S:-590}
+DEFAULT_LIMIT=590
+[[ " $* " == *" quick "* ]] && DEFAULT_LIMIT=470
+LIMIT=${TGS_COMMAND_LIMIT_S:-$DEFAULT_LIMIT}
 WORK=${TGS_GPU_WORK:-/tmp/tgs-gpu-decode}
-WHEEL_NAMES=(loguru protobuf grpcio grpcio-health-checking grpcio-reflection typer click)
+# typer >= 0.20 needs pydantic, which the device's image lacks; llguidance (grammars) and a jinja2
+# new enough for our chat templates are carried too; attrs (jsonschema's) is on the image.
+WHEEL_NAMES=(loguru protobuf grpcio grpcio-health-checking grpcio-reflection typer click llguidance jinja2
+    pydantic pydantic-core annotated-types typing-inspection typing-extensions
+    jsonschema jsonschema-specifications referencing rpds-py)  # the last four: tests/test_grammar.py
+# Llama-3.2-1B's shape (untied head): builds on the card in seconds, quantizes in well under a minute.
+QUICK_DECODE_ARGS="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256
+    --batches 1,8 --prefill-lengths 512,2048 --prefill-reps 1 --prompt-tokens 128 --new-tokens 64
+    --cuda-graphs 1,2,4,8 --startup-timeout-s 150 --max-shard-mb 1024"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
@@ -69,7 +87,8 @@ prepare_wheels() {
             echo "prepare-wheels: $name is not installed in $py; install the project's venv first" >&2; return 1; }
         rm -f .whl/"${name//-/_}"-*.whl
         "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             -d .whl "$name==$version" || { echo "prepare-wheels: no wheel for $name==$version" >&2; return 1; }
     done
     ls -la .whl
@@ -198,10 +217,44 @@ step_tests() {
         --continue-on-collection-errors -p no:cacheprovider --junitxml "$OUT/pytest_cuda.xml"
 }
 
+# The files whose CUDA tests come first when time is short: the kernels every CUDA model runs
+# (Triton, paged attention, graphs, warmup's memory), then the quantized formats, then serving.
+QUICK_TEST_FILES=(test_triton_kernels test_paged_attention test_cuda_graphs test_warmup_memory
+    test_attention_backends test_kernels test_fused_moe test_moe test_fp8 test_fp8_activations test_marlin
+    test_exl2 test_grammar test_serve_flags)
+
+step_tests_quick() {
+    select_cuda_tests
+    local files=() f
+    for f in "${QUICK_TEST_FILES[@]}"; do
+        [ -f "tests/$f.py" ] && files+=("tests/$f.py")
+    done
+    PYTHONPATH=/tmp/tgs-pytest:$PYTHONPATH run_step tests_quick 150 "$PY" -m pytest "${files[@]}" -p tgs_cuda_select \
+        -q -rfEs -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/pytest_cuda_quick.xml" \
+        $("$PY" -c 'import pytest_timeout' 2>/dev/null && echo --timeout=60)
+}
+
+decode_quick() {
+    # shellcheck disable=SC2086  # flag lists
+    run_step decode_quick 200 "$PY" benchmarks/gpu_decode.py --phase all --work-dir "${WORK}-quick" --out "$OUT" \
+        ${TGS_GPU_QUICK_ARGS:-$QUICK_DECODE_ARGS}
+}
+
 decode() {  # decode NAME PHASE
     # shellcheck disable=SC2086  # TGS_GPU_DECODE_ARGS is a list of flags
     run_step "$1" 580 "$PY" benchmarks/gpu_decode.py --phase "$2" --work-dir "$WORK" --out "$OUT" \
         ${TGS_GPU_DECODE_ARGS:-}
+}
+
+# Only 8 files come back from $OUT: past that, everything goes into one archive as well, and only the
+# step logs and the decode table stay beside it.
+bundle_out() {
+    local count
+    count=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+    ((count <= 8)) && return 0
+    (cd "$OUT" && tar czf gpu_all_outputs.tgz --exclude gpu_all_outputs.tgz ./*) || return 1
+    find "$OUT" -maxdepth 1 -type f ! -name 'gpu_all_*' ! -name gpu_decode_table.md -delete
+    echo "bundle_out: $count files in \$OUT: all in gpu_all_outputs.tgz, step logs and the table beside it"
 }
 
 main() {
@@ -216,9 +269,10 @@ main() {
     local step
     for step in "$@"; do
         case $step in
-            fp16 | int4 | decode-all | report | tests | kernels | kernels-quick) ;;
+            fp16 | int4 | decode-all | report | tests | kernels | kernels-quick | quick | tests-quick | decode-quick) ;;
             *)
-                echo "unknown step '$step' (fp16, int4, decode-all, tests, kernels, kernels-quick, report;" \
+                echo "unknown step '$step' (quick, tests-quick, decode-quick, fp16, int4, decode-all, tests, kernels," \
+                    "kernels-quick, report;" \
                     "prepare-wheels alone, off the device)" >&2
                 return 2
                 ;;
@@ -242,8 +296,17 @@ main() {
                 run_step kernels_cuda 200 "$PY" benchmarks/kernels_cuda.py --quick || status=1
                 run_step attention_cuda 200 "$PY" benchmarks/attention_cuda.py --quick || status=1
                 ;;
+            tests-quick) step_tests_quick || status=1 ;;
+            decode-quick) decode_quick || status=1 ;;
+            quick)
+                step_tests_quick || status=1
+                decode_quick || status=1
+                run_step kernels_cuda 45 "$PY" benchmarks/kernels_cuda.py --quick || status=1
+                run_step attention_cuda 45 "$PY" benchmarks/attention_cuda.py --quick || status=1
+                ;;
         esac
     done
+    bundle_out
     echo "gpu_all: steps $* done in $((SECONDS - START)) s, exit $status; outputs in $OUT:"
     ls -la "$OUT"
     return $status

@@ -27,6 +27,7 @@ from text_generation_server.layers.attention import TorchAttention, padded_decod
 from text_generation_server.models import get_model
 from text_generation_server.models.batch import Batch
 from text_generation_server.models.cuda_graphs import (
+    CudaGraphCapturer,
     DecodeGraphs,
     EagerReplayCapturer,
     GraphReplayMismatch,
@@ -365,6 +366,86 @@ def test_triton_paged_graph_path_under_the_interpreter(folders, monkeypatch):
     assert memo["num_splits"] == lm.attention.splits_for(4, MAX_TOTAL) == 6
     workspace = memo["decode_workspace"]
     assert workspace is not None and workspace[0].numel() >= 4 * lm.attention.spec.heads * 6
+
+
+# ---------------------------------------------------------------------------------------------
+# CudaGraphCapturer's pool lifetime, against a stand-in for torch.cuda with torch 2.11's rule
+
+class _PoolLatch:
+    """torch's graph-pool bookkeeping: a pool id's use count goes up per capture and down per
+    destroyed graph; an id whose count went back to 0 can never be captured into again (the
+    internal assert an H100 hit at warmup's second capture with torch 2.11)."""
+
+    def __init__(self):
+        self.use_count: dict[int, int] = {}
+
+    def begin(self, pool_id: int) -> None:
+        if self.use_count.get(pool_id, 1) <= 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        self.use_count[pool_id] = self.use_count.get(pool_id, 0) + 1
+
+    def release(self, pool_id: int) -> None:
+        self.use_count[pool_id] -= 1
+
+
+def _fake_cuda(monkeypatch, latch: _PoolLatch) -> None:
+    import contextlib
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class MemPool:
+        def __init__(self):
+            self.id = (1, 0)
+
+    class CUDAGraph:
+        def __init__(self):
+            self.pool = None
+
+        def capture_begin(self, pool=None):
+            latch.begin(pool)
+            self.pool = pool
+
+        def capture_end(self):
+            pass
+
+        def __del__(self):
+            if self.pool is not None:
+                latch.release(self.pool)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "MemPool", MemPool)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+
+
+def test_capturer_keeps_its_pool_alive_when_every_graph_was_dropped(monkeypatch):
+    """Warmup's pattern: capture the buckets, drop them all (the temporary KV cache goes), capture
+    again into the same pool. The second round must find the pool alive."""
+    import gc
+
+    latch = _PoolLatch()
+    _fake_cuda(monkeypatch, latch)
+    capturer = CudaGraphCapturer(torch.device("cuda", 0))
+    runs = []
+    first = [capturer.capture(lambda: runs.append(1)) for _ in range(3)]
+    del first
+    gc.collect()
+    second = [capturer.capture(lambda: runs.append(2)) for _ in range(3)]
+    assert len(second) == 3 and runs == [1] * 6 + [2] * 6  # one eager run and one captured run each
+    assert latch.use_count[(1, 0)] >= 3
+    del capturer, second
+    gc.collect()
+    assert latch.use_count[(1, 0)] == 0  # nothing outlives the capturer
 
 
 # ---------------------------------------------------------------------------------------------

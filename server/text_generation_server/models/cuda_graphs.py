@@ -74,6 +74,14 @@ class CudaGraphCapturer:
     real cache reuse it, so warmup measures the pool once and never holds it twice. Capture
     does not go through `torch.cuda.graph`, which empties the allocator's cache on entry and
     would hand back the activation memory warmup keeps for later forwards.
+
+    The capturer also holds the last graph it captured (`_anchor`). torch counts a graph pool's
+    users per capture, on the device allocator and (since 2.11) on the pinned host allocator,
+    where a `MemPool` object holds no count: once every graph captured into a pool is gone, its
+    id is dead, and the next `capture_begin` on it fails an internal assert
+    (`it->second->use_count > 0`, CachingHostAllocator.h). Warmup drops its first graphs before
+    capturing against the real cache, so without the anchor its second capture died on an H100
+    (torch 2.11). The anchor costs one graph's executable; its memory is the shared pool's.
     """
 
     def __init__(self, device: torch.device):
@@ -81,6 +89,7 @@ class CudaGraphCapturer:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
             self.pool = torch.cuda.MemPool()
+        self._anchor: torch.cuda.CUDAGraph | None = None
 
     def capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
         current = torch.cuda.current_stream(self.device)
@@ -102,6 +111,7 @@ class CudaGraphCapturer:
                 raise
             graph.capture_end()
         current.wait_stream(self.stream)
+        self._anchor = graph  # keeps the pool's id alive for the next capture (class docstring)
         return graph
 
     def memory_reserved(self) -> int:
