@@ -15,7 +15,7 @@
 #                 the CUDA tests that matter most (tests-quick, 150 s), a Llama-3.2-1B-shaped model
 #                 built on the card, quantized to int4 and served fp16 then int4 (decode-quick, 200 s),
 #                 then kernels-quick (45 s each); TGS_COMMAND_LIMIT_S defaults to 470 for it
-#   tests-quick   the first of those alone
+#   tests-quick   the first of those alone (TGS_QUICK_TESTS: the test files or node ids to run instead)
 #   decode-quick  the second alone (TGS_GPU_QUICK_ARGS replaces its gpu_decode.py flags)
 #   report        the ratio table from whatever results the work dir holds
 #   prepare-wheels  NOT on the device: downloads the wheels the device lacks into .whl/ (below)
@@ -168,7 +168,7 @@ run_step() {
     fi
     echo "== $name (timeout ${budget} s): $*" | tee -a "$OUT/gpu_all_$name.log"
     local started=$SECONDS rc
-    timeout --signal=TERM --kill-after=20 "$budget" "$@" 2>&1 | tee -a "$OUT/gpu_all_$name.log"
+    timeout --signal="${RUN_STEP_SIGNAL:-TERM}" --kill-after=20 "$budget" "$@" 2>&1 | tee -a "$OUT/gpu_all_$name.log"
     rc=${PIPESTATUS[0]}
     stop_left_server
     echo "== $name: exit $rc after $((SECONDS - started)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')" |
@@ -226,12 +226,18 @@ QUICK_TEST_FILES=(test_triton_kernels test_paged_attention test_cuda_graphs test
 step_tests_quick() {
     select_cuda_tests
     local files=() f
-    for f in "${QUICK_TEST_FILES[@]}"; do
-        [ -f "tests/$f.py" ] && files+=("tests/$f.py")
-    done
-    PYTHONPATH=/tmp/tgs-pytest:$PYTHONPATH run_step tests_quick 150 "$PY" -m pytest "${files[@]}" -p tgs_cuda_select \
-        -q -rfEs -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/pytest_cuda_quick.xml" \
-        $("$PY" -c 'import pytest_timeout' 2>/dev/null && echo --timeout=60)
+    if [ -n "${TGS_QUICK_TESTS:-}" ]; then
+        read -r -a files <<<"$TGS_QUICK_TESTS"  # test files or node ids, in the order to run them
+    else
+        for f in "${QUICK_TEST_FILES[@]}"; do
+            [ -f "tests/$f.py" ] && files+=("tests/$f.py")
+        done
+    fi
+    # SIGINT when time is up: pytest then still prints the failures so far and writes its XML.
+    # shellcheck disable=SC2046  # --timeout only where pytest-timeout is installed
+    RUN_STEP_SIGNAL=INT PYTHONPATH=/tmp/tgs-pytest:$PYTHONPATH run_step tests_quick "${TGS_QUICK_TESTS_S:-150}" "$PY" -m pytest "${files[@]}" \
+        -p tgs_cuda_select -v --tb=short -rfEs --durations=15 -p no:cacheprovider --continue-on-collection-errors \
+        --junitxml "$OUT/pytest_cuda_quick.xml" $("$PY" -c 'import pytest_timeout' 2>/dev/null && echo --timeout=40)
 }
 
 decode_quick() {

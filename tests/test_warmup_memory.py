@@ -361,3 +361,23 @@ def warmup_requests_cuda(prompt_tokens: int, max_input: int, max_total: int) -> 
                                      max_new_tokens=max_total - n, prefill_logprobs=True, top_n_tokens=20))
         prompt_tokens -= n
     return out
+
+
+def test_cuda_reading_takes_a_device_without_an_index(monkeypatch):
+    """torch.device("cuda") (what tests and callers may pass) has no index, and torch 2.11's
+    get_per_process_memory_fraction refuses it: found on an H100. The reading resolves the
+    current device first."""
+    from text_generation_server.utils import memory
+
+    def fraction(device):
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    reading = memory.read_memory(torch.device("cuda"))
+    assert (reading.free_bytes, reading.total_bytes, reading.reserved_bytes, reading.cap_fraction) == (
+        6 << 30, 80 << 30, 1 << 30, 0.5)

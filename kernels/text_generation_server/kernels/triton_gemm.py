@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
@@ -272,9 +273,49 @@ def split_k_for(m: int, tiles: int, chunks: int, weight_bytes_per_col: int, sms:
     return _cdiv(chunks, _cdiv(chunks, s))  # no empty split
 
 
-def _stages(bm: int, bn: int, bits: int, elt: int, smem: int) -> int:
-    per_stage = bm * CHUNK * elt + CHUNK * bn * bits // 8  # input tile + packed weight tile
-    return max(2, min(4, (smem - 16 * 1024) // per_stage))
+# Shared memory the compiled kernel needs beyond its pipelined loads (epilogue layout conversion).
+SMEM_FIXED = 16 * 1024
+
+
+def stage_bytes(bm: int, bn: int, bits: int, elt: int, row_scales: bool = False, zeros: bool = False) -> int:
+    """Shared memory one pipeline stage of the fused kernel holds: the input tile, the packed
+    weight tile and, when a scale group does not cover a whole field block (GS % R != 0), a scale
+    (and zero) row per K row, loaded as [R, BN] tiles in the activation dtype."""
+    per = bm * CHUNK * elt + CHUNK * bn * bits // 8
+    if row_scales:
+        per += CHUNK * bn * elt * (2 if zeros else 1)
+    return per
+
+
+def _stages(bm: int, bn: int, bits: int, elt: int, smem: int, row_scales: bool = False, zeros: bool = False) -> int:
+    """Pipeline stages that fit `smem`. Triton's software pipeline keeps num_stages - 1 copies of
+    each loop-carried load in shared memory, plus SMEM_FIXED: on an H100 (torch 2.11, Triton 3.6)
+    the float32 8-bit 64x128 tile with per-row scales asked for exactly 3 x 112 KiB + 16 KiB at
+    num_stages 4 (360448 bytes, over the 227 KiB limit)."""
+    per = stage_bytes(bm, bn, bits, elt, row_scales, zeros)
+    return max(2, min(4, 1 + (smem - SMEM_FIXED) // per))
+
+
+def fit_tiles(bm: int, bn: int, bits: int, elt: int, smem: int, row_scales: bool = False,
+              zeros: bool = False) -> tuple[int, int, int]:
+    """(BM, BN, stages): the tiles narrowed (BN, then BM, down to 16) until two stages fit `smem`;
+    the float32 64x128 tile with per-row scales needs 128 KiB at two stages, over an sm86's 99 KiB."""
+    while SMEM_FIXED + stage_bytes(bm, bn, bits, elt, row_scales, zeros) > smem:
+        if bn > 16:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            break
+    return bm, bn, _stages(bm, bn, bits, elt, smem, row_scales, zeros)
+
+
+def smaller_plan(plan: Plan) -> Plan | None:
+    """The plan to try when the compiled kernel asks for more shared memory than the GPU has: one
+    stage fewer (tiles stay, so the split-K scratch sized at warmup still fits); None at one stage."""
+    if plan.num_stages > 1:
+        return replace(plan, num_stages=plan.num_stages - 1)
+    return None
 
 
 # -- Triton kernels ----------------------------------------------------------------------------
@@ -489,10 +530,12 @@ class TritonGemmLinear(torch.nn.Module):
             else:
                 gw = self.gw
                 bm, bn, warps = _tiles(m, self.act_dtype.itemsize)
+                row_scales = gw.group_rows % (CHUNK * gw.bits // 32) != 0
+                bm, bn, stages = fit_tiles(bm, bn, gw.bits, self.act_dtype.itemsize, self.smem, row_scales,
+                                           gw.zeros is not None)
                 tiles = _cdiv(m, bm) * _cdiv(gw.out_features, bn)
                 split = split_k_for(m, tiles, gw.padded_in // CHUNK, gw.padded_in * gw.bits // 8, self.sms)
-                plan = Plan("split-k" if split > 1 else "fused", bm, bn, split, warps,
-                            _stages(bm, bn, gw.bits, self.act_dtype.itemsize, self.smem))
+                plan = Plan("split-k" if split > 1 else "fused", bm, bn, split, warps, stages)
             self._plans[m] = plan
         return plan
 
@@ -549,7 +592,21 @@ class TritonGemmLinear(torch.nn.Module):
             ws_bytes, lock_bytes = self._split_bytes(m, plan)
             ws = typed_view(self.scratch.get("splitk_partials", dev, ws_bytes), torch.float32, (ws_bytes // 4,))
             locks = typed_view(self.scratch.get("splitk_locks", dev, lock_bytes), torch.int32, (lock_bytes // 4,))
-        return fused_gemm(x, self.gw, self.bias, out, plan, ws, locks)
+        try:
+            return fused_gemm(x, self.gw, self.bias, out, plan, ws, locks)
+        except Exception as exc:
+            if type(exc).__name__ != "OutOfResources":
+                raise
+            # The shared-memory model (_stages) was short for this GPU: the launch failed before
+            # any work was queued, so a smaller plan can run in its place, and is kept for this M.
+            smaller = smaller_plan(plan)
+            if smaller is None:
+                raise
+            logger.warning("{}: {}x{} plan {} needs more GPU resources than there are ({}); using {}",
+                           self.kernel_name, self.in_features, self.out_features, plan, exc, smaller)
+            if self._plans.get(m) == plan:
+                self._plans[m] = smaller
+            return self.run(x, smaller)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -66,6 +66,8 @@ def read_memory(device: torch.device) -> MemoryReading:
     """The device's memory now. Never empties the CUDA caching allocator (see the module doc)."""
     gc.collect()  # dead Python cycles may still hold tensors
     if device.type == "cuda":
+        if device.index is None:  # torch.cuda.get_per_process_memory_fraction refuses a bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         return MemoryReading(
             "cuda", int(free), int(total), int(torch.cuda.memory_reserved(device)),
