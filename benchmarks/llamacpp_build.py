@@ -571,13 +571,14 @@ LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.we
                    "up_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight")
 
 
-def checkpoint_read_tensors(tensors: Mapping[str, tuple[str, list[int]]], int8_on_load: bool = False
-                            ) -> list[tuple[str, int, int]]:
+def checkpoint_read_tensors(tensors: Mapping[str, tuple[str, list[int]]], int8_on_load: bool = False,
+                            head_int8: bool = False) -> list[tuple[str, int, int]]:
     """(name, bytes, rows) as the served model holds a checkpoint's tensors.
 
     `int8_on_load` (`--quantize eetq`): the decoder layers' linear weights become int8 with one
     float32 scale per output channel; everything else (embeddings, head, norms, biases) keeps its
-    dtype. A pre-quantized checkpoint (GPTQ: qweight, scales, qzeros, g_idx) counts as stored."""
+    dtype. `head_int8` (`--quantize-lm-head int8`): a dense head likewise. A pre-quantized
+    checkpoint (GPTQ: qweight, scales, qzeros, g_idx) counts as stored."""
     out = []
     for name, (dtype, shape) in tensors.items():
         numel = 1
@@ -585,7 +586,8 @@ def checkpoint_read_tensors(tensors: Mapping[str, tuple[str, list[int]]], int8_o
             numel *= dim
         rows = shape[0] if shape else 1
         nbytes = numel * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
-        if int8_on_load and len(shape) == 2 and _matches(name, LINEAR_SUFFIXES):
+        if len(shape) == 2 and ((int8_on_load and _matches(name, LINEAR_SUFFIXES))
+                                or (head_int8 and _matches(name, HEAD_NAMES))):
             nbytes = numel + 4 * shape[0]
         out.append((name, nbytes, rows))
     return out

@@ -7,7 +7,10 @@ For each model and weight type, both engines serve the same checkpoint:
   head and the token embedding left bf16, as ours leaves them;
 - int4: ours `quantize --method rtn --bits 4 --groupsize 128` / llama.cpp Q4_0 twice: with the head
   and embedding left bf16 (the same tensors quantized on both sides), and llama-quantize's
-  default Q4_0 (head/embedding Q6_K: what llama.cpp users run).
+  default Q4_0 (head/embedding Q6_K: what llama.cpp users run);
+- int8-head8 / int4-head8: ours as int8 / int4 with `--quantize-lm-head int8` (the head as per-row
+  int8, as the README's CPU section recommends) / llama-quantize's default Q8_0 / Q4_0, whose head
+  is Q8_0 / Q6_K: each side with every large tensor but the embedding quantized.
 
 Measurements, each printed as one ratio table (ours / llama.cpp):
 
@@ -71,7 +74,9 @@ from bench_common import (  # noqa: E402
 )
 from prompts import CODE_PROMPTS  # noqa: E402
 
-WEIGHTS = ("bf16", "int8", "int4")
+WEIGHTS = ("bf16", "int8", "int4", "int8-head8", "int4-head8")
+# Our servers: which checkpoint, and whether the head runs as int8 (--quantize-lm-head int8).
+HEAD8 = "-head8"
 EMBEDDED = "tiny-pycoder"
 
 
@@ -103,7 +108,8 @@ class Pairing:
 
 
 def pairings_for(weights: Sequence[str]) -> list[Pairing]:
-    """The rows for `weights`, in the order given. int4 gives two rows (matched and default Q4_0)."""
+    """The rows for `weights`, in the order given. int4 gives two rows (matched and default Q4_0);
+    the -head8 types pair ours with an int8 head against llama-quantize's default."""
     rows: list[Pairing] = []
     for w in weights:
         if w == "bf16":
@@ -115,13 +121,22 @@ def pairings_for(weights: Sequence[str]) -> list[Pairing]:
             rows.append(Pairing("int4 vs Q4_0, same tensors", "int4", "rtn int4 g128 sym",
                                 LlamaWeights("Q4_0", "bf16", "bf16")))
             rows.append(Pairing("int4 vs Q4_0, llama.cpp default", "int4", "rtn int4 g128 sym", LlamaWeights("Q4_0")))
+        elif w == "int8-head8":
+            # What each side's users run with every tensor but the embedding quantized: llama.cpp's
+            # default Q8_0 keeps the head Q8_0; ours --quantize-lm-head int8 (per-row int8).
+            rows.append(Pairing("int8 + int8 head vs Q8_0, llama.cpp default", w,
+                                "eetq int8 per-channel, head int8 per-row", LlamaWeights("Q8_0")))
+        elif w == "int4-head8":
+            # llama.cpp's default Q4_0 quantizes the head to Q6_K; ours runs it as per-row int8.
+            rows.append(Pairing("int4 + int8 head vs Q4_0, llama.cpp default", w,
+                                "rtn int4 g128 sym, head int8 per-row", LlamaWeights("Q4_0")))
         else:
             raise ValueError(f"unknown weight type {w!r} (choose from {', '.join(WEIGHTS)})")
     return rows
 
 
 def parse_weights(text: str) -> list[str]:
-    """A comma-separated subset of bf16,int8,int4, deduplicated in order."""
+    """A comma-separated subset of WEIGHTS, deduplicated in order."""
     found: list[str] = []
     for item in (w.strip().lower() for w in text.split(",")):
         if not item:
@@ -681,8 +696,10 @@ def ours_server_args(weights: str, plan: Plan) -> list[str]:
             "--max-total-tokens", str(max_input + max(plan.decode_tokens, plan.new_tokens) + 8),
             "--max-batch-prefill-tokens", str(max_input), "--max-batch-size", str(top),
             "--max-concurrent-requests", str(max(128, 4 * top))]
-    if weights == "int8":
+    if weights.removesuffix(HEAD8) == "int8":
         args += ["--quantize", "eetq"]
+    if weights.endswith(HEAD8):
+        args += ["--quantize-lm-head", "int8"]
     return args
 
 
@@ -718,10 +735,11 @@ async def measure_ours(case: ModelCase, weights: str, plan: Plan, pp_prompts: li
     from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
     side = SideResult()
-    model = str(ensure_ours_int4(case)) if weights == "int4" else case.serve_id
-    folder = case.int4_dir() if weights == "int4" else case.hf_dir
-    side.bytes_per_step = lb.decode_read_bytes(lb.checkpoint_read_tensors(lb.safetensors_tensors(folder),
-                                                                          int8_on_load=weights == "int8"))
+    base = weights.removesuffix(HEAD8)
+    model = str(ensure_ours_int4(case)) if base == "int4" else case.serve_id
+    folder = case.int4_dir() if base == "int4" else case.hf_dir
+    side.bytes_per_step = lb.decode_read_bytes(lb.checkpoint_read_tensors(
+        lb.safetensors_tensors(folder), int8_on_load=base == "int8", head_int8=weights.endswith(HEAD8)))
     watch = CpuWatch()
     server = StartedServer(model, ours_server_args(weights, plan), startup_timeout_s)
     side.command = shlex.join(["text-generation-server", *server.command[len(cli_entry()):]])

@@ -94,6 +94,10 @@ def test_checkpoint_bytes_dense_and_int8_on_load():
     int8 = {n: (b, r) for n, b, r in lb.checkpoint_read_tensors(tensors, int8_on_load=True)}
     assert int8["model.layers.0.mlp.up_proj.weight"] == (16 * 8 + 4 * 16, 16)  # int8 codes + fp32 scales
     assert int8["lm_head.weight"] == (1600, 100)  # the head stays bf16
+    head8 = {n: (b, r) for n, b, r in lb.checkpoint_read_tensors(tensors, head_int8=True)}
+    assert head8["lm_head.weight"] == (800 + 4 * 100, 100)  # --quantize-lm-head int8: codes + row scales
+    assert head8["model.layers.0.mlp.up_proj.weight"] == (256, 16)  # the rest as stored
+    assert head8["model.embed_tokens.weight"] == (1600, 100)
 
 
 def test_safetensors_header_parse():
@@ -225,6 +229,9 @@ def test_pairings_and_weights_parsing():
     assert rows[1].llama == vl.LlamaWeights("Q8_0", "bf16", "bf16")
     assert rows[2].llama.output_type == "bf16" and rows[3].llama == vl.LlamaWeights("Q4_0")
     assert "default" in rows[3].llama.label and "BF16" in rows[2].llama.label
+    head8 = vl.pairings_for(["int8-head8", "int4-head8"])
+    assert [(p.weights, p.llama) for p in head8] == [("int8-head8", vl.LlamaWeights("Q8_0")),
+                                                     ("int4-head8", vl.LlamaWeights("Q4_0"))]
 
 
 def test_ratio_table():
@@ -249,6 +256,12 @@ def test_ours_server_args():
     assert args[args.index("--quantize") + 1] == "eetq" and args[args.index("--max-batch-size") + 1] == "32"
     assert int(args[args.index("--max-input-tokens") + 1]) >= 512
     assert "--quantize" not in vl.ours_server_args("bf16", vl.FULL)
+    assert "--quantize-lm-head" not in args
+    int8_head8 = vl.ours_server_args("int8-head8", vl.FULL)
+    assert int8_head8[int8_head8.index("--quantize") + 1] == "eetq"
+    assert int8_head8[int8_head8.index("--quantize-lm-head") + 1] == "int8"
+    int4_head8 = vl.ours_server_args("int4-head8", vl.FULL)
+    assert "--quantize" not in int4_head8 and int4_head8[int4_head8.index("--quantize-lm-head") + 1] == "int8"
 
 
 def test_unique_prompts_differ_from_the_first_token():
