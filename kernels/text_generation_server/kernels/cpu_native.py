@@ -38,12 +38,15 @@ LDFLAGS = ("-fopenmp",)
 # Activation rows up to which the int8 matrix-vector kernel runs (it keeps one accumulator per
 # row in registers); rows from which a layer dequantizes row blocks and calls the bfloat16 GEMM.
 INT8_GEMV_MAX_ROWS = 8
-# ... and inner sizes up to which it does: past them (an MLP's down projection, K = 8960 at 1.5B)
-# the float32 activation rows no longer stay in L1 and torch's op, which blocks over K, was
-# faster in both measurements (BENCHMARKS.md: 0.78x at 1 row, 0.71-0.81x at 8).
-INT8_GEMV_MAX_K = 4096
+# ... and inner sizes up to which it does. With the non-temporal prefetch it lost to torch's op at
+# K = 8960 (an MLP's down projection at 1.5B); prefetching into L2 it streams 18-22 GB/s there at
+# 1-2 rows against torch's 15-17 and ties at 8 (BENCHMARKS.md). The bound stays for activation rows
+# far past L2 (8 rows of 64K float32 = 2 MiB).
+INT8_GEMV_MAX_K = 65536
 INT8_DEQUANT_MIN_ROWS = 32
-INT4_DEQUANT_MIN_ROWS = 64
+# int4: dequantizing was 1.5x torch's op at 32 rows on both of Qwen2.5-1.5B's MLP shapes and
+# 0.7-0.8x at 16 (2 cores, cold weights; BENCHMARKS.md).
+INT4_DEQUANT_MIN_ROWS = 32
 # Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
 # K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
 DEQUANT_ROWS = 1024
