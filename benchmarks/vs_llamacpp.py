@@ -994,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=f"{lb.QWEN_ALIAS},{EMBEDDED}",
                         help=f"comma-separated: {lb.QWEN_ALIAS}, {EMBEDDED}, or Hugging Face folders")
-    parser.add_argument("--weights", default=None, help="comma-separated subset of bf16,int8,int4 "
+    parser.add_argument("--weights", default=None, help=f"comma-separated subset of {','.join(WEIGHTS)} "
                         "(default all; with --quick: int4)")
     parser.add_argument("--quick", action="store_true",
                         help="short run: concurrency 1 and 8, 32 new tokens, prefill 128/decode 32, int4 only")

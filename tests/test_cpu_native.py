@@ -185,3 +185,49 @@ def test_int8_rows_past_the_inner_size_limit_stay_on_torchs_op(native, monkeypat
     for rows in (1, 8, 40):
         assert rel_err(w, module, torch.bfloat16, None, lead=(rows,)) < BOUND[torch.bfloat16]
     assert recorder.calls == {"int8_dequant": 1}  # 40 rows: dequantized; 1 and 8 rows: torch's op
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k,n", [(192, 200), (100, 37), (1536, 64)], ids=str)  # tails of K and of N
+def test_bf16_matrix_vector_product_matches_float_arithmetic(native, rows, k, n):
+    g = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = native.bf16_gemv(x.float(), w)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5  # float32 sums of exact products
+
+
+def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
+    from text_generation_server.layers.linear import DenseLinear
+    from text_generation_server.layers.tensor_parallel import TensorParallelHead
+    from text_generation_server.utils.dist import single_process_group
+
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    for layer, bias in ((DenseLinear(w, b), b), (TensorParallelHead(w, 96, single_process_group(), b), b),
+                        (DenseLinear(w, None), None)):
+        assert layer.native is native
+        recorder = Recorder(native)
+        layer.native = recorder
+        for lead in ((1,), (2,), (1, 2), (3,), (40,)):
+            x = torch.randn(*lead, 64, generator=g).bfloat16()
+            want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = layer(x)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert ((got.float() - want).abs().max() / want.abs().max()).item() < BOUND[torch.bfloat16]
+        assert recorder.calls == {"bf16_gemv": 3}  # 1, 2 and 1x2 rows; 3 and 40 rows: torch's GEMM
+    assert DenseLinear(w.float(), None).native is None  # float32 weights: torch's GEMM always
+    layer = DenseLinear(w, None).to(torch.float32)
+    assert layer.native is None and layer(torch.randn(1, 64)).dtype == torch.float32
+
+
+def test_bf16_layers_keep_torchs_gemm_when_native_kernels_are_off(fresh_native, monkeypatch):
+    from text_generation_server.layers.linear import DenseLinear
+
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    w = torch.randn(32, 16).bfloat16()
+    layer = DenseLinear(w, None)
+    x = torch.randn(1, 16).bfloat16()
+    assert layer.native is None and torch.equal(layer(x), torch.nn.functional.linear(x, w))

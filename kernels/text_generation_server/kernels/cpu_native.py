@@ -44,6 +44,10 @@ INT8_GEMV_MAX_ROWS = 8
 # far past L2 (8 rows of 64K float32 = 2 MiB).
 INT8_GEMV_MAX_K = 65536
 INT8_DEQUANT_MIN_ROWS = 32
+# bfloat16 weights (dense layers and the head): rows up to which the matrix-vector product runs
+# instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
+# 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
+BF16_GEMV_MAX_ROWS = 2
 # int4: dequantizing was 1.5x torch's op at 32 rows on both of Qwen2.5-1.5B's MLP shapes and
 # 0.7-0.8x at 16 (2 cores, cold weights; BENCHMARKS.md).
 INT4_DEQUANT_MIN_ROWS = 32
@@ -109,11 +113,12 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
-            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows (K up to {}), int8 "
-                        "and int4 layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops otherwise",
-                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
+            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows (K up to {}), bf16 ones "
+                        "up to {} rows, int8 and int4 layers through dequantized bf16 GEMMs from {} and {} rows; "
+                        "torch's ops otherwise", INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
+                        INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
         else:
-            logger.warning("native CPU kernels unavailable ({}); int8/int4 layers use torch's ops only", reason)
+            logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason
         return module
 
@@ -144,6 +149,29 @@ def int8_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales
     parts = [xb @ module.int8_dequant(weight, scales, n0, min(n, n0 + DEQUANT_ROWS)).t()
              for n0 in range(0, n, DEQUANT_ROWS)]
     return torch.cat(parts, dim=1).to(out_dtype)
+
+
+def for_bf16_weight(weight: torch.Tensor) -> Extension | None:
+    """The extension for a dense layer whose `weight` is bfloat16 on the CPU (built now, at load,
+    not on the first request); None for any other weight or when it cannot be built."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    return native()
+
+
+def bf16_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K] bfloat16 ^T (+ bias) for up to BF16_GEMV_MAX_ROWS rows, in x's dtype;
+    None when torch's GEMM should run it (more rows, another device or dtype, a non-contiguous weight)."""
+    k = weight.shape[1]
+    if x.device.type != "cpu" or x.shape[-1] != k or x.numel() > BF16_GEMV_MAX_ROWS * k or x.numel() == 0:
+        return None
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return None
+    y = module.bf16_gemv(x.reshape(-1, k).float().contiguous(), weight)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def int4pack_linear(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,

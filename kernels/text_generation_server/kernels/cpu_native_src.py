@@ -53,6 +53,17 @@ inline vf to_f(vi8 b) { return __builtin_convertvector(__builtin_convertvector(b
 inline vf to_f(vu8 b) { return __builtin_convertvector(__builtin_convertvector(b, vi32), vf); }
 #endif
 inline vf load_i8(const int8_t* p) { vi8 b; std::memcpy(&b, p, sizeof(b)); return to_f(b); }
+typedef uint16_t vh16 __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+// bfloat16 -> float32 is the bits shifted into the high half: exact.
+inline vf load_bf16(const uint16_t* p) {
+  vh16 h; std::memcpy(&h, p, sizeof(h));
+  vu32 u = __builtin_convertvector(h, vu32) << 16;
+  vf r; std::memcpy(&r, &u, sizeof(r)); return r;
+}
+inline vf load_w(const int8_t* p) { return load_i8(p); }
+inline float weight_value(int8_t v) { return float(v); }
+inline float weight_value(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline vf load_w(const uint16_t* p) { return load_bf16(p); }
 inline vu8 load_u8(const uint8_t* p) { vu8 b; std::memcpy(&b, p, sizeof(b)); return b; }
 inline float hsum(vf v) {
   float s = 0.f;
@@ -86,10 +97,11 @@ inline void store_bf16(uint16_t* dst, vf v) {
 #endif
 
 // ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
-// U independent accumulators per (row, output): a lone chain of fused multiply-adds waits on
-// each one's latency (4 cycles) and held one row to ~4 bytes of weight per cycle.
-template <int M, int NB, int U>
-inline void int8_rows(const float* x, const int8_t* w, const float* s, float* y, int64_t K, int64_t N, int64_t n) {
+// y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
+// (then s is null: no scale). U independent accumulators per (row, output), so a chain of fused
+// multiply-adds need not wait on each one's latency.
+template <int M, int NB, int U, typename T>
+inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n) {
   static_assert(64 % (16 * U) == 0, "U must divide the 4 vectors of a 64-byte step");
   vf acc[M][NB][U];
   for (int m = 0; m < M; ++m)
@@ -99,12 +111,15 @@ inline void int8_rows(const float* x, const int8_t* w, const float* s, float* y,
   // One core alone cannot keep enough reads in flight to stream at memory speed: prefetch the
   // weights PREFETCH_BYTES ahead, one cache line per step (past a row's end: the next rows).
   for (; k + 64 <= K; k += 64) {
-    for (int b = 0; b < NB; ++b) __builtin_prefetch(w + (n + b) * K + k + PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
+    for (int b = 0; b < NB; ++b)
+      for (int line = 0; line < int(64 * sizeof(T)); line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + PREFETCH_BYTES + line, 0,
+                           PREFETCH_LOCALITY);
     for (int v = 0; v < 4; ++v) {
       const int64_t kk = k + 16 * v;
       const int u = v % U;
       vf wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = load_i8(w + (n + b) * K + kk);
+      for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
       for (int m = 0; m < M; ++m) {
         vf xv = load_f(x + m * K + kk);
         for (int b = 0; b < NB; ++b) acc[m][b][u] += xv * wv[b];
@@ -113,7 +128,7 @@ inline void int8_rows(const float* x, const int8_t* w, const float* s, float* y,
   }
   for (; k + 16 <= K; k += 16) {
     vf wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = load_i8(w + (n + b) * K + k);
+    for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + k);
     for (int m = 0; m < M; ++m) {
       vf xv = load_f(x + m * K + k);
       for (int b = 0; b < NB; ++b) acc[m][b][0] += xv * wv[b];
@@ -124,18 +139,33 @@ inline void int8_rows(const float* x, const int8_t* w, const float* s, float* y,
       vf total = acc[m][b][0];
       for (int u = 1; u < U; ++u) total += acc[m][b][u];
       float t = hsum(total);
-      for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * float(w[(n + b) * K + kk]);
-      y[m * N + n + b] = t * s[n + b];
+      for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * weight_value(w[(n + b) * K + kk]);
+      y[m * N + n + b] = s ? t * s[n + b] : t;
     }
 }
 
-template <int M, int NB, int U>
-void int8_gemv_impl(const float* x, const int8_t* w, const float* s, float* y, int64_t K, int64_t N) {
+template <int M, int NB, int U, typename T>
+void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N) {
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) int8_rows<M, NB, U>(x, w, s, y, K, N, i * NB);
+    for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB, U>(x, w, s, y, K, N, i * NB);
   });
-  for (int64_t n = blocks * NB; n < N; ++n) int8_rows<M, 1, U>(x, w, s, y, K, N, n);
+  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1, U>(x, w, s, y, K, N, n);
+}
+
+// Row counts 1..8 to their tile shapes (one accumulator per row and output in registers).
+template <typename T>
+void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N) {
+  switch (M) {
+    case 1: gemv_impl<1, INT8_NB1, INT8_U1>(xp, wp, sp, yp, K, N); break;
+    case 2: gemv_impl<2, 4, 1>(xp, wp, sp, yp, K, N); break;
+    case 3: gemv_impl<3, 2, 1>(xp, wp, sp, yp, K, N); break;
+    case 4: gemv_impl<4, 2, 1>(xp, wp, sp, yp, K, N); break;
+    case 5: gemv_impl<5, 2, 1>(xp, wp, sp, yp, K, N); break;
+    case 6: gemv_impl<6, 2, 1>(xp, wp, sp, yp, K, N); break;
+    case 7: gemv_impl<7, 1, 1>(xp, wp, sp, yp, K, N); break;
+    default: gemv_impl<8, 1, 1>(xp, wp, sp, yp, K, N); break;
+  }
 }
 
 void check_x(const torch::Tensor& x, int64_t K) {
@@ -156,16 +186,19 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: int8_gemv_impl<1, INT8_NB1, INT8_U1>(xp, wp, sp, yp, K, N); break;
-    case 2: int8_gemv_impl<2, 4, 1>(xp, wp, sp, yp, K, N); break;
-    case 3: int8_gemv_impl<3, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 4: int8_gemv_impl<4, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 5: int8_gemv_impl<5, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 6: int8_gemv_impl<6, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 7: int8_gemv_impl<7, 1, 1>(xp, wp, sp, yp, K, N); break;
-    default: int8_gemv_impl<8, 1, 1>(xp, wp, sp, yp, K, N); break;
-  }
+  gemv_dispatch<int8_t>(M, xp, wp, sp, yp, K, N);
+  return y;
+}
+
+// x [M, K] float32 (1 to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
+torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
+              "w must be contiguous bfloat16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K);
+  auto y = torch::empty({M, N}, x.options());
+  gemv_dispatch<uint16_t>(M, x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                          nullptr, y.data_ptr<float>(), K, N);
   return y;
 }
 
@@ -224,4 +257,4 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
 }
 """
 
-FUNCTIONS = ["int8_gemv", "int8_dequant", "int4pack_dequant_t"]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t"]

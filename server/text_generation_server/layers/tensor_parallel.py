@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from text_generation_server.layers.linear import dense_forward, native_for
 from text_generation_server.utils.dist import ProcessGroup
 from text_generation_server.weights import CheckpointError, Weights
 
@@ -150,6 +151,12 @@ class TensorParallelHead(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.vocab_size = vocab_size
         self.process_group = process_group
+        self.native = native_for(weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.native = native_for(self.weight)
+        return self
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, vocab_size: int, hidden_size: int, bias: bool = False):
@@ -178,7 +185,7 @@ class TensorParallelHead(torch.nn.Module):
         return cls(weight, vocab_size, pg, b)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = dense_forward(self.native, hidden, self.weight, self.bias)
         if self.process_group.size > 1:
             logits = self.process_group.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits
