@@ -82,13 +82,11 @@ class InProcess:
         import torch
 
         from text_generation_server.models import get_model
-        from text_generation_server.rank import cpu_threads_per_rank
+        from text_generation_server.rank import cpu_threads_per_rank, weight_bytes_of
 
         self.lm = get_model(model, dtype=model_args["dtype"], quantize=model_args["quantize"],
                             quantize_lm_head=model_args["quantize_lm_head"])
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
-        weight_bytes += sum(b.numel() * b.element_size() for b in self.lm.model.buffers())
-        self.threads = cpu_threads_per_rank(os.cpu_count() or 1, 1, weight_bytes)
+        self.threads = cpu_threads_per_rank(os.cpu_count() or 1, 1, weight_bytes_of(self.lm.model))
         torch.set_num_threads(self.threads)
         self.new_tokens = new_tokens
         self.lm.allocate_kv_cache(1 + self.lm.blocks_for(256 + new_tokens))
@@ -136,7 +134,11 @@ async def served_round(server: StartedServer, new_tokens: int) -> dict[str, floa
 async def amain(args: argparse.Namespace) -> int:
     flags, model_args = parse_server_args(args.server_args)
     samples = Samples()
-    ours = InProcess(args.model, model_args, args.new_tokens)
+    try:
+        ours = InProcess(args.model, model_args, args.new_tokens)
+    except ValueError as exc:  # CheckpointError, a bad dtype or quantization: what serve would refuse too
+        print(f"serve_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
+        return 2
     server = StartedServer(args.model, flags, args.startup_timeout_s)
     try:
         await server.wait_ready()

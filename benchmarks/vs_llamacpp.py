@@ -75,7 +75,7 @@ from bench_common import (  # noqa: E402
 from prompts import CODE_PROMPTS  # noqa: E402
 
 WEIGHTS = ("bf16", "int8", "int4", "int8-head8", "int4-head8")
-# Our servers: which checkpoint, and whether the head runs as int8 (--quantize-lm-head int8).
+# Suffix of a weight type whose server also gets --quantize-lm-head int8 (the base type picks the weights).
 HEAD8 = "-head8"
 EMBEDDED = "tiny-pycoder"
 

@@ -377,14 +377,14 @@ class _PoolLatch:
     internal assert an H100 hit at warmup's second capture with torch 2.11)."""
 
     def __init__(self):
-        self.use_count: dict[int, int] = {}
+        self.use_count: dict[tuple[int, int], int] = {}
 
-    def begin(self, pool_id: int) -> None:
+    def begin(self, pool_id: tuple[int, int]) -> None:
         if self.use_count.get(pool_id, 1) <= 0:
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
         self.use_count[pool_id] = self.use_count.get(pool_id, 0) + 1
 
-    def release(self, pool_id: int) -> None:
+    def release(self, pool_id: tuple[int, int]) -> None:
         self.use_count[pool_id] -= 1
 
 

@@ -25,6 +25,11 @@ def test_step_ms():
     assert so.step_ms(0.5, 0) is None and so.step_ms(0.0, 3) is None
 
 
+def test_a_model_that_does_not_load_is_named(tmp_path, capsys):
+    assert so.main(["--model", str(tmp_path / "missing"), "--rounds", "1"]) == 2
+    assert f"cannot load {tmp_path / 'missing'}" in capsys.readouterr().err
+
+
 def test_one_round_on_the_embedded_model(capsys):
     """Both sides really run: a server on free ports and the in-process model, one round."""
     assert so.main(["--server-args", "--dtype float32 --max-total-tokens 128", "--new-tokens", "6",

@@ -18,7 +18,7 @@ import asyncio
 import os
 import signal
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from loguru import logger
 
@@ -26,6 +26,9 @@ from text_generation_server.logging_setup import configure_logging
 from text_generation_server.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
 from text_generation_server.serve_args import ServeArgs
 from text_generation_server.serve_flags import ALLOW_DENSE_FALLBACK_ENV, DISABLE_KERNELS_ENV, disabled_kernels_value
+
+if TYPE_CHECKING:
+    import torch
 
 SERVE_ARGS_ENV = "TGS_SERVE_ARGS"  # ServeArgs JSON from the launcher to its ranks
 LAUNCHER_PID_ENV = "TGS_LAUNCHER_PID"  # set only for ranks started by our launcher
@@ -46,6 +49,11 @@ def shard_args_from_env(flag_args: ServeArgs) -> ServeArgs:
 # Weights a rank streams per decode step above which its step is matmul-bound: the cores the
 # matmuls lose then cost more than the router's interference (BENCHMARKS.md, "CPU threads").
 MATMUL_BOUND_BYTES = 256 * 2**20
+
+
+def weight_bytes_of(model: torch.nn.Module) -> int:
+    """Bytes of a model's state on this rank: what cpu_threads_per_rank's size rule reads."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def cpu_threads_per_rank(cores: int, world_size: int, weight_bytes: int = 0) -> int:
@@ -136,7 +144,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch
 
-            weight_bytes = sum(t.numel() * t.element_size() for t in model.model.state_dict().values())
+            weight_bytes = weight_bytes_of(model.model)
             threads = cpu_threads_per_rank(os.cpu_count() or 1, world_size, weight_bytes)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)

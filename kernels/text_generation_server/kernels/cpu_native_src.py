@@ -88,41 +88,29 @@ inline void store_bf16(uint16_t* dst, vf v) {
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
-// One activation row: output rows per step (NB) and accumulators per output (U).
-#ifndef INT8_NB1
-#define INT8_NB1 2
-#endif
-#ifndef INT8_U1
-#define INT8_U1 2
-#endif
 
 // ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
 // y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
-// (then s is null: no scale). U independent accumulators per (row, output), so a chain of fused
-// multiply-adds need not wait on each one's latency.
-template <int M, int NB, int U, typename T>
+// (then s is null: no scale).
+template <int M, int NB, typename T>
 inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n) {
-  static_assert(64 % (16 * U) == 0, "U must divide the 4 vectors of a 64-byte step");
-  vf acc[M][NB][U];
+  vf acc[M][NB];
   for (int m = 0; m < M; ++m)
-    for (int b = 0; b < NB; ++b)
-      for (int u = 0; u < U; ++u) acc[m][b][u] = vf{};
+    for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
   int64_t k = 0;
   // One core alone cannot keep enough reads in flight to stream at memory speed: prefetch the
-  // weights PREFETCH_BYTES ahead, one cache line per step (past a row's end: the next rows).
+  // weights PREFETCH_BYTES ahead, every cache line of the step (past a row's end: the next rows).
   for (; k + 64 <= K; k += 64) {
     for (int b = 0; b < NB; ++b)
       for (int line = 0; line < int(64 * sizeof(T)); line += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + PREFETCH_BYTES + line, 0,
                            PREFETCH_LOCALITY);
-    for (int v = 0; v < 4; ++v) {
-      const int64_t kk = k + 16 * v;
-      const int u = v % U;
+    for (int64_t kk = k; kk < k + 64; kk += 16) {
       vf wv[NB];
       for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
       for (int m = 0; m < M; ++m) {
         vf xv = load_f(x + m * K + kk);
-        for (int b = 0; b < NB; ++b) acc[m][b][u] += xv * wv[b];
+        for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
       }
     }
   }
@@ -131,40 +119,38 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
     for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + k);
     for (int m = 0; m < M; ++m) {
       vf xv = load_f(x + m * K + k);
-      for (int b = 0; b < NB; ++b) acc[m][b][0] += xv * wv[b];
+      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
     }
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
-      vf total = acc[m][b][0];
-      for (int u = 1; u < U; ++u) total += acc[m][b][u];
-      float t = hsum(total);
+      float t = hsum(acc[m][b]);
       for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * weight_value(w[(n + b) * K + kk]);
       y[m * N + n + b] = s ? t * s[n + b] : t;
     }
 }
 
-template <int M, int NB, int U, typename T>
+template <int M, int NB, typename T>
 void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N) {
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB, U>(x, w, s, y, K, N, i * NB);
+    for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB>(x, w, s, y, K, N, i * NB);
   });
-  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1, U>(x, w, s, y, K, N, n);
+  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n);
 }
 
 // Row counts 1..8 to their tile shapes (one accumulator per row and output in registers).
 template <typename T>
 void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N) {
   switch (M) {
-    case 1: gemv_impl<1, INT8_NB1, INT8_U1>(xp, wp, sp, yp, K, N); break;
-    case 2: gemv_impl<2, 4, 1>(xp, wp, sp, yp, K, N); break;
-    case 3: gemv_impl<3, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 4: gemv_impl<4, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 5: gemv_impl<5, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 6: gemv_impl<6, 2, 1>(xp, wp, sp, yp, K, N); break;
-    case 7: gemv_impl<7, 1, 1>(xp, wp, sp, yp, K, N); break;
-    default: gemv_impl<8, 1, 1>(xp, wp, sp, yp, K, N); break;
+    case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N); break;  // two independent FMA chains
+    case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N); break;
+    case 3: gemv_impl<3, 2>(xp, wp, sp, yp, K, N); break;
+    case 4: gemv_impl<4, 2>(xp, wp, sp, yp, K, N); break;
+    case 5: gemv_impl<5, 2>(xp, wp, sp, yp, K, N); break;
+    case 6: gemv_impl<6, 2>(xp, wp, sp, yp, K, N); break;
+    case 7: gemv_impl<7, 1>(xp, wp, sp, yp, K, N); break;
+    default: gemv_impl<8, 1>(xp, wp, sp, yp, K, N); break;
   }
 }
 

@@ -20,8 +20,6 @@ def dense_forward(native, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def native_for(weight: torch.Tensor):
     """The native CPU extension when `weight` is bfloat16 on the CPU (built at load), else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return None
     from text_generation_server.kernels import cpu_native
 
     return cpu_native.for_bf16_weight(weight)
