@@ -174,7 +174,7 @@ def file_tail(path: Path, lines: int = 30) -> str:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, outside the ephemeral range (shard_procs.free_port)."""
-    from text_generation_server.shard_procs import free_port as outside_ephemeral
+    from text_generation_server.launcher.shard_procs import free_port as outside_ephemeral
 
     return outside_ephemeral()
 

@@ -81,7 +81,7 @@ class OursRunner:
         )
 
     def run(self, batch_size: int, new_tokens: int | None = None) -> Run:
-        from text_generation_server.models.types import GenerationRequest
+        from text_generation_server.engine.types import GenerationRequest
 
         new_tokens = new_tokens or self.new_tokens
         requests = [
@@ -190,7 +190,7 @@ def profile_ours(ours: OursRunner, batch_size: int, steps: int = 20, top: int = 
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     requests = [
         GenerationRequest(id=i, inputs=PROMPTS[i % len(PROMPTS)], max_new_tokens=steps + 8, ignore_eos_token=True)
@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.add(sys.stderr, level="WARNING")
     torch.set_num_threads(args.threads)
 
-    from text_generation_server.utils.checkpoint import Checkpoint
+    from text_generation_server.utils.locate import open_checkpoint
 
-    checkpoint = Checkpoint.open(args.model)
+    checkpoint = open_checkpoint(args.model)
     pad_id = checkpoint.config.get("pad_token_id")
     if pad_id is None:
         pad_id = min(checkpoint.eos_token_ids) if checkpoint.eos_token_ids else 0

@@ -117,10 +117,10 @@ def machinery_part(model: str, batches: list[int]) -> list[list[str]]:
     from text_generation_server.generation.grammar import (
         GrammarCompiler, GrammarSpec, GrammarType, PendingMasks, apply_masks,
     )
-    from text_generation_server.utils.checkpoint import Checkpoint
+    from text_generation_server.utils.locate import open_checkpoint
 
     torch.set_num_threads(1)  # as a rank of a small model runs (and a busy machine does not stall it)
-    checkpoint = Checkpoint.open(model)
+    checkpoint = open_checkpoint(model)
     started = time.perf_counter()
     compiler = GrammarCompiler.for_tokenizer(checkpoint.tokenizer, checkpoint.eos_token_ids, mask_threads=1)
     tokenizer_ms = (time.perf_counter() - started) * 1e3

@@ -153,7 +153,7 @@ LIBRARIES = {"llguidance": ("llguidance", llguidance_run), "xgrammar": ("xgramma
 def main() -> int:
     from tokenizers import Tokenizer
 
-    from text_generation_server.utils.checkpoint import embedded_model_path
+    from text_generation_server.utils.locate import embedded_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=embedded_model_path() / "tokenizer.json",

@@ -47,7 +47,8 @@ from bench_common import (  # noqa: E402  (benchmarks/ is on sys.path when run a
 )
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
-from text_generation_server.utils.checkpoint import embedded_model_path, load_tokenizer
+from text_generation_server.quantizers.checkpoint import load_tokenizer
+from text_generation_server.utils.locate import embedded_model_path
 
 USER, ASSISTANT = "\n### User:\n", "\n### Assistant:\n"
 COUNTERS = ("tgs_prefix_cache_query_tokens", "tgs_prefix_cache_hit_tokens", "tgs_prefill_chunks")

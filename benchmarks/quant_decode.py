@@ -136,7 +136,7 @@ class Runner:
         self.lm.allocate_kv_cache(1 + max_batch * self.lm.blocks_for(64 + new_tokens))
 
     def decode_tokens_per_s(self, batch_size: int) -> tuple[float, list[list[int]]]:
-        from text_generation_server.models.types import GenerationRequest
+        from text_generation_server.engine.types import GenerationRequest
 
         requests = [GenerationRequest(id=i, inputs=CODE_PROMPTS[i % len(CODE_PROMPTS)],
                                       max_new_tokens=self.new_tokens, ignore_eos_token=True)
@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
 
-    from text_generation_server.quantize import QuantizeOptions, quantize
+    from text_generation_server.jobs.quantize.options import QuantizeOptions
+
+    from text_generation_server.jobs.quantize.pipeline import quantize
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="quant-decode-"))
     try:

@@ -32,7 +32,7 @@ import torch
 
 from bench_common import command_line, machine_line, md_table  # benchmarks/ is on sys.path here
 from text_generation_server.models import get_model
-from text_generation_server.perplexity import default_text, evaluate
+from text_generation_server.jobs.perplexity import default_text, evaluate
 
 SETTINGS = [("4-bit g128", 4, 128), ("3-bit g128", 3, 128), ("4-bit per-channel", 4, -1), ("8-bit per-channel", 8, -1)]
 
@@ -95,7 +95,7 @@ def main() -> None:
     common = ["--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--overwrite", "--logger-level",
               "WARNING"]
 
-    _, baseline_mb = run_measured("text_generation_server.quantize", [], env)  # imports only
+    _, baseline_mb = run_measured("text_generation_server.jobs.quantize", [], env)  # imports only
     original = perplexity_of(args.model, text, args)
     print(f"original: perplexity {original:.4f}", file=sys.stderr)
 
@@ -107,7 +107,7 @@ def main() -> None:
                 out = work / f"{method}-{bits}b-g{group}-{'sym' if sym else 'asym'}"
                 flags = ["--bits", str(bits), "--groupsize", str(group), "--sym" if sym else "--no-sym",
                          "--method", method.split("-")[0]] + (["--act-order"] if "act-order" in method else [])
-                seconds, peak = run_measured("text_generation_server.cli",
+                seconds, peak = run_measured("text_generation_server.cli.main",
                                              ["quantize", args.model, str(out)] + flags + common, env)
                 ppl = perplexity_of(str(out), text, args)
                 results[(label, sym, method)] = Run(ppl, seconds, peak)

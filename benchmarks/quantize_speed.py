@@ -64,7 +64,7 @@ else:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-from text_generation_server.cli import app
+from text_generation_server.cli.main import app
 sys.argv[0] = "text-generation-server"
 app()
 """
@@ -147,7 +147,7 @@ def pass_kind(runner, layer, inputs, outputs, record=None, replay=None, on_batch
 def readme_phases(work: Path) -> list[str]:
     from loguru import logger
 
-    from text_generation_server.quantize import calibration, pipeline, writer
+    from text_generation_server.jobs.quantize import calibration, pipeline, writer
     from text_generation_server.quantizers import gptq_solver
 
     timer = Timer()

@@ -82,7 +82,7 @@ class InProcess:
         import torch
 
         from text_generation_server.models import get_model
-        from text_generation_server.rank import cpu_threads_per_rank, weight_bytes_of
+        from text_generation_server.launcher.rank import cpu_threads_per_rank, weight_bytes_of
 
         self.lm = get_model(model, dtype=model_args["dtype"], quantize=model_args["quantize"],
                             quantize_lm_head=model_args["quantize_lm_head"])
@@ -93,7 +93,7 @@ class InProcess:
 
     def round(self) -> tuple[float | None, float | None]:
         """(ms per decode step, ms of model forward per decode step) for one request."""
-        from text_generation_server.models.types import GenerationRequest
+        from text_generation_server.engine.types import GenerationRequest
 
         request = GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=self.new_tokens, ignore_eos_token=True)
         batch = self.lm.make_batch(0, [request])

@@ -47,7 +47,7 @@ class Measure:
 def code_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` windows of `length` tokens from held-out standard-library files, one per file,
     each starting at a line that opens a `def` (a continuation the model can make sense of)."""
-    from text_generation_server.training import corpus
+    from text_generation_server.jobs import corpus
 
     prompts: list[list[int]] = []
     for path in corpus.corpus_files("heldout"):
@@ -69,7 +69,7 @@ def code_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def decode(lm, prompts: list[list[int]], new_tokens: int, batch_id: int) -> tuple[float, int, int, list[list[int]]]:
     """Runs one batch to the end; returns decode seconds (after the prefill step), decode tokens,
     the Generations they came in, and every request's tokens."""
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     requests = [GenerationRequest(id=i, inputs="", input_ids=p, max_new_tokens=new_tokens, ignore_eos_token=True)
                 for i, p in enumerate(prompts)]

@@ -660,7 +660,7 @@ def resolve_case(model: str, root: Path | None = None) -> ModelCase:
         hf = lb.ensure_hf_from_gguf(gguf, gguf.parent / "hf", root)
         return ModelCase(model, hf, lb.qwen_dir(root), str(hf))
     if model == EMBEDDED:
-        from text_generation_server.utils.checkpoint import embedded_model_path
+        from text_generation_server.utils.locate import embedded_model_path
 
         case = ModelCase(model, embedded_model_path(), root / "models" / EMBEDDED, EMBEDDED)
         lb.ensure_fresh_cache(case.cache, case.hf_dir)

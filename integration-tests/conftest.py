@@ -22,8 +22,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from text_generation_server import shard_procs
-from text_generation_server.client_channel import ClientOptions
+from text_generation_server.launcher import shard_procs
+from text_generation_server.cli.client_channel import ClientOptions
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))

@@ -17,7 +17,7 @@ import grpc
 from conftest import SMALL_LIMITS, ServeProcess, clean_env, free_port, serve_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from text_generation_server.client_channel import ClientOptions
+from text_generation_server.cli.client_channel import ClientOptions
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pki import Authority
 from serve_client import Completion, collect_stream, generate, launch_serve, request, rpc_error, scrape
 
-from text_generation_server.client_channel import ClientOptions
+from text_generation_server.cli.client_channel import ClientOptions
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.router.auth import REFUSAL

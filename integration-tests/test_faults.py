@@ -40,7 +40,7 @@ from serve_client import (
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
-from text_generation_server.serve_args import ServeArgs
+from text_generation_server.settings.serve_args import ServeArgs
 
 MAX_MESSAGE_BYTES = 64 * 1024
 
@@ -108,7 +108,7 @@ class InProcessServer:
 
     async def _serve(self) -> None:
         from text_generation_server.router import run_router
-        from text_generation_server.shard import serve_shard
+        from text_generation_server.shard.service import serve_shard
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()

@@ -24,7 +24,7 @@ import pytest
 from serve_client import client_stub, generate, launch_serve, request, rpc_error, stream_completion
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
-from text_generation_server.utils.checkpoint import embedded_model_path
+from text_generation_server.utils.locate import embedded_model_path
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
@@ -184,7 +184,7 @@ def test_a_server_without_grammars_or_a_chat_template_says_why(servers):
 def test_generate_chat_against_the_server(servers):
     from typer.testing import CliRunner
 
-    from text_generation_server.cli import app
+    from text_generation_server.cli.main import app
 
     server, _ = servers
     result = CliRunner().invoke(app, ["generate", "--chat", "--server", f"127.0.0.1:{server.port}", "--json",

@@ -12,7 +12,7 @@ from serve_client import client_stub, generate, request
 from test_quantize_serve import quantize_cli
 
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
 PROMPT = "def fibonacci(n):\n    if n < 2:"

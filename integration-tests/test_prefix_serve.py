@@ -27,7 +27,7 @@ from serve_client import CORPUS, client_stub, generate, launch_serve, poll_metri
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
 FLAGS = ["--max-batch-prefill-tokens", "32", "--max-batch-total-tokens", "400", "--max-total-tokens", "256",

@@ -18,8 +18,8 @@ from serve_client import client_stub, generate, request
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.shard import model_kernels
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.shard.service import model_kernels
 
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 NEW_TOKENS = 8

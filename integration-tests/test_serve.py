@@ -22,7 +22,7 @@ from serve_client import (
 )
 
 from text_generation_server.about import __version__
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from text_generation_server.shard_procs import free_port
+from text_generation_server.launcher.shard_procs import free_port
 
 SAMPLE_TEXT = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -135,7 +135,7 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibon
 
 def prompt_logprobs(lm) -> torch.Tensor:
     """log p(token_i | prefix) of every prompt token after the first, all prompts concatenated."""
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=1, prefill_logprobs=True, ignore_eos_token=True)
                 for i, p in enumerate(PROMPTS)]
@@ -144,7 +144,7 @@ def prompt_logprobs(lm) -> torch.Tensor:
 
 
 def greedy(lm, tokens: int = 8) -> list[list[int]]:
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     requests = [GenerationRequest(id=i, inputs=p, max_new_tokens=tokens, ignore_eos_token=True)
                 for i, p in enumerate(PROMPTS)]
@@ -238,7 +238,7 @@ def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, mo
 @contextmanager
 def rank_process_group(rank: int, port: int, world: int, timeout_s: float = 60):
     """In a spawned rank: one torch thread, the gloo group on 127.0.0.1:`port` (yielded), destroyed on exit."""
-    from text_generation_server.utils.dist import initialize_process_group
+    from text_generation_server.quantizers.dist import initialize_process_group
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -348,7 +348,7 @@ def ids_request(rid: int, prompt: list[int], new: int, seed: int | None = None, 
     """A request for exactly `new` tokens of `prompt` (ids, as the router sends them); greedy, or
     sampled with every processor when `seed` is given."""
     from text_generation_server.generation.sampling import SamplingParams
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     sampling = SamplingParams()
     if seed is not None:

@@ -28,8 +28,8 @@ from text_generation_server.layers.attention_backends import (
     choose_attention_backend,
 )
 from text_generation_server.models import get_model
-from text_generation_server.models.batch import Batch
-from text_generation_server.serve_args import ATTENTION_BACKENDS, ServeArgs
+from text_generation_server.engine.batch import Batch
+from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, ServeArgs
 
 torch.set_num_threads(1)
 

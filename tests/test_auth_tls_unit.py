@@ -14,13 +14,15 @@ import pytest
 from pki import Authority
 from typer.testing import CliRunner
 
-from text_generation_server import cli, launcher, rank
-from text_generation_server.client_channel import ClientOptions, client_api_key
-from text_generation_server.metrics import Metrics
+from text_generation_server.cli import main as cli
+from text_generation_server.launcher import rank
+from text_generation_server.launcher import supervisor as launcher
+from text_generation_server.cli.client_channel import ClientOptions, client_api_key
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.router.auth import ApiKeyError, ApiKeys, read_key_file
 from text_generation_server.router.tls import CertificateStore, TlsError, TlsFiles, load_tls
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server.serve_flags import TGI_ONLY_FLAGS, is_loopback, parse_api_keys
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.settings.serve_flags import TGI_ONLY_FLAGS, is_loopback, parse_api_keys
 
 SECURITY_VARIABLES = ("API_KEY", "API_KEY_FILE", "API_KEY_PROTECTS_HEALTH", "TLS_CERT_PATH", "TLS_KEY_PATH",
                       "TLS_CLIENT_CA_PATH", "METRICS_HOSTNAME")

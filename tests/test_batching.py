@@ -17,8 +17,8 @@ from helpers import write_checkpoint
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models import get_model
-from text_generation_server.models.batch import Batch, OutOfBlocksError
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.batch import Batch, OutOfBlocksError
+from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)
 

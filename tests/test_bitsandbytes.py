@@ -41,8 +41,9 @@ from text_generation_server.quantizers.bitsandbytes import (
     choose_4bit_kernel,
 )
 from text_generation_server.quantizers.eetq import ChannelInt8Weight
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, DictTensorSource, UnquantizedWeight, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import UnquantizedWeight, Weights
 
 torch.set_num_threads(1)
 

@@ -21,13 +21,13 @@ import grpc
 import pytest
 import torch
 
-from text_generation_server.chat_template import (
+from text_generation_server.generation.chat_template import (
     ChatTemplate,
     ChatTemplateBroken,
     ChatTemplateError,
     ChatTemplateMissing,
 )
-from text_generation_server.utils.checkpoint import embedded_model_path
+from text_generation_server.utils.locate import embedded_model_path
 
 transformers = pytest.importorskip("transformers", reason="transformers renders the reference prompts")
 
@@ -202,7 +202,7 @@ def lm():
 def service_for(lm, folder: Path | None):
     from test_scheduler_prefix import LIMITS, make
 
-    from text_generation_server.metrics import Metrics
+    from text_generation_server.router.metrics import Metrics
     from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
     from text_generation_server.router.service import TextGenerationService
 
@@ -268,8 +268,8 @@ def test_chat_refusals(lm, folders):
 def test_generate_chat_on_the_command_line(lm, folders, tmp_path):
     from typer.testing import CliRunner
 
-    from text_generation_server.cli import app
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.cli.main import app
+    from text_generation_server.engine.types import GenerationRequest
 
     runner = CliRunner()
     result = runner.invoke(app, ["generate", "--chat", "--model", str(folders["chatml"]), "--json",

@@ -17,15 +17,11 @@ from helpers import write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.utils.convert import convert_folder
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import (
-    CheckpointError,
-    DefaultWeightsLoader,
-    DictTensorSource,
-    Weights,
-)
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.jobs.convert import convert_folder
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import DefaultWeightsLoader, Weights
 
 torch.set_num_threads(1)
 

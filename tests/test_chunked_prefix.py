@@ -21,8 +21,8 @@ from text_generation_server.layers.attention import (
     sequence_attention,
 )
 from text_generation_server.models import get_model
-from text_generation_server.models.batch import Batch
-from text_generation_server.models.types import RequestError
+from text_generation_server.engine.batch import Batch
+from text_generation_server.engine.types import RequestError
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ from helpers import write_checkpoint
 from safetensors.torch import load_file
 
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)
 
@@ -110,7 +110,7 @@ def test_convert_then_generate(model_dir, tmp_path):
 
 @pytest.mark.parametrize("cores,world,threads", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 2, 7), (3, 4, 1)])
 def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
-    from text_generation_server.rank import cpu_threads_per_rank
+    from text_generation_server.launcher.rank import cpu_threads_per_rank
 
     assert cpu_threads_per_rank(cores, world) == threads
     assert cpu_threads_per_rank(cores, world, weight_bytes=2**20) == threads  # small: the same
@@ -118,7 +118,7 @@ def test_cpu_ranks_leave_a_core_for_the_router(cores, world, threads):
 
 @pytest.mark.parametrize("cores,world,threads", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (16, 1, 16), (16, 2, 8), (3, 4, 1)])
 def test_matmul_bound_ranks_take_every_core(cores, world, threads):
-    from text_generation_server.rank import MATMUL_BOUND_BYTES, cpu_threads_per_rank
+    from text_generation_server.launcher.rank import MATMUL_BOUND_BYTES, cpu_threads_per_rank
 
     assert cpu_threads_per_rank(cores, world, weight_bytes=MATMUL_BOUND_BYTES) == threads
 
@@ -138,7 +138,7 @@ COMMANDS = ["generate", "convert", "serve", "health", "quantize", "perplexity"]
 def test_every_option_of_every_command_has_help():
     import typer
 
-    from text_generation_server.cli import app
+    from text_generation_server.cli.main import app
 
     group = typer.main.get_command(app)
     assert sorted(group.commands) == sorted(COMMANDS)

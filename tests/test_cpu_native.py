@@ -200,9 +200,9 @@ def test_bf16_matrix_vector_product_matches_float_arithmetic(native, rows, k, n)
 
 
 def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
-    from text_generation_server.layers.linear import DenseLinear
+    from text_generation_server.kernels.dense import DenseLinear
     from text_generation_server.layers.tensor_parallel import TensorParallelHead
-    from text_generation_server.utils.dist import single_process_group
+    from text_generation_server.quantizers.dist import single_process_group
 
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
@@ -224,7 +224,7 @@ def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
 
 
 def test_bf16_layers_keep_torchs_gemm_when_native_kernels_are_off(fresh_native, monkeypatch):
-    from text_generation_server.layers.linear import DenseLinear
+    from text_generation_server.kernels.dense import DenseLinear
 
     monkeypatch.setenv(cpu_native.ENV, "0")
     w = torch.randn(32, 16).bfloat16()

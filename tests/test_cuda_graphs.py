@@ -25,15 +25,15 @@ from helpers import needs_gpu, write_checkpoint
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.models import get_model
-from text_generation_server.models.batch import Batch
-from text_generation_server.models.cuda_graphs import (
+from text_generation_server.engine.batch import Batch
+from text_generation_server.engine.cuda_graphs import (
     CudaGraphCapturer,
     DecodeGraphs,
     EagerReplayCapturer,
     GraphReplayMismatch,
     HostSyncError,
 )
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)
 

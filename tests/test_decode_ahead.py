@@ -17,7 +17,7 @@ import torch
 
 from text_generation_server.models import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-from text_generation_server.shard import TextGenerationService
+from text_generation_server.shard.service import TextGenerationService
 
 torch.set_num_threads(1)
 

@@ -336,7 +336,7 @@ def ignored(path: str) -> bool:
 
 def test_dockerignore_keeps_what_the_build_copies(dockerfile):
     assert ignored(".git/config") and ignored("server/text_generation_server/__pycache__/cli.cpython-311.pyc")
-    assert ignored("tests/test_dockerfile.py") and not ignored("server/text_generation_server/cli.py")
+    assert ignored("tests/test_dockerfile.py") and not ignored("server/text_generation_server/cli/main.py")
     copied = []
     for ins in dockerfile.of("COPY"):
         if "--from=" in ins.args:

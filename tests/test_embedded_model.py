@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -13,8 +14,16 @@ import torch
 from tokenizers import Tokenizer
 
 from text_generation_server import about
-from text_generation_server.training import corpus
-from text_generation_server.training.train_embedded import EOS_ID, load_exported
+from text_generation_server.jobs import corpus
+
+# The trainer is a script beside the package, not part of it: it made the shipped model once.
+TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "train_embedded.py"
+_spec = importlib.util.spec_from_file_location("train_embedded", TRAINER)
+assert _spec is not None and _spec.loader is not None
+train_embedded = importlib.util.module_from_spec(_spec)
+sys.modules["train_embedded"] = train_embedded  # dataclasses look their module up there
+_spec.loader.exec_module(train_embedded)
+EOS_ID, load_exported = train_embedded.EOS_ID, train_embedded.load_exported
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test-time reference for HF layout")
 
@@ -151,7 +160,7 @@ def tiny_export(tmp_path_factory) -> Path:
     """
     out = tmp_path_factory.mktemp("tiny-export")
     cmd = [
-        sys.executable, "-m", "text_generation_server.training.train_embedded", "--output", str(out),
+        sys.executable, str(TRAINER), "--output", str(out),
         "--max-steps", "6", "--vocab-size", "384", "--hidden-size", "48", "--heads", "4", "--head-dim", "16",
         "--kv-heads", "2", "--intermediate-size", "80", "--layers", "2", "--seq-len", "32", "--batch-size", "4",
         "--max-position-embeddings", "64", "--rope-theta", "300", "--rms-norm-eps", "1e-4", "--lr", "3e-2",

@@ -26,8 +26,9 @@ from text_generation_server.kernels.cpu import CpuInt4PackKernel
 from text_generation_server.models import get_model
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.exl2 import Exl2Config, Exl2Weight
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, DictTensorSource, UnquantizedWeight, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import UnquantizedWeight, Weights
 
 torch.set_num_threads(1)
 

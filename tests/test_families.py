@@ -19,8 +19,8 @@ from family_cases import CASES, hf_config, write_family_checkpoint
 from helpers import ids_request, run_ranks, run_to_end
 
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.weights import CheckpointError
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.quantizers.sources import CheckpointError
 
 torch.set_num_threads(1)
 
@@ -121,7 +121,7 @@ def test_prefix_read_from_the_cache_gives_the_same_tokens(folders, references, n
 
 
 def test_length_dependent_rope_turns_prefix_caching_off(folders):
-    from text_generation_server.shard import TextGenerationService
+    from text_generation_server.shard.service import TextGenerationService
 
     for name, expected in (("phi3_longrope", False), ("llama_dynamic", False), ("qwen2_yarn", True)):
         lm = get_model(folders[name], dtype="float32")

@@ -35,8 +35,9 @@ from safetensors import safe_open
 
 from text_generation_server.layers.attention import AttentionMetadata, KVCache
 from text_generation_server.models import get_model
-from text_generation_server.quantize import QuantizeOptions, quantize
-from text_generation_server.quantize import pipeline
+from text_generation_server.jobs.quantize.options import QuantizeOptions
+from text_generation_server.jobs.quantize.pipeline import quantize
+from text_generation_server.jobs.quantize import pipeline
 
 torch.set_num_threads(1)
 
@@ -127,7 +128,8 @@ def readable(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     """The tensors as stored, but stacked ones (gpt-oss experts) as the parts the family reads:
     what `quantize` writes for a dense tensor it keeps."""
     from text_generation_server.models import read_model_config
-    from text_generation_server.weights import Weights, safetensors_files
+    from text_generation_server.quantizers.sources import safetensors_files
+    from text_generation_server.quantizers.weights import Weights
 
     family, decoder = read_model_config(config)
     weights = Weights(safetensors_files(folder), torch.device("cpu"), torch.float32)

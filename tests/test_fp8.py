@@ -40,8 +40,9 @@ from text_generation_server.models import get_model
 from text_generation_server.quantizers import get_loader, read_quantization_config
 from text_generation_server.quantizers.config import CompressedTensorsConfig
 from text_generation_server.quantizers.fp8 import Fp8Config, fp8_scheme
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import Weights
 
 torch.set_num_threads(1)
 

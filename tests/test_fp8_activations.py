@@ -434,7 +434,7 @@ def test_greedy_tokens_equal_transformers(checkpoints, name, kernel, monkeypatch
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_prompt_logprobs_equal_the_hooked_reference(checkpoints, name):
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     case = checkpoints[name]
     lm = get_model(str(case["fp8"]), dtype="float32")
@@ -471,8 +471,9 @@ def test_row_shard_that_cuts_a_group_says_so(checkpoints):
     from loguru import logger
 
     from text_generation_server.quantizers import get_loader, read_quantization_config
-    from text_generation_server.utils.dist import ProcessGroup
-    from text_generation_server.weights import SafetensorsSource, Weights
+    from text_generation_server.quantizers.dist import ProcessGroup
+    from text_generation_server.quantizers.sources import SafetensorsSource
+    from text_generation_server.quantizers.weights import Weights
 
     folder = checkpoints["FP8_BLOCK"]["fp8"]
     config = read_quantization_config(folder, None)

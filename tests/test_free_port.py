@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from text_generation_server import shard_procs
+from text_generation_server.launcher import shard_procs
 
 
 def test_ports_are_bindable_distinct_and_outside_the_ephemeral_range():

@@ -81,7 +81,8 @@ def test_shard_plan_respects_the_limit():
 # -- the checkpoint it builds, quantized by our quantize ------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory):
-    from text_generation_server.quantize import QuantizeOptions, quantize
+    from text_generation_server.jobs.quantize.options import QuantizeOptions
+    from text_generation_server.jobs.quantize.pipeline import quantize
 
     root = tmp_path_factory.mktemp("gpu-bench")
     record = gd.build_checkpoint(root / "fp16", TINY, seed=3, device="cpu", max_shard_bytes=200_000)
@@ -93,12 +94,12 @@ def test_built_checkpoint_loads_and_counts_like_the_formula(tiny_checkpoints):
     from safetensors import safe_open
 
     from text_generation_server.models import read_model_config
-    from text_generation_server.utils.checkpoint import Checkpoint
+    from text_generation_server.utils.locate import open_checkpoint
 
     root, record = tiny_checkpoints
     assert record["shards"] == len(list((root / "fp16").glob("*.safetensors"))) > 1
     assert record["bytes"] == 2 * TINY.params()
-    ckpt = Checkpoint.open(str(root / "fp16"))
+    ckpt = open_checkpoint(str(root / "fp16"))
     _, config = read_model_config(ckpt.config)
     assert (config.hidden_size, config.num_key_value_heads, config.rope.rope_type) == (128, 2, "llama3")
     assert ckpt.eos_token_ids == {gl.eos_id(TINY.vocab)}

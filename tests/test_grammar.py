@@ -36,11 +36,11 @@ from text_generation_server.generation.grammar import (
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser, SamplingParams
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.validation import GRAMMAR_DISABLED, Limits, ValidationError, validate
-from text_generation_server.shard import request_from_pb
+from text_generation_server.shard.service import request_from_pb
 
 torch.set_num_threads(1)
 
@@ -290,7 +290,7 @@ def test_masks_apply_after_an_emulated_cuda_graph_replay():
     """The mask is applied to the logits a replayed graph wrote (tests/test_cuda_graphs.py's
     emulator replays the recorded forward against the static buffers on CPU)."""
     from text_generation_server.layers.attention import TorchAttention, padded_decode
-    from text_generation_server.models.cuda_graphs import EagerReplayCapturer
+    from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
 
     class GraphSafePadded(TorchAttention):
         name = "torch-padded"
@@ -370,7 +370,7 @@ def test_tgi_shard_requests_carry_grammars_as_tgi_sends_them():
 
 
 def test_the_shard_refuses_a_bad_grammar_per_request_and_the_running_batch_steps_on(lm):
-    from text_generation_server.shard import TextGenerationService
+    from text_generation_server.shard.service import TextGenerationService
 
     lm.allocate_kv_cache(64)
     service = TextGenerationService(lm, "/tmp/unused", 1, 0.1)

@@ -54,7 +54,7 @@ def test_portions_are_packages_of_one_namespace():
 
 def test_every_module_imports_from_its_folder():
     """Python's namespace import joins the portions the way the paths say."""
-    for name in ("text_generation_server.cli", "text_generation_server.quantizers.gptq",
+    for name in ("text_generation_server.cli.main", "text_generation_server.quantizers.gptq",
                  "text_generation_server.kernels.registry"):
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.origin is not None
@@ -72,7 +72,7 @@ def _mypy(args: list[str], cwd: Path) -> str:
 
 def test_mypy_resolves_every_import_in_the_tree(tmp_path):
     """`python -m mypy` on the tree, as a developer runs it: no project import goes unresolved."""
-    folders = ["server", "quantizers", "kernels", "tests", "integration-tests", "benchmarks", "proto"]
+    folders = ["server", "quantizers", "kernels", "tests", "integration-tests", "benchmarks", "proto", "scripts"]
     out = _mypy(["--cache-dir", str(tmp_path / "cache"), *folders], REPO)
     unresolved = [line for line in out.splitlines() if IMPORT_ERRORS.search(line)]
     assert not unresolved, "mypy cannot resolve:\n" + "\n".join(unresolved)

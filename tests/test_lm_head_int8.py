@@ -10,7 +10,7 @@ from helpers import greedy, kernel_names, run_ranks
 
 from text_generation_server.layers.tensor_parallel import QuantizedTensorParallelHead, TensorParallelHead
 from text_generation_server.models import get_model
-from text_generation_server.serve_args import ServeArgs
+from text_generation_server.settings.serve_args import ServeArgs
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _rank_logits(pg, folder):
 
 
 def test_two_ranks_split_the_int8_head_by_vocabulary(folder, tmp_path):
-    from text_generation_server.utils.dist import single_process_group
+    from text_generation_server.quantizers.dist import single_process_group
 
     one = _rank_logits(single_process_group(), folder)
     results = run_ranks(_rank_logits, (folder,), 2, tmp_path, 240)

@@ -32,8 +32,9 @@ from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, LinearSpec
 from text_generation_server.models import get_model
 from text_generation_server.quantizers import GPTQConfig, get_loader, read_quantization_config
 from text_generation_server.quantizers.marlin import MarlinConfig, MarlinWeight
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import Weights
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from text_generation_server.metrics import CONTENT_TYPE, Metrics, render_text
+from text_generation_server.router.metrics import CONTENT_TYPE, Metrics, render_text
 
 DASHBOARD = json.loads((Path(__file__).parent / "data" / "tgi_grafana_queries.json").read_text())
 # Labels we add to TGI's metrics (queries aggregate over them).

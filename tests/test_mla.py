@@ -44,7 +44,7 @@ from text_generation_server.layers.attention import (
 from text_generation_server.models import get_model
 from text_generation_server.models.decoder import ConfigReader
 from text_generation_server.models.families.deepseek import DeepseekFamily
-from text_generation_server.utils.memory import MemoryReading
+from text_generation_server.engine.memory import MemoryReading
 
 torch.set_num_threads(1)
 
@@ -95,7 +95,7 @@ def test_kv_bytes_per_token_is_one_latent_per_layer(folder, dtype, size):
 def test_startup_log_and_info_report_the_bytes_per_token(folder):
     from loguru import logger
     from text_generation_server.pb.generate.v3 import generate_pb2 as pb
-    from text_generation_server.shard import KV_BYTES_METADATA, TextGenerationService
+    from text_generation_server.shard.service import KV_BYTES_METADATA, TextGenerationService
 
     lines: list[str] = []
     sink = logger.add(lines.append, format="{message}")
@@ -121,9 +121,9 @@ def test_startup_log_and_info_report_the_bytes_per_token(folder):
 def test_the_same_memory_admits_that_many_times_the_tokens(folder, monkeypatch):
     """Warmup sizes the cache from the latent's bytes: with the memory a per-head cache (K of
     qk_head_dim and V of v_head_dim for every head) would turn into N tokens, it admits N x 5."""
-    from text_generation_server.models.causal_lm import CausalLM
-    from text_generation_server.models.types import GenerationRequest
-    from text_generation_server.utils import memory
+    from text_generation_server.engine.causal_lm import CausalLM
+    from text_generation_server.engine.types import GenerationRequest
+    from text_generation_server.engine import memory
 
     lm = get_model(str(folder), dtype="float32", block_size=BLOCK_SIZE)
     per_head = LAYERS * HEADS * ((NOPE + ROPE) + V) * 4  # 960 bytes per token
@@ -274,7 +274,7 @@ def test_model_on_the_triton_backend_decodes_transformers_tokens(folder, interpr
     ({"num_attention_heads": 3}, ["q_b_proj"]),
 ])
 def test_configs_that_cannot_load_are_refused_by_name(folder, tmp_path, change, needles):
-    from text_generation_server.weights import CheckpointError
+    from text_generation_server.quantizers.sources import CheckpointError
 
     target = tmp_path / "model"
     target.mkdir()

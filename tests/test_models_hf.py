@@ -17,7 +17,7 @@ import transformers
 from helpers import ARCH_CONFIGS, write_checkpoint
 
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)
 

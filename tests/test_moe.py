@@ -22,7 +22,8 @@ from text_generation_server.layers.moe import (
     swiglu_oai,
 )
 from text_generation_server.models import get_model
-from text_generation_server.weights import CheckpointError, DictTensorSource, Weights
+from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
+from text_generation_server.quantizers.weights import Weights
 
 MOE_CASES = [n for n, (t, _) in CASES.items() if t in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")]
 
@@ -226,7 +227,7 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
 
 
 def test_intermediate_not_divisible_by_ranks_is_refused():
-    from text_generation_server.utils.dist import ProcessGroup
+    from text_generation_server.quantizers.dist import ProcessGroup
 
     tensors = {f"x.0.{n}.weight": torch.zeros(s) for n, s in (("gate", (7, 4)), ("up", (7, 4)), ("down", (4, 7)))}
     weights = Weights(DictTensorSource(tensors), torch.device("cpu"), torch.float32, process_group=ProcessGroup(rank=0, size=2))

@@ -202,7 +202,7 @@ def test_quantize_flag(folders):
 def test_generate_cli_json(folders):
     from typer.testing import CliRunner
 
-    from text_generation_server.cli import app
+    from text_generation_server.cli.main import app
 
     folder = str(folders["gptq-v2-4bit-g64-sym-actorder"])
     result = CliRunner().invoke(app, ["generate", "--json", "--model", folder, "--max-new-tokens", "6", PROMPTS[1]])

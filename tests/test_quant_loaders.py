@@ -24,8 +24,9 @@ from text_generation_server.quantizers import (
     GPTQConfig,
     get_loader,
 )
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import DictTensorSource, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import DictTensorSource
+from text_generation_server.quantizers.weights import Weights
 
 torch.set_num_threads(1)
 

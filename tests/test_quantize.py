@@ -25,11 +25,12 @@ from safetensors import safe_open
 from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import dequantize
 from text_generation_server.models import get_model
-from text_generation_server.perplexity import DatasetError, evaluate
-from text_generation_server.quantize import QuantizeError, QuantizeOptions, Quantizer, quantize
+from text_generation_server.jobs.perplexity import DatasetError, evaluate
+from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
+from text_generation_server.jobs.quantize.pipeline import Quantizer, quantize
 from text_generation_server.quantizers.gptq_solver import HessianAccumulator, gptq_quantize, output_error
 from text_generation_server.quantizers.rtn import grid_params, rtn_quantize
-from text_generation_server.weights import CheckpointError
+from text_generation_server.quantizers.sources import CheckpointError
 
 torch.set_num_threads(1)
 
@@ -293,7 +294,7 @@ def test_perplexity_of_jsonl_and_empty_files(model_dir, tmp_path):
     lm = get_model(str(model_dir))
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in SAMPLE_TEXT) + "\n")
-    from text_generation_server.perplexity import read_text_dataset
+    from text_generation_server.jobs.perplexity import read_text_dataset
 
     assert evaluate(lm, read_text_dataset(jsonl), seqlen=16).tokens > 0
     empty = tmp_path / "empty.txt"
@@ -418,7 +419,7 @@ def test_blocked_hessian_equals_one_block():
 
 def test_replayed_attention_is_the_full_forward(model_dir):
     from text_generation_server.layers.self_attention import SelfAttention
-    from text_generation_server.quantize.calibration import LayerRunner
+    from text_generation_server.jobs.quantize.calibration import LayerRunner
 
     q = Quantizer(str(model_dir), model_dir.parent / "unused", QuantizeOptions(group_size=32, nsamples=6, seqlen=16))
     runner = LayerRunner(q.config, q.rotaries, 16, 6, torch.device("cpu"), forward_bytes=1)  # one sample per forward
@@ -441,7 +442,7 @@ def test_replayed_attention_is_the_full_forward(model_dir):
 def test_attention_replay_changes_nothing_and_runs_attention_less(model_dir, text_file, tmp_path, monkeypatch,
                                                                   overrides):
     from text_generation_server.layers.self_attention import SelfAttention
-    from text_generation_server.quantize import calibration
+    from text_generation_server.jobs.quantize import calibration
 
     calls = []
     original_forward = SelfAttention.forward
@@ -470,7 +471,7 @@ def test_attention_replay_changes_nothing_and_runs_attention_less(model_dir, tex
 
 def test_first_pass_stops_after_the_reference_samples(model_dir, text_file, tmp_path, monkeypatch):
     """Beyond REFERENCE_SAMPLES, the first pass only needs q/k/v's inputs: it stops there."""
-    from text_generation_server.quantize import calibration, pipeline
+    from text_generation_server.jobs.quantize import calibration, pipeline
     monkeypatch.setattr(pipeline, "REFERENCE_SAMPLES", 2)
     monkeypatch.setattr(calibration, "FORWARD_BYTES", 1)  # one sample per forward
     tokens = []
@@ -516,7 +517,7 @@ def log_lines():
 
 
 def test_progress_lines_when_not_a_terminal(model_dir, text_file, tmp_path, monkeypatch, log_lines):
-    from text_generation_server.quantize import pipeline
+    from text_generation_server.jobs.quantize import pipeline
 
     monkeypatch.setattr(pipeline, "PROGRESS_INTERVAL", 0.01)
     monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": lambda s, t: len(t), "flush": lambda s: None,

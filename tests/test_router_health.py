@@ -15,7 +15,7 @@ import reflection_v1_client as v1
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loguru import logger
 
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
 from text_generation_server.router import SERVICE_NAME

@@ -15,13 +15,13 @@ import pytest
 import torch
 from helpers import InProcessClient
 
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.models import get_model
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.block_pool import BlockPool
 from text_generation_server.router.scheduler import Scheduler, SchedulerLimits, StepFailed
 from text_generation_server.router.validation import Limits, validate
-from text_generation_server.shard import TextGenerationService
+from text_generation_server.shard.service import TextGenerationService
 
 torch.set_num_threads(1)
 

@@ -19,9 +19,12 @@ import typer
 from loguru import logger
 from typer.testing import CliRunner
 
-from text_generation_server import cli, launcher, logging_setup, process_exit, rank
-from text_generation_server.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs
-from text_generation_server.serve_flags import (
+from text_generation_server.cli import main as cli
+from text_generation_server.launcher import process_exit, rank
+from text_generation_server.launcher import supervisor as launcher
+from text_generation_server.utils import logging_setup
+from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs
+from text_generation_server.settings.serve_flags import (
     CUSTOM_KERNELS,
     TGI_ONLY_FLAGS,
     parse_cuda_graphs,

@@ -23,7 +23,9 @@ import typer
 from helpers import Context, InProcessClient, write_checkpoint
 from typer.testing import CliRunner
 
-from text_generation_server import cli, launcher, rank
+from text_generation_server.cli import main as cli
+from text_generation_server.launcher import rank
+from text_generation_server.launcher import supervisor as launcher
 from text_generation_server.generation.grammar import GrammarSpec, GrammarType
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.generation.speculation import (
@@ -34,18 +36,18 @@ from text_generation_server.generation.speculation import (
 )
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention import TorchAttention, padded_decode
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.models import get_model
-from text_generation_server.models.cuda_graphs import EagerReplayCapturer
-from text_generation_server.models.types import GenerationRequest
+from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
+from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.block_pool import BlockPool
 from text_generation_server.router.scheduler import Scheduler, SchedulerLimits
 from text_generation_server.router.service import TextGenerationService as RouterService
 from text_generation_server.router.validation import Limits
-from text_generation_server.serve_flags import TGI_ONLY_FLAGS
-from text_generation_server.shard import TextGenerationService
+from text_generation_server.settings.serve_flags import TGI_ONLY_FLAGS
+from text_generation_server.shard.service import TextGenerationService
 
 torch.set_num_threads(1)
 

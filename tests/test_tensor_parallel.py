@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.models import get_model
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.weights import CheckpointError
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.quantizers.sources import CheckpointError
 
 torch.set_num_threads(1)
 

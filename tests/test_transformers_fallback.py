@@ -22,7 +22,7 @@ from helpers import build_tokenizer, ids_request, random_ids, run_ranks, run_to_
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.models import get_model, model_impl
-from text_generation_server.weights import CheckpointError
+from text_generation_server.quantizers.sources import CheckpointError
 
 torch.set_num_threads(1)
 
@@ -269,7 +269,7 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
 def test_fused_siblings_recompute_for_an_input_they_did_not_see():
     """q/k/v-style siblings share one matmul only when transformers' code feeds them one tensor;
     a sibling called with another input gets its own projection of that input."""
-    from text_generation_server.layers.linear import DenseLinear
+    from text_generation_server.kernels.dense import DenseLinear
     from text_generation_server.models.transformers_impl import _Fused, _FusedMember
 
     g = torch.Generator().manual_seed(0)

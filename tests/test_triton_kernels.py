@@ -511,7 +511,7 @@ def tiny_lm():
 
 
 def test_warmup_sizes_scratch_once_before_the_forward(tiny_lm, monkeypatch):
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     probe = _ScratchProbe(fail=False)
     monkeypatch.setattr(tiny_lm.model, "scratch_probe", probe, raising=False)
@@ -521,8 +521,8 @@ def test_warmup_sizes_scratch_once_before_the_forward(tiny_lm, monkeypatch):
 
 
 def test_warmup_names_the_limit_when_scratch_does_not_fit(tiny_lm, monkeypatch):
-    from text_generation_server.models.warmup import WarmupError
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.warmup import WarmupError
+    from text_generation_server.engine.types import GenerationRequest
 
     probe = _ScratchProbe(fail=True)
     monkeypatch.setattr(tiny_lm.model, "scratch_probe", probe, raising=False)
@@ -534,8 +534,8 @@ def test_warmup_names_the_limit_when_scratch_does_not_fit(tiny_lm, monkeypatch):
 
 
 def test_warmup_forward_oom_reports_the_scratch(tiny_lm, monkeypatch):
-    from text_generation_server.models.warmup import WarmupError
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.warmup import WarmupError
+    from text_generation_server.engine.types import GenerationRequest
 
     probe = _ScratchProbe(fail=False)
     monkeypatch.setattr(tiny_lm.model, "scratch_probe", probe, raising=False)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.validation import Limits, validate
-from text_generation_server.utils.checkpoint import Checkpoint
+from text_generation_server.utils.locate import open_checkpoint
 
 LIMITS = Limits(max_input_tokens=64, max_total_tokens=128, max_stop_sequences=2, max_stop_sequence_length=16,
                 max_top_n_tokens=5, max_input_chars=10_000)
 
 
 def tokenizer():
-    return Checkpoint.open(None).tokenizer
+    return open_checkpoint(None).tokenizer
 
 
 def test_token_ids_travel_truncated_from_the_end():

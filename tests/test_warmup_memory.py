@@ -22,12 +22,12 @@ from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.models import get_model
-from text_generation_server.models.batch import Batch
-from text_generation_server.models.warmup import WarmupError, decode_batch_limit, graph_buckets_within
-from text_generation_server.models.cuda_graphs import EagerReplayCapturer
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.utils import memory
-from text_generation_server.utils.memory import MemoryReading, plan_kv_cache
+from text_generation_server.engine.batch import Batch
+from text_generation_server.engine.warmup import WarmupError, decode_batch_limit, graph_buckets_within
+from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.engine import memory
+from text_generation_server.engine.memory import MemoryReading, plan_kv_cache
 
 torch.set_num_threads(1)
 
@@ -367,7 +367,7 @@ def test_cuda_reading_takes_a_device_without_an_index(monkeypatch):
     """torch.device("cuda") (what tests and callers may pass) has no index, and torch 2.11's
     get_per_process_memory_fraction refuses it: found on an H100. The reading resolves the
     current device first."""
-    from text_generation_server.utils import memory
+    from text_generation_server.engine import memory
 
     def fraction(device):
         if isinstance(device, torch.device) and device.index is None:

@@ -25,7 +25,8 @@ from text_generation_server.quantizers.config import (
 from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, marlin
 from text_generation_server.quantizers.config import METHODS
 from text_generation_server.quantizers.gptq import GPTQLoader, GPTQWeight
-from text_generation_server.weights import CheckpointError, DefaultWeightsLoader, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import DefaultWeightsLoader, Weights, WeightsLoader
 
 __all__ = [
     "AWQConfig", "AWQLoader", "AWQWeight", "CompressedTensorsConfig", "CompressedTensorsLoader",

@@ -24,7 +24,8 @@ from text_generation_server.quantizers.sharding import (
     shard_packed,
     trim_groups,
 )
-from text_generation_server.weights import CheckpointError, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights, WeightsLoader
 
 PACK = 8  # 4-bit codes per int32 word
 

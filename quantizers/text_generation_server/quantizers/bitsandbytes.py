@@ -68,7 +68,8 @@ from text_generation_server.quantizers.eetq import (
     read_block,
 )
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
-from text_generation_server.weights import CheckpointError, UnquantizedWeight, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import UnquantizedWeight, Weights, WeightsLoader
 
 FLAGS = {"bitsandbytes": "int8", "bitsandbytes-nf4": "nf4", "bitsandbytes-fp4": "fp4"}
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' quantize_4bit accepts

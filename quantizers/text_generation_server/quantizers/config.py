@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from text_generation_server.weights import CheckpointError, SafetensorsSource, Weights, safetensors_files
+from text_generation_server.quantizers.sources import CheckpointError, SafetensorsSource, safetensors_files
+
+from text_generation_server.quantizers.weights import Weights
 
 # Methods users know from other servers that this release cannot load: `--quantize` with
 # one of them, or a checkpoint declaring one, fails with "not yet supported", not "unknown".

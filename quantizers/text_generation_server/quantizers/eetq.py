@@ -27,7 +27,8 @@ import torch
 from text_generation_server.kernels.base import QuantizedWeight, build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, rank_rows
-from text_generation_server.weights import CheckpointError, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights, WeightsLoader
 
 INT8_MAX = 127
 

@@ -47,7 +47,8 @@ from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import QuantizedWeight, build_linear
 from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
-from text_generation_server.weights import CheckpointError, DefaultWeightsLoader, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import DefaultWeightsLoader, Weights, WeightsLoader
 
 WIDTHS = (2, 3, 4, 5, 6, 8)  # exllamav2 packs these widths only (pack_columns_kernel)
 HEAD_BITS = (2, 3, 4, 5, 6, 8, 16)  # convert_exl2.py head options; 16: head left fp16

@@ -55,7 +55,8 @@ from text_generation_server.kernels import registry  # noqa: F401  (kernel prior
 from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, build_fp8_linear, dequantize_fp8
 from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
-from text_generation_server.weights import CheckpointError, SafetensorsSource, Weights, WeightsLoader, safetensors_files
+from text_generation_server.quantizers.sources import CheckpointError, SafetensorsSource, safetensors_files
+from text_generation_server.quantizers.weights import Weights, WeightsLoader
 
 _DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Tensor names only quantized checkpoints have (GPTQ/AWQ, compressed-tensors, fp8, bitsandbytes, EXL2).

@@ -26,7 +26,8 @@ from text_generation_server.quantizers.sharding import (
     shard_rows_packed,
     trim_groups,
 )
-from text_generation_server.weights import CheckpointError, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights, WeightsLoader
 
 
 @dataclass

@@ -45,7 +45,8 @@ from text_generation_server.kernels.marlin import (
 )
 from text_generation_server.quantizers.config import Keys, QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes
-from text_generation_server.weights import CheckpointError, Weights, WeightsLoader
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights, WeightsLoader
 
 FORMATS = ("marlin", "marlin_24")
 FORMAT_BITS = {"marlin": (4,), "marlin_24": (4, 8)}

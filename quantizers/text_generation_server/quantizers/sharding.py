@@ -16,7 +16,9 @@ import re
 
 import torch
 
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+
+from text_generation_server.quantizers.weights import Weights
 
 
 def packing_unit(bits: int) -> tuple[int, int]:

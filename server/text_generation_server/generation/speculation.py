@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from text_generation_server.serve_args import MAX_SPECULATE
+from text_generation_server.settings.serve_args import MAX_SPECULATE
 
 __all__ = ["MAX_SPECULATE", "NGRAM_SIZES", "Run", "ngram_proposal", "ngram_proposals", "speculation_limit"]
 

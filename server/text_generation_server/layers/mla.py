@@ -40,12 +40,13 @@ from text_generation_server.layers.attention import (
     sequence_attention,
 )
 from text_generation_server.layers.context import ForwardContext
-from text_generation_server.layers.linear import DenseLinear
+from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm are built without the config's rms_norm_eps.
 LORA_NORM_EPS = 1e-6

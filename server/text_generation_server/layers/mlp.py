@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from text_generation_server.layers.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

@@ -37,13 +37,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from loguru import logger
-from text_generation_server.layers.linear import DenseLinear
+from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.tensor_parallel import (
     TensorParallelColumnLinear,
     TensorParallelRowLinear,
 )
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 # gpt-oss's clamped SwiGLU; transformers' GptOssConfig defaults (swiglu_alpha, swiglu_limit).
 SWIGLU_OAI = "swiglu_oai"
@@ -285,7 +286,7 @@ class Experts(torch.nn.Module):
         from text_generation_server.kernels import fused_moe
         from text_generation_server.kernels.base import QuantizedWeight
         from text_generation_server.kernels.fp8 import Fp8Weight
-        from text_generation_server.weights import UnquantizedWeight
+        from text_generation_server.quantizers.weights import UnquantizedWeight
 
         opts, pg = self.opts, weights.process_group
         pairs, downs = [], []

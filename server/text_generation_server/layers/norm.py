@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+
+from text_generation_server.quantizers.weights import Weights
 
 
 def load_vector(weights: Weights, name: str, size: int | list[int]) -> torch.Tensor:

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 from text_generation_server.layers.attention import DEFAULT_BACKEND, AttentionMetadata, KVCache
 from text_generation_server.layers.context import ForwardContext
-from text_generation_server.layers.linear import DenseLinear
+from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.layers.norm import ShardedRMSNorm, load_vector
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 SPLIT = "split"  # [q | k | v]: separate tensors, or one fused tensor of three blocks
 GROUPED = "grouped"  # one fused tensor, per KV group [q x (heads / kv_heads), k, v] (GPT-NeoX, Falcon)

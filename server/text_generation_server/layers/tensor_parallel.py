@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.layers.linear import dense_forward, native_for
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.kernels.dense import dense_forward, native_for
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 
 def _check_out_features(weights: Weights, weight, expected: int, prefix: str, label: str | None = None) -> None:

@@ -7,15 +7,16 @@ from typing import Sequence
 import torch
 from loguru import logger
 
-from text_generation_server.models.causal_lm import CausalLM
-from text_generation_server.models.cuda_graphs import GraphCapturer
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.cuda_graphs import GraphCapturer
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig
 from text_generation_server.models.families import BY_MODEL_TYPE, Family, family_for, supported_model_types
 from text_generation_server.quantizers import get_loader, read_quantization_config
-from text_generation_server.serve_args import MODEL_IMPLS
-from text_generation_server.utils.checkpoint import Checkpoint
-from text_generation_server.utils.dist import ProcessGroup, single_process_group
-from text_generation_server.weights import CheckpointError, Weights, safetensors_files
+from text_generation_server.settings.serve_args import MODEL_IMPLS
+from text_generation_server.utils.locate import open_checkpoint
+from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
+from text_generation_server.quantizers.sources import CheckpointError, safetensors_files
+from text_generation_server.quantizers.weights import Weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,7 +64,7 @@ def quantize_head(net: torch.nn.Module, method: str, dtype: torch.dtype, log: bo
     """Replaces a dense lm_head by its int8 form (`--quantize-lm-head`); a head the checkpoint
     already quantized is kept."""
     from text_generation_server.layers.tensor_parallel import TensorParallelHead, int8_head
-    from text_generation_server.serve_args import LM_HEAD_QUANTIZATIONS
+    from text_generation_server.settings.serve_args import LM_HEAD_QUANTIZATIONS
 
     if method not in LM_HEAD_QUANTIZATIONS:
         raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got {method!r}")
@@ -115,7 +116,7 @@ def get_model(
     """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
-    checkpoint = Checkpoint.open(model)
+    checkpoint = open_checkpoint(model)
     config_path = checkpoint.folder / "config.json"
     family, config = read_model_config(checkpoint.config, str(config_path), model_impl)
     torch_dtype = resolve_dtype(dtype, device, checkpoint.config)

@@ -23,7 +23,8 @@ from text_generation_server.layers.tensor_parallel import (
     TensorParallelEmbedding,
     TensorParallelHead,
 )
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 
 class ConfigReader:

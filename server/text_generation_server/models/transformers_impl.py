@@ -30,8 +30,9 @@ from text_generation_server.layers.tensor_parallel import (
     TensorParallelRowLinear,
 )
 from text_generation_server.models.decoder import DecoderConfig, Head
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 ATTENTION_NAME = "tgs_paged"
 INSTALL_HINT = 'pip install "text-generation-server[transformers]"'

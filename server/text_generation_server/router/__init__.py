@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2_grpc
 from loguru import logger
 
 from text_generation_server.about import __version__
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.models import read_model_config
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers import read_quantization_config
@@ -25,8 +25,8 @@ from text_generation_server.router.scheduler import Scheduler, SchedulerLimits
 from text_generation_server.router.service import MalformedRequestInterceptor, TextGenerationService
 from text_generation_server.router.tls import CertificateStore, tls_files
 from text_generation_server.router.validation import Limits
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server.utils.checkpoint import Checkpoint
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.quantizers.checkpoint import Checkpoint
 
 SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 

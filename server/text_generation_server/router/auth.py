@@ -23,11 +23,11 @@ from typing import Iterable, Sequence
 import grpc
 from loguru import logger
 
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.router.health import HEALTH_SERVICE_NAME
 from text_generation_server.router.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server.serve_flags import check_api_key
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.settings.serve_flags import check_api_key
 
 # Services that answer without a key unless told otherwise: what probes and stock tools call.
 OPEN_SERVICES = (HEALTH_SERVICE_NAME, V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME)

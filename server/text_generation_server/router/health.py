@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loguru import logger
 
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.router.client import ShardClient
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import grpc
 from loguru import logger
 
-from text_generation_server.metrics import FINISH_REASONS, Metrics
+from text_generation_server.router.metrics import FINISH_REASONS, Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.router.block_pool import Allocation, BlockPool
 from text_generation_server.router.client import ShardClient

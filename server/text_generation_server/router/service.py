@@ -1,7 +1,7 @@
 """The client API (text_generation.v1.TextGeneration) on top of the scheduler.
 
 Chat and ChatStream are Generate and GenerateStream on the prompt the model's chat template
-renders from the messages (text_generation_server.chat_template), tokenized without adding
+renders from the messages (text_generation_server.generation.chat_template), tokenized without adding
 special tokens again (the template wrote them), as transformers' apply_chat_template does.
 """
 
@@ -20,14 +20,14 @@ from google.protobuf.message import DecodeError
 from loguru import logger
 from tokenizers import Tokenizer
 
-from text_generation_server.chat_template import (
+from text_generation_server.generation.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     ChatTemplateMissing,
     load_chat_template,
 )
 from text_generation_server.generation.grammar import GrammarCompiler
-from text_generation_server.metrics import Metrics
+from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from loguru import logger
 
-from text_generation_server.serve_args import ServeArgs
+from text_generation_server.settings.serve_args import ServeArgs
 
 
 _PEM_BEGIN, _PEM_END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"

@@ -20,7 +20,7 @@ from text_generation_server.models.families.olmo2 import Olmo2Family
 from text_generation_server.models.families.phi import PhiFamily
 from text_generation_server.models.families.qwen3 import Qwen3Family
 from text_generation_server.models.families.starcoder2 import Starcoder2Family
-from text_generation_server.weights import CheckpointError
+from text_generation_server.quantizers.sources import CheckpointError
 
 FAMILIES: list[Family] = [
     LlamaFamily(),  # llama, mistral, qwen2, phi3

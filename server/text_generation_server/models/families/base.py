@@ -22,7 +22,7 @@ from text_generation_server.models.decoder import (
     Embeddings,
     Head,
 )
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 class Family:

@@ -12,7 +12,7 @@ from text_generation_server.layers.self_attention import AttentionOptions, HeadN
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Head, check_heads
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import rope_of
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.models.decoder import ConfigReader
 from text_generation_server.models.families.llama import rope_of
 from text_generation_server.models.families.moe import MoeConfig, MoeFamily
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

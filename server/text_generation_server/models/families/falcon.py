@@ -13,7 +13,7 @@ from text_generation_server.layers.self_attention import GROUPED, SPLIT, Attenti
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import rope_of
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

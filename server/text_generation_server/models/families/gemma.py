@@ -28,7 +28,7 @@ from text_generation_server.models.decoder import (
 )
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import layer_windows, rope_of
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from text_generation_server.layers.rotary import RotaryEmbedding, rope_config_fr
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
 from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.weights import CheckpointError, Weights
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from text_generation_server.models.decoder import (
     DecoderLayer,
 )
 from text_generation_server.models.families.llama import LlamaConfig, LlamaFamily
-from text_generation_server.weights import CheckpointError, DerivedTensor, Weights
+from text_generation_server.quantizers.sources import CheckpointError, DerivedTensor
+from text_generation_server.quantizers.weights import Weights
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
 from text_generation_server.models.decoder import DecoderLayer
 from text_generation_server.models.families.llama import LlamaConfig, LlamaFamily
-from text_generation_server.weights import Weights
+from text_generation_server.quantizers.weights import Weights
 
 
 class Olmo2Family(LlamaFamily):

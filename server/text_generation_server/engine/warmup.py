@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from loguru import logger
 
-from text_generation_server.models.batch import Batch
-from text_generation_server.models.types import GenerationRequest
-from text_generation_server.utils import memory
-from text_generation_server.utils.memory import is_out_of_memory
+from text_generation_server.engine.batch import Batch
+from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.engine import memory
+from text_generation_server.engine.memory import is_out_of_memory
 
 if TYPE_CHECKING:
-    from text_generation_server.models.causal_lm import CausalLM
+    from text_generation_server.engine.causal_lm import CausalLM
 
 
 class WarmupError(RuntimeError):

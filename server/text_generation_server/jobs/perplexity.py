@@ -66,7 +66,7 @@ def read_text_dataset(path: str | Path) -> str:
 
 def default_text(split: str, max_chars: int | None = None) -> str:
     """A split of the stdlib corpus: the data every machine has, so no download is needed."""
-    from text_generation_server.training.corpus import corpus_text
+    from text_generation_server.jobs.corpus import corpus_text
 
     return corpus_text(split, max_chars=max_chars)
 
@@ -79,7 +79,7 @@ def calibration_text(dataset: str | Path | None, tokens: int, seed: int) -> str:
     """
     if dataset is not None:
         return read_text_dataset(dataset)
-    from text_generation_server.training import corpus
+    from text_generation_server.jobs import corpus
 
     budget = max(200_000, tokens * 8)
     files = corpus.corpus_files("train")

@@ -14,7 +14,7 @@ import torch
 from loguru import logger
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.weights import CheckpointError
+from text_generation_server.quantizers.sources import CheckpointError
 
 
 def _pickle_files(folder: Path) -> list[Path]:

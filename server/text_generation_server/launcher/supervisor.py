@@ -25,9 +25,9 @@ from typing import Awaitable, Callable, Sequence
 
 from loguru import logger
 
-from text_generation_server.logging_setup import configure_logging
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server.shard_procs import (
+from text_generation_server.utils.logging_setup import configure_logging
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.launcher.shard_procs import (
     ShardProcesses,
     describe_exit,
     free_port,
@@ -57,7 +57,8 @@ def pick_device(args: ServeArgs) -> str:
 
 def check_model(model: str | None) -> None:
     """Fails fast in the launcher on a model argument that no rank could load."""
-    from text_generation_server.utils.checkpoint import EMBEDDED_MODEL_ID, resolve_model
+    from text_generation_server.about import EMBEDDED_MODEL_ID
+    from text_generation_server.utils.locate import resolve_model
 
     _, folder = resolve_model(model)  # raises CheckpointError for a missing folder
     if not folder.is_dir():

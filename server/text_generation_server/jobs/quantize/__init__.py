@@ -4,8 +4,3 @@ options.py (what a run is asked), calibration.py (a layer's linears and the cali
 forwards), pipeline.py (the layer-by-layer run: GPTQ or RTN per linear), writer.py (shards,
 side files, the staging folder renamed into place at the end).
 """
-
-from text_generation_server.quantize.options import QuantizeError, QuantizeOptions
-from text_generation_server.quantize.pipeline import Quantizer, quantize
-
-__all__ = ["QuantizeError", "QuantizeOptions", "Quantizer", "quantize"]

@@ -16,7 +16,7 @@ from datetime import timezone
 
 from loguru import logger
 
-from text_generation_server.serve_flags import parse_log_level
+from text_generation_server.settings.serve_flags import parse_log_level
 
 
 def check_logger_level(level: str) -> str:

@@ -12,28 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from text_generation_server.about import EMBEDDED_MODEL_ID
-from text_generation_server.weights import CheckpointError
+from text_generation_server.quantizers.sources import CheckpointError
 
-__all__ = ["EMBEDDED_MODEL_ID", "Checkpoint", "embedded_model_path", "load_tokenizer", "read_json", "resolve_model"]
-_ASSETS = Path(__file__).resolve().parent.parent / "assets"
-
-
-def embedded_model_path() -> Path:
-    return _ASSETS / EMBEDDED_MODEL_ID
-
-
-def resolve_model(model: str | None) -> tuple[str, Path]:
-    """Maps a model argument (None, the embedded id, or a folder) to (model_id, folder)."""
-    if model is None or model == EMBEDDED_MODEL_ID:
-        return EMBEDDED_MODEL_ID, embedded_model_path()
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"model '{model}' is neither a checkpoint folder nor the embedded model id '{EMBEDDED_MODEL_ID}' "
-            "(models are never downloaded)"
-        )
-    return str(folder), folder
+__all__ = ["Checkpoint", "load_tokenizer", "read_json"]
 
 
 def read_json(path: Path, required: bool = True) -> dict | None:
@@ -80,8 +61,8 @@ class Checkpoint:
     eos_token_ids: set[int]
 
     @classmethod
-    def open(cls, model: str | None) -> "Checkpoint":
-        model_id, folder = resolve_model(model)
+    def read(cls, model_id: str, folder: Path) -> "Checkpoint":
+        """The config, tokenizer and end-of-sequence ids of the checkpoint in `folder`."""
         config = read_json(folder / "config.json")
         tokenizer = load_tokenizer(folder)
         gen_path = folder / "generation_config.json"

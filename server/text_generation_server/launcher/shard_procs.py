@@ -21,8 +21,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from text_generation_server.rank import LAUNCHER_PID_ENV, SERVE_ARGS_ENV
-from text_generation_server.serve_args import ServeArgs
+from text_generation_server.launcher.rank import LAUNCHER_PID_ENV, SERVE_ARGS_ENV
+from text_generation_server.settings.serve_args import ServeArgs
 
 _UNIX_PATH_MAX = 107
 

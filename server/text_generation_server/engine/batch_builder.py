@@ -19,8 +19,8 @@ from text_generation_server.generation.detokenize import IncrementalDetokenizer
 from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarMatcher, PendingMasks
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
-from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
-from text_generation_server.models.types import GenerationRequest, RequestError
+from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
+from text_generation_server.engine.types import GenerationRequest, RequestError
 
 
 class BatchBuilder:

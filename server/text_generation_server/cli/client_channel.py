@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from text_generation_server.serve_flags import check_api_key
+from text_generation_server.settings.serve_flags import check_api_key
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from loguru import logger
 
 from text_generation_server.generation.grammar import GrammarError, GrammarSpec, GrammarType
 from text_generation_server.generation.sampling import SamplingParams
-from text_generation_server.models.batch import Batch, OutOfBlocksError
-from text_generation_server.models.causal_lm import CausalLM
-from text_generation_server.models.types import (
+from text_generation_server.engine.batch import Batch, OutOfBlocksError
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.types import (
     BatchNotFound,
     CachedBatchInfo,
     Generation,
@@ -51,7 +51,7 @@ from text_generation_server.models.types import (
     StepTimings,
     Tokens,
 )
-from text_generation_server.models.warmup import WarmupError
+from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 

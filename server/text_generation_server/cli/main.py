@@ -14,8 +14,8 @@ import typer
 from loguru import logger
 
 from text_generation_server.about import EMBEDDED_MODEL_ID, __version__
-from text_generation_server.serve_args import ATTENTION_BACKENDS, MAX_SPECULATE, PORTABLE_ATTENTION_BACKEND, ServeArgs
-from text_generation_server.serve_flags import (
+from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, MAX_SPECULATE, PORTABLE_ATTENTION_BACKEND, ServeArgs
+from text_generation_server.settings.serve_flags import (
     CUSTOM_KERNELS,
     TGI_ALIASES,
     add_tgi_only_flags,
@@ -108,7 +108,7 @@ _CLIENT_TLS_NAME = typer.Option(
 def _client_options(api_key: Optional[str], api_key_file: Optional[str], tls: bool, ca_path: Optional[str],
                     cert_path: Optional[str], key_path: Optional[str], server_name: Optional[str]) -> Any:
     """ClientOptions from the client flags; a bad combination or unreadable file exits 2."""
-    from text_generation_server.client_channel import ClientOptions, client_api_key
+    from text_generation_server.cli.client_channel import ClientOptions, client_api_key
 
     try:
         return ClientOptions(client_api_key(api_key, api_key_file), tls, ca_path, cert_path, key_path, server_name)
@@ -186,7 +186,7 @@ def generate(
         return
     from text_generation_server.generation.sampling import SamplingParams
     from text_generation_server.models import get_model
-    from text_generation_server.models.types import GenerationRequest
+    from text_generation_server.engine.types import GenerationRequest
 
     sampling = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
@@ -230,8 +230,8 @@ def _echo_completions(model_id: str, prompts: List[str], rows: List[tuple], json
 def _chat_prompts(model: Optional[str], prompts: List[str]) -> List[str]:
     """Each prompt as a one-message conversation rendered by the model's chat template; a model
     without one (or a template that refuses the message) fails with the template's reason."""
-    from text_generation_server.chat_template import ChatTemplate, ChatTemplateMissing
-    from text_generation_server.utils.checkpoint import resolve_model
+    from text_generation_server.generation.chat_template import ChatTemplate, ChatTemplateMissing
+    from text_generation_server.utils.locate import resolve_model
 
     try:
         template = ChatTemplate.load(resolve_model(model)[1])
@@ -283,7 +283,7 @@ def convert(
 ) -> None:
     """Convert pickle weights to safetensors: the only command that unpickles, with weights_only=True."""
     setup_logging(logger_level)
-    from text_generation_server.utils.convert import convert_folder
+    from text_generation_server.jobs.convert import convert_folder
 
     try:
         written = convert_folder(model_dir, output or model_dir, max_shard_size_mb * 1024 * 1024)
@@ -526,9 +526,9 @@ def serve(
     **tgi_only_flags: Any,
 ) -> None:
     """Serve MODEL_DIR over gRPC: the router plus one process per tensor-parallel rank."""
-    from text_generation_server.launcher import launch
-    from text_generation_server.process_exit import exit_process
-    from text_generation_server.rank import SERVE_ARGS_ENV, run_shard, shard_args_from_env
+    from text_generation_server.launcher.supervisor import launch
+    from text_generation_server.launcher.process_exit import exit_process
+    from text_generation_server.launcher.rank import SERVE_ARGS_ENV, run_shard, shard_args_from_env
 
     if shard_only and SERVE_ARGS_ENV in os.environ:
         # A rank of our launcher: its settings come whole from the launcher, which checked them.
@@ -652,7 +652,7 @@ def _serve_fail(message: str, ctx: typer.Context) -> None:
     """A startup error as a log line when JSON logs were asked for (log collectors parse every
     line), else as the plain `error:` line of every command."""
     if ctx.params.get("json_output"):
-        from text_generation_server.logging_setup import configure_logging
+        from text_generation_server.utils.logging_setup import configure_logging
 
         configure_logging("INFO", True, "launcher")
         logger.error("{}", message)
@@ -679,7 +679,7 @@ def health(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from text_generation_server.client_channel import target as client_target
+    from text_generation_server.cli.client_channel import target as client_target
 
     client = _client_options(api_key, api_key_file, tls, tls_ca_path, tls_client_cert_path, tls_client_key_path,
                              tls_server_name)
@@ -734,7 +734,8 @@ def quantize(
 ) -> None:
     """Quantize MODEL to GPTQ (or round-to-nearest) layer by layer and write OUTPUT_DIR."""
     setup_logging(logger_level)
-    from text_generation_server.quantize import QuantizeOptions, quantize as run_quantize
+    from text_generation_server.jobs.quantize.options import QuantizeOptions
+    from text_generation_server.jobs.quantize.pipeline import quantize as run_quantize
 
     names = tuple(n.strip() for item in modules_to_not_convert for n in item.split(",") if n.strip())
     options = QuantizeOptions(
@@ -769,7 +770,7 @@ def perplexity(
 ) -> None:
     """Perplexity of MODEL on a text file (every token after each window's first is scored)."""
     setup_logging(logger_level)
-    from text_generation_server.perplexity import perplexity as run_perplexity
+    from text_generation_server.jobs.perplexity import perplexity as run_perplexity
 
     try:
         result = run_perplexity(model, dataset, seqlen=seqlen, max_tokens=max_tokens, dtype=dtype,

@@ -21,8 +21,8 @@ from text_generation_server.kernels.base import QuantizedWeight, dequantize
 from text_generation_server.layers.moe import grouped_experts_only
 from text_generation_server.models import read_model_config
 from text_generation_server.models.decoder import DecoderLayer
-from text_generation_server.perplexity import calibration_samples, calibration_text
-from text_generation_server.quantize.calibration import (
+from text_generation_server.jobs.perplexity import calibration_samples, calibration_text
+from text_generation_server.jobs.quantize.calibration import (
     LayerRunner,
     LinearGroup,
     check_shapes,
@@ -31,8 +31,8 @@ from text_generation_server.quantize.calibration import (
     linear_groups,
     module_linear,
 )
-from text_generation_server.quantize.options import QuantizeError, QuantizeOptions
-from text_generation_server.quantize.writer import ShardWriter, Staging, copy_side_files
+from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
+from text_generation_server.jobs.quantize.writer import ShardWriter, Staging, copy_side_files
 from text_generation_server.quantizers.config import read_quantization_config
 from text_generation_server.quantizers.gptq_solver import (
     HessianAccumulator,
@@ -42,9 +42,10 @@ from text_generation_server.quantizers.gptq_solver import (
     split_columns,
 )
 from text_generation_server.quantizers.rtn import rtn_quantize
-from text_generation_server.utils.checkpoint import Checkpoint
+from text_generation_server.utils.locate import open_checkpoint
 from text_generation_server.utils.progress import Progress, clock
-from text_generation_server.weights import CheckpointError, Weights, safetensors_files
+from text_generation_server.quantizers.sources import CheckpointError, safetensors_files
+from text_generation_server.quantizers.weights import Weights
 
 # The unquantized layer's outputs are kept for this many samples, to report how far the
 # quantized layer's outputs move ("layer output" in the log): enough tokens for a stable
@@ -67,7 +68,7 @@ class Quantizer:
     def __init__(self, model: str, output_dir: Path, options: QuantizeOptions):
         options.validate()
         self.options = options
-        self.checkpoint = Checkpoint.open(model)
+        self.checkpoint = open_checkpoint(model)
         folder = self.checkpoint.folder
         config_path = folder / "config.json"
         if "quantization_config" in self.checkpoint.config or read_quantization_config(folder, None) is not None:

@@ -23,10 +23,10 @@ from text_generation_server.generation.speculation import MAX_SPECULATE, Run, ng
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache, KVLayout
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
-from text_generation_server.models.batch import Batch, BlockAllocator, RequestState
-from text_generation_server.models.batch_builder import BatchBuilder
-from text_generation_server.models.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
-from text_generation_server.models.types import (
+from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
+from text_generation_server.engine.batch_builder import BatchBuilder
+from text_generation_server.engine.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
+from text_generation_server.engine.types import (
     GeneratedText,
     Generation,
     Completion,
@@ -34,8 +34,8 @@ from text_generation_server.models.types import (
     StepTimings,
     Tokens,
 )
-from text_generation_server.utils.dist import ProcessGroup
-from text_generation_server.models.warmup import run_warmup
+from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.engine.warmup import run_warmup
 
 
 @dataclass

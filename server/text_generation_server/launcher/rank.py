@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from loguru import logger
 
-from text_generation_server.logging_setup import configure_logging
-from text_generation_server.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
-from text_generation_server.serve_args import ServeArgs
-from text_generation_server.serve_flags import ALLOW_DENSE_FALLBACK_ENV, DISABLE_KERNELS_ENV, disabled_kernels_value
+from text_generation_server.utils.logging_setup import configure_logging
+from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.settings.serve_flags import ALLOW_DENSE_FALLBACK_ENV, DISABLE_KERNELS_ENV, disabled_kernels_value
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +131,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
 
             torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
         from text_generation_server.models import get_model
-        from text_generation_server.utils.dist import initialize_process_group
+        from text_generation_server.quantizers.dist import initialize_process_group
 
         process_group = initialize_process_group(rank, world_size, device)
         # The router never batches more than --max-batch-size requests, nor holds more than
@@ -168,7 +168,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         )
 
     async def serve() -> None:
-        from text_generation_server.shard import serve_shard
+        from text_generation_server.shard.service import serve_shard
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

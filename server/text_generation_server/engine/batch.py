@@ -16,7 +16,7 @@ import torch
 from text_generation_server.generation.detokenize import IncrementalDetokenizer
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
-from text_generation_server.models.types import CachedBatchInfo, GenerationRequest, RequestError
+from text_generation_server.engine.types import CachedBatchInfo, GenerationRequest, RequestError
 
 
 class OutOfBlocksError(RuntimeError):

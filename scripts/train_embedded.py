@@ -5,7 +5,7 @@ here on text every machine has. The export is exact Hugging Face Llama layout
 (parameter names, RoPE convention, tied head), so the same loaders, quantizers
 and reference tests that serve real checkpoints also serve this one.
 
-    python -m text_generation_server.training.train_embedded --output DIR --minutes 30
+    python scripts/train_embedded.py --output DIR --minutes 30
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from text_generation_server.training.corpus import (
+from text_generation_server.jobs.corpus import (
     EOS_ID, EOS_TEXT, corpus_files, iter_documents, token_byte_lengths, tokenize_documents,
 )
 
@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     """Tokenizer, corpus, training, evaluation and export in one run; returns what training.json records."""
     args = parse_args(argv)
-    command = "python -m text_generation_server.training.train_embedded " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/train_embedded.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     cfg = TinyLlamaConfig(

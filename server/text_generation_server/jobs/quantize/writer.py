@@ -13,7 +13,7 @@ import torch
 from loguru import logger
 from safetensors.torch import save_file
 
-from text_generation_server.quantize.options import QuantizeError
+from text_generation_server.jobs.quantize.options import QuantizeError
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja")

@@ -18,7 +18,7 @@ from text_generation_server.layers.attention import AttentionMetadata, KVCache
 from text_generation_server.layers.context import ForwardContext
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.models.decoder import DecoderConfig, DecoderLayer
-from text_generation_server.quantize.options import QuantizeError, QuantizeOptions
+from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
 from text_generation_server.quantizers.config import GPTQConfig
 from text_generation_server.quantizers.gptq_solver import HessianAccumulator, packing_multiple
 

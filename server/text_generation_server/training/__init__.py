@@ -1,1 +1,0 @@
-"""Training code for the embedded default model, kept in the package so the model can be rebuilt anywhere."""
