@@ -459,7 +459,7 @@ def test_health_command_reports_serving(served):
 # -- nothing unpickles or runs code from a checkpoint, outside `convert` ------------------------------------
 UNPICKLERS = {("torch", "load"), ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
               ("numpy", "load"), ("np", "load"), ("joblib", "load"), ("dill", "load"), ("marshal", "loads")}
-CONVERT = Path("server") / "text_generation_server" / "utils" / "convert.py"
+CONVERT = Path("server") / "text_generation_server" / "jobs" / "convert.py"
 
 
 def test_no_unpickling_or_remote_code_outside_convert():
