@@ -13,7 +13,7 @@ from text_generation_server.about import __version__
 from text_generation_server.router.metrics import Metrics
 from text_generation_server.models import read_model_config
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
-from text_generation_server.quantizers import read_quantization_config
+from text_generation_server.quantizers.factory import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 from text_generation_server.router.auth import ApiKeyInterceptor, ApiKeys, api_keys

@@ -33,7 +33,7 @@ from text_generation_server.jobs.quantize.calibration import (
 )
 from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
 from text_generation_server.jobs.quantize.writer import ShardWriter, Staging, copy_side_files
-from text_generation_server.quantizers.config import read_quantization_config
+from text_generation_server.quantizers.factory import read_quantization_config
 from text_generation_server.quantizers.gptq_solver import (
     HessianAccumulator,
     gptq_quantize,
