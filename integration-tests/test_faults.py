@@ -107,7 +107,7 @@ class InProcessServer:
             self.error = exc
 
     async def _serve(self) -> None:
-        from text_generation_server.router import run_router
+        from text_generation_server.router.main import run_router
         from text_generation_server.shard.service import serve_shard
 
         self._loop = asyncio.get_running_loop()

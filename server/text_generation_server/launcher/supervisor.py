@@ -91,7 +91,7 @@ def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence
         logger.error("{}", exc)
         return 2
     try:
-        from text_generation_server.router import run_router
+        from text_generation_server.router.main import run_router
     except ImportError as exc:
         logger.error("the router cannot be imported: {}", exc)
         return 1
