@@ -83,7 +83,7 @@ class InProcessServer:
     def __init__(self, model_dir: Path, sock_dir: Path):
         import torch
 
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
 
         torch.set_num_threads(1)
         self.model = get_model(str(model_dir))

@@ -34,7 +34,7 @@ from text_generation_server.kernels.fp8 import (
     Fp8Weight,
     build_fp8_linear,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 
 torch.set_num_threads(1)
 

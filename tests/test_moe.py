@@ -21,7 +21,7 @@ from text_generation_server.layers.moe import (
     moe_layer_indices,
     swiglu_oai,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
 from text_generation_server.quantizers.weights import Weights
 

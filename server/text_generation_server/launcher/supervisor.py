@@ -66,7 +66,7 @@ def check_model(model: str | None) -> None:
 
 
 def check_dtype(dtype: str | None) -> None:
-    from text_generation_server.models import DTYPES
+    from text_generation_server.models.loader import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype '{dtype}' is not supported (choose from {', '.join(DTYPES)})")

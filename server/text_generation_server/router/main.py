@@ -11,7 +11,7 @@ from loguru import logger
 
 from text_generation_server.about import __version__
 from text_generation_server.router.metrics import Metrics
-from text_generation_server.models import read_model_config
+from text_generation_server.models.registry import read_model_config
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers.factory import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
