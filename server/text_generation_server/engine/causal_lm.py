@@ -145,12 +145,13 @@ class CausalLM:
         return self.kv_layout.bytes_per_block(self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._drop_kv_cache()  # free the old pool (and the graphs that point into it) first
+        self.drop_kv_cache()  # free the old pool (and the graphs that point into it) first
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.builder.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
 
-    def _drop_kv_cache(self) -> None:
+    def drop_kv_cache(self) -> None:
+        """Lets go of the KV cache and of the graphs captured against it (warmup sizes a new one)."""
         if self.graphs is not None:
             self.graphs.release()  # captured against this cache; buffers and pool stay
         self.kv_cache = None
