@@ -93,7 +93,7 @@ def run_warmup(
        and the graphs' pool stays with the capturer for the new capture;
     6. memory read (on CUDA the driver's free memory, within --cuda-memory-fraction), and
        KV blocks = (available - margin - decode transient) x memory_fraction / block bytes
-       (`utils.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
+       (`engine.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
        on CPU), at most max_batch_total_tokens' worth;
     7. the KV cache allocated and the graphs captured again against it.
     After a successful warmup, no request within the limits needs memory that was not
