@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "text_generation_server"
 # Portions bottom-up: each may import itself and the ones before it.
@@ -114,7 +116,7 @@ def import_graph(modules: dict[str, Module], skip: tuple[str, ...] = GENERATED) 
     TYPE_CHECKING blocks). A module also depends on each package above it."""
     graph: dict[str, dict[str, Edge]] = {name: {} for name in modules}
     for module in modules.values():
-        if module.name.startswith(skip):
+        if any(module.name == s or module.name.startswith(s + ".") for s in skip):
             continue
         edges = graph[module.name]
         for parent in _chain(module.name)[:-1]:
@@ -131,15 +133,17 @@ def import_graph(modules: dict[str, Module], skip: tuple[str, ...] = GENERATED) 
 
 def direction_violations(modules: dict[str, Module], graph: dict[str, dict[str, Edge]],
                          order: tuple[str, ...] = PORTIONS) -> list[str]:
-    """Imports from a lower portion into a higher one ("kernels imports quantizers")."""
+    """Imports from a lower portion into a higher one ("kernels imports quantizers"), one message
+    per import (importing a.b.c also runs a.b: only a.b.c is named)."""
     found = []
     for source, edges in graph.items():
         rank = order.index(modules[source].portion)
-        for edge in edges.values():
-            above = modules[edge.target].portion
-            if order.index(above) > rank:
-                found.append(f"{edge.where()}: {modules[source].portion} module {source} imports {above} "
-                             f"module {edge.target}")
+        upward = [e for e in edges.values() if order.index(modules[e.target].portion) > rank]
+        for edge in upward:
+            if any(o.line == edge.line and o.target.startswith(edge.target + ".") for o in upward):
+                continue
+            found.append(f"{edge.where()}: {modules[source].portion} module {source} imports "
+                         f"{modules[edge.target].portion} module {edge.target}")
     return sorted(found)
 
 
@@ -207,33 +211,42 @@ def _shortest_cycle(graph: dict[str, dict[str, Edge]], start: str, within: set[s
     raise AssertionError(f"{start} is in a component but on no cycle")
 
 
-def cycles(graph: dict[str, dict[str, Edge]]) -> list[list[Edge]]:
-    """For each component, shortest cycles until every member lies on one that is shown."""
+SHOWN_CYCLES = 12  # per component; the rest of its modules are named
+
+
+def cycles(graph: dict[str, dict[str, Edge]], component: list[str]) -> list[list[Edge]]:
+    """Shortest cycles through the members of one component until each lies on one shown."""
+    members = set(component)
+    shown: set[str] = set()
     found = []
-    for component in strongly_connected(graph):
-        members = set(component)
-        shown: set[str] = set()
-        for start in component:
-            if start not in shown:
-                cycle = _shortest_cycle(graph, start, members)
-                shown.update(edge.source for edge in cycle)
-                found.append(cycle)
+    for start in component:
+        if start not in shown and len(found) < SHOWN_CYCLES:
+            cycle = _shortest_cycle(graph, start, members)
+            shown.update(edge.source for edge in cycle)
+            found.append(cycle)
     return found
 
 
-def describe(cycle: list[Edge]) -> str:
-    lines = [f"  {cycle[0].source}"]
-    lines += [f"    -> {edge.target}    ({edge.where()})" for edge in cycle]
+def describe(graph: dict[str, dict[str, Edge]], component: list[str]) -> str:
+    """A component as its cycles, each a path of modules with the file:line of every import."""
+    lines = [f"import cycle through {len(component)} modules:"]
+    on_cycles: set[str] = set()
+    for cycle in cycles(graph, component):
+        lines.append(f"  {cycle[0].source}")
+        lines += [f"    -> {edge.target}    ({edge.where()})" for edge in cycle]
+        on_cycles.update(edge.source for edge in cycle)
+    rest = [name for name in component if name not in on_cycles]
+    if rest:
+        lines.append(f"  and {len(rest)} more on cycles with these: {', '.join(rest)}")
     return "\n".join(lines)
 
 
 def check(root: Path) -> list[str]:
-    """Everything wrong with the imports of the tree at `root`, as messages (empty: all good)."""
+    """Everything wrong with the imports of the tree at `root`, one message per upward import
+    and per group of modules in a cycle (empty: all good)."""
     modules = find_modules(root)
     graph = import_graph(modules)
-    problems = direction_violations(modules, graph)
-    problems += [f"import cycle:\n{describe(cycle)}" for cycle in cycles(graph)]
-    return problems
+    return direction_violations(modules, graph) + [describe(graph, c) for c in strongly_connected(graph)]
 
 
 # -- the project ----------------------------------------------------------------------------
@@ -272,8 +285,8 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(source)
     for portion in PORTIONS:
-        for folder in (root / portion / NAMESPACE).glob("**/"):
-            if folder != root / portion / NAMESPACE and not (folder / "__init__.py").exists():
+        for folder in (root / portion / NAMESPACE).rglob("*"):
+            if folder.is_dir() and not (folder / "__init__.py").exists():
                 (folder / "__init__.py").write_text('"""A package."""\n')
     return root
 
@@ -281,56 +294,72 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 CLEAN = {
     "kernels/base.py": "import torch\n",
     "kernels/gemm.py": "from text_generation_server.kernels.base import x\nfrom . import base\n",
+    "quantizers/sharding.py": "import math\n",
     "quantizers/weights.py": "from text_generation_server.kernels import gemm\n",
     "quantizers/gptq.py": "def load():\n    from .weights import W\n",
     "server/engine/step.py": "from text_generation_server.quantizers.gptq import load\n"
                              "import text_generation_server.kernels.gemm\n",
     "server/engine/warmup.py": "from text_generation_server.engine import step\n",
-    "server/cli.py": "import importlib\nimportlib.import_module('text_generation_server.engine.warmup')\n",
+    "server/cli/main.py": "import importlib\nimportlib.import_module('text_generation_server.engine.warmup')\n",
 }
 
 
 def test_checker_passes_a_clean_tree(tmp_path):
     root = _tree(tmp_path, CLEAN)
-    graph = import_graph(find_modules(root))
     assert check(root) == []
-    # and it did see the imports, including the deferred, relative and importlib ones
-    assert "text_generation_server.quantizers.weights" in graph["text_generation_server.quantizers.gptq"]
-    assert "text_generation_server.kernels.base" in graph["text_generation_server.kernels.gemm"]
-    assert "text_generation_server.engine.step" in graph["text_generation_server.engine.warmup"]
-    assert "text_generation_server.engine.warmup" in graph["text_generation_server.cli"]
+    # and it saw the imports: deferred, relative, `from package import module`, importlib's
+    graph = import_graph(find_modules(root))
+    assert set(graph[f"{NAMESPACE}.quantizers.gptq"]) == {f"{NAMESPACE}.quantizers", f"{NAMESPACE}.quantizers.weights"}
+    assert f"{NAMESPACE}.kernels.base" in graph[f"{NAMESPACE}.kernels.gemm"]
+    assert f"{NAMESPACE}.engine.step" in graph[f"{NAMESPACE}.engine.warmup"]
+    assert f"{NAMESPACE}.engine.warmup" in graph[f"{NAMESPACE}.cli.main"]
+    # importing a.b.c runs a/__init__.py and a/b/__init__.py
+    assert {f"{NAMESPACE}.kernels", f"{NAMESPACE}.kernels.gemm"} <= set(graph[f"{NAMESPACE}.engine.step"])
 
 
 def test_checker_fails_an_upward_import(tmp_path):
     root = _tree(tmp_path, {**CLEAN, "kernels/base.py": "def f():\n    from text_generation_server.quantizers import"
-                                                           " weights\n"})
-    problems = check(root)
-    assert len(problems) == 1 and "kernels/base.py:2: kernels module text_generation_server.kernels.base imports " \
-        "quantizers module text_generation_server.quantizers.weights" in problems[0], problems
-    root = _tree(tmp_path / "b", {**CLEAN, "quantizers/weights.py": "import text_generation_server.engine.step\n"})
-    assert any("quantizers module text_generation_server.quantizers.weights imports server module "
-               "text_generation_server.engine.step" in p for p in check(root))
+                                                           " sharding\n"})
+    assert check(root) == ["kernels/text_generation_server/kernels/base.py:2: kernels module "
+                           "text_generation_server.kernels.base imports quantizers module "
+                           "text_generation_server.quantizers.sharding"]
+    root = _tree(tmp_path / "b", {**CLEAN, "quantizers/sharding.py": "import text_generation_server.engine.step\n"})
+    assert check(root) == ["quantizers/text_generation_server/quantizers/sharding.py:1: quantizers module "
+                           "text_generation_server.quantizers.sharding imports server module "
+                           "text_generation_server.engine.step"]
 
 
 def test_checker_fails_a_cycle_through_a_function_level_import(tmp_path):
     root = _tree(tmp_path, {**CLEAN, "server/engine/step.py": "class Step:\n    def warm(self):\n"
                                                               "        from text_generation_server.engine.warmup "
                                                               "import run\n"})
+    assert check(root) == ["import cycle through 2 modules:\n"
+                           "  text_generation_server.engine.step\n"
+                           "    -> text_generation_server.engine.warmup    "
+                           "(server/text_generation_server/engine/step.py:3)\n"
+                           "    -> text_generation_server.engine.step    "
+                           "(server/text_generation_server/engine/warmup.py:1)"]
+
+
+@pytest.mark.parametrize("source", [
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine.warmup import run\n",
+    "import importlib\ndef f():\n    importlib.import_module('.warmup', 'text_generation_server.engine')\n",
+    "import text_generation_server.engine.warmup as w\n",
+], ids=["type-only", "importlib-relative", "import-as"])
+def test_checker_counts_every_kind_of_import(tmp_path, source):
+    root = _tree(tmp_path, {**CLEAN, "server/engine/step.py": source})
     problems = check(root)
-    assert len(problems) == 1 and problems[0].startswith("import cycle:"), problems
-    assert "engine/step.py:3" in problems[0] and "engine/warmup.py:1" in problems[0], problems[0]
+    assert len(problems) == 1 and problems[0].startswith("import cycle through 2 modules:"), problems
 
 
 def test_checker_fails_a_package_that_imports_its_own_modules(tmp_path):
-    """A format module imports its sibling; the package's __init__ (run first) imports the
-    format: a cycle through the package, shown as running it."""
-    root = _tree(tmp_path, {**CLEAN, "quantizers/__init__.py": "from text_generation_server.quantizers.gptq import"
-                                                                " load\n"})
-    problems = check(root)
-    assert len(problems) == 1 and "quantizers/__init__.py:1" in problems[0], problems
-    assert "quantizers/gptq.py (inside the package)" in problems[0], problems[0]
-    # a type-only import, a relative one and importlib's count as well
-    for source in ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine.warmup import run\n",
-                   "import importlib\ndef f():\n    importlib.import_module('.warmup', 'text_generation_server.engine')\n"):
-        root = _tree(tmp_path / str(len(source)), {**CLEAN, "server/engine/step.py": source})
-        assert any(p.startswith("import cycle:") for p in check(root)), source
+    """The package's __init__ (run before any of its modules) imports one of them: a cycle
+    through the package, shown as the module running it."""
+    root = _tree(tmp_path, {**CLEAN, "quantizers/__init__.py": "from text_generation_server.quantizers.sharding "
+                                                                "import f\n"})
+    assert check(root) == ["import cycle through 2 modules:\n"
+                           "  text_generation_server.quantizers\n"
+                           "    -> text_generation_server.quantizers.sharding    "
+                           "(quantizers/text_generation_server/quantizers/__init__.py:1)\n"
+                           "    -> text_generation_server.quantizers    "
+                           "(quantizers/text_generation_server/quantizers/sharding.py (inside the package))"]
