@@ -72,7 +72,7 @@ class OursRunner:
     """Drives `CausalLM.generate_token` the way the shard does: one prefill, then decode steps."""
 
     def __init__(self, model: str | None, max_batch: int, prompt_tokens: list[int], new_tokens: int):
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
 
         self.lm = get_model(model, dtype="float32")
         self.new_tokens = new_tokens

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = parse_ints(args.batch_sizes, "--batch-sizes")
     from loguru import logger
 
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     logger.remove()
     start_load = os.getloadavg()[0]

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from loguru import logger
 
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     logger.remove()
     start_load = os.getloadavg()[0]

@@ -126,7 +126,7 @@ def kernels_of(model: torch.nn.Module) -> str:
 
 class Runner:
     def __init__(self, name: str, folder: Path, quantize: str | None, max_batch: int, new_tokens: int):
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
 
         self.name = name
         self.lm = get_model(str(folder), dtype="bfloat16", quantize=quantize)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench_common import command_line, machine_line, md_table  # benchmarks/ is on sys.path here
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.jobs.perplexity import default_text, evaluate
 
 SETTINGS = [("4-bit g128", 4, 128), ("3-bit g128", 3, 128), ("4-bit per-channel", 4, -1), ("8-bit per-channel", 8, -1)]

@@ -81,7 +81,7 @@ class InProcess:
     def __init__(self, model: str, model_args: dict[str, str | None], new_tokens: int):
         import torch
 
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
         from text_generation_server.launcher.rank import cpu_threads_per_rank, weight_bytes_of
 
         self.lm = get_model(model, dtype=model_args["dtype"], quantize=model_args["quantize"],

@@ -131,7 +131,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     device = torch.device(args.device)
     lm = get_model(None, device=device)

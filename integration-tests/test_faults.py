@@ -83,7 +83,7 @@ class InProcessServer:
     def __init__(self, model_dir: Path, sock_dir: Path):
         import torch
 
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
 
         torch.set_num_threads(1)
         self.model = get_model(str(model_dir))
@@ -107,7 +107,7 @@ class InProcessServer:
             self.error = exc
 
     async def _serve(self) -> None:
-        from text_generation_server.router import run_router
+        from text_generation_server.router.main import run_router
         from text_generation_server.shard.service import serve_shard
 
         self._loop = asyncio.get_running_loop()

@@ -11,7 +11,7 @@ from family_cases import write_family_checkpoint
 from serve_client import client_stub, generate, request
 from test_quantize_serve import quantize_cli
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 

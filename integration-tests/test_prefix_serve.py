@@ -26,7 +26,7 @@ from conftest import ServeProcess, clean_env
 from serve_client import CORPUS, client_stub, generate, launch_serve, poll_metrics, request, scrape
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 

@@ -17,7 +17,7 @@ from conftest import clean_env
 from serve_client import client_stub, generate, request
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.shard.service import model_kernels
 

@@ -51,7 +51,7 @@ from conftest import free_port
 from serve_client import CORPUS, launch_shard
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc

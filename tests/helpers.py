@@ -174,7 +174,7 @@ def fast_kernels(*extra: str) -> str:
 def assert_bfloat16_close(lm, reference: Path | str, atol: float = 0.1) -> None:
     """`lm`, loaded with bfloat16 activations, gives finite prompt log-probs within `atol` of those of the dense
     float32 checkpoint `reference` (its weights dequantized)."""
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     got = prompt_logprobs(lm)
     want = prompt_logprobs(get_model(str(reference), dtype="float32"))
@@ -200,7 +200,7 @@ def kernel_modes(setenv: Callable[[str, str], None] = os.environ.__setitem__, ex
 
 def _logprobs_and_tokens_per_mode(pg, folders: dict[str, str], tokens: int) -> dict:
     """A rank's work in `run_ranks_per_mode`."""
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     results = {}
     for mode in kernel_modes():
@@ -221,7 +221,7 @@ def run_ranks_per_mode(folders: dict, names, world: int, out_dir: Path | str, ti
 def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, monkeypatch, tokens: int = 8) -> None:
     """What `run_ranks_per_mode` gave on each rank equals one process: the same greedy tokens on the
     reference kernel, log-probs within MODE_ATOL."""
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     for mode in kernel_modes(monkeypatch.setenv):
         lm = get_model(folder, dtype="float32")
@@ -327,7 +327,7 @@ def make_weight(k: int, n: int, bits: int, group_size: int, sym: bool, act_order
 
 def rank_kernel_names(pg, folders: dict[str, str]) -> dict[str, dict[str, str]]:
     """A rank's work for `run_ranks`: the kernel of every linear of each checkpoint (float32 activations)."""
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     return {name: kernel_names(get_model(folder, dtype="float32", process_group=pg)) for name, folder in folders.items()}
 

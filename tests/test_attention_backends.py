@@ -27,7 +27,7 @@ from text_generation_server.layers.attention_backends import (
     backend_names,
     choose_attention_backend,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.batch import Batch
 from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, ServeArgs
 

@@ -16,7 +16,7 @@ import torch
 from helpers import write_checkpoint
 
 from text_generation_server.generation.sampling import SamplingParams
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.batch import Batch, OutOfBlocksError
 from text_generation_server.engine.types import GenerationRequest
 

@@ -29,8 +29,8 @@ from text_generation_server.kernels.base import (
     NoKernelError,
     dequantize,
 )
-from text_generation_server.models import get_model
-from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.bitsandbytes import (
     Bnb4bitWeight,
     BnbConfig,

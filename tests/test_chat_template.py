@@ -194,7 +194,7 @@ class Context:
 
 @pytest.fixture(scope="module")
 def lm():
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     return get_model(None)
 

@@ -16,7 +16,7 @@ import torch
 from helpers import write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.jobs.convert import convert_folder
 from text_generation_server.quantizers.dist import ProcessGroup

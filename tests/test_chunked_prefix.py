@@ -20,7 +20,7 @@ from text_generation_server.layers.attention import (
     padded_decode,
     sequence_attention,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.batch import Batch
 from text_generation_server.engine.types import RequestError
 

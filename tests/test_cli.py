@@ -14,7 +14,7 @@ import torch
 from helpers import write_checkpoint
 from safetensors.torch import load_file
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.layers.attention import TorchAttention, padded_decode
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.batch import Batch
 from text_generation_server.engine.cuda_graphs import (
     CudaGraphCapturer,

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.shard.service import TextGenerationService
 

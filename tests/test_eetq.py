@@ -19,8 +19,8 @@ from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, jo
 from safetensors.torch import load_file, save_file
 
 from text_generation_server.kernels.base import DISABLE_ENV, dequantize
-from text_generation_server.models import get_model
-from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, EetqConfig
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource

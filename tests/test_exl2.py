@@ -23,8 +23,8 @@ from test_quant_e2e import SHAPE
 
 from text_generation_server.kernels.base import DISABLE_ENV, dequantize
 from text_generation_server.kernels.cpu import CpuInt4PackKernel
-from text_generation_server.models import get_model
-from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.exl2 import Exl2Config, Exl2Weight
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource

@@ -18,7 +18,7 @@ import transformers
 from family_cases import CASES, hf_config, write_family_checkpoint
 from helpers import ids_request, run_ranks, run_to_end
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.quantizers.sources import CheckpointError
 

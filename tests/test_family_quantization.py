@@ -34,7 +34,7 @@ from quant_packers import Quantized, awq_tensors, ct_tensors, gptq_tensors, quan
 from safetensors import safe_open
 
 from text_generation_server.layers.attention import AttentionMetadata, KVCache
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.jobs.quantize.options import QuantizeOptions
 from text_generation_server.jobs.quantize.pipeline import quantize
 from text_generation_server.jobs.quantize import pipeline
@@ -127,7 +127,7 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
 def readable(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     """The tensors as stored, but stacked ones (gpt-oss experts) as the parts the family reads:
     what `quantize` writes for a dense tensor it keeps."""
-    from text_generation_server.models import read_model_config
+    from text_generation_server.models.registry import read_model_config
     from text_generation_server.quantizers.sources import safetensors_files
     from text_generation_server.quantizers.weights import Weights
 

@@ -36,8 +36,8 @@ from text_generation_server.kernels.fp8 import (
     dequantize_fp8,
     fp8_to_float32,
 )
-from text_generation_server.models import get_model
-from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.config import CompressedTensorsConfig
 from text_generation_server.quantizers.fp8 import Fp8Config, fp8_scheme
 from text_generation_server.quantizers.dist import ProcessGroup

@@ -34,7 +34,7 @@ from text_generation_server.kernels.fp8 import (
     Fp8Weight,
     build_fp8_linear,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 
 torch.set_num_threads(1)
 
@@ -470,7 +470,7 @@ def test_row_shard_that_cuts_a_group_says_so(checkpoints):
     keeps them whole: nothing to say). test_fp8.py's world size 2 runs check whole models."""
     from loguru import logger
 
-    from text_generation_server.quantizers import get_loader, read_quantization_config
+    from text_generation_server.quantizers.factory import get_loader, read_quantization_config
     from text_generation_server.quantizers.dist import ProcessGroup
     from text_generation_server.quantizers.sources import SafetensorsSource
     from text_generation_server.quantizers.weights import Weights

@@ -93,7 +93,7 @@ def tiny_checkpoints(tmp_path_factory):
 def test_built_checkpoint_loads_and_counts_like_the_formula(tiny_checkpoints):
     from safetensors import safe_open
 
-    from text_generation_server.models import read_model_config
+    from text_generation_server.models.registry import read_model_config
     from text_generation_server.utils.locate import open_checkpoint
 
     root, record = tiny_checkpoints

@@ -35,7 +35,7 @@ from text_generation_server.generation.grammar import (
 )
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser, SamplingParams
 from text_generation_server.generation.stopping import FinishReason
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb

@@ -9,7 +9,7 @@ from family_cases import write_family_checkpoint
 from helpers import greedy, kernel_names, run_ranks
 
 from text_generation_server.layers.tensor_parallel import QuantizedTensorParallelHead, TensorParallelHead
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.settings.serve_args import ServeArgs
 
 

@@ -29,8 +29,9 @@ from safetensors.torch import load_file
 from text_generation_server.kernels import marlin as km
 from text_generation_server.quantizers import marlin as qm
 from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, LinearSpec, NoKernelError, choose_kernel, dequantize
-from text_generation_server.models import get_model
-from text_generation_server.quantizers import GPTQConfig, get_loader, read_quantization_config
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.config import GPTQConfig
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.marlin import MarlinConfig, MarlinWeight
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource

@@ -41,7 +41,7 @@ from text_generation_server.layers.attention import (
     padded_latent_decode,
     sequence_attention,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.models.decoder import ConfigReader
 from text_generation_server.models.families.deepseek import DeepseekFamily
 from text_generation_server.engine.memory import MemoryReading

@@ -16,7 +16,7 @@ import torch
 import transformers
 from helpers import ARCH_CONFIGS, write_checkpoint
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 
 torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from text_generation_server.layers.moe import (
     moe_layer_indices,
     swiglu_oai,
 )
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
 from text_generation_server.quantizers.weights import Weights
 
@@ -127,7 +127,7 @@ def test_fused_kernel_reads_gptq_experts(monkeypatch):
     from quant_packers import gptq_tensors, quantize_rtn
 
     from text_generation_server.kernels.fused_moe import moe_reference
-    from text_generation_server.quantizers import get_loader
+    from text_generation_server.quantizers.factory import get_loader
     from text_generation_server.quantizers.config import GPTQConfig
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from text_generation_server.quantizers import AWQConfig, GPTQConfig, read_quantization_config
+from text_generation_server.quantizers.config import AWQConfig, GPTQConfig
+from text_generation_server.quantizers.factory import read_quantization_config
 
 
 def write_folder(folder, **files) -> str:

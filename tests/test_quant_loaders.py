@@ -18,12 +18,8 @@ from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.kernels import cpu
 from text_generation_server.kernels.base import dequantize
-from text_generation_server.quantizers import (
-    AWQConfig,
-    CompressedTensorsConfig,
-    GPTQConfig,
-    get_loader,
-)
+from text_generation_server.quantizers.config import AWQConfig, CompressedTensorsConfig, GPTQConfig
+from text_generation_server.quantizers.factory import get_loader
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import DictTensorSource
 from text_generation_server.quantizers.weights import Weights

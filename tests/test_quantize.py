@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import dequantize
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.jobs.perplexity import DatasetError, evaluate
 from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
 from text_generation_server.jobs.quantize.pipeline import Quantizer, quantize

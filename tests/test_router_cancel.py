@@ -17,7 +17,7 @@ import torch
 from helpers import Context
 from test_scheduler_prefix import LIMITS, SYSTEM, generate_request, make
 
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.service import TextGenerationService as RouterService
 

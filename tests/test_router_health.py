@@ -18,7 +18,7 @@ from loguru import logger
 from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as spb_grpc
-from text_generation_server.router import SERVICE_NAME
+from text_generation_server.router.main import SERVICE_NAME
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import (
     HEALTH_SERVICE_NAME, NOT_SERVING, SERVING, RouterHealth, ShardHealthMonitor,

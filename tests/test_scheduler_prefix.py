@@ -16,7 +16,7 @@ import torch
 from helpers import InProcessClient
 
 from text_generation_server.router.metrics import Metrics
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.block_pool import BlockPool
 from text_generation_server.router.scheduler import Scheduler, SchedulerLimits, StepFailed

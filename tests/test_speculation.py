@@ -37,7 +37,7 @@ from text_generation_server.generation.speculation import (
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.router.metrics import Metrics
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb

@@ -18,7 +18,7 @@ from helpers import run_ranks, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from text_generation_server.generation.sampling import SamplingParams
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.quantizers.sources import CheckpointError
 

@@ -21,7 +21,8 @@ import transformers
 from helpers import build_tokenizer, ids_request, random_ids, run_ranks, run_to_end, write_checkpoint
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
-from text_generation_server.models import get_model, model_impl
+from text_generation_server.models.loader import get_model
+from text_generation_server.models.registry import model_impl
 from text_generation_server.quantizers.sources import CheckpointError
 
 torch.set_num_threads(1)

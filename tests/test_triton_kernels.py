@@ -505,7 +505,7 @@ class _ScratchProbe(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     return get_model(None, dtype="float32")  # the embedded tiny-pycoder
 

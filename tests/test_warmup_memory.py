@@ -21,7 +21,7 @@ import torch
 from helpers import needs_gpu, write_checkpoint
 
 from text_generation_server.layers.attention import TorchAttention, padded_decode
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.engine.batch import Batch
 from text_generation_server.engine.warmup import WarmupError, decode_batch_limit, graph_buckets_within
 from text_generation_server.engine.cuda_graphs import EagerReplayCapturer

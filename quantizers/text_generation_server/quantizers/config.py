@@ -9,15 +9,12 @@ with a message that names the file and the key to look at.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
-from text_generation_server.quantizers.sources import CheckpointError, SafetensorsSource, safetensors_files
+from text_generation_server.quantizers.sources import CheckpointError
 
 from text_generation_server.quantizers.weights import Weights
 
@@ -461,112 +458,3 @@ class CompressedTensorsConfig(QuantizerConfig):
             schemes.append(WeightScheme(bits=bits, strategy=strategy, group_size=group_size,
                                         symmetric=wkeys.bool("symmetric", True), targets=targets))
         return cls(source=source, schemes=tuple(schemes), modules_to_not_convert=keys.names("ignore"))
-
-
-# How each method's name (a checkpoint's quant_method, or a `--quantize` flag) maps to its
-# config type: the one place method strings are looked up. Format modules outside this file
-# add theirs through `text_generation_server.quantizers` (each exports CONFIGS), which Python
-# always imports before this module is used.
-METHODS: dict[str, type[QuantizerConfig]] = {
-    "gptq": GPTQConfig,
-    "awq": AWQConfig,
-    "compressed-tensors": CompressedTensorsConfig,
-}
-_ALIASES = {"compressed_tensors": "compressed-tensors"}
-
-
-def _checkpoint_method(data: dict, method: str) -> str:
-    """GPTQ checkpoints in Marlin layout say quant_method gptq: their format key decides."""
-    if method == "gptq" and (data.get("checkpoint_format") in ("marlin", "marlin_24")
-                             or data.get("is_marlin_format") is True):
-        return "marlin"
-    return method
-
-
-def method_of_flag(quantize: str) -> str:
-    """Normalises `--quantize`, failing for methods we do not (yet) load."""
-    name = _ALIASES.get(quantize.lower(), quantize.lower())
-    if name in METHODS:
-        return name
-    if name in NOT_YET_SUPPORTED:
-        raise ValueError(f"--quantize {quantize}: not yet supported (supported: {', '.join(METHODS)})")
-    raise ValueError(f"--quantize {quantize}: unknown quantization method (supported: {', '.join(METHODS)})")
-
-
-def _find_config(folder: Path) -> tuple[dict, str, str, str] | None:
-    """(dict, file, key prefix, method) of the first quantization config in the folder."""
-    for name in CONFIG_FILES:
-        path = folder / name
-        if not path.exists():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
-        prefix = ""
-        if name == "config.json":
-            data = data.get("quantization_config")
-            if data is None:
-                continue
-            if not isinstance(data, dict):
-                raise CheckpointError(f"{path}: 'quantization_config' must be an object")
-            prefix = "quantization_config."
-        method = data.get("quant_method")
-        if method is None:
-            # Older AutoGPTQ / AutoAWQ files do not name their method: their keys do.
-            method = "awq" if ("w_bit" in data or "version" in data) else "gptq" if "bits" in data else None
-        if not isinstance(method, str):
-            raise CheckpointError(f"{path}: '{prefix}quant_method' is missing and the keys do not identify a method")
-        return data, str(path), prefix, _checkpoint_method(data, method.lower())
-    return None
-
-
-def _legacy_weights(folder: Path) -> Weights | None:
-    """The folder's tensors, if they carry legacy GPTQ parameters."""
-    try:
-        files = safetensors_files(folder)
-    except CheckpointError:
-        return None
-    weights = Weights(SafetensorsSource(files), torch.device("cpu"), torch.float32)
-    return weights if weights.has_tensor("gptq_bits") else None
-
-
-def read_quantization_config(folder: str | Path, quantize: str | None) -> QuantizerConfig | None:
-    """The checkpoint's quantization, checked against `--quantize`; None for a dense checkpoint."""
-    folder = Path(folder)
-    wanted = method_of_flag(quantize) if quantize is not None else None
-    found = _find_config(folder)
-    if found is None:
-        legacy = _legacy_weights(folder) if wanted in (None, "gptq") else None
-        if legacy is not None:
-            return GPTQConfig.from_tensors(legacy)
-        if wanted is not None and METHODS[wanted].on_load:
-            return METHODS[wanted].for_dense_checkpoint(quantize, folder)
-        if wanted is not None:
-            raise CheckpointError(
-                f"--quantize {quantize}: {folder} is not a quantized checkpoint (no 'quantization_config' in "
-                f"config.json, no quantize_config.json or quant_config.json, no gptq_bits tensor)"
-            )
-        return None
-    data, path, prefix, method = found
-    if method not in METHODS:
-        known = "not yet supported" if method in NOT_YET_SUPPORTED else "unknown"
-        raise CheckpointError(f"{path}: '{prefix}quant_method' = '{method}' is {known} "
-                              f"(supported: {', '.join(METHODS)})")
-    # Parsed before the flag is compared: whether a flag of another type still fits can depend on
-    # the config's content (compressed-tensors is fp8 only when every scheme is float-quantized).
-    config = METHODS[method].from_config(data, path, prefix)
-    if wanted is not None:
-        if METHODS[wanted] is type(config):
-            config.check_flag(quantize)
-        elif not config.accepts_flag(wanted):
-            declared = data.get("quant_method")
-            says = (f"says '{prefix}quant_method' = '{declared}' ({config.describe()})" if declared is not None
-                    else f"names no '{prefix}quant_method'; its keys describe {config.describe()}")
-            raise CheckpointError(f"--quantize {quantize} disagrees with the checkpoint: {path} {says}")
-    legacy = _legacy_weights(folder)
-    if legacy is not None:
-        config.check_tensors(legacy)
-    return config

@@ -5,14 +5,15 @@ flattened into one forward) or one decode step of a cached batch, then chooses
 tokens, checks stopping and streams text. Requests that finish stay in the batch
 until the caller filters them out (the TGI v3 contract: the router calls
 FilterBatch), so the shard never drops work on its own. Batches are built, and their
-KV blocks assigned and given back, by `BatchBuilder` (models/batch_builder.py).
+KV blocks assigned and given back, by `BatchBuilder` (engine/batch_builder.py); a
+prefill-shaped step's tokens are laid out by engine/prefill.py, and what the step needs back
+from the device comes in one transfer (engine/readback.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from text_generation_server.layers.attention_backends import choose_attention_ba
 from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.engine.batch_builder import BatchBuilder
 from text_generation_server.engine.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
+from text_generation_server.engine.prefill import PromptSpan, advance_prompts, flatten_step, plan_chunks
+from text_generation_server.engine.readback import to_host
 from text_generation_server.engine.types import (
     GeneratedText,
     Generation,
@@ -36,16 +39,6 @@ from text_generation_server.engine.types import (
 )
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.engine.warmup import run_warmup
-
-
-@dataclass
-class _PromptSpan:
-    """Logit rows of one prefilling request whose prompt-token logprobs were asked for."""
-
-    state: RequestState
-    row: int  # first of its rows in the forward's logits
-    count: int  # prompt tokens these rows score (the row at prompt position p scores token p + 1)
-    values: torch.Tensor | None = None
 
 
 class CausalLM:
@@ -145,18 +138,19 @@ class CausalLM:
         return self.kv_layout.bytes_per_block(self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._drop_kv_cache()  # free the old pool (and the graphs that point into it) first
+        self.drop_kv_cache()  # free the old pool (and the graphs that point into it) first
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
         self.builder.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
 
-    def _drop_kv_cache(self) -> None:
+    def drop_kv_cache(self) -> None:
+        """Lets go of the KV cache and of the graphs captured against it (warmup sizes a new one)."""
         if self.graphs is not None:
             self.graphs.release()  # captured against this cache; buffers and pool stay
         self.kv_cache = None
         self.builder.allocator = None
 
-    # -- batches (models/batch_builder.py builds them) -----------------------------
+    # -- batches (engine/batch_builder.py builds them) -----------------------------
     @property
     def block_size(self) -> int:
         return self.builder.block_size
@@ -247,11 +241,12 @@ class CausalLM:
             batch.history_lengths.index_add_(0, emit_rows, torch.ones_like(emit_rows))
         emitting = batch.states if emit is None else [batch.states[i] for i in emit]
         top_n = [s.request.top_n_tokens for s in emitting]
-        next_list, chosen_logprobs, tops, prompt_lps = self._to_host(next_ids, logprobs, top_n, prompt_spans)
+        next_list, chosen_logprobs, tops, prompt_lps = to_host(next_ids, logprobs, top_n,
+                                                               [span.values for span in prompt_spans])
         seeds = chooser.seeds
         grammar_complete = chooser.accept(next_list)  # None without grammar rows
 
-        self._advance_prompts(batch, prompt_spans, prompt_lps)
+        advance_prompts(batch, prompt_spans, prompt_lps)
         generations: list[Generation] = []
         for i, state in enumerate(emitting):
             gen = Generation(request_id=state.request.id, tokens=Tokens())
@@ -263,7 +258,7 @@ class CausalLM:
             generations.append(gen)
         if speculative is not None:
             self._verify(batch, *speculative, next_list, generations)
-        self._plan_chunks(batch)
+        plan_chunks(batch, self.max_prefill_tokens)
         all_stopped = all(s.finished for s in batch.states)
         if all_stopped:
             self.builder.release(batch)
@@ -368,7 +363,7 @@ class CausalLM:
             batch.history_lengths.index_add_(0, index, torch.ones_like(index))
             states = [batch.states[i] for i in rows]
             top_n = [s.request.top_n_tokens for s in states]
-            tokens, chosen_logprobs, tops, _ = self._to_host(next_ids, logprobs, top_n, [])
+            tokens, chosen_logprobs, tops, _ = to_host(next_ids, logprobs, top_n, [])
             seeds = chooser.seeds
             going = []
             for j, (run, state) in enumerate(zip(active, states)):
@@ -379,59 +374,6 @@ class CausalLM:
             active = going
             position += 1
 
-    def _to_host(self, next_ids, logprobs, top_n: list[int], prompt_spans):
-        """Everything the step's Python side needs from the device, in one transfer: chosen ids
-        and their logprobs, the top-n alternatives, and prompt-token logprobs."""
-        rows = torch.arange(len(next_ids), device=next_ids.device)
-        parts = [next_ids.to(torch.float64), logprobs[rows, next_ids].to(torch.float64)]
-        width = min(max(top_n, default=0), logprobs.shape[1])
-        if width:
-            values, ids = logprobs.topk(width, dim=-1)
-            parts += [ids.flatten().to(torch.float64), values.flatten().to(torch.float64)]
-        parts += [span.values.to(torch.float64) for span in prompt_spans]
-        flat = torch.cat(parts).tolist()
-        n = len(next_ids)
-        next_list = [int(x) for x in flat[:n]]
-        chosen = flat[n:2 * n]
-        offset = 2 * n
-        tops = None
-        if width:
-            ids_flat = flat[offset:offset + n * width]
-            vals_flat = flat[offset + n * width:offset + 2 * n * width]
-            offset += 2 * n * width
-            tops = [([int(t) for t in ids_flat[r * width:r * width + k]], vals_flat[r * width:r * width + k])
-                    for r, k in enumerate(top_n)]
-        prompt_lps = []
-        for span in prompt_spans:
-            count = span.values.shape[0]
-            prompt_lps.append(flat[offset:offset + count])
-            offset += count
-        return next_list, chosen, tops, prompt_lps
-
-    def _advance_prompts(self, batch: Batch, spans: list["_PromptSpan"], logprob_lists: list[list[float]]) -> None:
-        """Moves every prefilling request past the chunk this step computed."""
-        for span, lps in zip(spans, logprob_lists):
-            if span.state.prompt_logprobs is not None:
-                span.state.prompt_logprobs.extend(lps)
-        for state in batch.states:
-            if state.prefilling:
-                state.prefilled += state.chunk
-                state.chunk = 0
-
-    def _plan_chunks(self, batch: Batch) -> None:
-        """Sizes the next prompt chunk of every request still prefilling: within
-        max_batch_prefill_tokens, after one token for each decoding request, oldest first.
-        Requests past the budget wait a step (chunk 0); the first always moves on."""
-        waiting = [s for s in batch.states if s.prefilling]
-        if not waiting:
-            return
-        decoding = sum(1 for s in batch.states if not s.prefilling and not s.finished)
-        budget = (self.max_prefill_tokens or math.inf) - decoding
-        for index, state in enumerate(waiting):
-            remaining = state.input_length - state.prefilled
-            state.chunk = int(max(1 if index == 0 else 0, min(remaining, budget)))
-            budget -= state.chunk
-
     def _recomputes(self, state: RequestState) -> bool:
         """Whether this decode step crosses the longrope switch for a sequence computed with the
         short factors: then the step recomputes the whole sequence with the long ones, as
@@ -441,88 +383,33 @@ class CausalLM:
 
     def _prefill_forward(
         self, batch: Batch, proposals: dict[int, list[int]] | None = None,
-    ) -> tuple[torch.Tensor, list[int], list["_PromptSpan"], tuple[list[Run], torch.Tensor] | None]:
-        """One forward over every request's new tokens, flattened: prompt chunks for requests
-        still prefilling (over their cached prefix), the last token for decoding ones, followed by
-        its proposed tokens when it speculates (their hidden states come back for `_verify`)."""
-        proposals = proposals or {}
-        if proposals:
-            # Written past each row's length, where the history is padding to everyone else (and
-            # where the accepted tokens land anyway): the forward reads its ids from there.
-            where = [(i, batch.states[i].length + j, t) for i, p in proposals.items() for j, t in enumerate(p)]
-            r, c, v = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*where))
-            batch.history[r, c] = v
-        runs: list[Run] = []
-        extra_rows: list[int] = []  # rows of the forward whose hidden states check a proposal
-        ids, positions, slots, q_lens, cache_lens, logit_rows = [], [], [], [], [], []
-        lengths = [] if self.config.rope_length_dependent else None
-        emit: list[int] = []
-        last_rows: list[int] = []
-        spans: list[_PromptSpan] = []
-        offset = 0
-        included: list[int] = []  # rows with tokens in this forward (a prompt may wait a step)
-        for i, state in enumerate(batch.states):
-            if state.prefilling and state.chunk == 0:
-                continue
-            included.append(i)
-            if state.prefilling:
-                first, n = state.prefilled, state.chunk
-                done = first + n >= state.input_length
-                if state.request.prefill_logprobs:
-                    if state.prompt_logprobs is None:
-                        # Nothing predicts the first token; a cached prefix has no logits here.
-                        state.prompt_logprobs = [math.nan] * (first + 1)
-                    # Row p predicts token p + 1; the prompt's last row predicts the first new token.
-                    scored = min(n, state.input_length - 1 - first)
-                    spans.append(_PromptSpan(state, len(logit_rows), scored))
-                    logit_rows.extend(range(offset, offset + n))
-                elif done:
-                    logit_rows.append(offset + n - 1)
-            elif self._recomputes(state):
-                first, n, done = 0, state.length, True  # the whole sequence, over its own slots
-                logit_rows.append(offset + n - 1)
-            else:
-                first, n, done = state.length - 1, 1 + len(proposals.get(i, ())), True
-                logit_rows.append(offset)
-                if n > 1:
-                    runs.append(Run(row=i, emitted=len(emit), proposal=proposals[i], first=len(extra_rows)))
-                    extra_rows.extend(range(offset + 1, offset + n))
-            if done:
-                emit.append(i)
-                last_rows.append(len(logit_rows) - 1)  # the row its token is drawn from
-            ids.append(batch.history[i, first:first + n])
-            slots.append(batch.slot_table[i, first:first + n])
-            positions.append(torch.arange(first, first + n, device=self.device))
-            if lengths is not None:
-                # The length transformers computes a token's rotary with: the whole prompt for
-                # prompt tokens (however it is chunked), the sequence so far for generated ones.
-                lengths.append(torch.clamp(positions[-1] + 1, min=state.length if self._recomputes(state)
-                                           else state.input_length))
-            q_lens.append(n)
-            cache_lens.append(first)
-            offset += n
+    ) -> tuple[torch.Tensor, list[int], list[PromptSpan], tuple[list[Run], torch.Tensor] | None]:
+        """One forward over every request's new tokens, flattened (`prefill.flatten_step`): prompt
+        chunks for requests still prefilling (over their cached prefix), the last token for
+        decoding ones, followed by its proposed tokens when it speculates (their hidden states
+        come back for `_verify`)."""
+        step = flatten_step(batch, proposals or {}, self._recomputes, self.config.rope_length_dependent, self.device)
         tables = batch.block_tables
-        if len(included) != len(batch.states):
-            tables = tables.index_select(0, torch.tensor(included, dtype=torch.long, device=self.device))
+        if len(step.included) != len(batch.states):
+            tables = tables.index_select(0, torch.tensor(step.included, dtype=torch.long, device=self.device))
         meta = AttentionMetadata(
-            is_prefill=True, slots=torch.cat(slots), prefill_lens=q_lens, cache_lens=cache_lens,
+            is_prefill=True, slots=step.slots, prefill_lens=step.q_lens, cache_lens=step.cache_lens,
             block_tables=tables, backend=self.attention,
         )
-        rows = torch.tensor(logit_rows + extra_rows, dtype=torch.long, device=self.device)
-        hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_cache, meta, rows, head=False,
-                            seq_lens=torch.cat(lengths) if lengths is not None else None)
-        for span in spans:
+        rows = torch.tensor(step.logit_rows + step.extra_rows, dtype=torch.long, device=self.device)
+        hidden = self.model(step.ids, step.positions, self.kv_cache, meta, rows, head=False, seq_lens=step.seq_lens)
+        for span in step.spans:
             span.values = self._prompt_logprobs(span, hidden)
-        speculative = (runs, hidden[len(logit_rows):]) if runs else None
-        if len(last_rows) != hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=self.device))
-        return self.model.logits(hidden), emit, spans, speculative
+        speculative = (step.runs, hidden[len(step.logit_rows):]) if step.runs else None
+        if len(step.last_rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(step.last_rows, dtype=torch.long, device=self.device))
+        return self.model.logits(hidden), step.emit, step.spans, speculative
 
     # Rows of vocabulary-wide logits computed at once for prompt logprobs: a 32k-token prompt
     # over a 128k vocabulary would otherwise hold 16 GiB of float32 logits.
     PROMPT_LOGIT_ELEMENTS = 2**26
 
-    def _prompt_logprobs(self, span: "_PromptSpan", hidden: torch.Tensor) -> torch.Tensor:
+    def _prompt_logprobs(self, span: PromptSpan, hidden: torch.Tensor) -> torch.Tensor:
         """log p(token p+1 | prefix) for the span's rows, the vocabulary's logits a piece at a time."""
         first = span.state.prefilled
         wanted = torch.tensor(span.state.prompt_ids[first + 1:first + 1 + span.count], device=self.device)
@@ -610,7 +497,7 @@ class CausalLM:
         max_batch_size: int | None = None,
     ) -> int:
         """Runs the largest forwards the limits allow, then gives the KV cache what is left
-        (models/warmup.py says how); returns the tokens the KV cache holds."""
+        (engine/warmup.py says how); returns the tokens the KV cache holds."""
         return run_warmup(self, requests, max_input_tokens, max_prefill_tokens, max_total_tokens, memory_fraction,
                           max_batch_total_tokens, max_batch_size)
 

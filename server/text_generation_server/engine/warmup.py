@@ -10,18 +10,59 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from loguru import logger
 
 from text_generation_server.engine.batch import Batch
-from text_generation_server.engine.types import GenerationRequest
+from text_generation_server.engine.batch_builder import BatchBuilder
+from text_generation_server.engine.cuda_graphs import DecodeGraphs
+from text_generation_server.engine.types import Generation, GenerationRequest, StepTimings
 from text_generation_server.engine import memory
 from text_generation_server.engine.memory import is_out_of_memory
+from text_generation_server.layers.attention import AttentionBackend
 
-if TYPE_CHECKING:
-    from text_generation_server.engine.causal_lm import CausalLM
+
+class WarmupTarget(Protocol):
+    """What warmup drives: the engine's model (engine.causal_lm.CausalLM, whose `warmup` calls
+    run_warmup with itself). Stated here, so that warmup depends on what it uses and not on the
+    module that calls it."""
+
+    model: torch.nn.Module
+    config: Any  # the model's DecoderConfig: max_context, context_name, num_hidden_layers
+    device: torch.device
+    attention: AttentionBackend
+    builder: BatchBuilder
+    graphs: DecodeGraphs | None
+    graph_buckets: list[int]
+    max_batch_size: int | None
+    max_prefill_tokens: int | None
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def kv_bytes_per_block(self) -> int: ...
+
+    def graphs_off_reason(self) -> str | None: ...
+
+    def blocks_for(self, tokens: int) -> int: ...
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def drop_kv_cache(self) -> None: ...
+
+    def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch: ...
+
+    def generate_token(self, batch: Batch) -> tuple[list[Generation], Batch | None, StepTimings]: ...
+
+    def release(self, batch: Batch) -> None: ...
+
+    def capture_decode_graphs(self, max_total_tokens: int, buckets: Sequence[int] | None = None) -> int: ...
 
 
 class WarmupError(RuntimeError):
@@ -30,7 +71,7 @@ class WarmupError(RuntimeError):
 
 @torch.inference_mode()
 def run_warmup(
-    lm: "CausalLM",
+    lm: WarmupTarget,
     requests: list[GenerationRequest],
     max_input_tokens: int,
     max_prefill_tokens: int,
@@ -52,7 +93,7 @@ def run_warmup(
        and the graphs' pool stays with the capturer for the new capture;
     6. memory read (on CUDA the driver's free memory, within --cuda-memory-fraction), and
        KV blocks = (available - margin - decode transient) x memory_fraction / block bytes
-       (`utils.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
+       (`engine.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
        on CPU), at most max_batch_total_tokens' worth;
     7. the KV cache allocated and the graphs captured again against it.
     After a successful warmup, no request within the limits needs memory that was not
@@ -72,7 +113,7 @@ def run_warmup(
                 for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("warmup needs at least one request")
-    lm._drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
+    lm.drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
     limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
     scratch_bytes = 0
     with _phase(lm, f"the kernels' scratch space for {limits} does not fit in memory",
@@ -122,7 +163,7 @@ def run_warmup(
         decode_path = f"graph {next(b for b in lm.graphs.buckets if b >= decode_rows)}"
 
     # 5-6: drop the temporary cache (the allocator keeps what the forwards used), size the real one.
-    lm._drop_kv_cache()
+    lm.drop_kv_cache()
     reading = memory.read_memory(lm.device)
     layers = lm.config.num_hidden_layers
     plan = memory.plan_kv_cache(
@@ -160,18 +201,18 @@ def run_warmup(
     return usable
 
 @contextmanager
-def _phase(lm: "CausalLM", failure: str, advice: str):
+def _phase(lm: WarmupTarget, failure: str, advice: str):
     """Out of memory inside the block is a WarmupError: "{failure} ({the error}){advice}".
     Any failure drops the KV cache warmup was building."""
     try:
         yield
     except Exception as exc:
-        lm._drop_kv_cache()
+        lm.drop_kv_cache()
         if is_out_of_memory(exc):
             raise WarmupError(f"{failure} ({exc}){advice}") from exc
         raise
 
-def _decode_batch(lm: "CausalLM", rows: int, token: int) -> Batch:
+def _decode_batch(lm: WarmupTarget, rows: int, token: int) -> Batch:
     """`rows` requests past their one-token prompt, all reading and writing block 1: a decode
     step's activations do not depend on the context, so one block serves the whole batch
     (rows write the same slot; block 1 exists only in warmup's temporary cache)."""

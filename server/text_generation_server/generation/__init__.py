@@ -1,25 +1,6 @@
-"""Token selection, stopping and streaming detokenisation, shared by every model's generate_token."""
+"""Token selection, stopping and streaming detokenisation, shared by every model's generate_token.
 
-from text_generation_server.generation.detokenize import IncrementalDetokenizer
-from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
-from text_generation_server.generation.sampling import (
-    HeterogeneousNextTokenChooser,
-    SamplingParams,
-    prefill_logprobs,
-    top_n_logprobs,
-)
-from text_generation_server.generation.stopping import FinishReason, StoppingCriteria
-
-__all__ = [
-    "FinishReason",
-    "GrammarCompiler",
-    "GrammarError",
-    "GrammarSpec",
-    "GrammarType",
-    "HeterogeneousNextTokenChooser",
-    "IncrementalDetokenizer",
-    "SamplingParams",
-    "StoppingCriteria",
-    "prefill_logprobs",
-    "top_n_logprobs",
-]
+sampling.py (penalties, temperature, top-k/p, typical-p, seeded generators, logprobs),
+grammar.py (JSON schema / regex to token masks), speculation.py (n-gram proposals),
+stopping.py (stop criteria), detokenize.py (streaming detokenizer), chat_template.py.
+"""

@@ -191,7 +191,7 @@ def perplexity(
     Without a dataset the held-out split of the stdlib corpus is used: the text the
     embedded model never trained on.
     """
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
 
     text = read_text_dataset(dataset) if dataset is not None else default_text("heldout")
     lm = get_model(model, dtype=dtype, quantize=quantize)

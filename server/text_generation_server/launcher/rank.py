@@ -130,7 +130,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
             import torch
 
             torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
-        from text_generation_server.models import get_model
+        from text_generation_server.models.loader import get_model
         from text_generation_server.quantizers.dist import initialize_process_group
 
         process_group = initialize_process_group(rank, world_size, device)

@@ -66,7 +66,7 @@ def check_model(model: str | None) -> None:
 
 
 def check_dtype(dtype: str | None) -> None:
-    from text_generation_server.models import DTYPES
+    from text_generation_server.models.loader import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype '{dtype}' is not supported (choose from {', '.join(DTYPES)})")
@@ -91,7 +91,7 @@ def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence
         logger.error("{}", exc)
         return 2
     try:
-        from text_generation_server.router import run_router
+        from text_generation_server.router.main import run_router
     except ImportError as exc:
         logger.error("the router cannot be imported: {}", exc)
         return 1

@@ -19,7 +19,7 @@ import torch
 from loguru import logger
 from text_generation_server.kernels.base import QuantizedWeight, dequantize
 from text_generation_server.layers.moe import grouped_experts_only
-from text_generation_server.models import read_model_config
+from text_generation_server.models.registry import read_model_config
 from text_generation_server.models.decoder import DecoderLayer
 from text_generation_server.jobs.perplexity import calibration_samples, calibration_text
 from text_generation_server.jobs.quantize.calibration import (
@@ -33,7 +33,7 @@ from text_generation_server.jobs.quantize.calibration import (
 )
 from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
 from text_generation_server.jobs.quantize.writer import ShardWriter, Staging, copy_side_files
-from text_generation_server.quantizers.config import read_quantization_config
+from text_generation_server.quantizers.factory import read_quantization_config
 from text_generation_server.quantizers.gptq_solver import (
     HessianAccumulator,
     gptq_quantize,

@@ -1,0 +1,122 @@
+"""Model construction: from a model argument to a ready `CausalLM`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from loguru import logger
+
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.cuda_graphs import GraphCapturer
+from text_generation_server.models.registry import read_model_config
+from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
+from text_generation_server.quantizers.sources import safetensors_files
+from text_generation_server.quantizers.weights import Weights
+from text_generation_server.utils.locate import open_checkpoint
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def quantize_head(net: torch.nn.Module, method: str, dtype: torch.dtype, log: bool) -> None:
+    """Replaces a dense lm_head by its int8 form (`--quantize-lm-head`); a head the checkpoint
+    already quantized is kept."""
+    from text_generation_server.layers.tensor_parallel import TensorParallelHead, int8_head
+    from text_generation_server.settings.serve_args import LM_HEAD_QUANTIZATIONS
+
+    if method not in LM_HEAD_QUANTIZATIONS:
+        raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got {method!r}")
+    head = net.head
+    if not isinstance(head.projection, TensorParallelHead):
+        if log:
+            logger.info("--quantize-lm-head {}: the checkpoint's head is quantized already; kept", method)
+        return
+    dense = head.projection.weight
+    head.projection = int8_head(head.projection, dtype)
+    if log:
+        logger.info("lm_head as per-row int8 on kernel {}: {:.0f} MiB of codes per rank instead of {:.0f} MiB {}",
+                    getattr(head.projection.linear, "kernel_name", "?"), dense.numel() / 2**20,
+                    dense.numel() * dense.element_size() / 2**20, str(dense.dtype).removeprefix("torch."))
+
+
+def resolve_dtype(name: str | None, device: torch.device, config: dict) -> torch.dtype:
+    """The compute dtype: as asked, else float32 on CPU and the checkpoint's half type on CUDA."""
+    if name is not None:
+        if name not in DTYPES:
+            raise ValueError(f"dtype '{name}' is not supported (choose from {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else torch.float16
+
+
+def get_model(
+    model: str | None,
+    dtype: str | None = None,
+    device: torch.device | None = None,
+    process_group: ProcessGroup | None = None,
+    quantize: str | None = None,
+    block_size: int = 16,
+    attention_backend: str | None = None,
+    cuda_graphs: Sequence[int] = (),
+    max_batch_size: int | None = None,
+    graph_capturer: GraphCapturer | None = None,
+    model_impl: str = "auto",
+    quantize_lm_head: str | None = None,
+) -> CausalLM:
+    """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
+
+    cuda_graphs: decode batch sizes to capture as CUDA graphs at warmup (ignored off CUDA);
+    max_batch_size: the most requests a decode step will hold (what warmup measures);
+    graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation);
+    model_impl: "auto", "native" or "transformers" (see `registry.model_impl`);
+    quantize_lm_head: "int8" runs a dense head as per-row int8 (`--quantize-lm-head`).
+    """
+    device = device or torch.device("cpu")
+    process_group = process_group or single_process_group()
+    checkpoint = open_checkpoint(model)
+    config_path = checkpoint.folder / "config.json"
+    family, config = read_model_config(checkpoint.config, str(config_path), model_impl)
+    torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
+    # Read once: every linear is then built by the loader this config selects. The
+    # embedding and the head read their tensors directly, so they stay unquantized.
+    qconfig = read_quantization_config(checkpoint.folder, quantize)
+    if qconfig is not None and process_group.rank == 0:
+        logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
+    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
+                      loader=get_loader(qconfig))
+    if family is None:
+        from text_generation_server.models import transformers_impl
+
+        net = transformers_impl.build(checkpoint.config, weights, torch_dtype, str(config_path))
+        impl = "transformers"
+    else:
+        family.prepare(config, weights)
+        net = family.build(config, weights).eval()
+        impl = "native"
+    if quantize_lm_head is not None:
+        quantize_head(net, quantize_lm_head, torch_dtype, process_group.rank == 0)
+    if process_group.rank == 0:
+        logger.info(
+            "loaded {} ({}, {} implementation, {} layers, hidden {}) as {} on {} with {} shard(s)",
+            checkpoint.model_id, config.model_type, impl, config.num_hidden_layers, config.hidden_size,
+            str(torch_dtype).removeprefix("torch."), device, process_group.size,
+        )
+    return CausalLM(
+        model_id=checkpoint.model_id,
+        model=net,
+        tokenizer=checkpoint.tokenizer,
+        eos_token_ids=checkpoint.eos_token_ids,
+        device=device,
+        dtype=torch_dtype,
+        process_group=process_group,
+        block_size=block_size,
+        quantize=qconfig.flag if qconfig is not None else None,  # bitsandbytes-nf4, not just bitsandbytes
+        attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        max_batch_size=max_batch_size,
+        graph_capturer=graph_capturer,
+        model_impl=impl,
+    )
+
