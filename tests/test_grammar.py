@@ -365,7 +365,7 @@ def test_tgi_shard_requests_carry_grammars_as_tgi_sends_them():
     schema = json.dumps(SCHEMA)
     assert request_from_pb(pb_request(schema, spb.GRAMMAR_TYPE_JSON)).sampling.grammar == JSON_GRAMMAR
     assert request_from_pb(pb_request("ignored", spb.GRAMMAR_TYPE_NONE)).sampling.grammar is None
-    with pytest.raises(ValueError, match="needs a grammar"):
+    with pytest.raises(ValueError, match="request 3: grammar must hold the regex, got an empty string"):
         request_from_pb(pb_request("", spb.GRAMMAR_TYPE_REGEX))
 
 

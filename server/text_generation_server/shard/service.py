@@ -38,9 +38,11 @@ import grpc
 import torch
 from loguru import logger
 
-from text_generation_server.generation.grammar import GrammarError, GrammarSpec, GrammarType
+from text_generation_server.generation import request_fields
+from text_generation_server.generation.grammar import GrammarError
 from text_generation_server.generation.sampling import SamplingParams
 from text_generation_server.engine.batch import Batch, OutOfBlocksError
+from text_generation_server.engine.batch_builder import request_error
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.types import (
     BatchNotFound,
@@ -67,13 +69,12 @@ def _or_default(value: float, default: float) -> float:
 
 
 def request_from_pb(req: pb.Request) -> GenerationRequest:
-    """The engine's request; any field the engine cannot honour is a RequestError naming it."""
+    """The engine's request; a field the engine cannot honour, or a grammar that breaks its
+    validator, is a RequestError naming it. The other fields' validators run in make_batch."""
     try:
         return _request_from_pb(req)
-    except RequestError:
-        raise
-    except ValueError as exc:
-        raise RequestError(str(exc)) from exc
+    except request_fields.InvalidField as exc:
+        raise request_error(req.id, exc) from None
 
 
 def _request_from_pb(req: pb.Request) -> GenerationRequest:
@@ -83,19 +84,17 @@ def _request_from_pb(req: pb.Request) -> GenerationRequest:
         parts = []
         for chunk in req.input_chunks.chunks:
             if chunk.WhichOneof("chunk") == "image":
-                raise ValueError(f"request {req.id}: image inputs are not supported by text-only models")
+                raise RequestError(f"request {req.id}: image inputs are not supported by text-only models")
             parts.append(chunk.text)
         inputs = "".join(parts)
     p = req.parameters
     grammar = None
     if p.grammar_type != pb.GRAMMAR_TYPE_NONE:  # NONE: `grammar` is ignored (the protocol's rule)
-        if p.grammar_type not in (pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX):
-            raise ValueError(f"request {req.id}: grammar_type {p.grammar_type} is not a GrammarType")
-        if not p.grammar:
-            raise ValueError(f"request {req.id}: grammar_type {pb.GrammarType.Name(p.grammar_type)} needs a grammar")
-        grammar = GrammarSpec(GrammarType(p.grammar_type), p.grammar)
+        type_name = pb.GrammarType.Name(p.grammar_type) if p.grammar_type in pb.GrammarType.values() else str(
+            p.grammar_type)
+        grammar = request_fields.grammar(p.grammar_type, p.grammar, type_name)
     if p.logit_bias:
-        raise ValueError(f"request {req.id}: logit_bias is not supported")
+        raise RequestError(f"request {req.id}: logit_bias is not supported")
     sampling = SamplingParams(
         temperature=_or_default(p.temperature, 1.0),
         top_k=p.top_k,
@@ -267,8 +266,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _requests(self, context, batch: pb.Batch) -> list[GenerationRequest]:
-        """The batch's requests, tokenized (and their grammars compiled) on a thread of their own: the
-        model thread only runs steps, and finds each grammar in the compiler's cache."""
+        """The batch's requests, decoded and tokenized (and their grammars compiled) on a thread of
+        their own: the model thread only runs steps, and finds each grammar in the compiler's cache.
+        The fields' validators run in make_batch, on the model thread (engine/batch_builder.py)."""
         def convert() -> list[GenerationRequest]:
             requests = [request_from_pb(r) for r in batch.requests]
             for req in requests:
@@ -278,8 +278,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 if req.sampling.grammar is not None:
                     try:
                         self.model.builder.grammars.compile(req.sampling.grammar)
-                    except GrammarError as exc:
-                        raise RequestError(f"request {req.id}: grammar: {exc}") from exc
+                    except GrammarError:
+                        pass  # cached with its reason, which make_batch's grammar validator reports
             return requests
 
         try:
