@@ -40,7 +40,7 @@ from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.validation import GRAMMAR_DISABLED, Limits, ValidationError, validate
-from text_generation_server.shard.service import request_from_pb
+from text_generation_server.shard.wire import request_from_pb
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 
 A request enters by one of two doors: our router's client API (router/validation.py, which
 answers INVALID_ARGUMENT) and a shard's generate.v3 API, where a TGI router talks to a
-`--shard-only` rank directly (shard/service.py decodes the message, engine/batch_builder.py checks
+`--shard-only` rank directly (shard/wire.py decodes the message, engine/batch_builder.py checks
 the request before it takes a KV block; the shard answers INVALID_ARGUMENT, TGI's error path).
 Both call these validators, so a field's rule is the same whichever door it came through; the
 engine and the sampling and stopping code downstream trust what passed.
