@@ -26,7 +26,7 @@ from text_generation_server.router.service import MalformedRequestInterceptor, T
 from text_generation_server.router.tls import CertificateStore, tls_files
 from text_generation_server.router.validation import Limits
 from text_generation_server.settings.serve_args import ServeArgs
-from text_generation_server.quantizers.checkpoint import Checkpoint
+from text_generation_server.utils.locate import open_checkpoint
 
 SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
@@ -121,7 +121,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     `reload` (set by the launcher on SIGHUP) re-reads the API key file and the TLS files.
     """
     keys, tls = load_security(args)
-    checkpoint = await asyncio.to_thread(Checkpoint.open, args.model)
+    checkpoint = await asyncio.to_thread(open_checkpoint, args.model)
     qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
     _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config,
                                               str(checkpoint.folder / "config.json"), args.model_impl)
