@@ -207,7 +207,8 @@ def test_the_flag_set_is_pinned():
         envvar = param.envvar if param.envvar is None or isinstance(param.envvar, str) else tuple(param.envvar)
         rows.append((names, envvar, param.default, bool(getattr(param, "hidden", False))))
     assert rows[:len(FLAG_SET)] == FLAG_SET
-    tgi_only = [(f.option, f.envvar if f.read_env else None, False if f.is_flag else None, True) for f in TGI_ONLY_FLAGS]
+    tgi_only = [(f.option, f.envvar if f.read_env else None, False if f.is_flag else None, True)
+                for f in TGI_ONLY_FLAGS]
     assert rows[len(FLAG_SET):] == tgi_only
 
 

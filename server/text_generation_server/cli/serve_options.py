@@ -90,7 +90,8 @@ def serve_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for item in dataclasses.fields(ServeArgs):
         flag = flag_of(item)
         if flag is not None:
-            default = item.default if item.default is not dataclasses.MISSING else item.default_factory()  # type: ignore[misc]
+            factory: Any = item.default_factory
+            default = item.default if item.default is not dataclasses.MISSING else factory()
             params += _parameters(item.name, hints[item.name], default, flag)
     params.append(_keyword("version", version_option(), bool))
     params += _tgi_only_parameters()
