@@ -40,7 +40,7 @@ from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.validation import GRAMMAR_DISABLED, Limits, ValidationError, validate
-from text_generation_server.shard.service import request_from_pb
+from text_generation_server.shard.wire import request_from_pb
 
 torch.set_num_threads(1)
 
@@ -365,7 +365,7 @@ def test_tgi_shard_requests_carry_grammars_as_tgi_sends_them():
     schema = json.dumps(SCHEMA)
     assert request_from_pb(pb_request(schema, spb.GRAMMAR_TYPE_JSON)).sampling.grammar == JSON_GRAMMAR
     assert request_from_pb(pb_request("ignored", spb.GRAMMAR_TYPE_NONE)).sampling.grammar is None
-    with pytest.raises(ValueError, match="needs a grammar"):
+    with pytest.raises(ValueError, match="request 3: grammar must hold the regex, got an empty string"):
         request_from_pb(pb_request("", spb.GRAMMAR_TYPE_REGEX))
 
 

@@ -23,7 +23,7 @@ from text_generation_server.cli import main as cli
 from text_generation_server.launcher import process_exit, rank
 from text_generation_server.launcher import supervisor as launcher
 from text_generation_server.utils import logging_setup
-from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs
+from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPHS, ServeArgs, flag_of
 from text_generation_server.settings.serve_flags import (
     CUSTOM_KERNELS,
     TGI_ONLY_FLAGS,
@@ -136,6 +136,91 @@ ENV_CASES = {
 # flag: tests/test_auth_tls_unit.py::test_every_security_setting_reads_its_variable.
 SECURITY_FILE_VARIABLES = {"API_KEY_FILE", "API_KEY_PROTECTS_HEALTH", "TLS_CERT_PATH", "TLS_KEY_PATH",
                            "TLS_CLIENT_CA_PATH"}
+
+
+# -- the flag set: a contract -----------------------------------------------------------------------------
+# Every option of `serve` but the hidden TGI-only ones, in --help's order: (names, variables, default, hidden).
+# The options are built from the ServeArgs fields' declarations; this list is what users rely on.
+FLAG_SET = [
+    ("MODEL_DIR", None, None, False),
+    ("--model-id", "MODEL_ID", None, False),
+    ("--hostname", "HOSTNAME", "127.0.0.1", False),
+    ("--port", "PORT", 50051, False),
+    ("--metrics-port", "METRICS_PORT", 9000, False),
+    ("--prometheus-port", "PROMETHEUS_PORT", None, False),
+    ("--uds-path", "UDS_PATH", "/tmp/text-generation-server", False),
+    ("--shard-uds-path", "SHARD_UDS_PATH", None, False),
+    ("--metrics-hostname", "METRICS_HOSTNAME", None, False),
+    ("--api-key", "API_KEY", [], False),
+    ("--api-key-file", "API_KEY_FILE", None, False),
+    ("--api-key-protects-health", "API_KEY_PROTECTS_HEALTH", False, False),
+    ("--tls-cert-path", "TLS_CERT_PATH", None, False),
+    ("--tls-key-path", "TLS_KEY_PATH", None, False),
+    ("--tls-client-ca-path", "TLS_CLIENT_CA_PATH", None, False),
+    ("--num-shard", "NUM_SHARD", None, False),
+    ("--sharded", "SHARDED", None, False),
+    ("--quantize", "QUANTIZE", None, False),
+    ("--dtype", "DTYPE", None, False),
+    ("--device", "DEVICE", None, False),
+    ("--model-impl", "MODEL_IMPL", "auto", False),
+    ("--quantize-lm-head", "QUANTIZE_LM_HEAD", None, False),
+    ("--max-input-tokens", "MAX_INPUT_TOKENS", None, False),
+    ("--max-input-length", "MAX_INPUT_LENGTH", None, False),
+    ("--max-total-tokens", "MAX_TOTAL_TOKENS", None, False),
+    ("--max-stop-sequences", "MAX_STOP_SEQUENCES", 4, False),
+    ("--max-stop-sequence-length", "MAX_STOP_SEQUENCE_LENGTH", 256, False),
+    ("--max-top-n-tokens", "MAX_TOP_N_TOKENS", 5, False),
+    ("--max-input-chars", "MAX_INPUT_CHARS", 1000000, False),
+    ("--max-message-bytes", "MAX_MESSAGE_BYTES", 4194304, False),
+    ("--payload-limit", "PAYLOAD_LIMIT", None, False),
+    ("--max-concurrent-requests", "MAX_CONCURRENT_REQUESTS", 128, False),
+    ("--max-batch-prefill-tokens", "MAX_BATCH_PREFILL_TOKENS", None, False),
+    ("--max-batch-total-tokens", "MAX_BATCH_TOTAL_TOKENS", None, False),
+    ("--max-batch-size", "MAX_BATCH_SIZE", None, False),
+    ("--max-waiting-tokens", "MAX_WAITING_TOKENS", 20, False),
+    ("--waiting-served-ratio", "WAITING_SERVED_RATIO", 1.2, False),
+    ("--speculate", "SPECULATE", 0, False),
+    ("--block-size", "BLOCK_SIZE", 16, False),
+    ("--memory-fraction", "MEMORY_FRACTION", None, False),
+    ("--cuda-memory-fraction", "CUDA_MEMORY_FRACTION", 1.0, False),
+    ("--prefix-caching/--no-prefix-caching", "PREFIX_CACHING", True, False),
+    ("--use-prefix-caching/--no-use-prefix-caching", "USE_PREFIX_CACHING", None, True),
+    ("--cuda-graphs", "CUDA_GRAPHS", None, False),
+    ("--attention-backend", "ATTENTION_BACKEND", None, False),
+    ("--disable-custom-kernels", "DISABLE_CUSTOM_KERNELS", False, False),
+    ("--allow-dense-fallback", "ALLOW_DENSE_FALLBACK", False, False),
+    ("--disable-grammar-support", "DISABLE_GRAMMAR_SUPPORT", False, False),
+    ("--drain-timeout-s", "DRAIN_TIMEOUT_S", 60.0, False),
+    ("--graceful-termination-timeout", "GRACEFUL_TERMINATION_TIMEOUT", None, False),
+    ("--rank-stall-timeout-s", "RANK_STALL_TIMEOUT_S", 300.0, False),
+    ("--logger-level", ("LOGGER_LEVEL", "LOG_LEVEL"), "INFO", False),
+    ("--json-output", "JSON_OUTPUT", False, False),
+    ("--shard-only", "SHARD_ONLY", False, False),
+    ("--version", None, False, False),
+]
+
+
+def test_the_flag_set_is_pinned():
+    rows = []
+    for param in SERVE.params:
+        names = "/".join(param.opts + param.secondary_opts) if param.param_type_name == "option" else param.metavar
+        envvar = param.envvar if param.envvar is None or isinstance(param.envvar, str) else tuple(param.envvar)
+        rows.append((names, envvar, param.default, bool(getattr(param, "hidden", False))))
+    assert rows[:len(FLAG_SET)] == FLAG_SET
+    tgi_only = [(f.option, f.envvar if f.read_env else None, False if f.is_flag else None, True)
+                for f in TGI_ONLY_FLAGS]
+    assert rows[len(FLAG_SET):] == tgi_only
+
+
+def test_the_declarations_are_servearg_defaults_and_flags():
+    """Each ServeArgs field but `extra` declares its flag, and no flag given means the declared defaults."""
+    assert [f.name for f in dataclasses.fields(ServeArgs) if flag_of(f) is None] == ["extra"]
+    params = {p.name for p in SERVE.params}
+    assert {f.metadata["flag"].param or f.name for f in dataclasses.fields(ServeArgs) if flag_of(f)} <= params
+
+
+def test_no_flag_gives_the_declared_defaults(serve):
+    assert ok(serve()) == ServeArgs()
 
 
 @pytest.mark.parametrize("variable", sorted(ENV_CASES))

@@ -1,37 +1,12 @@
-"""The `text-generation-server` command line."""
+"""The `text-generation-server` command line: the app and its commands, each defined in the module
+of its role (cli/serve.py, cli/generate.py, cli/remote.py, cli/jobs.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import sys
-from importlib import metadata
-from pathlib import Path
-from typing import Any, List, Optional
-
 import typer
-from loguru import logger
 
-from text_generation_server.about import EMBEDDED_MODEL_ID, __version__
-from text_generation_server.settings.serve_args import ATTENTION_BACKENDS, MAX_SPECULATE, PORTABLE_ATTENTION_BACKEND, ServeArgs
-from text_generation_server.settings.serve_flags import (
-    CUSTOM_KERNELS,
-    TGI_ALIASES,
-    add_tgi_only_flags,
-    check_tgi_only_flags,
-    choose,
-    hostname_from_env,
-    is_loopback,
-    origin,
-    parse_api_keys,
-    parse_bool,
-    parse_cuda_graphs,
-    parse_log_level,
-    resolve_num_shard,
-)
-
-PACKAGE = "text-generation-server"
+from text_generation_server.cli import generate, jobs, remote, serve
+from text_generation_server.cli.common import version_option
 
 # Plain click help (rich_markup_mode=None): rich's tables cut long flag names ("--max-batch-pre…")
 # at 80 columns, where plain help wraps the text and keeps every name whole.
@@ -44,29 +19,12 @@ app = typer.Typer(
 )
 
 
-def package_version() -> str:
-    """The installed distribution's version; the source tree's when it is not installed."""
-    try:
-        return metadata.version(PACKAGE)
-    except metadata.PackageNotFoundError:
-        return __version__
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"{PACKAGE} {package_version()}")
-        raise typer.Exit(0)
-
-
 @app.callback()
-def main_options(
-    version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
-    ),
-) -> None:
+def main_options(version: bool = version_option()) -> None:
     """Serve, run, convert and quantize large language models."""
 
 
+<<<<<<< HEAD
 _LEVEL_HELP = "trace, debug, info, warning or error."
 _SHARD_SIZE_HELP = "Largest safetensors file written, in MB."
 
@@ -544,6 +502,15 @@ def serve(
     if shard_only:
         exit_process(run_shard(args, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), warnings))
     raise typer.Exit(launch(args, warnings=warnings))
+=======
+# In the order `--help` lists them.
+app.command()(generate.generate)
+app.command()(jobs.convert)
+app.command(epilog=serve.SERVE_EPILOG)(serve.serve)
+app.command()(remote.health)
+app.command()(jobs.quantize)
+app.command()(jobs.perplexity)
+>>>>>>> h3
 
 
 def serve_environment_variables() -> list[str]:
@@ -554,234 +521,6 @@ def serve_environment_variables() -> list[str]:
     for param in command.params:
         names.update([param.envvar] if isinstance(param.envvar, str) else param.envvar or ())
     return sorted(names)
-
-
-def serve_args_from_flags(ctx: typer.Context) -> tuple[ServeArgs, list[str]]:
-    """`serve`'s flags and environment as ServeArgs, with the warnings to log once logging is set up."""
-    params = ctx.params
-    warnings = check_tgi_only_flags(ctx)
-    chosen = {ours: choose(ctx, ours, tgi) for ours, tgi in TGI_ALIASES.items()}
-
-    hostname = params["hostname"]
-    if origin(ctx, "hostname").startswith("environment"):
-        address = hostname_from_env(hostname)
-        if address is None:
-            warnings.append(
-                f"HOSTNAME={hostname!r} is a host name (container runtimes set it), not an address: serving on "
-                f"{_SERVE_DEFAULTS.hostname}; pass --hostname 0.0.0.0 (or set HOSTNAME to an address) to listen "
-                "on every interface"
-            )
-        hostname = address or _SERVE_DEFAULTS.hostname
-    sharded = None if params["sharded"] is None else parse_bool(params["sharded"], origin(ctx, "sharded"))
-    device = params["device"]
-
-    def cuda_device_count() -> int:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-    num_shard = resolve_num_shard(sharded, params["num_shard"], device, cuda_device_count)
-    cuda_graphs = None
-    if params["cuda_graphs"] is not None:
-        cuda_graphs = parse_cuda_graphs(params["cuda_graphs"], origin(ctx, "cuda_graphs"))
-    if params["cuda_memory_fraction"] != 1.0 and device == "cpu":
-        warnings.append("--cuda-memory-fraction has no effect on CPU ranks")
-    args = ServeArgs(
-        model=chosen["model_dir"], hostname=hostname, port=params["port"], metrics_port=chosen["metrics_port"],
-        num_shard=num_shard, quantize=params["quantize"], dtype=params["dtype"], uds_path=chosen["uds_path"],
-        max_input_tokens=chosen["max_input_tokens"], max_total_tokens=params["max_total_tokens"],
-        max_batch_prefill_tokens=params["max_batch_prefill_tokens"],
-        max_batch_total_tokens=params["max_batch_total_tokens"], max_batch_size=params["max_batch_size"],
-        max_concurrent_requests=params["max_concurrent_requests"], max_stop_sequences=params["max_stop_sequences"],
-        max_stop_sequence_length=params["max_stop_sequence_length"], max_top_n_tokens=params["max_top_n_tokens"],
-        max_input_chars=params["max_input_chars"], max_message_bytes=chosen["max_message_bytes"],
-        block_size=params["block_size"], memory_fraction=params["memory_fraction"], device=device,
-        logger_level=parse_log_level(params["logger_level"], origin(ctx, "logger_level")),
-        json_output=params["json_output"], shard_only=params["shard_only"], drain_timeout_s=chosen["drain_timeout_s"],
-        max_waiting_tokens=params["max_waiting_tokens"], waiting_served_ratio=params["waiting_served_ratio"],
-        prefix_caching=choose(ctx, "prefix_caching", "use_prefix_caching"), cuda_graphs=cuda_graphs,
-        attention_backend=params["attention_backend"], disable_custom_kernels=params["disable_custom_kernels"],
-        allow_dense_fallback=params["allow_dense_fallback"], cuda_memory_fraction=params["cuda_memory_fraction"],
-        rank_stall_timeout_s=params["rank_stall_timeout_s"], model_impl=params["model_impl"],
-        speculate=params["speculate"],
-        quantize_lm_head=params["quantize_lm_head"], disable_grammar_support=params["disable_grammar_support"],
-        api_keys=_api_keys(ctx), api_key_file=params["api_key_file"],
-        api_key_protects_health=params["api_key_protects_health"], tls_cert_path=params["tls_cert_path"],
-        tls_key_path=params["tls_key_path"], tls_client_ca_path=params["tls_client_ca_path"],
-        metrics_hostname=params["metrics_hostname"],
-    )
-    args.validate()
-    if not args.shard_only:
-        warnings += check_security_files(args)
-    return dataclasses.replace(args, attention_backend=args.effective_attention_backend), warnings
-
-
-def _api_keys(ctx: typer.Context) -> list[str]:
-    """--api-key values, or API_KEY split on commas only: click splits a repeatable option's
-    variable on whitespace, which would turn a key with a space into two keys instead of an error."""
-    where = origin(ctx, "api_key")
-    values = ctx.params["api_key"]
-    if where.startswith("environment variable "):
-        values = [os.environ[where.removeprefix("environment variable ")]]
-    return parse_api_keys(values, where)
-
-
-def check_security_files(args: ServeArgs) -> list[str]:
-    """Reads the key file and the TLS files now, so a missing, empty or mismatched one is a
-    startup error naming it rather than a failure after warmup; returns warnings."""
-    warnings = []
-    if args.api_key_protects_health and not args.requires_api_key:  # here: the ranks' copy has no keys
-        raise ValueError("--api-key-protects-health needs --api-key or --api-key-file")
-    if args.requires_api_key or args.tls_cert_path is not None:
-        from text_generation_server.router.auth import api_keys
-        from text_generation_server.router.tls import load_tls, tls_files
-
-        api_keys(args)
-        files = tls_files(args)
-        if files is not None:
-            load_tls(files)
-    if args.requires_api_key and args.tls_cert_path is None and not is_loopback(args.hostname):
-        warnings.append(
-            f"API keys are checked on {args.hostname}, but the client API is plaintext: keys and prompts cross "
-            "the network readable; add --tls-cert-path/--tls-key-path or a TLS proxy"
-        )
-    return warnings
-
-
-def _serve_fail(message: str, ctx: typer.Context) -> None:
-    """A startup error as a log line when JSON logs were asked for (log collectors parse every
-    line), else as the plain `error:` line of every command."""
-    if ctx.params.get("json_output"):
-        from text_generation_server.utils.logging_setup import configure_logging
-
-        configure_logging("INFO", True, "launcher")
-        logger.error("{}", message)
-        logger.complete()
-        raise typer.Exit(2)
-    fail(message)
-
-
-@app.command()
-def health(
-    hostname: str = typer.Option("127.0.0.1", "--hostname", help="Address of the server's client gRPC API."),
-    port: int = typer.Option(_SERVE_DEFAULTS.port, "--port", min=1, max=65535, help="Port of the client gRPC API."),
-    service: str = typer.Option("", "--service", help="Service to check ('' is the whole server)."),
-    timeout_s: float = typer.Option(5.0, "--timeout-s", min=0.1, help="Give up (unhealthy) after this long."),
-    api_key: Optional[str] = _CLIENT_API_KEY,
-    api_key_file: Optional[str] = _CLIENT_API_KEY_FILE,
-    tls: bool = _CLIENT_TLS,
-    tls_ca_path: Optional[str] = _CLIENT_TLS_CA,
-    tls_client_cert_path: Optional[str] = _CLIENT_TLS_CERT,
-    tls_client_key_path: Optional[str] = _CLIENT_TLS_KEY,
-    tls_server_name: Optional[str] = _CLIENT_TLS_NAME,
-) -> None:
-    """Exit 0 when the server's grpc.health.v1 reports SERVING, else 1: a container HEALTHCHECK without grpcurl."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from text_generation_server.cli.client_channel import target as client_target
-
-    client = _client_options(api_key, api_key_file, tls, tls_ca_path, tls_client_cert_path, tls_client_key_path,
-                             tls_server_name)
-    target = client_target(hostname, port)
-    try:
-        with client.channel(target) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=client.metadata
-            )
-    except ValueError as exc:  # an unreadable TLS file
-        fail(str(exc))
-    except grpc.RpcError as exc:
-        fail(f"{target}: health check failed: {exc.code().name}: {exc.details()}", code=1)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    if resp.status != health_pb2.HealthCheckResponse.SERVING:
-        fail(f"{target}: {service or 'the server'} is {status}", code=1)
-    typer.echo(f"{target}: SERVING")
-
-
-@app.command()
-def quantize(
-    model: str = typer.Argument(..., metavar="MODEL", help=f"Dense checkpoint folder, or '{EMBEDDED_MODEL_ID}'."),
-    output_dir: Path = typer.Argument(..., metavar="OUTPUT_DIR", help="Where to write the GPTQ checkpoint."),
-    bits: int = typer.Option(4, "--bits", help="2, 3, 4 or 8."),
-    groupsize: int = typer.Option(128, "--groupsize", help="Input rows per scale group; -1 for per-channel."),
-    sym: bool = typer.Option(True, "--sym/--no-sym", help="Symmetric (implied zero point) or asymmetric grids."),
-    act_order: bool = typer.Option(False, "--act-order", help="Quantize columns by decreasing activation size."),
-    static_groups: bool = typer.Option(False, "--static-groups", help="With --act-order: groups fixed up front."),
-    percdamp: float = typer.Option(0.01, "--percdamp", help="Dampening, as a fraction of the mean diag(H)."),
-    true_sequential: bool = typer.Option(
-        True, "--true-sequential/--no-true-sequential",
-        help="Quantize q/k/v, o, gate/up, down in turn, each calibrated on the quantized ones before it.",
-    ),
-    dataset: Optional[Path] = typer.Option(
-        None, "--dataset", help="Calibration text: a .txt or .jsonl ('text' per line) file (default: the "
-        "stdlib corpus train split; no download).",
-    ),
-    nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples."),
-    seqlen: Optional[int] = typer.Option(
-        None, "--seqlen", help="Tokens per sample (default min(2048, max positions))."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed for choosing the calibration samples."),
-    method: str = typer.Option("gptq", "--method", help="gptq, or rtn (round-to-nearest, no calibration)."),
-    checkpoint_format: str = typer.Option("gptq", "--checkpoint-format", help="gptq (v1) or gptq_v2."),
-    modules_to_not_convert: List[str] = typer.Option(
-        [], "--modules-to-not-convert", help="Module names left dense (repeatable or comma-separated)."
-    ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT_DIR."),
-    max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1, help=_SHARD_SIZE_HELP),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    logger_level: str = typer.Option("INFO", "--logger-level", help=_LEVEL_HELP),
-) -> None:
-    """Quantize MODEL to GPTQ (or round-to-nearest) layer by layer and write OUTPUT_DIR."""
-    setup_logging(logger_level)
-    from text_generation_server.jobs.quantize.options import QuantizeOptions
-    from text_generation_server.jobs.quantize.pipeline import quantize as run_quantize
-
-    names = tuple(n.strip() for item in modules_to_not_convert for n in item.split(",") if n.strip())
-    options = QuantizeOptions(
-        bits=bits, group_size=groupsize, sym=sym, act_order=act_order, static_groups=static_groups,
-        percdamp=percdamp, true_sequential=true_sequential, method=method, checkpoint_format=checkpoint_format,
-        modules_to_not_convert=names, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed,
-        overwrite=overwrite, max_shard_bytes=max_shard_size_mb * 1024 * 1024, device=device,
-    )
-    try:
-        written = run_quantize(model, output_dir, options)
-    except ValueError as exc:  # CheckpointError, QuantizeError, DatasetError
-        fail(str(exc))
-    typer.echo(str(written))
-
-
-@app.command()
-def perplexity(
-    model: Optional[str] = typer.Argument(
-        None, metavar="MODEL", help=f"Checkpoint folder (quantized or not), or '{EMBEDDED_MODEL_ID}' (default)."
-    ),
-    dataset: Optional[Path] = typer.Option(
-        None, "--dataset", help="A .txt or .jsonl ('text' per line) file (default: the stdlib corpus held-out split)."
-    ),
-    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Window length (default min(max positions, 512))."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Score at most the first N tokens."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16."),
-    quantize_flag: Optional[str] = typer.Option(
-        None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
-    ),
-    json_output: bool = typer.Option(False, "--json", help='Print {"perplexity": ..., "tokens": ...} as JSON.'),
-    logger_level: str = typer.Option("WARNING", "--logger-level", help=_LEVEL_HELP),
-) -> None:
-    """Perplexity of MODEL on a text file (every token after each window's first is scored)."""
-    setup_logging(logger_level)
-    from text_generation_server.jobs.perplexity import perplexity as run_perplexity
-
-    try:
-        result = run_perplexity(model, dataset, seqlen=seqlen, max_tokens=max_tokens, dtype=dtype,
-                                quantize=quantize_flag)
-    except ValueError as exc:
-        fail(str(exc))
-    if json_output:
-        typer.echo(json.dumps(result.to_json()))
-    else:
-        typer.echo(f"perplexity {result.perplexity:.4f} over {result.tokens} tokens "
-                   f"({result.windows} windows of up to {result.seqlen})")
 
 
 def main() -> None:

@@ -15,12 +15,18 @@ import threading
 import torch
 from tokenizers import Tokenizer
 
+from text_generation_server.generation import request_fields
 from text_generation_server.generation.detokenize import IncrementalDetokenizer
-from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarMatcher, PendingMasks
+from text_generation_server.generation.grammar import GrammarCompiler, GrammarMatcher, PendingMasks
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
 from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.engine.types import GenerationRequest, RequestError
+
+
+def request_error(request_id: int, exc: request_fields.InvalidField) -> RequestError:
+    """A field's validator refusing a request, as the shard reports it (INVALID_ARGUMENT)."""
+    return RequestError(f"request {request_id}: {exc.shard_message()}")
 
 
 class BatchBuilder:
@@ -98,13 +104,18 @@ class BatchBuilder:
             ids = self.tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens).ids
         if request.truncate and len(ids) > request.truncate:
             ids = ids[-request.truncate:]
-        if not ids:
-            raise RequestError(f"request {request.id}: inputs tokenize to zero tokens")
+        try:
+            request_fields.input_length(len(ids))
+        except request_fields.InvalidField as exc:
+            raise request_error(request.id, exc) from None
         return ids
 
     def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch:
         """Tokenizes and validates new requests, and gives them KV blocks and slots.
 
+        This is where a request enters the engine, from a shard's Prefill (a TGI router's or
+        ours) or from `CausalLM.generate`: each field is checked here by its validator
+        (generation/request_fields.py), as the client API checks it, and by nothing downstream.
         Every rejection is a RequestError naming the request and field: the caller's input
         was wrong, and nothing (no block) has been taken yet.
         """
@@ -118,27 +129,17 @@ class BatchBuilder:
             if req.id in ids_seen:
                 raise RequestError(f"request id {req.id} appears twice in the batch")
             ids_seen.add(req.id)
-            if req.max_new_tokens < 1:
-                raise RequestError(f"request {req.id}: max_new_tokens must be >= 1")
-            if req.top_n_tokens < 0 or req.top_n_tokens > self._vocab_size:
-                raise RequestError(f"request {req.id}: top_n_tokens must be between 0 and {self._vocab_size}")
             try:
-                req.sampling.validate()
-            except ValueError as exc:
-                raise RequestError(f"request {req.id}: {exc}") from exc
-            matcher = self._matcher(req)
-            prompt = self.tokenize(req)
+                matcher, prompt = self._checked(req)
+            except request_fields.InvalidField as exc:
+                raise request_error(req.id, exc) from None
             if max(prompt) >= self._vocab_size or min(prompt) < 0:
                 bad = max(prompt) if max(prompt) >= self._vocab_size else min(prompt)
                 raise RequestError(
                     f"request {req.id}: token id {bad} is outside the model's vocabulary of {self._vocab_size}"
                 )
             total = len(prompt) + req.max_new_tokens
-            if total > self.max_context:
-                raise RequestError(
-                    f"request {req.id}: {len(prompt)} input tokens + max_new_tokens {req.max_new_tokens} = {total} "
-                    f"exceeds the model's {self.context_name}"
-                )
+            # The fields only the shard protocol has (cache_len, chunk_len, the router's blocks and slots):
             if req.cache_len:
                 if not req.blocks:
                     raise RequestError(f"request {req.id}: cache_len {req.cache_len} needs the blocks that hold it")
@@ -182,15 +183,19 @@ class BatchBuilder:
             block_tables=block_tables.to(self.device),
         )
 
-    def _matcher(self, req: GenerationRequest) -> GrammarMatcher | None:
-        """The request's grammar matcher (a copy of the cached compiled grammar), or a RequestError
-        naming the request and the grammar's problem, before any block is taken."""
-        if req.sampling.grammar is None:
-            return None
-        try:
-            return self.grammars.matcher(req.sampling.grammar)
-        except GrammarError as exc:
-            raise RequestError(f"request {req.id}: grammar: {exc}") from exc
+    def _checked(self, req: GenerationRequest) -> tuple[GrammarMatcher | None, list[int]]:
+        """The request's fields by their validators; its grammar matcher (a copy of the cached
+        compiled grammar) and its prompt's ids. InvalidField before any block is taken."""
+        request_fields.top_n_tokens(req.top_n_tokens, self._vocab_size)
+        req.sampling.validate()
+        request_fields.stop(req.stop_sequences)
+        matcher = None
+        if req.sampling.grammar is not None:
+            matcher = request_fields.compiled_grammar(req.sampling.grammar, self.grammars.matcher)
+        prompt = self.tokenize(req)
+        request_fields.max_new_tokens(req.max_new_tokens, len(prompt), self.max_context,
+                                      f"the model's {self.context_name}")
+        return matcher, prompt
 
     def _check_router_kv(self, req: GenerationRequest, total: int) -> None:
         """Validates router-provided blocks and slots before any block is allocated, so a bad
@@ -222,14 +227,9 @@ class BatchBuilder:
                     )
 
     def _assign_blocks(self, req: GenerationRequest, prompt: list[int], total: int) -> RequestState:
-        # Everything that can reject the request runs before blocks are taken: a block
-        # allocated here and then dropped by an exception would be lost for good.
-        try:
-            stopping = StoppingCriteria(
-                self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token
-            )
-        except ValueError as exc:
-            raise RequestError(f"request {req.id}: {exc}") from exc
+        # Everything that can fail runs before blocks are taken: a block allocated here and
+        # then dropped by an exception would be lost for good.
+        stopping = StoppingCriteria(self.eos_token_ids, req.stop_sequences, req.max_new_tokens, req.ignore_eos_token)
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         if req.blocks:  # validated by _check_router_kv
             blocks, owns = list(req.blocks), False

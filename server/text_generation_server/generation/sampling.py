@@ -19,9 +19,9 @@ import torch
 from loguru import logger
 from torch import Tensor
 
+from text_generation_server.generation import request_fields
 from text_generation_server.generation.grammar import GrammarMatcher, GrammarSpec, PendingMasks, apply_masks
 
-MAX_SEED = 2**64 - 1  # seeds travel as uint64 on the wire
 # Rows of [L, V] log-softmax computed at once by prefill_logprobs; bounds its memory.
 _PREFILL_CHUNK_ELEMENTS = 1 << 24
 
@@ -43,34 +43,21 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
-        """Fail early with the offending field, rather than with NaNs deep inside a batch."""
-
-        def bad(field: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
-
-        def real(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-        if not real(self.temperature) or self.temperature <= 0:
-            raise bad("temperature", "a finite number > 0")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0 (0 disables it)")
-        if not real(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1] (1 disables it)")
-        if not real(self.typical_p) or not 0 < self.typical_p <= 1:
-            raise bad("typical_p", "in (0, 1] (1 disables it)")
-        if not isinstance(self.do_sample, bool):
-            raise bad("do_sample", "a bool")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED
-        ):
-            raise bad("seed", f"None or an integer in [0, {MAX_SEED}]")
-        if not real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a finite number > 0 (1 disables it)")
-        if not real(self.frequency_penalty):
-            raise bad("frequency_penalty", "a finite number (0 disables it)")
+        """Each field by its request-field validator (generation/request_fields.py), as a shard checks
+        a request: fail early naming the field, rather than with NaNs deep inside a batch. top_k 0
+        and seed None are unset."""
+        request_fields.temperature(self.temperature)
+        if self.top_k != 0:
+            request_fields.top_k(self.top_k)
+        request_fields.top_p(self.top_p)
+        request_fields.typical_p(self.typical_p)
+        request_fields.do_sample(self.do_sample)
+        if self.seed is not None:
+            request_fields.seed(self.seed)
+        request_fields.repetition_penalty(self.repetition_penalty)
+        request_fields.frequency_penalty(self.frequency_penalty)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise bad("grammar", "None or a GrammarSpec")
+            raise request_fields.InvalidField("grammar", f" must be None or a GrammarSpec, got {self.grammar!r}")
 
     def with_tgi_sampling(self) -> "SamplingParams":
         """These parameters as TGI's shard would run them: sampling whenever a warper is set.
@@ -225,13 +212,9 @@ class HeterogeneousNextTokenChooser:
 
     def __init__(self, params: list[SamplingParams], device: torch.device,
                  matchers: Sequence[GrammarMatcher | None] | None = None) -> None:
-        """matchers: one per row, compiled from the row's `grammar` (GrammarCompiler.matcher);
+        """params: validated already, where the request entered (SamplingParams.validate).
+        matchers: one per row, compiled from the row's `grammar` (GrammarCompiler.matcher);
         None where the row has none. Omitted: no row may have a grammar."""
-        for index, row in enumerate(params):
-            try:
-                row.validate()
-            except ValueError as error:
-                raise ValueError(f"request {index} in batch: {error}") from error
         if matchers is None:
             matchers = [None] * len(params)
         if len(matchers) != len(params):

@@ -22,6 +22,9 @@ class StoppingCriteria:
     reporting the token the model actually chose is more useful to clients and
     changes nothing about when generation ends.) Stop-sequence text stays in the
     output, as in TGI.
+
+    max_new_tokens and stop_sequences were validated where the request entered
+    (generation/request_fields.py); they are not checked again here.
     """
 
     def __init__(
@@ -31,11 +34,6 @@ class StoppingCriteria:
         max_new_tokens: int,
         ignore_eos_token: bool = False,
     ) -> None:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        for index, stop in enumerate(stop_sequences):
-            if not isinstance(stop, str) or not stop:
-                raise ValueError(f"stop_sequences[{index}] must be a non-empty string, got {stop!r}")
         for token in eos_token_ids:
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"eos_token_ids must hold token ids >= 0, got {token!r}")

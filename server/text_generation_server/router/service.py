@@ -26,6 +26,7 @@ from text_generation_server.generation.chat_template import (
     ChatTemplateMissing,
     load_chat_template,
 )
+from text_generation_server.generation import request_fields
 from text_generation_server.generation.grammar import GrammarCompiler
 from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
@@ -227,11 +228,10 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                 yield msg
 
     async def Tokenize(self, request, context):
-        if len(request.inputs) > self.limits.max_input_chars:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"inputs has {len(request.inputs)} characters, more than the limit of {self.limits.max_input_chars}",
-            )
+        try:
+            request_fields.inputs(request.inputs, self.limits.max_input_chars, allow_empty=True)
+        except request_fields.InvalidField as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.client_message())
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         enc = await asyncio.to_thread(self.tokenizer.encode, request.inputs, add_special_tokens=add)
         tokens = [

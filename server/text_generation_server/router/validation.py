@@ -2,18 +2,19 @@
 
 Every rejection is a `ValidationError` whose message starts with the field name,
 so a client can tell exactly what to change; the service answers INVALID_ARGUMENT.
-Ranges follow TGI's HTTP API.
+Ranges follow TGI's HTTP API. Each field is checked by its validator in
+generation/request_fields.py, the one a shard calls for a request from a TGI router.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
+from text_generation_server.generation import request_fields
+from text_generation_server.generation.grammar import GrammarCompiler, GrammarSpec
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
@@ -78,19 +79,6 @@ class ValidRequest:
         return request
 
 
-def _positive_float(p: cpb.GenerateParameters, name: str, upper: float | None = None,
-                    upper_inclusive: bool = True) -> float | None:
-    if not p.HasField(name):
-        return None
-    value = getattr(p, name)
-    if not (value > 0 and math.isfinite(value)):  # NaN fails `> 0`; inf would silently flatten or zero logits
-        raise ValidationError(f"parameters.{name} must be a finite number > 0, got {value}")
-    if upper is not None and (value > upper if upper_inclusive else value >= upper):
-        bound = f"<= {upper}" if upper_inclusive else f"< {upper}"
-        raise ValidationError(f"parameters.{name} must be {bound}, got {value}")
-    return value
-
-
 def _grammar(p: cpb.GenerateParameters, grammars: GrammarCompiler | None) -> GrammarSpec | None:
     """The request's grammar, compiled here so that an invalid one never reaches a shard (the
     compiled grammar is cached, so this costs a lookup for schemas seen before)."""
@@ -99,18 +87,9 @@ def _grammar(p: cpb.GenerateParameters, grammars: GrammarCompiler | None) -> Gra
     if grammars is None:
         raise ValidationError(f"parameters.grammar: {GRAMMAR_DISABLED}")
     g = p.grammar
-    if g.type not in (cpb.GRAMMAR_TYPE_JSON, cpb.GRAMMAR_TYPE_REGEX):
-        raise ValidationError(
-            f"parameters.grammar.type must be GRAMMAR_TYPE_JSON or GRAMMAR_TYPE_REGEX, got "
-            f"{cpb.GrammarType.Name(g.type) if g.type in cpb.GrammarType.values() else g.type}"
-        )
-    spec = GrammarSpec(GrammarType(g.type), g.value)
-    if not g.value:
-        raise ValidationError(f"parameters.grammar.value must hold the {spec.describe()}, got an empty string")
-    try:
-        grammars.compile(spec)
-    except GrammarError as exc:
-        raise ValidationError(f"parameters.grammar.value: {exc}") from None
+    type_name = cpb.GrammarType.Name(g.type) if g.type in cpb.GrammarType.values() else str(g.type)
+    spec = request_fields.grammar(g.type, g.value, type_name)
+    request_fields.compiled_grammar(spec, grammars.compile)
     return spec
 
 
@@ -121,38 +100,30 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
     grammars: the tokenizer's compiler, which checks a request's grammar; None refuses any
     grammar (--disable-grammar-support). add_special_tokens: False for a prompt rendered by
     a chat template, which holds its special tokens already."""
-    inputs = request.inputs
-    if not inputs:
-        raise ValidationError("inputs must not be empty")
-    if len(inputs) > limits.max_input_chars:
-        raise ValidationError(f"inputs has {len(inputs)} characters, more than the limit of {limits.max_input_chars}")
+    try:
+        return _validate(request, tokenizer, limits, grammars, add_special_tokens)
+    except request_fields.InvalidField as exc:
+        raise ValidationError(exc.client_message()) from None
+
+
+def _validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
+              grammars: GrammarCompiler | None, add_special_tokens: bool) -> ValidRequest:
+    # Each field by its validator (generation/request_fields.py), which a shard calls too; an
+    # unset optional field keeps the shard's default.
+    inputs = request_fields.inputs(request.inputs, limits.max_input_chars)
     p = request.parameters
-    temperature = _positive_float(p, "temperature")
-    top_p = _positive_float(p, "top_p", 1.0)
-    typical_p = _positive_float(p, "typical_p", 1.0)
-    repetition_penalty = _positive_float(p, "repetition_penalty")
-    frequency_penalty = 0.0
-    if p.HasField("frequency_penalty"):
-        frequency_penalty = p.frequency_penalty
-        if not -2.0 <= frequency_penalty <= 2.0:
-            raise ValidationError(f"parameters.frequency_penalty must be in [-2, 2], got {frequency_penalty}")
-    top_k = 0
-    if p.HasField("top_k"):
-        if p.top_k < 1:
-            raise ValidationError(f"parameters.top_k must be >= 1, got {p.top_k}")
-        top_k = p.top_k
-    if p.HasField("top_n_tokens") and p.top_n_tokens > limits.max_top_n_tokens:
-        raise ValidationError(f"parameters.top_n_tokens must be <= {limits.max_top_n_tokens}, got {p.top_n_tokens}")
-    stop = list(p.stop)
-    if len(stop) > limits.max_stop_sequences:
-        raise ValidationError(f"parameters.stop has {len(stop)} sequences, at most {limits.max_stop_sequences} allowed")
-    for s in stop:
-        if not s:
-            raise ValidationError("parameters.stop must not contain an empty sequence")
-        if len(s) > limits.max_stop_sequence_length:
-            raise ValidationError(
-                f"parameters.stop has a sequence of {len(s)} characters, at most {limits.max_stop_sequence_length}"
-            )
+
+    def given(name: str, check):
+        return check(getattr(p, name)) if p.HasField(name) else None
+
+    temperature = given("temperature", request_fields.temperature)
+    top_p = given("top_p", request_fields.top_p)
+    typical_p = given("typical_p", request_fields.typical_p)
+    repetition_penalty = given("repetition_penalty", request_fields.repetition_penalty)
+    frequency_penalty = given("frequency_penalty", request_fields.frequency_penalty)
+    top_k = given("top_k", request_fields.top_k) or 0
+    top_n_tokens = given("top_n_tokens", lambda n: request_fields.top_n_tokens(n, limits.max_top_n_tokens)) or 0
+    stop = request_fields.stop(p.stop, limits.max_stop_sequences, limits.max_stop_sequence_length)
     details = p.details if p.HasField("details") else False
     decoder_input_details = p.decoder_input_details if p.HasField("decoder_input_details") else False
     if decoder_input_details and not details:
@@ -162,41 +133,20 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
         or (top_p is not None and top_p < 1.0) or (typical_p is not None and typical_p < 1.0)
     )
     do_sample = p.do_sample if p.HasField("do_sample") else sampling_implied
-    seed = p.seed if p.HasField("seed") else random.getrandbits(63)
-
-    truncate = None
-    if p.HasField("truncate"):
-        if p.truncate < 1:
-            raise ValidationError(f"parameters.truncate must be >= 1, got {p.truncate}")
-        if p.truncate > limits.max_input_tokens:
-            raise ValidationError(
-                f"parameters.truncate must be <= max_input_tokens ({limits.max_input_tokens}), got {p.truncate}"
-            )
-        truncate = p.truncate
+    seed = given("seed", request_fields.seed)
+    if seed is None:
+        seed = random.getrandbits(63)
+    truncate = given("truncate", lambda t: request_fields.truncate(t, limits.max_input_tokens))
     grammar = _grammar(p, grammars)
     ids = tokenizer.encode(inputs, add_special_tokens=add_special_tokens).ids
     if truncate is not None and len(ids) > truncate:
         ids = ids[-truncate:]  # keep the end, as the shards do
-    length = len(ids)
-    if length == 0:
-        raise ValidationError("inputs tokenize to zero tokens")
-    if length > limits.max_input_tokens:
-        raise ValidationError(
-            f"inputs has {length} tokens, more than max_input_tokens ({limits.max_input_tokens}); "
-            "shorten it or set parameters.truncate"
-        )
+    length = request_fields.input_length(len(ids), limits.max_input_tokens)
     room = limits.max_total_tokens - length
+    max_new_tokens = room
     if p.HasField("max_new_tokens"):
-        if p.max_new_tokens < 1:
-            raise ValidationError(f"parameters.max_new_tokens must be >= 1, got {p.max_new_tokens}")
-        if p.max_new_tokens > room:
-            raise ValidationError(
-                f"parameters.max_new_tokens ({p.max_new_tokens}) + {length} input tokens exceeds "
-                f"max_total_tokens ({limits.max_total_tokens})"
-            )
-        max_new_tokens = p.max_new_tokens
-    else:
-        max_new_tokens = room
+        max_new_tokens = request_fields.max_new_tokens(p.max_new_tokens, length, limits.max_total_tokens,
+                                                       f"max_total_tokens ({limits.max_total_tokens})")
     if not do_sample:
         # Shards (TGI semantics) sample whenever a warper is set: greedy means neutral warpers.
         temperature, top_k, top_p, typical_p = None, 0, None, None
@@ -208,7 +158,7 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
         do_sample=do_sample,
         seed=seed,
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
-        frequency_penalty=frequency_penalty,
+        frequency_penalty=frequency_penalty if frequency_penalty is not None else 0.0,
         # generate.v3's GrammarType has the same numbers as ours (GrammarType's values)
         grammar=grammar.value if grammar is not None else "",
         grammar_type=spb.GrammarType.Name(grammar.type.value) if grammar is not None else "GRAMMAR_TYPE_NONE",
@@ -223,7 +173,7 @@ def validate(request: cpb.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
         stop=stop,
         details=details,
         decoder_input_details=decoder_input_details,
-        top_n_tokens=p.top_n_tokens if p.HasField("top_n_tokens") else 0,
+        top_n_tokens=top_n_tokens,
         ignore_eos_token=p.ignore_eos_token if p.HasField("ignore_eos_token") else False,
         add_special_tokens=add_special_tokens,
     )

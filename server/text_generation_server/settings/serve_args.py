@@ -1,4 +1,10 @@
-"""The settings of `serve`, shared by the launcher, the router and the shard processes."""
+"""The settings of `serve`, shared by the launcher, the router and the shard processes.
+
+Each setting is declared once, as a field of ServeArgs whose `setting(...)` holds its flag: help,
+environment variables, TGI's name, the command line's type and default where they differ, how a
+command-line value becomes the setting (`parse`) and the setting's rule (`check`). The `serve`
+command's options are built from these fields (cli/serve.py), in this order, which is --help's.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,16 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from text_generation_server.about import EMBEDDED_MODEL_ID
+from text_generation_server.settings.serve_flags import (
+    CUSTOM_KERNELS,
+    api_keys_given,
+    parse_bool,
+    parse_cuda_graphs,
+    parse_log_level,
+)
 
 # Attention implementations a rank can be asked for; None picks one for the device.
 ATTENTION_BACKENDS = ("triton-paged", "torch-sdpa")
@@ -23,80 +39,280 @@ DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 # position costs a token of compute.
 MAX_SPECULATE = 8
 
+FLAG = "flag"  # the metadata key of a field's Flag
+AS_SETTING = object()  # Flag.option_default: the command line's default is the setting's
 
-@dataclass
+
+@dataclass(frozen=True)
+class Flag:
+    """How one setting is given to `serve`: an option (or the MODEL_DIR argument), also read from
+    the environment, as TGI's launcher reads every flag (by default from the option's name in
+    upper snake case: --max-total-tokens, MAX_TOTAL_TOKENS)."""
+
+    help: str
+    tgi: str | None = None  # TGI's name for the setting: another option, read from its own variable
+    tgi_older: bool = False  # TGI's name is an older one, hidden from --help
+    env: tuple[str, ...] = ()  # the variables read, first wins; () = the option's name
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()  # the values allowed (None too, where that is the default); the metavar
+    option_type: Any = None  # the command line's type where the setting's differs (then `parse` converts)
+    option_default: Any = AS_SETTING
+    parse: Callable[[Any, str], Any] | None = None  # (command-line value, where it came from) -> the setting
+    check: Callable[[str, Any], None] | None = None  # (option, the setting) -> None, or ValueError naming it
+    argument: str | None = None  # positional, under this name, instead of an option
+    param: str | None = None  # the command's parameter where it is not the field's name
+    companions: tuple["Flag", ...] = ()  # options read together with this one into the setting (--sharded)
+
+
+def setting(default: Any, help: str, *, repr: bool = True, **flag: Any) -> Any:
+    """A ServeArgs field with its flag (Flag's fields as keywords)."""
+    metadata = {FLAG: Flag(help, **flag)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), repr=repr, metadata=metadata)
+    return field(default=default, repr=repr, metadata=metadata)
+
+
+def flag_of(item: dataclasses.Field) -> Flag | None:
+    """The field's flag; None for a setting no flag sets."""
+    return item.metadata.get(FLAG)
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- the rules of single settings: (option, value) -> None, or a ValueError naming the option ----------
+def _at_least_1(option: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{option} must be >= 1, got {value}")
+
+
+def _tcp_port(option: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{option} must be a TCP port (0-65535), got {value}")
+
+
+def _request_limit(option: str, value: int) -> None:
+    if value < 0:
+        raise ValueError("--max-stop-sequences and --max-top-n-tokens must be >= 0")
+
+
+def _share(option: str, value: float | None) -> None:
+    if value is not None and (not _real(value) or not 0 < value <= 1):
+        raise ValueError(f"{option} must be in (0, 1], got {value}")
+
+
+def _device(option: str, value: str | None) -> None:
+    if value not in (None, "cpu", "cuda"):
+        raise ValueError(f"{option} must be cpu or cuda, got {value}")
+
+
+def _number_at_least_0(option: str, value: float) -> None:
+    if not _real(value) or value < 0:
+        raise ValueError(f"{option} must be a number >= 0, got {value}")
+
+
+def _number_above_0(option: str, value: float) -> None:
+    if not _real(value) or value <= 0:
+        raise ValueError(f"{option} must be a number > 0, got {value}")
+
+
+def _integer_at_least_0(option: str, value: int) -> None:
+    if not _integer(value) or value < 0:
+        raise ValueError(f"{option} must be an integer >= 0, got {value}")
+
+
+def _speculate(option: str, value: int) -> None:
+    if not _integer(value) or not 0 <= value <= MAX_SPECULATE:
+        raise ValueError(f"{option} must be an integer from 0 to {MAX_SPECULATE}, got {value!r}")
+
+
+def _cuda_graphs(option: str, graphs: list[int] | None) -> None:
+    if graphs is None:
+        return
+    if not isinstance(graphs, list) or not all(_integer(b) and b > 0 for b in graphs) or any(
+        a >= b for a, b in zip(graphs, graphs[1:])
+    ):
+        raise ValueError(f"{option} must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}")
+
+
+def check_choice(option: str, value: str | None, choices: tuple[str, ...]) -> None:
+    """Flag.choices' rule (None is allowed: the flag's default where it has one)."""
+    if value is not None and value not in choices:
+        raise ValueError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(kw_only=True)
 class ServeArgs:
-    model: str | None = None
-    hostname: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9000
-    num_shard: int = 1
-    quantize: str | None = None
-    dtype: str | None = None
-    uds_path: str = "/tmp/text-generation-server"
-    max_input_tokens: int | None = None
-    max_total_tokens: int | None = None
-    max_batch_prefill_tokens: int | None = None
-    max_batch_total_tokens: int | None = None
-    max_batch_size: int | None = None
-    max_concurrent_requests: int = 128
-    max_stop_sequences: int = 4
-    max_stop_sequence_length: int = 256
-    max_top_n_tokens: int = 5
-    max_input_chars: int = 1_000_000
-    max_message_bytes: int = 4 * 2**20
-    block_size: int = 16
-    memory_fraction: float | None = None  # of free memory for the KV cache; None = 0.1 on CPU, 0.9 on CUDA
-    device: str | None = None  # "cpu" or "cuda"; None = cuda when available
-    logger_level: str = "INFO"
-    json_output: bool = False
-    shard_only: bool = False
-    drain_timeout_s: float = 60.0
-    # Scheduler: a waiting request joins the running batch (pausing it for a prefill) once it
-    # has waited max_waiting_tokens decode steps, or as soon as waiting/running requests
-    # exceed waiting_served_ratio (TGI's knobs and defaults).
-    max_waiting_tokens: int = 20
-    waiting_served_ratio: float = 1.2
-    prefix_caching: bool = True
-    cuda_graphs: list[int] | None = None  # batch sizes to capture; None = DEFAULT_CUDA_GRAPHS, [] = none
-    attention_backend: str | None = None  # one of ATTENTION_BACKENDS; None = chosen for the device
-    disable_custom_kernels: bool = False  # no Triton/custom CUDA kernels (TGS_DISABLE_KERNELS in the ranks)
-    allow_dense_fallback: bool = False  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
-    cuda_memory_fraction: float = 1.0  # cap on each rank's CUDA allocations, as a share of total GPU memory
-    rank_stall_timeout_s: float = 300.0  # a rank whose model call runs longer is reported unhealthy
-    model_impl: str = "auto"  # auto | native | transformers (models.MODEL_IMPLS)
-    speculate: int = 0  # n-gram tokens proposed per request and decode step (TGI's --speculate); 0: none
-    quantize_lm_head: str | None = None  # "int8": a dense lm_head runs as per-row int8
-    disable_grammar_support: bool = False  # requests with parameters.grammar are refused (TGI's flag)
-    # Who may call the client API (router/auth.py, router/tls.py). The keys never leave the
+    model: str | None = setting(
+        None, f"Checkpoint folder, or '{EMBEDDED_MODEL_ID}' (the embedded default); or --model-id / MODEL_ID.",
+        argument="MODEL_DIR", param="model_dir", tgi="model_id",
+    )
+    # -- network
+    hostname: str = setting(
+        "127.0.0.1", "Address of the client gRPC API. HOSTNAME is used only when it holds an address "
+        "(container runtimes set it to a host name).",
+    )
+    port: int = setting(50051, "Port of the client gRPC API.", check=_tcp_port)
+    metrics_port: int = setting(9000, "Prometheus /metrics port.", tgi="prometheus_port", check=_tcp_port)
+    uds_path: str = setting("/tmp/text-generation-server", "Shard sockets are {uds_path}-{rank}.",
+                            tgi="shard_uds_path")
+    metrics_hostname: str | None = setting(  # None = where the client API listens (hostname)
+        None, "Address of /metrics (default: --hostname's). It is plain HTTP.",
+    )
+    # -- who may call the client API (router/auth.py, router/tls.py). The keys never leave the
     # launcher: repr hides them and to_json (the ranks' copy) drops them.
-    api_keys: list[str] = field(default_factory=list, repr=False)
-    api_key_file: str | None = None  # one key per line, re-read when it changes
-    api_key_protects_health: bool = False  # health and reflection need a key too
-    tls_cert_path: str | None = None
-    tls_key_path: str | None = None
-    tls_client_ca_path: str | None = None  # mutual TLS: client certificates must chain to this CA
-    metrics_hostname: str | None = None  # None = where the client API listens (hostname)
+    api_keys: list[str] = setting(
+        [], "Calls must send metadata 'authorization: Bearer KEY' (repeatable; API_KEY may hold several, "
+        "comma-separated, to rotate keys).", repr=False, param="api_key", metavar="KEY", parse=api_keys_given,
+    )
+    api_key_file: str | None = setting(  # one key per line, re-read when it changes
+        None, "API keys, one per line; re-read when it changes or on SIGHUP.",
+    )
+    api_key_protects_health: bool = setting(  # health and reflection need a key too
+        False, "Health and reflection need the key too (default: open, for probes).",
+    )
+    tls_cert_path: str | None = setting(
+        None, "PEM certificate chain: the client API speaks TLS. Re-read when it changes or on SIGHUP.",
+    )
+    tls_key_path: str | None = setting(None, "PEM private key of --tls-cert-path (unencrypted).")
+    tls_client_ca_path: str | None = setting(  # mutual TLS: client certificates must chain to this CA
+        None, "PEM CA certificates: clients must present a certificate they signed (mutual TLS).",
+    )
+    # -- model and ranks
+    num_shard: int = setting(
+        1, "Tensor-parallel ranks (default 1).", option_default=None, check=_at_least_1,
+        companions=(Flag(
+            "TGI's switch: true runs one rank per visible GPU (or --num-shard ranks), false one rank.",
+            param="sharded", metavar="true|false", option_type=Optional[str], option_default=None, parse=parse_bool,
+        ),),
+    )
+    quantize: str | None = setting(None, "Quantization method (default: from the checkpoint).")
+    dtype: str | None = setting(None, "float32, float16 or bfloat16.")
+    device: str | None = setting(  # None = cuda when available
+        None, "cpu or cuda (default: cuda when available).", check=_device,
+    )
+    model_impl: str = setting(
+        "auto", "auto: this server's implementation of the family, else transformers' modeling code over its "
+        "paged cache; native refuses other types; transformers always takes the latter.", choices=MODEL_IMPLS,
+    )
+    quantize_lm_head: str | None = setting(  # "int8": a dense lm_head runs as per-row int8
+        None, "Run a dense lm_head as per-row int8 (the head is a small model's largest matrix and decode "
+        "reads it every step). Default: as the checkpoint stores it.", choices=LM_HEAD_QUANTIZATIONS,
+    )
+    # -- request limits
+    max_input_tokens: int | None = setting(
+        None, "Longest prompt in tokens (default: --max-total-tokens - 1).", tgi="max_input_length",
+        check=_at_least_1,
+    )
+    max_total_tokens: int | None = setting(
+        None, "Longest prompt + generation in tokens (default: min(max positions, 4096)).", check=_at_least_1,
+    )
+    max_stop_sequences: int = setting(4, "Most stop sequences per request.", check=_request_limit)
+    max_stop_sequence_length: int = setting(256, "Longest stop sequence, in characters.", check=_at_least_1)
+    max_top_n_tokens: int = setting(5, "Most alternative tokens a request may ask for per step.",
+                                    check=_request_limit)
+    max_input_chars: int = setting(1_000_000, "Longest prompt in characters, checked before tokenizing.",
+                                   check=_at_least_1)
+    max_message_bytes: int = setting(4 * 2**20, "Largest gRPC request accepted, in bytes.", tgi="payload_limit",
+                                     check=_at_least_1)
+    # -- batching and scheduling. A waiting request joins the running batch (pausing it for a
+    # prefill) once it has waited max_waiting_tokens decode steps, or as soon as waiting/running
+    # requests exceed waiting_served_ratio (TGI's knobs and defaults).
+    max_concurrent_requests: int = setting(
+        128, "Requests in flight before new ones are refused (RESOURCE_EXHAUSTED).", check=_at_least_1,
+    )
+    max_batch_prefill_tokens: int | None = setting(
+        None, "Most prompt tokens in one prefill (default: --max-input-tokens + 50).", check=_at_least_1,
+    )
+    max_batch_total_tokens: int | None = setting(
+        None, "Most tokens (prompts + generations) in a running batch (default: what the KV cache holds).",
+        check=_at_least_1,
+    )
+    max_batch_size: int | None = setting(None, "Most requests in a running batch (default: no limit).",
+                                         check=_at_least_1)
+    max_waiting_tokens: int = setting(
+        20, "Decode steps a waiting request may wait before the running batch pauses to admit it.",
+        check=_integer_at_least_0,
+    )
+    waiting_served_ratio: float = setting(
+        1.2, "Admit waiting requests early once waiting / running exceeds this ratio.", check=_number_at_least_0,
+    )
+    speculate: int = setting(  # n-gram tokens proposed per request and decode step (TGI's --speculate)
+        0, "Speculative decoding: each decode step checks up to N tokens proposed from the request's own "
+        f"earlier tokens (n-gram lookup) in one forward; the output is unchanged (0 to {MAX_SPECULATE}, 0 = off).",
+        metavar="N", check=_speculate,
+    )
+    # -- memory and kernels
+    block_size: int = setting(16, "KV cache block size in tokens.", check=_at_least_1)
+    memory_fraction: float | None = setting(  # of free memory for the KV cache; None = 0.1 on CPU, 0.9 on CUDA
+        None, "Share of the memory free after warmup given to the KV cache (default 0.1 on CPU, 0.9 on CUDA).",
+        check=_share,
+    )
+    cuda_memory_fraction: float = setting(  # cap on each rank's CUDA allocations, as a share of total GPU memory
+        1.0, "TGI's cap on each rank's CUDA memory, as a share of the GPU's total; the KV cache takes "
+        "--memory-fraction of what is free inside it.", check=_share,
+    )
+    prefix_caching: bool = setting(
+        True, "Reuse the KV cache of prompt prefixes seen before (USE_PREFIX_CACHING is read too).",
+        tgi="use_prefix_caching", tgi_older=True,
+    )
+    cuda_graphs: list[int] | None = setting(  # batch sizes to capture; None = DEFAULT_CUDA_GRAPHS, [] = none
+        None, "Batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default 1,2,4,8,16,32; 0 disables).",
+        metavar="SIZES", option_type=Optional[str], parse=parse_cuda_graphs, check=_cuda_graphs,
+    )
+    attention_backend: str | None = setting(  # None = chosen for the device
+        None, "Attention implementation (default: the best for the device).", choices=ATTENTION_BACKENDS,
+    )
+    disable_custom_kernels: bool = setting(  # no Triton/custom CUDA kernels (TGS_DISABLE_KERNELS in the ranks)
+        False, f"No custom CUDA kernels: turns off {', '.join(CUSTOM_KERNELS)} and uses "
+        f"{PORTABLE_ATTENTION_BACKEND} attention.",
+    )
+    allow_dense_fallback: bool = setting(  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
+        False, "Let quantized layers with no CUDA kernel run dequantized (more memory) instead of failing.",
+    )
+    disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
+        False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",
+    )
+    # -- lifecycle and logs
+    drain_timeout_s: float = setting(
+        60.0, "On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled.",
+        tgi="graceful_termination_timeout", check=_number_at_least_0,
+    )
+    rank_stall_timeout_s: float = setting(  # a rank whose model call runs longer is reported unhealthy
+        300.0, "A rank whose model call runs longer than this is reported unhealthy.", check=_number_above_0,
+    )
+    logger_level: str = setting(
+        "INFO", "trace, debug, info, warning or error; TGI's LOG_LEVEL values are accepted too.",
+        env=("LOGGER_LEVEL", "LOG_LEVEL"), parse=parse_log_level,
+    )
+    json_output: bool = setting(
+        False, "Log one JSON object per line (timestamp, level, message, target, component, request_id).",
+    )
+    shard_only: bool = setting(
+        False, "Run one rank only (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).",
+    )
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        """Checks ranges and the relations between limits; raises ValueError naming the flag."""
-        def positive(name: str, value: int | None) -> None:
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-
-        for name in ("num_shard", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                     "max_batch_total_tokens", "max_batch_size", "max_concurrent_requests", "block_size",
-                     "max_stop_sequence_length", "max_input_chars", "max_message_bytes"):
-            positive(name, getattr(self, name))
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')} must be a TCP port (0-65535), got {value}")
-        if self.max_stop_sequences < 0 or self.max_top_n_tokens < 0:
-            raise ValueError("--max-stop-sequences and --max-top-n-tokens must be >= 0")
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        """Checks each setting's rule, then the relations between limits; raises ValueError naming the flag."""
+        for item in dataclasses.fields(self):
+            flag = flag_of(item)
+            if flag is None:
+                continue
+            option, value = option_name(flag.param or item.name), getattr(self, item.name)
+            if flag.choices:
+                check_choice(option, value, flag.choices)
+            if flag.check is not None:
+                flag.check(option, value)
         if self.max_input_tokens is not None and self.max_total_tokens is not None:
             if self.max_input_tokens >= self.max_total_tokens:
                 raise ValueError(
@@ -111,37 +327,6 @@ class ServeArgs:
                     f"--max-batch-total-tokens ({self.max_batch_total_tokens}) must be >= "
                     f"--max-total-tokens ({self.max_total_tokens})"
                 )
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device}")
-        if not _real(self.drain_timeout_s) or self.drain_timeout_s < 0:
-            raise ValueError(f"--drain-timeout-s must be a number >= 0, got {self.drain_timeout_s}")
-        if not _integer(self.max_waiting_tokens) or self.max_waiting_tokens < 0:
-            raise ValueError(f"--max-waiting-tokens must be an integer >= 0, got {self.max_waiting_tokens}")
-        if not _real(self.waiting_served_ratio) or self.waiting_served_ratio < 0:
-            raise ValueError(f"--waiting-served-ratio must be a number >= 0, got {self.waiting_served_ratio}")
-        if not _real(self.rank_stall_timeout_s) or self.rank_stall_timeout_s <= 0:
-            raise ValueError(f"--rank-stall-timeout-s must be a number > 0, got {self.rank_stall_timeout_s}")
-        if not _real(self.cuda_memory_fraction) or not 0 < self.cuda_memory_fraction <= 1:
-            raise ValueError(f"--cuda-memory-fraction must be in (0, 1], got {self.cuda_memory_fraction}")
-        if self.cuda_graphs is not None:
-            graphs = self.cuda_graphs
-            if not isinstance(graphs, list) or not all(_integer(b) and b > 0 for b in graphs) or any(
-                a >= b for a, b in zip(graphs, graphs[1:])
-            ):
-                raise ValueError(
-                    f"--cuda-graphs must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}"
-                )
-        if self.quantize_lm_head is not None and self.quantize_lm_head not in LM_HEAD_QUANTIZATIONS:
-            raise ValueError(f"--quantize-lm-head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got "
-                             f"{self.quantize_lm_head!r}")
-        if not _integer(self.speculate) or not 0 <= self.speculate <= MAX_SPECULATE:
-            raise ValueError(f"--speculate must be an integer from 0 to {MAX_SPECULATE}, got {self.speculate!r}")
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
         if self.disable_custom_kernels and self.attention_backend not in (None, PORTABLE_ATTENTION_BACKEND):
             raise ValueError(
                 f"--disable-custom-kernels rules out --attention-backend {self.attention_backend} "
@@ -182,11 +367,3 @@ class ServeArgs:
     @classmethod
     def from_json(cls, text: str) -> "ServeArgs":
         return cls(**json.loads(text))
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -3,8 +3,9 @@
 TGI's launcher reads every flag from an environment variable of the same name in upper
 snake case (MODEL_ID, NUM_SHARD, MAX_TOTAL_TOKENS, ...), which is how Kubernetes manifests
 configure it. `serve` does the same for its own flags and for TGI's names where ours differ
-(TGI_ALIASES). A flag on the command line wins over the environment; two names for one
-setting that disagree at the same level (two flags, or two variables) are an error.
+(each ServeArgs field declares its flag and TGI's name for it: settings/serve_args.py). A flag
+on the command line wins over the environment; two names for one setting that disagree at the
+same level (two flags, or two variables) are an error (cli/serve.py).
 
 TGI flags with no meaning here (TGI_ONLY_FLAGS) are accepted by name only to be refused with
 the reason, or, where they are harmless no-ops (--max-best-of, --usage-stats, ...), ignored
@@ -20,23 +21,10 @@ only an IP address or "localhost" in HOSTNAME is used; a name is ignored with a 
 
 from __future__ import annotations
 
-import inspect
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
-import typer
-
-# Ours -> TGI's name for the same setting. MODEL_DIR is positional; TGI passes --model-id.
-TGI_ALIASES: dict[str, str] = {
-    "model_dir": "model_id",
-    "metrics_port": "prometheus_port",
-    "uds_path": "shard_uds_path",
-    "max_input_tokens": "max_input_length",
-    "max_message_bytes": "payload_limit",
-    "drain_timeout_s": "graceful_termination_timeout",
-}
+from typing import Callable
 
 # Kernels of our own (Triton) that --disable-custom-kernels switches off; the names are the
 # kernels' `name` in the registry (text_generation_server.kernels). Library kernels (torch's
@@ -111,84 +99,6 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("enable_prefill_logprobs", "ignored: prompt logprobs (decoder_input_details) are always available",
             False, is_flag=True, quiet=("true",)),
 )
-
-
-def add_tgi_only_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds every TGI_ONLY_FLAGS option to `command`'s signature, hidden from --help.
-
-    typer builds options from the signature, so the table stays the one list of these flags;
-    `command` receives them through **kwargs and hands them to `check_tgi_only_flags`.
-    """
-    signature = inspect.signature(command, eval_str=True)
-    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    for flag in TGI_ONLY_FLAGS:
-        help_text = f"TGI's flag; here it is {'refused' if flag.refuse else 'a no-op'}: {flag.reason}."
-        option = typer.Option(
-            False if flag.is_flag else None, flag.option, hidden=True, help=help_text,
-            envvar=flag.envvar if flag.read_env else None,
-        )
-        annotation = bool if flag.is_flag else Optional[str]
-        params.append(inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=annotation))
-    command.__signature__ = signature.replace(parameters=params)
-    return command
-
-
-def check_tgi_only_flags(ctx: typer.Context) -> list[str]:
-    """ValueError for the first refused TGI flag that is set; the warnings for ignored ones."""
-    warnings = []
-    for flag in TGI_ONLY_FLAGS:
-        value = ctx.params.get(flag.name)
-        if value is None or value is False or _source(ctx, flag.name) == "DEFAULT":
-            continue
-        where = origin(ctx, flag.name)
-        if flag.refuse:
-            raise ValueError(f"{where}: {flag.reason}")
-        if str(value).lower() not in flag.quiet:
-            given = where if flag.is_flag else f"{where}{'=' if where.startswith('environment') else ' '}{value}"
-            warnings.append(f"{given}: {flag.reason}")
-    return warnings
-
-
-# -- where a value came from ----------------------------------------------------------------------
-def _source(ctx: typer.Context, name: str) -> str:
-    """COMMANDLINE, ENVIRONMENT or DEFAULT (click's ParameterSource, by name)."""
-    source = ctx.get_parameter_source(name)
-    return "DEFAULT" if source is None else source.name
-
-
-def _param(ctx: typer.Context, name: str):
-    for param in ctx.command.params:
-        if param.name == name:
-            return param
-    raise KeyError(name)
-
-
-def origin(ctx: typer.Context, name: str) -> str:
-    """How an error names a setting: the flag, or the variable it was read from."""
-    param = _param(ctx, name)
-    if _source(ctx, name) == "ENVIRONMENT":
-        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
-        for variable in names:
-            if os.environ.get(variable):
-                return f"environment variable {variable}"
-    if param.param_type_name == "argument":
-        return param.metavar or param.name.upper()
-    return param.opts[0]
-
-
-def choose(ctx: typer.Context, name: str, *aliases: str) -> Any:
-    """The value of setting `name` given under any of its names: command line first, then the
-    environment, then `name`'s default. Names that disagree at the same level are an error."""
-    for level in ("COMMANDLINE", "ENVIRONMENT"):
-        given = [n for n in (name, *aliases) if _source(ctx, n) == level and ctx.params[n] is not None]
-        values = {repr(ctx.params[n]) for n in given}
-        if len(values) > 1:
-            described = " and ".join(f"{origin(ctx, n)} ({ctx.params[n]})" for n in given)
-            raise ValueError(f"{described} name the same setting with different values; give one")
-        if given:
-            return ctx.params[given[0]]
-    return ctx.params[name]
 
 
 # -- values ----------------------------------------------------------------------------------------------
@@ -285,6 +195,14 @@ def parse_api_keys(values: list[str], where: str) -> list[str]:
     if values and not keys:
         raise ValueError(f"{where}: no API key in it")
     return keys
+
+
+def api_keys_given(values: list[str], where: str) -> list[str]:
+    """--api-key values, or API_KEY split on commas only: click splits a repeatable option's
+    variable on whitespace, which would turn a key with a space into two keys instead of an error."""
+    if where.startswith("environment variable "):
+        values = [os.environ[where.removeprefix("environment variable ")]]
+    return parse_api_keys(values, where)
 
 
 def is_loopback(hostname: str) -> bool:

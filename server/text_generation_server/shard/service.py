@@ -5,7 +5,8 @@ and the KV blocks; this service keeps a cache of live batches by id and runs the
 model on them. Model calls run one at a time on a worker thread, so Health and
 Info answer while a long prefill runs, and every rank executes the same sequence
 of collectives. A bad request answers INVALID_ARGUMENT and an unknown batch
-NOT_FOUND; the shard keeps serving either way.
+NOT_FOUND; the shard keeps serving either way. Messages become the engine's types and back
+in shard/wire.py.
 
 Decode ahead: as soon as a step leaves a cached batch, the model thread computes that
 batch's next decode step on a fork (`Batch.fork`) while the response travels to the
@@ -38,120 +39,18 @@ import grpc
 import torch
 from loguru import logger
 
-from text_generation_server.generation.grammar import GrammarError, GrammarSpec, GrammarType
-from text_generation_server.generation.sampling import SamplingParams
+from text_generation_server.generation.grammar import GrammarError
 from text_generation_server.engine.batch import Batch, OutOfBlocksError
 from text_generation_server.engine.causal_lm import CausalLM
-from text_generation_server.engine.types import (
-    BatchNotFound,
-    CachedBatchInfo,
-    Generation,
-    GenerationRequest,
-    RequestError,
-    StepTimings,
-    Tokens,
-)
+from text_generation_server.engine.types import BatchNotFound, Generation, GenerationRequest, RequestError, StepTimings
 from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
+from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
 
 
 def shard_uds(uds_path: str, rank: int) -> str:
     return f"{uds_path}-{rank}"
-
-
-# -- protobuf <-> engine ----------------------------------------------------------
-def _or_default(value: float, default: float) -> float:
-    # proto3 scalars read 0 when unset; 0 is never a valid temperature/top_p/typical_p/penalty.
-    return default if value == 0 else value
-
-
-def request_from_pb(req: pb.Request) -> GenerationRequest:
-    """The engine's request; any field the engine cannot honour is a RequestError naming it."""
-    try:
-        return _request_from_pb(req)
-    except RequestError:
-        raise
-    except ValueError as exc:
-        raise RequestError(str(exc)) from exc
-
-
-def _request_from_pb(req: pb.Request) -> GenerationRequest:
-    if req.inputs:
-        inputs = req.inputs
-    else:
-        parts = []
-        for chunk in req.input_chunks.chunks:
-            if chunk.WhichOneof("chunk") == "image":
-                raise ValueError(f"request {req.id}: image inputs are not supported by text-only models")
-            parts.append(chunk.text)
-        inputs = "".join(parts)
-    p = req.parameters
-    grammar = None
-    if p.grammar_type != pb.GRAMMAR_TYPE_NONE:  # NONE: `grammar` is ignored (the protocol's rule)
-        if p.grammar_type not in (pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX):
-            raise ValueError(f"request {req.id}: grammar_type {p.grammar_type} is not a GrammarType")
-        if not p.grammar:
-            raise ValueError(f"request {req.id}: grammar_type {pb.GrammarType.Name(p.grammar_type)} needs a grammar")
-        grammar = GrammarSpec(GrammarType(p.grammar_type), p.grammar)
-    if p.logit_bias:
-        raise ValueError(f"request {req.id}: logit_bias is not supported")
-    sampling = SamplingParams(
-        temperature=_or_default(p.temperature, 1.0),
-        top_k=p.top_k,
-        top_p=_or_default(p.top_p, 1.0),
-        typical_p=_or_default(p.typical_p, 1.0),
-        do_sample=p.do_sample,
-        seed=p.seed,
-        repetition_penalty=_or_default(p.repetition_penalty, 1.0),
-        frequency_penalty=p.frequency_penalty,
-        grammar=grammar,
-    ).with_tgi_sampling()  # TGI shards sample whenever a warper is set, whatever do_sample says
-    s = req.stopping_parameters
-    return GenerationRequest(
-        id=req.id,
-        inputs=inputs,
-        sampling=sampling,
-        max_new_tokens=s.max_new_tokens,
-        stop_sequences=list(s.stop_sequences),
-        ignore_eos_token=s.ignore_eos_token,
-        truncate=req.truncate,
-        prefill_logprobs=req.prefill_logprobs,
-        top_n_tokens=req.top_n_tokens,
-        blocks=list(req.blocks),
-        slots=list(req.slots),
-        add_special_tokens=req.add_special_tokens,
-        cache_len=req.cache_len,
-        chunk_len=req.chunk_len if req.HasField("chunk_len") else None,
-        input_ids=list(req.input_ids) if req.input_ids else None,
-    )
-
-
-def _tokens_pb(tokens: Tokens) -> pb.Tokens:
-    return pb.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts, is_special=tokens.is_special)
-
-
-def generation_to_pb(gen: Generation) -> pb.Generation:
-    out = pb.Generation(request_id=gen.request_id, tokens=_tokens_pb(gen.tokens))
-    if gen.prefill_tokens is not None:
-        out.prefill_tokens.CopyFrom(_tokens_pb(gen.prefill_tokens))
-    for top in gen.top_tokens:
-        out.top_tokens.append(_tokens_pb(top))
-    if gen.generated_text is not None:
-        g = gen.generated_text
-        out.generated_text.CopyFrom(
-            pb.GeneratedText(text=g.text, generated_tokens=g.generated_tokens, finish_reason=int(g.finish_reason))
-        )
-        if g.seed is not None:
-            out.generated_text.seed = g.seed
-    return out
-
-
-def cached_batch_to_pb(info: CachedBatchInfo) -> pb.CachedBatch:
-    return pb.CachedBatch(
-        id=info.id, request_ids=info.request_ids, size=info.size, max_tokens=info.max_tokens,
-        current_tokens=info.current_tokens,
-    )
 
 
 class ShardError(Exception):
@@ -267,8 +166,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _requests(self, context, batch: pb.Batch) -> list[GenerationRequest]:
-        """The batch's requests, tokenized (and their grammars compiled) on a thread of their own: the
-        model thread only runs steps, and finds each grammar in the compiler's cache."""
+        """The batch's requests, decoded and tokenized (and their grammars compiled) on a thread of
+        their own: the model thread only runs steps, and finds each grammar in the compiler's cache.
+        The fields' validators run in make_batch, on the model thread (engine/batch_builder.py)."""
         def convert() -> list[GenerationRequest]:
             requests = [request_from_pb(r) for r in batch.requests]
             for req in requests:
@@ -278,8 +178,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 if req.sampling.grammar is not None:
                     try:
                         self.model.builder.grammars.compile(req.sampling.grammar)
-                    except GrammarError as exc:
-                        raise RequestError(f"request {req.id}: grammar: {exc}") from exc
+                    except GrammarError:
+                        pass  # cached with its reason, which make_batch's grammar validator reports
             return requests
 
         try:
