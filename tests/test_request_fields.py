@@ -17,7 +17,7 @@ import torch
 
 from text_generation_server.generation import request_fields
 from text_generation_server.generation.request_fields import InvalidField
-from text_generation_server.models import get_model
+from text_generation_server.models.loader import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.router.validation import Limits, ValidationError, validate

@@ -90,7 +90,7 @@ def generate(
         _echo_completions(model_id, prompts, rows, json_lines)
         return
     from text_generation_server.generation.sampling import SamplingParams
-    from text_generation_server.models import get_model
+    from text_generation_server.models.loader import get_model
     from text_generation_server.engine.types import GenerationRequest
 
     sampling = SamplingParams(
