@@ -9,9 +9,10 @@ from loguru import logger
 
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.cuda_graphs import GraphCapturer
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig
+from text_generation_server.models.decoder import DecoderConfig
 from text_generation_server.models.families import BY_MODEL_TYPE, Family, family_for, supported_model_types
 from text_generation_server.quantizers import get_loader, read_quantization_config
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.settings.serve_args import MODEL_IMPLS
 from text_generation_server.utils.locate import open_checkpoint
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group

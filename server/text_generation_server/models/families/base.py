@@ -15,13 +15,13 @@ import torch
 from text_generation_server.layers.norm import LayerNorm, RMSNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
     DecoderModel,
     Embeddings,
     Head,
 )
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 

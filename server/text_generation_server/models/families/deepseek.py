@@ -31,9 +31,9 @@ from text_generation_server.layers.mla import MLAOptions, MultiHeadLatentAttenti
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.moe import RouterOptions, SparseMoE
 from text_generation_server.layers.rotary import RotaryEmbedding
-from text_generation_server.models.decoder import ConfigReader
 from text_generation_server.models.families.llama import rope_of
 from text_generation_server.models.families.moe import MoeConfig, MoeFamily
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 

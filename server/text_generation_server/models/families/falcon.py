@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import MLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, SPLIT, AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 

@@ -19,7 +19,6 @@ from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
     Embeddings,
@@ -28,6 +27,7 @@ from text_generation_server.models.decoder import (
 )
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import layer_windows, rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -57,7 +57,7 @@ class GemmaFamily(Family):
         windows = (None,) * layers
         if model_type == "gemma2":
             if not r.has("layer_types"):  # transformers' default: even layers slide
-                r = ConfigReader({**r.raw, "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                r = ConfigReader({**r.data, "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                                            for i in range(layers)]}, r.source)
             windows = layer_windows(r, layers, every_layer=False)
         if model_type != "gemma3_text":
@@ -65,7 +65,7 @@ class GemmaFamily(Family):
         else:
             if not r.has("layer_types"):
                 pattern = r.positive_int("sliding_window_pattern", default=6)
-                r = ConfigReader({**r.raw, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                r = ConfigReader({**r.data, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                                            for i in range(layers)]}, r.source)
             windows = layer_windows(r, layers, every_layer=False)
             rope, local_rope = self._gemma3_ropes(r, head_dim)
@@ -97,7 +97,7 @@ class GemmaFamily(Family):
             return (rope_of(r, head_dim, layer_type="full_attention"),
                     rope_of(r, head_dim, layer_type="sliding_attention"))
         global_rope = rope_of(r, head_dim, default_theta=1_000_000.0)
-        local = ConfigReader({**r.raw, "rope_parameters": None, "rope_scaling": None,
+        local = ConfigReader({**r.data, "rope_parameters": None, "rope_scaling": None,
                               "rope_theta": r.get("rope_local_base_freq", 10_000.0)}, r.source)
         return global_rope, rope_of(local, head_dim)
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import MLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -38,7 +39,7 @@ class GPTNeoXFamily(Family):
         # Older configs: rotary_pct and rotary_emb_base (transformers 5 moves both into rope_parameters).
         params = r.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", r.first("partial_rotary_factor", "rotary_pct", default=0.25))
-        raw = dict(r.raw)
+        raw = dict(r.data)
         if "rope_theta" not in params and r.has("rotary_emb_base"):
             raw["rope_theta"] = r.get("rotary_emb_base")
         config = GPTNeoXConfig(

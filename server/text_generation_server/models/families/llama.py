@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding, rope_config_from_hf
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
 
@@ -63,7 +64,7 @@ def layer_windows(r: ConfigReader, layers: int, every_layer: bool) -> tuple[int 
 
 def rope_of(r: ConfigReader, head_dim: int, **kwargs):
     try:
-        return rope_config_from_hf(r.raw, head_dim, **kwargs)
+        return rope_config_from_hf(r.data, head_dim, **kwargs)
     except ValueError as exc:
         raise CheckpointError(f"{r.source}: {exc}") from exc
 

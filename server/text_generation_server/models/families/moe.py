@@ -30,11 +30,11 @@ from text_generation_server.layers.self_attention import (
     SelfAttention,
 )
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
 )
 from text_generation_server.models.families.llama import LlamaConfig, LlamaFamily
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sources import CheckpointError, DerivedTensor
 from text_generation_server.quantizers.weights import Weights
 
