@@ -42,7 +42,7 @@ from text_generation_server.layers.attention import (
     sequence_attention,
 )
 from text_generation_server.models.loader import get_model
-from text_generation_server.models.decoder import ConfigReader
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.models.families.deepseek import DeepseekFamily
 from text_generation_server.engine.memory import MemoryReading
 

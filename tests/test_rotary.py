@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import CONFIG_MAPPING, AutoConfig  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.cohere import modeling_cohere  # noqa: E402
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
@@ -33,6 +33,7 @@ from text_generation_server.layers.rotary import (  # noqa: E402
     apply_rotary,
     rope_config_from_hf,
 )
+from text_generation_server.models.families import BY_MODEL_TYPE  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -72,12 +73,10 @@ def hf_config(raw: dict):
 
 
 def ours(raw: dict, head_dim: int, **kwargs) -> RopeConfig:
-    """Our reading of the config, with what a family passes: the layout and the model's default
-    theta (Cohere's is 500000)."""
+    """Our reading of the config, with what the model type's family passes: the layout and the
+    rope defaults (Cohere's base is 500000; GPT-NeoX reads rotary_pct and rotary_emb_base)."""
     kwargs.setdefault("interleaved", raw["model_type"] in INTERLEAVED)
-    default_theta = CONFIG_MAPPING[raw["model_type"]].default_theta
-    if isinstance(default_theta, (int, float)):  # (Gemma 3's is per layer type; its configs give theta)
-        kwargs.setdefault("default_theta", default_theta)
+    kwargs.setdefault("defaults", BY_MODEL_TYPE[raw["model_type"]].rope_defaults)
     return rope_config_from_hf(copy.deepcopy(raw), head_dim, **kwargs)
 
 
@@ -249,7 +248,7 @@ DEFAULT_CASES = [
     ("phi3", raw_config("phi3", 96, 4096, rope_theta=10000.0), 96, {}),
     ("phi-partial", raw_config("phi", 80, 2048, partial_rotary_factor=0.4), 80, {}),
     ("gpt_neox-rotary_pct", raw_config("gpt_neox", 64, 2048, rotary_pct=0.25, rotary_emb_base=10000),
-     64, {"partial_rotary_factor": 0.25}),
+     64, {}),
     ("cohere", raw_config("cohere", 128, 8192, rope_theta=8000000.0), 128, {}),
 ]
 
@@ -303,7 +302,7 @@ APPLY_CASES = [
     ("phi-partial", raw_config("phi", 80, 2048, partial_rotary_factor=0.4), 80, {}),
     ("phi-partial-linear", raw_config("phi", 80, 8192, partial_rotary_factor=0.5,
                                       rope_scaling={"type": "linear", "factor": 4.0}), 80, {}),
-    ("gpt_neox-partial", raw_config("gpt_neox", 64, 2048, rotary_pct=0.25), 64, {"partial_rotary_factor": 0.25}),
+    ("gpt_neox-partial", raw_config("gpt_neox", 64, 2048, rotary_pct=0.25), 64, {}),
     ("phi3-longrope-short", INIT["longrope-phi3-implied"], 96, {}),
     ("phi4-mini-partial", INIT["longrope-phi4-mini-partial"], 128, {}),
     ("cohere-interleaved", raw_config("cohere", 128, 8192, rope_theta=8000000.0), 128, {}),
@@ -717,11 +716,56 @@ def test_bad_rotary_dimension_refused(head_dim, partial, match):
     with pytest.raises(ValueError, match=match):
         RopeConfig(head_dim=head_dim, partial_rotary_factor=partial)
     with pytest.raises(ValueError, match=match):
-        ours(raw_config("llama", head_dim, 2048), head_dim, partial_rotary_factor=partial)
+        ours(raw_config("llama", head_dim, 2048, partial_rotary_factor=partial), head_dim)
 
 
-def test_partial_rotary_factor_argument_overrides_config():
-    """GPT-NeoX's rotary_pct arrives as an argument and wins over config.json's own key."""
-    raw = raw_config("llama", 64, 2048, partial_rotary_factor=0.5)
-    assert ours(raw, 64).rotary_dim == 32
-    assert ours(raw, 64, partial_rotary_factor=0.25).rotary_dim == 16
+@pytest.mark.parametrize("extra", [
+    {},  # PhiConfig: 0.5; GPTNeoXConfig: rotary_pct 0.25
+    {"partial_rotary_factor": 0.375},  # GPT-NeoX reads rotary_pct, not this
+    {"rotary_pct": 0.5, "rotary_emb_base": 20000},
+    {"rope_theta": 30000.0},  # GPT-NeoX reads rotary_emb_base, not this
+    {"partial_rotary_factor": 0.375, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75,
+                                                       "rope_theta": 5000.0}},  # the dict's own win
+], ids=["none", "top-level-partial", "neox-keys", "top-level-theta", "dict-wins"])
+@pytest.mark.parametrize("model_type", ["phi", "gpt_neox"])
+def test_rotated_share_and_base_where_transformers_reads_them(model_type, extra):
+    """Each model type's config class reads the rotated share and the base under its own keys,
+    with its own defaults; the rope dict's own values win over top-level keys."""
+    raw = raw_config(model_type, 64, 2048, **copy.deepcopy(extra))
+    config = hf_config(raw)
+    cfg = ours(raw, 64)
+    assert cfg.rotary_dim == int(64 * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert cfg.theta == config.rope_parameters["rope_theta"]
+    assert_same_freqs(cfg.inv_freq(), hf_rotary(raw).inv_freq)
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "rotary_emb_base")
+
+
+ROTARY_TYPES = sorted(t for t in BY_MODEL_TYPE if t not in ("gpt2", "gpt_bigcode"))  # (learned positions)
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("model_type,rope_parameters",
+                         [(t, None) for t in ROTARY_TYPES]
+                         + [(t, LINEAR) for t in ROTARY_TYPES if t != "phi3"],  # (Phi3Config: longrope only)
+                         ids=[f"{t}-plain" for t in ROTARY_TYPES]
+                         + [f"{t}-linear" for t in ROTARY_TYPES if t != "phi3"])
+def test_base_default_is_the_model_types(model_type, rope_parameters):
+    """A config.json with no base gets the one transformers' config class of its type defaults
+    to (Cohere 500000, Mixtral 1e6, gpt-oss 150000, Gemma 3 1e6 global / 1e4 local)."""
+    from text_generation_server.models import read_model_config
+
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=6,
+                 intermediate_size=64, vocab_size=64, max_position_embeddings=2048)
+    raw = {k: v for k, v in AutoConfig.for_model(model_type, **small).to_dict().items() if k not in ROPE_KEYS}
+    if rope_parameters is not None:
+        raw["rope_parameters"] = dict(rope_parameters)
+    config = AutoConfig.for_model(**copy.deepcopy(raw))
+    _, ours_config = read_model_config(copy.deepcopy(raw))
+    if model_type == "gemma3_text":
+        assert ours_config.rope.theta == config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+        assert ours_config.local_rope.theta == config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+        return
+    assert ours_config.rope.theta == config.rope_parameters["rope_theta"]
+    assert ours_config.rope.rope_type == config.rope_parameters["rope_type"]

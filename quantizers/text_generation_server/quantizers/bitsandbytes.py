@@ -59,7 +59,8 @@ from text_generation_server.kernels.base import (
     check_dense_fallback,
     choose_kernel,
 )
-from text_generation_server.quantizers.config import Keys, QuantizerConfig
+from text_generation_server.quantizers.config import QuantizerConfig
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.eetq import (
     ChannelInt8Weight,
     Int8OnLoadLoader,
@@ -152,7 +153,7 @@ class BnbConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "BnbConfig":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         in4 = keys.bool("load_in_4bit", False) or keys.bool("_load_in_4bit", False)
         in8 = keys.bool("load_in_8bit", False) or keys.bool("_load_in_8bit", False)
         if in4 == in8:
@@ -436,7 +437,7 @@ class _Checkpoint4bit(_Source4bit):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(f"{where} is not a bitsandbytes quant_state: {exc}") from exc
-        keys = Keys(data, where)
+        keys = ConfigReader(data, where)
         self.quant_type = keys.str("quant_type")
         if self.quant_type != config.kind:
             raise CheckpointError(f"{keys.where('quant_type')} = {self.quant_type!r} disagrees with the tensor name "
@@ -455,7 +456,7 @@ class _Checkpoint4bit(_Source4bit):
         self.absmax = self._read_absmax(weights, keys)
         self._check_quant_map(weights)
 
-    def _check_packed(self, weights: Weights, nbytes: int, keys: Keys) -> None:
+    def _check_packed(self, weights: Weights, nbytes: int, keys: ConfigReader) -> None:
         shape = weights.get_shape(self.name)
         first = weights.get_slice(self.name, slice(0, 1))  # its dtype: uint8, or a bnb_4bit_quant_storage type
         self.storage = first.dtype
@@ -464,7 +465,7 @@ class _Checkpoint4bit(_Source4bit):
             raise CheckpointError(f"tensor '{self.name}' ({first.dtype} {shape}, in {self.files}) holds {have} bytes, "
                                   f"but {keys.where('shape')} [{self.n}, {self.k}] needs {nbytes} (two codes per byte)")
 
-    def _read_absmax(self, weights: Weights, keys: Keys) -> torch.Tensor:
+    def _read_absmax(self, weights: Weights, keys: ConfigReader) -> torch.Tensor:
         name = f"{self.name}.absmax"
         if not weights.has_tensor(name):
             raise CheckpointError(f"tensor '{name}' not found (in {self.files}): every 4-bit bitsandbytes weight "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sources import CheckpointError
 
 from text_generation_server.quantizers.weights import Weights
@@ -27,68 +28,6 @@ CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json")
 # Legacy GPTQ checkpoints (text-generation-server's own early `quantize` output) carry
 # their parameters as tensors instead of a config file.
 LEGACY_GPTQ_TENSORS = ("gptq_bits", "gptq_groupsize", "gptq_sym")
-
-
-class Keys:
-    """Typed reads from one config dict, with errors that name the file and the key.
-
-    Every method's `from_config` (here and in the format modules) reads through it, so
-    all of them report a missing, mistyped or unsupported key the same way.
-    """
-
-    def __init__(self, data: dict, source: str, prefix: str = ""):
-        self.data = data
-        self.source = source
-        self.prefix = prefix
-
-    def where(self, key: str) -> str:
-        return f"{self.source}: '{self.prefix}{key}'"
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def int(self, key: str, default: int | None = None, aliases: tuple[str, ...] = ()) -> int:
-        for name in (key, *aliases):
-            if self.data.get(name) is not None:
-                key = name
-                break
-        value = self.data.get(key, default)
-        if value is None:
-            raise CheckpointError(f"{self.where(key)} is required")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise CheckpointError(f"{self.where(key)} must be an integer, got {value!r}")
-        return value
-
-    def bool(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise CheckpointError(f"{self.where(key)} must be true or false, got {value!r}")
-        return value
-
-    def str(self, key: str, default: str | None = None, aliases: tuple[str, ...] = ()) -> str | None:
-        for name in (key, *aliases):
-            if self.data.get(name) is not None:
-                key = name
-                break
-        value = self.data.get(key, default)
-        if value is not None and not isinstance(value, str):
-            raise CheckpointError(f"{self.where(key)} must be a string, got {value!r}")
-        return value
-
-    def names(self, key: str) -> tuple[str, ...]:
-        value = self.data.get(key)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise CheckpointError(f"{self.where(key)} must be a list of module names, got {value!r}")
-        return tuple(value)
-
-    def unsupported(self, key: str, value: Any, method: str, supported: str) -> CheckpointError:
-        return CheckpointError(
-            f"{self.where(key)} = {value!r} is not yet supported for {method} (supported: {supported})"
-        )
 
 
 def _module_matches(pattern: str, prefix: str) -> bool:
@@ -198,7 +137,7 @@ class GPTQConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "GPTQConfig":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         bits = keys.int("bits")
         if bits not in GPTQ_BITS:
             raise keys.unsupported("bits", bits, "gptq", ", ".join(map(str, GPTQ_BITS)))
@@ -274,7 +213,7 @@ class AWQConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "AWQConfig":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         bits = keys.int("bits", aliases=("w_bit",))
         if bits != 4:
             raise keys.unsupported("w_bit" if keys.has("w_bit") else "bits", bits, "awq", "4")
@@ -323,7 +262,7 @@ CT_BITS = (4, 8)
 CT_FORMATS = {"pack-quantized": "int", "float-quantized": "float"}
 
 
-def _block_structure(value: Any, keys: Keys) -> tuple[int, int]:
+def _block_structure(value: Any, keys: ConfigReader) -> tuple[int, int]:
     """block_structure as compressed-tensors writes it: [rows, columns] (older releases: "RxC")."""
     if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
         value = [int(v) for v in value.split("x")]
@@ -334,13 +273,13 @@ def _block_structure(value: Any, keys: Keys) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _ct_activations(acts: Any, keys: Keys) -> tuple[str | None, int | None]:
+def _ct_activations(acts: Any, keys: ConfigReader) -> tuple[str | None, int | None]:
     """(the fp8 activation scheme, its group size) of a float-quantized group's input_activations."""
     if acts is None:
         return None, None
     if not isinstance(acts, dict):
         raise CheckpointError(f"{keys.where('input_activations')} must be an object or null")
-    akeys = Keys(acts, keys.source, keys.prefix + "input_activations.")
+    akeys = ConfigReader(acts, keys.source, keys.prefix + "input_activations.")
     method = "compressed-tensors float-quantized activations"
     kind = akeys.str("type", "float")
     if kind != "float":
@@ -364,7 +303,8 @@ def _ct_activations(acts: Any, keys: Keys) -> tuple[str | None, int | None]:
     return "static", None
 
 
-def _ct_float_scheme(group: dict, w: dict, wkeys: Keys, gkeys: Keys, targets: tuple[str, ...]) -> WeightScheme:
+def _ct_float_scheme(group: dict, w: dict, wkeys: ConfigReader, gkeys: ConfigReader,
+                     targets: tuple[str, ...]) -> WeightScheme:
     method = "compressed-tensors float-quantized"
     bits = wkeys.int("num_bits")
     if bits != 8:
@@ -410,7 +350,7 @@ class CompressedTensorsConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "CompressedTensorsConfig":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         top_format = keys.str("format")
         status = keys.str("quantization_status", "compressed")
         if status != "compressed":
@@ -423,7 +363,7 @@ class CompressedTensorsConfig(QuantizerConfig):
             raise CheckpointError(f"{keys.where('config_groups')} must be a non-empty object")
         schemes = []
         for name, group in groups.items():
-            gkeys = Keys(group, source, f"{prefix}config_groups.{name}.")
+            gkeys = ConfigReader(group, source, f"{prefix}config_groups.{name}.")
             fmt = gkeys.str("format", top_format)
             if fmt not in CT_FORMATS:
                 owner = gkeys if group.get("format") is not None else keys
@@ -437,7 +377,7 @@ class CompressedTensorsConfig(QuantizerConfig):
             w = group.get("weights")
             if not isinstance(w, dict):
                 raise CheckpointError(f"{gkeys.where('weights')} must be an object")
-            wkeys = Keys(w, source, f"{prefix}config_groups.{name}.weights.")
+            wkeys = ConfigReader(w, source, f"{prefix}config_groups.{name}.weights.")
             kind = wkeys.str("type", "int")
             if kind != CT_FORMATS[fmt]:
                 raise wkeys.unsupported("type", kind, f"compressed-tensors {fmt}", CT_FORMATS[fmt])

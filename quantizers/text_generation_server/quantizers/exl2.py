@@ -45,7 +45,8 @@ import torch
 
 from text_generation_server.kernels import packing
 from text_generation_server.kernels.base import QuantizedWeight, build_linear
-from text_generation_server.quantizers.config import Keys, QuantizerConfig
+from text_generation_server.quantizers.config import QuantizerConfig
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import DefaultWeightsLoader, Weights, WeightsLoader
@@ -77,7 +78,7 @@ class Exl2Config(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "Exl2Config":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         bits = data.get("bits")
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits <= 0):
             raise CheckpointError(f"{keys.where('bits')} must be a positive number (average bits per weight), "

@@ -53,7 +53,8 @@ from loguru import logger
 
 from text_generation_server.kernels import registry  # noqa: F401  (kernel priority is registration order)
 from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, build_fp8_linear, dequantize_fp8
-from text_generation_server.quantizers.config import Keys, QuantizerConfig
+from text_generation_server.quantizers.config import QuantizerConfig
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
 from text_generation_server.quantizers.sources import CheckpointError, SafetensorsSource, safetensors_files
 from text_generation_server.quantizers.weights import Weights, WeightsLoader
@@ -94,7 +95,7 @@ class Fp8Config(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "Fp8Config":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         method = (keys.str("quant_method", "fp8") or "fp8").lower()
         dense = keys.names("ignored_layers") + keys.names("modules_to_not_convert")
         if method == "fbgemm_fp8":

@@ -43,7 +43,8 @@ from text_generation_server.kernels.marlin import (
     unpack_marlin_weight,
     unpermute_scales,
 )
-from text_generation_server.quantizers.config import Keys, QuantizerConfig
+from text_generation_server.quantizers.config import QuantizerConfig
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights, WeightsLoader
@@ -86,7 +87,7 @@ class MarlinConfig(QuantizerConfig):
 
     @classmethod
     def from_config(cls, data: dict, source: str, prefix: str = "") -> "MarlinConfig":
-        keys = Keys(data, source, prefix)
+        keys = ConfigReader(data, source, prefix)
         quant_method = (keys.str("quant_method", "gptq") or "gptq").lower()
         fmt = keys.str("checkpoint_format", aliases=("format",))
         if fmt is None:

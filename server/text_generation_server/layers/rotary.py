@@ -3,7 +3,9 @@
 Types (config.json `rope_scaling` / `rope_parameters`): default, linear, llama3, yarn, dynamic
 (NTK, recomputed from the sequence's length) and longrope (Phi-3's short/long factors). The
 frequencies follow transformers' `modeling_rope_utils` (read there, written here), so the
-angles agree to float32 rounding.
+angles agree to float32 rounding. config.json's rope settings are read here only
+(`rope_parameters`, `layered_rope_parameters`), in the order transformers' config classes give
+them precedence, so every family and the softmax scale that depends on the rope see the same.
 
 cos/sin are computed per forward from the positions (one multiply, cos and sin of
 [tokens, rotary_dim / 2]), not gathered from a table: nothing grows with the context, no host
@@ -18,8 +20,10 @@ the first `rotary_dim` dimensions of each head and passes the rest through.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -183,8 +187,9 @@ class RopeConfig:
         return max_position_embeddings
 
 
-def _float(params: dict, key: str, default, source: str):
-    value = params.get(key, default)
+def _maybe_float(params: dict, key: str, source: str) -> float | None:
+    """params[key] as a float; None when absent or null."""
+    value = params.get(key)
     if value is None:
         return None
     try:
@@ -193,66 +198,177 @@ def _float(params: dict, key: str, default, source: str):
         raise ValueError(f"{source}: rope parameter '{key}' must be a number, got {value!r}") from None
 
 
-def rope_config_from_hf(config: dict, head_dim: int, layer_type: str | None = None,
-                        interleaved: bool = False, default_theta: float = 10000.0,
-                        partial_rotary_factor: float | None = None) -> RopeConfig:
-    """Reads rope settings from config.json: the older `rope_theta` + `rope_scaling`, or
-    transformers 5's `rope_parameters`, possibly nested by layer type (Gemma 3's
-    sliding_attention / full_attention)."""
-    source = "config.json"
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{source}: rope_scaling must be an object, got {params!r}")
-    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
-    if nested:
-        params = params[layer_type]
-    elif any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{source}: rope_parameters is nested by layer type ({', '.join(params)}) but this layer's "
-                         f"type is {layer_type!r}")
+def _float(params: dict, key: str, default: float, source: str) -> float:
+    """params[key] as a float; `default` when absent or null."""
+    value = _maybe_float(params, key, source)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class RopeDefaults:
+    """How a model type's config.json names its rope base and rotated share, and the values it
+    gets when config.json gives none: what transformers' config class of that type does (its
+    `default_theta`; GPT-NeoX's rotary_emb_base and rotary_pct, default 0.25; Phi's share 0.5;
+    gpt-oss's yarn when config.json has no rope dict at all)."""
+
+    theta: float = 10000.0
+    theta_key: str = "rope_theta"
+    partial_rotary_factor: float | None = None  # None: the whole head unless config.json says
+    partial_key: str = "partial_rotary_factor"
+    parameters: dict[str, Any] | None = None  # the rope dict of a config.json with neither rope key
+
+
+# Types scaled relative to a pretraining length (original_max_position_embeddings).
+_PRETRAINED_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+_SOURCE = "config.json"
+
+
+def _top(config: dict, key: str, default):
+    value = config.get(key)
+    return default if value is None else value
+
+
+def _standardize(params: dict, config: dict, theta: float, partial: float | None, nested: bool) -> None:
+    """Fills one rope dict in place as transformers' standardize_rope_params does: the type under
+    `rope_type` (legacy `type`), the base and the rotated share where the dict has none, and the
+    pretraining length of the types that scale relative to it."""
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = theta
+    if partial is not None and params.get("partial_rotary_factor") is None:
+        params["partial_rotary_factor"] = partial
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     phi3 = config.get("model_type") == "phi3"
     if phi3 and rope_type == "yarn":
-        rope_type = "longrope"  # Phi3Config.convert_rope_params_to_dict: old Phi-3 configs call longrope "yarn"
+        # Phi3Config.convert_rope_params_to_dict: old Phi-3 configs call longrope "yarn" (and "su",
+        # which transformers 5 then fails to validate, so it stays refused here too).
+        rope_type = "longrope"
+    params["rope_type"] = rope_type
+    if rope_type not in _PRETRAINED_LENGTH_TYPES:
+        return
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    if nested:
+        # A per-layer dict keeps its own; a top-level key does not reach it.
+        if params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = max_pos
+        return
+    # Every ROPE_INIT_FUNCTIONS entry re-runs standardize_rope_params on the loaded config, where
+    # a top-level original_max_position_embeddings overrides the flat dict's (Phi3Config always
+    # has one, default 4096); missing everywhere, max_position_embeddings.
+    top = config.get("original_max_position_embeddings")
+    if phi3 and top is None:
+        top = 4096
+    if top is not None:
+        params["original_max_position_embeddings"] = top
+    elif params.get("original_max_position_embeddings") is None:
+        params["original_max_position_embeddings"] = max_pos
+
+
+def _rope_dict(config: dict, key: str) -> dict:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{_SOURCE}: {key} must be an object, got {value!r}")
+    return copy.deepcopy(value)
+
+
+def _is_nested(params: dict) -> bool:
+    return any(isinstance(v, dict) for v in params.values())
+
+
+def rope_parameters(config: dict, defaults: RopeDefaults = RopeDefaults()) -> dict:
+    """The rope parameters transformers runs config.json with: one dict for every layer, or one
+    per layer type where config.json nests them so (a new dict; `config` is left as it is).
+
+    As transformers' config classes read them (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict):
+    a `rope_scaling` present in config.json replaces `rope_parameters` whole (model cards tell users
+    to add one to a config that has rope_parameters, to extend the context), its type under
+    `rope_type` or the legacy `type`; the base then comes from the dict itself, else config.json's
+    top-level key, else the model type's default, never from the rope_parameters it replaced.
+    """
+    if config.get("rope_scaling"):
+        params = _rope_dict(config, "rope_scaling")
+    elif config.get("rope_parameters") is None and defaults.parameters is not None:
+        params = copy.deepcopy(defaults.parameters)
+    else:
+        params = _rope_dict(config, "rope_parameters")
+    theta = _top(config, defaults.theta_key, defaults.theta)
+    partial = _top(config, defaults.partial_key, defaults.partial_rotary_factor)
+    if _is_nested(params):
+        for entry in params.values():
+            if isinstance(entry, dict):
+                _standardize(entry, config, theta, partial, nested=True)
+    else:
+        _standardize(params, config, theta, partial, nested=False)
+    return params
+
+
+def layered_rope_parameters(config: dict, bases: dict[str, tuple[str, float]],
+                            scaled: str = "full_attention") -> dict[str, dict]:
+    """Rope parameters per layer type, as Gemma 3's config class reads them
+    (Gemma3TextConfig.convert_rope_params_to_dict), where each layer type has its own rope.
+
+    `bases`: layer type -> (the top-level key of its base, its default). config.json's nested
+    `rope_parameters` give each type's dict (a default rope for a type they lack; a flat dict is
+    taken as the `scaled` type's); a `rope_scaling` updates only the `scaled` (full-attention)
+    entry, key by key (so a legacy `type` does not replace a `rope_type` already there), and the
+    other types keep theirs.
+    """
+    params = _rope_dict(config, "rope_parameters")
+    if params and not _is_nested(params):
+        params = {scaled: params}
+    if config.get("rope_scaling") is not None:
+        entry = params.get(scaled)
+        params[scaled] = {**(entry if isinstance(entry, dict) else {"rope_type": "default"}),
+                          **_rope_dict(config, "rope_scaling")}
+    partial = config.get("partial_rotary_factor")
+    for layer_type, (key, default) in bases.items():
+        entry = params.get(layer_type)
+        if not isinstance(entry, dict):
+            entry = params[layer_type] = {"rope_type": "default"}
+        _standardize(entry, config, _top(config, key, default), partial, nested=True)
+    return params
+
+
+def rope_config_from_hf(config: dict, head_dim: int, layer_type: str | None = None, interleaved: bool = False,
+                        defaults: RopeDefaults = RopeDefaults(), params: dict | None = None) -> RopeConfig:
+    """The rope of config.json's `layer_type` layers (None: of every layer).
+
+    `params`: the rope parameters as transformers standardises them, when the family read them
+    itself (`layered_rope_parameters`); by default `rope_parameters(config, defaults)`: the older
+    `rope_theta` + `rope_scaling`, or transformers 5's `rope_parameters`, possibly nested by
+    layer type (Gemma 3's sliding_attention / full_attention).
+    """
+    source = _SOURCE
+    if params is None:
+        params = rope_parameters(config, defaults)
+    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
+    if nested:
+        params = params[layer_type]
+    elif _is_nested(params):
+        raise ValueError(f"{source}: rope_parameters is nested by layer type ({', '.join(params)}) but this layer's "
+                         f"type is {layer_type!r}")
+    rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type '{rope_type}' is not supported (supported: {', '.join(ROPE_TYPES)})")
-    theta = params.get("rope_theta", config.get("rope_theta", default_theta))
-    if partial_rotary_factor is None:
-        partial_rotary_factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    max_pos = int(config.get("max_position_embeddings") or 2048)
-    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # As transformers' standardize_rope_params, which every ROPE_INIT_FUNCTIONS entry re-runs on
-        # the loaded config: a top-level original_max_position_embeddings overrides the flat rope
-        # dict's (Phi3Config always has one, default 4096); nested per-layer dicts keep their own;
-        # missing everywhere, max_position_embeddings.
-        top = config.get("original_max_position_embeddings")
-        if phi3 and top is None:
-            top = 4096
-        if nested:
-            original = params.get("original_max_position_embeddings")
-        elif top is not None:
-            original = top
-        if original is None:
-            original = max_pos
     factor = params.get("factor")
     if factor is None and rope_type in ("linear", "dynamic", "llama3"):
         raise ValueError(f"{source}: rope type '{rope_type}' needs rope_scaling.factor")
+    original = params.get("original_max_position_embeddings")
     return RopeConfig(
         head_dim=head_dim,
-        theta=float(theta),
+        theta=_float(params, "rope_theta", RopeDefaults.theta, source),
         rope_type=rope_type,
-        factor=float(factor) if factor is not None else None,
-        partial_rotary_factor=float(partial_rotary_factor),
+        factor=_maybe_float(params, "factor", source),
+        partial_rotary_factor=_float(params, "partial_rotary_factor", 1.0, source),
         interleaved=interleaved,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         original_max_position_embeddings=int(original) if original is not None else None,
         low_freq_factor=_float(params, "low_freq_factor", 1.0, source),
         high_freq_factor=_float(params, "high_freq_factor", 4.0, source),
-        beta_fast=_float(params, "beta_fast", None, source) or 32.0,
-        beta_slow=_float(params, "beta_slow", None, source) or 1.0,
-        mscale=_float(params, "mscale", None, source),
-        mscale_all_dim=_float(params, "mscale_all_dim", None, source),
-        attention_factor=_float(params, "attention_factor", None, source),
+        beta_fast=_maybe_float(params, "beta_fast", source) or 32.0,
+        beta_slow=_maybe_float(params, "beta_slow", source) or 1.0,
+        mscale=_maybe_float(params, "mscale", source),
+        mscale_all_dim=_maybe_float(params, "mscale_all_dim", source),
+        attention_factor=_maybe_float(params, "attention_factor", source),
         truncate=bool(params.get("truncate", True)),
         short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in params.get("long_factor") or ()),

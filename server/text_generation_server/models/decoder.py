@@ -9,9 +9,7 @@ graphs, quantize) sees only this model and its config, never a family.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -25,52 +23,6 @@ from text_generation_server.layers.tensor_parallel import (
 )
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
-
-
-class ConfigReader:
-    """config.json values with errors that name the file, the key and the value."""
-
-    def __init__(self, raw: dict, source: str):
-        self.raw = raw
-        self.source = source
-
-    def has(self, key: str) -> bool:
-        return self.raw.get(key) is not None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.raw.get(key)
-        return default if value is None else value
-
-    def need(self, key: str) -> Any:
-        if self.raw.get(key) is None:
-            raise CheckpointError(f"{self.source}: missing required key '{key}'")
-        return self.raw[key]
-
-    def first(self, *keys: str, default: Any = None, required: bool = False) -> Any:
-        """The first of several names a key goes by (n_embd / hidden_size)."""
-        for key in keys:
-            if self.raw.get(key) is not None:
-                return self.raw[key]
-        if required:
-            raise CheckpointError(f"{self.source}: missing required key '{keys[0]}' (or {', '.join(keys[1:])})")
-        return default
-
-    def positive_int(self, *keys: str, default: int | None = None) -> int:
-        value = self.first(*keys, default=default, required=default is None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
-            raise CheckpointError(f"{self.source}: '{keys[0]}' must be a positive integer, got {value!r}")
-        return int(value)
-
-    def number(self, key: str, default: float | None = None) -> float | None:
-        value = self.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise CheckpointError(f"{self.source}: '{key}' must be a finite number, got {value!r}")
-        return float(value)
-
-    def refuse(self, key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{self.source}: {key} = {self.raw.get(key)!r} is not supported: {why}")
 
 
 @dataclass(frozen=True)

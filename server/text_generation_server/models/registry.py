@@ -7,7 +7,8 @@ from the shared layers) plus one line in FAMILIES.
 
 from __future__ import annotations
 
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig
+from text_generation_server.models.decoder import DecoderConfig
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.models.families.base import Family
 from text_generation_server.models.families.cohere import CohereFamily
 from text_generation_server.models.families.deepseek import DeepseekFamily

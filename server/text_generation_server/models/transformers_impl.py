@@ -30,6 +30,7 @@ from text_generation_server.layers.tensor_parallel import (
     TensorParallelRowLinear,
 )
 from text_generation_server.models.decoder import DecoderConfig, Head
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
@@ -259,7 +260,6 @@ def hf_config(config: dict, source: str):
 
 def decoder_config(config: dict, source: str) -> DecoderConfig:
     """What the engine needs to know, read through transformers' config class (its defaults)."""
-    from text_generation_server.models.decoder import ConfigReader
     from text_generation_server.models.families.llama import layer_windows
 
     refuse_unsupported(config, source)

@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 
 from text_generation_server.layers.norm import LayerNorm, RMSNorm
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeConfig, RopeDefaults, RotaryEmbedding, rope_config_from_hf
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
     DecoderModel,
     Embeddings,
     Head,
 )
+from text_generation_server.quantizers.config_reader import ConfigReader
+from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -34,9 +35,19 @@ class Family:
     # The norm of the family: RMSNorm, or LayerNorm (with or without a bias).
     layer_norm = False
     norm_bias = True
+    # Where config.json keeps the rope's base and rotated share, and their defaults (transformers'
+    # config class of the model type: its default_theta and the like).
+    rope_defaults = RopeDefaults()
 
     def read_config(self, r: ConfigReader) -> DecoderConfig:
         raise NotImplementedError
+
+    def rope(self, r: ConfigReader, head_dim: int, **kwargs) -> RopeConfig:
+        """config.json's rope as transformers reads it (layers/rotary.py), refused naming the file."""
+        try:
+            return rope_config_from_hf(r.data, head_dim, defaults=self.rope_defaults, **kwargs)
+        except ValueError as exc:
+            raise CheckpointError(f"{r.source}: {exc}") from exc
 
     def prepare(self, config: DecoderConfig, weights: Weights) -> None:
         """Sets up the weight view this family reads (before any part loads): aliases of tensor

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import GatedMLP, activation
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeDefaults, RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Head, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, Head, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -27,6 +27,7 @@ class CohereFamily(Family):
     model_types = ("cohere",)
     layer_norm = True
     norm_bias = False
+    rope_defaults = RopeDefaults(theta=500000.0)  # CohereConfig.default_theta
 
     def read_config(self, r: ConfigReader) -> CohereConfig:
         hidden = r.positive_int("hidden_size")
@@ -40,7 +41,7 @@ class CohereFamily(Family):
             intermediate_size=r.positive_int("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=r.positive_int("num_key_value_heads", default=heads),
             head_dim=head_dim, max_position_embeddings=r.positive_int("max_position_embeddings", default=8192),
-            rope=rope_of(r, head_dim, interleaved=True, default_theta=10000.0),
+            rope=self.rope(r, head_dim, interleaved=True),
             tie_word_embeddings=bool(r.get("tie_word_embeddings", True)), layer_windows=(None,) * layers,
             norm_eps=r.number("layer_norm_eps", 1e-5), hidden_act=act,
             attention_bias=bool(r.get("attention_bias", False)), use_qk_norm=bool(r.get("use_qk_norm", False)),

@@ -31,9 +31,8 @@ from text_generation_server.layers.mla import MLAOptions, MultiHeadLatentAttenti
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.moe import RouterOptions, SparseMoE
 from text_generation_server.layers.rotary import RotaryEmbedding
-from text_generation_server.models.decoder import ConfigReader
-from text_generation_server.models.families.llama import rope_of
 from text_generation_server.models.families.moe import MoeConfig, MoeFamily
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -75,7 +74,7 @@ class DeepseekFamily(MoeFamily):
             head_dim=nope + rope_dim,
             num_key_value_heads=heads,
             max_position_embeddings=r.positive_int("max_position_embeddings", default=4096 if v3 else 2048),
-            rope=rope_of(r, rope_dim, interleaved=interleaved),
+            rope=self.rope(r, rope_dim, interleaved=interleaved),
         )
 
     def moe_fields(self, r: ConfigReader, layers: int) -> dict:
@@ -111,22 +110,19 @@ class DeepseekFamily(MoeFamily):
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
             v_head_dim=r.positive_int("v_head_dim", default=128),
-            softmax_scale=self._softmax_scale(r, nope + rope_dim),
+            softmax_scale=self._softmax_scale(r, nope, rope_dim),
         )
 
-    @staticmethod
-    def _softmax_scale(r: ConfigReader, qk_head_dim: int) -> float:
-        """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim) squared when the rope is
-        scaled (transformers' yarn_apply_mscale)."""
-        scale = qk_head_dim ** -0.5
-        params = r.get("rope_parameters") or r.get("rope_scaling") or {}
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        all_dim = params.get("mscale_all_dim")
-        if rope_type != "default" and all_dim:
-            factor = params.get("factor")
-            if factor is None:
-                raise r.refuse("rope_scaling", "mscale_all_dim needs rope factor")
-            scale *= yarn_mscale(float(factor), float(all_dim)) ** 2
+    def _softmax_scale(self, r: ConfigReader, nope_dim: int, rope_dim: int) -> float:
+        """(nope + rope head dims)^-0.5, times yarn's mscale(factor, mscale_all_dim) squared when the
+        rope is scaled (transformers' yarn_apply_mscale), read from the rope the layers use."""
+        scale = (nope_dim + rope_dim) ** -0.5
+        rope = self.rope(r, rope_dim)
+        if rope.rope_type != "default" and rope.mscale_all_dim:
+            if rope.factor is None:
+                raise r.refuse("rope_scaling" if r.get("rope_scaling") else "rope_parameters",
+                               "mscale_all_dim needs rope factor")
+            scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
         return scale
 
     def read_config(self, r: ConfigReader) -> DeepseekConfig:

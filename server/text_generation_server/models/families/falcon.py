@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import MLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, SPLIT, AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -53,7 +53,7 @@ class FalconFamily(Family):
             intermediate_size=r.positive_int("ffn_hidden_size", default=4 * hidden), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             max_position_embeddings=r.positive_int("max_position_embeddings", default=2048),
-            rope=rope_of(r, head_dim), tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
+            rope=self.rope(r, head_dim), tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
             layer_windows=(None,) * layers, norm_eps=r.number("layer_norm_epsilon", 1e-5), hidden_act=act,
             bias=bool(r.get("bias", False)), new_decoder_architecture=new_arch, multi_query=multi_query,
             parallel_attn=bool(r.get("parallel_attn", True)),

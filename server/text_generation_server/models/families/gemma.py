@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import GatedMLP, activation
 from text_generation_server.layers.norm import RMSNorm
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeConfig, RotaryEmbedding, layered_rope_parameters
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
     Embeddings,
@@ -27,8 +26,15 @@ from text_generation_server.models.decoder import (
     check_heads,
 )
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import layer_windows, rope_of
+from text_generation_server.models.families.llama import layer_windows
+from text_generation_server.quantizers.config_reader import ConfigReader
+from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
+
+
+# Gemma 3's rope base per layer type: the top-level key of older configs, and Gemma3TextConfig's default.
+GEMMA3_ROPE_BASES = {"full_attention": ("rope_theta", 1_000_000.0),
+                     "sliding_attention": ("rope_local_base_freq", 10_000.0)}
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class GemmaConfig(DecoderConfig):
     query_pre_attn_scalar: float | None = None  # Gemma 2/3: the softmax scale is its -0.5 power
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    local_rope: object = None  # Gemma 3: the RopeConfig of sliding layers
+    local_rope: RopeConfig | None = None  # Gemma 3: the rope of sliding layers
 
 
 class GemmaFamily(Family):
@@ -57,16 +63,16 @@ class GemmaFamily(Family):
         windows = (None,) * layers
         if model_type == "gemma2":
             if not r.has("layer_types"):  # transformers' default: even layers slide
-                r = ConfigReader({**r.raw, "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                                           for i in range(layers)]}, r.source)
+                r = r.with_values(layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                               for i in range(layers)])
             windows = layer_windows(r, layers, every_layer=False)
         if model_type != "gemma3_text":
-            rope, local_rope = rope_of(r, head_dim), None
+            rope, local_rope = self.rope(r, head_dim), None
         else:
             if not r.has("layer_types"):
                 pattern = r.positive_int("sliding_window_pattern", default=6)
-                r = ConfigReader({**r.raw, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                                           for i in range(layers)]}, r.source)
+                r = r.with_values(layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                               for i in range(layers)])
             windows = layer_windows(r, layers, every_layer=False)
             rope, local_rope = self._gemma3_ropes(r, head_dim)
         scalar = r.number("query_pre_attn_scalar", 256.0) if model_type != "gemma" else None
@@ -88,18 +94,16 @@ class GemmaFamily(Family):
         check_heads(config, r.source)
         return config
 
-    @staticmethod
-    def _gemma3_ropes(r: ConfigReader, head_dim: int):
+    def _gemma3_ropes(self, r: ConfigReader, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
         """(global, local) rope: transformers 5 nests rope_parameters by layer type; older configs
-        give rope_theta + rope_scaling for global layers and rope_local_base_freq for local ones."""
-        params = r.get("rope_parameters")
-        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-            return (rope_of(r, head_dim, layer_type="full_attention"),
-                    rope_of(r, head_dim, layer_type="sliding_attention"))
-        global_rope = rope_of(r, head_dim, default_theta=1_000_000.0)
-        local = ConfigReader({**r.raw, "rope_parameters": None, "rope_scaling": None,
-                              "rope_theta": r.get("rope_local_base_freq", 10_000.0)}, r.source)
-        return global_rope, rope_of(local, head_dim)
+        give rope_theta + rope_scaling for global layers and rope_local_base_freq for local ones.
+        A rope_scaling (old configs, or one a user adds) changes only the global layers'."""
+        try:
+            params = layered_rope_parameters(r.data, GEMMA3_ROPE_BASES)
+        except ValueError as exc:
+            raise CheckpointError(f"{r.source}: {exc}") from exc
+        return (self.rope(r, head_dim, layer_type="full_attention", params=params),
+                self.rope(r, head_dim, layer_type="sliding_attention", params=params))
 
     def rotaries(self, config: GemmaConfig, max_positions: int, device) -> dict[str, RotaryEmbedding]:
         out = super().rotaries(config, max_positions, device)

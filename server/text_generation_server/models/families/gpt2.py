@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import MLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, SPLIT, AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Embeddings, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, Embeddings, check_heads
 from text_generation_server.models.families.base import Family
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 _CONV1D = re.compile(r"^(transformer\.)?h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeDefaults, RotaryEmbedding
 from text_generation_server.layers.self_attention import GROUPED, AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -27,6 +27,9 @@ class GPTNeoXFamily(Family):
     embed_prefix = "gpt_neox.embed_in"
     layer_prefix = "gpt_neox.layers"
     norm_prefix = "gpt_neox.final_layer_norm"
+    # Older configs: rotary_emb_base and rotary_pct (transformers 5 moves both into rope_parameters);
+    # GPTNeoXConfig reads no top-level rope_theta or partial_rotary_factor.
+    rope_defaults = RopeDefaults(theta_key="rotary_emb_base", partial_rotary_factor=0.25, partial_key="rotary_pct")
 
     def read_config(self, r: ConfigReader) -> GPTNeoXConfig:
         hidden = r.positive_int("hidden_size")
@@ -35,18 +38,12 @@ class GPTNeoXFamily(Family):
         act = r.get("hidden_act", "gelu")
         activation(act, "hidden_act", r.source)
         layers = r.positive_int("num_hidden_layers")
-        # Older configs: rotary_pct and rotary_emb_base (transformers 5 moves both into rope_parameters).
-        params = r.get("rope_parameters") or {}
-        partial = params.get("partial_rotary_factor", r.first("partial_rotary_factor", "rotary_pct", default=0.25))
-        raw = dict(r.raw)
-        if "rope_theta" not in params and r.has("rotary_emb_base"):
-            raw["rope_theta"] = r.get("rotary_emb_base")
         config = GPTNeoXConfig(
             model_type="gpt_neox", vocab_size=r.positive_int("vocab_size"), hidden_size=hidden,
             intermediate_size=r.positive_int("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
             max_position_embeddings=r.positive_int("max_position_embeddings", default=2048),
-            rope=rope_of(ConfigReader(raw, r.source), head_dim, partial_rotary_factor=partial),
+            rope=self.rope(r, head_dim),
             tie_word_embeddings=bool(r.get("tie_word_embeddings", False)), layer_windows=(None,) * layers,
             norm_eps=r.number("layer_norm_eps", 1e-5), hidden_act=act,
             attention_bias=bool(r.get("attention_bias", True)),

@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions
-from text_generation_server.models.decoder import ConfigReader, DecoderLayer, Embeddings, Head
+from text_generation_server.models.decoder import DecoderLayer, Embeddings, Head
 from text_generation_server.models.families.llama import LlamaConfig, LlamaFamily
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 

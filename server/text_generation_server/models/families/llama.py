@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import GatedMLP, activation
-from text_generation_server.layers.rotary import RotaryEmbedding, rope_config_from_hf
+from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
 
@@ -61,13 +62,6 @@ def layer_windows(r: ConfigReader, layers: int, every_layer: bool) -> tuple[int 
     return (window,) * layers if every_layer else (None,) * layers
 
 
-def rope_of(r: ConfigReader, head_dim: int, **kwargs):
-    try:
-        return rope_config_from_hf(r.raw, head_dim, **kwargs)
-    except ValueError as exc:
-        raise CheckpointError(f"{r.source}: {exc}") from exc
-
-
 class LlamaFamily(Family):
     model_types = ("llama", "mistral", "qwen2", "phi3")
     config_class = LlamaConfig
@@ -92,7 +86,7 @@ class LlamaFamily(Family):
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=r.positive_int("max_position_embeddings", default=2048),
-            rope=rope_of(r, head_dim),
+            rope=self.rope(r, head_dim),
             tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
             layer_windows=layer_windows(r, layers, model_type in self.windowed_everywhere),
             norm_eps=r.number("rms_norm_eps", 1e-6),

@@ -23,18 +23,18 @@ from text_generation_server.layers.moe import (
     moe_layer_indices,
 )
 from text_generation_server.layers.norm import RMSNorm
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeDefaults, RotaryEmbedding
 from text_generation_server.layers.self_attention import (
     AttentionOptions,
     HeadNorm,
     SelfAttention,
 )
 from text_generation_server.models.decoder import (
-    ConfigReader,
     DecoderConfig,
     DecoderLayer,
 )
 from text_generation_server.models.families.llama import LlamaConfig, LlamaFamily
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sources import CheckpointError, DerivedTensor
 from text_generation_server.quantizers.weights import Weights
 
@@ -116,6 +116,7 @@ class MixtralFamily(MoeFamily):
 
     model_types = ("mixtral",)
     moe_prefix = "block_sparse_moe"
+    rope_defaults = RopeDefaults(theta=1_000_000.0)  # MixtralConfig.default_theta
 
     def moe_fields(self, r: ConfigReader, layers: int) -> dict:
         return dict(num_experts=r.positive_int("num_local_experts"),
@@ -190,6 +191,10 @@ class GptOssFamily(MoeFamily):
 
     model_types = ("gpt_oss",)
     router_name = "router"
+    # GptOssConfig: its default_theta, and its rope when config.json has none.
+    rope_defaults = RopeDefaults(theta=150_000.0, parameters={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096})
 
     def moe_fields(self, r: ConfigReader, layers: int) -> dict:
         return dict(num_experts=r.positive_int("num_local_experts"),

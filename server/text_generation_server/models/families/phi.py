@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from text_generation_server.layers.mlp import MLP, activation
-from text_generation_server.layers.rotary import RotaryEmbedding
+from text_generation_server.layers.rotary import RopeDefaults, RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, HeadNorm, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, Head, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, Head, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import rope_of
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -24,6 +24,7 @@ class PhiFamily(Family):
     model_types = ("phi",)
     norm_prefix = "model.final_layernorm"
     layer_norm = True
+    rope_defaults = RopeDefaults(partial_rotary_factor=0.5)  # PhiConfig's, for configs that give none
 
     def read_config(self, r: ConfigReader) -> PhiConfig:
         hidden = r.positive_int("hidden_size")
@@ -37,7 +38,7 @@ class PhiFamily(Family):
             intermediate_size=r.positive_int("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=r.positive_int("num_key_value_heads", default=heads),
             head_dim=head_dim, max_position_embeddings=r.positive_int("max_position_embeddings", default=2048),
-            rope=rope_of(r, head_dim, partial_rotary_factor=r.get("partial_rotary_factor", None)),
+            rope=self.rope(r, head_dim),
             tie_word_embeddings=bool(r.get("tie_word_embeddings", False)), layer_windows=(None,) * layers,
             norm_eps=r.number("layer_norm_eps", 1e-5), hidden_act=act, qk_layernorm=bool(r.get("qk_layernorm", False)),
         )

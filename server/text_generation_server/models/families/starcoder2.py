@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from text_generation_server.layers.mlp import MLP, activation
 from text_generation_server.layers.rotary import RotaryEmbedding
 from text_generation_server.layers.self_attention import AttentionOptions, SelfAttention
-from text_generation_server.models.decoder import ConfigReader, DecoderConfig, DecoderLayer, check_heads
+from text_generation_server.models.decoder import DecoderConfig, DecoderLayer, check_heads
 from text_generation_server.models.families.base import Family
-from text_generation_server.models.families.llama import layer_windows, rope_of
+from text_generation_server.models.families.llama import layer_windows
+from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.weights import Weights
 
 
@@ -36,7 +37,7 @@ class Starcoder2Family(Family):
             intermediate_size=r.positive_int("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=r.positive_int("num_key_value_heads", default=heads),
             head_dim=head_dim, max_position_embeddings=r.positive_int("max_position_embeddings", default=4096),
-            rope=rope_of(r, head_dim), tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
+            rope=self.rope(r, head_dim), tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
             layer_windows=layer_windows(r, layers, every_layer=True), norm_eps=r.number("norm_epsilon", 1e-5),
             hidden_act=act, use_bias=bool(r.get("use_bias", True)),
         )
