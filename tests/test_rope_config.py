@@ -31,7 +31,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from text_generation_server.engine.types import GenerationRequest  # noqa: E402
 from text_generation_server.layers.rotary import RopeConfig, RotaryEmbedding  # noqa: E402
-from text_generation_server.models import get_model, read_model_config  # noqa: E402
+from text_generation_server.models.loader import get_model  # noqa: E402
+from text_generation_server.models.registry import read_model_config  # noqa: E402
 
 CPU = torch.device("cpu")
 torch.set_num_threads(1)

@@ -33,7 +33,7 @@ from text_generation_server.layers.rotary import (  # noqa: E402
     apply_rotary,
     rope_config_from_hf,
 )
-from text_generation_server.models.families import BY_MODEL_TYPE  # noqa: E402
+from text_generation_server.models.registry import BY_MODEL_TYPE  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -754,7 +754,7 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
 def test_base_default_is_the_model_types(model_type, rope_parameters):
     """A config.json with no base gets the one transformers' config class of its type defaults
     to (Cohere 500000, Mixtral 1e6, gpt-oss 150000, Gemma 3 1e6 global / 1e4 local)."""
-    from text_generation_server.models import read_model_config
+    from text_generation_server.models.registry import read_model_config
 
     small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=6,
                  intermediate_size=64, vocab_size=64, max_position_embeddings=2048)
