@@ -61,8 +61,9 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import command_line, cpu_model, md_table, ratio  # benchmarks/ is on sys.path here
-from text_generation_server.kernels.base import DISABLE_ENV, QuantizedWeight, build_linear, dequantize
+from text_generation_server.kernels.base import QuantizedWeight, dequantize
 from text_generation_server.kernels.fp8 import Fp8Weight, dequantize_fp8
+from text_generation_server.kernels.select import DISABLE_ENV, build_linear
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
 from text_generation_server.quantizers.exl2 import Exl2Weight
 from text_generation_server.quantizers.fp8 import Fp8LinearWeight, channel_scales, quantize_e4m3

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -163,12 +162,11 @@ def kernels_used(lm) -> set[str]:
 
 
 def fast_kernels(*extra: str) -> str:
-    """Every registered CPU kernel but the reference (and `extra`), as TGS_DISABLE_KERNELS wants them
-    to leave only the reference."""
-    from text_generation_server.kernels.base import KERNELS
+    """Every CPU kernel of quantized weights but the reference (and `extra`), as TGS_DISABLE_KERNELS
+    wants them to leave only the reference."""
+    from text_generation_server.kernels.table import CPU
 
-    importlib.import_module("text_generation_server.kernels.registry")  # registers the kernels
-    return ",".join([k.name for k in KERNELS["cpu"] if k.name != "reference"] + list(extra))
+    return ",".join([k.name for k in CPU if k.family == "quantized" and k.name != "reference"] + list(extra))
 
 
 def assert_bfloat16_close(lm, reference: Path | str, atol: float = 0.1) -> None:
@@ -191,7 +189,7 @@ def kernel_modes(setenv: Callable[[str, str], None] = os.environ.__setitem__, ex
                  ) -> Iterator[str]:
     """Yields "reference" after disabling every fast CPU kernel (`fast_kernels(*extra)`), then "chosen" after
     disabling none; `setenv` sets TGS_DISABLE_KERNELS (monkeypatch.setenv in a test, os.environ in a rank)."""
-    from text_generation_server.kernels.base import DISABLE_ENV
+    from text_generation_server.kernels.select import DISABLE_ENV
 
     for mode in MODE_ATOL:
         setenv(DISABLE_ENV, fast_kernels(*extra) if mode == "reference" else "")

@@ -22,24 +22,17 @@ from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, jo
                      load_qkv, prompt_logprobs, run_ranks, write_checkpoint, write_model_folder)
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.kernels.base import (
-    ALLOW_DENSE_ENV,
-    DISABLE_ENV,
-    DenseFallbackError,
-    NoKernelError,
-    dequantize,
-)
-from text_generation_server.models.loader import get_model
-from text_generation_server.quantizers.factory import get_loader, read_quantization_config
-from text_generation_server.quantizers.bitsandbytes import (
-    Bnb4bitWeight,
-    BnbConfig,
+from text_generation_server.kernels.base import DenseFallbackError, NoKernelError, dequantize
+from text_generation_server.kernels.bitsandbytes import (
     BnbCpu4bitKernel,
     BnbMatmul4bitKernel,
     MissingDependencyError,
     _cpu_fused_4bit,
-    choose_4bit_kernel,
 )
+from text_generation_server.kernels.select import ALLOW_DENSE_ENV, DISABLE_ENV, choose_kernel
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config
+from text_generation_server.quantizers.bitsandbytes import Bnb4bitWeight, BnbConfig
 from text_generation_server.quantizers.eetq import ChannelInt8Weight
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.sources import CheckpointError, DictTensorSource
@@ -357,10 +350,10 @@ def test_fused_cpu_kernel_follows_the_cpu_feature(cases, mocked_cpu_bf16, monkey
     spec = w.spec(torch.float32, "cpu")
     if mocked_cpu_bf16:
         assert BnbCpu4bitKernel.can_implement(spec) == (True, "")
-        assert choose_4bit_kernel(spec) == (BnbCpu4bitKernel, [])
+        assert choose_kernel(spec) == (BnbCpu4bitKernel, [])
         return
     assert BnbCpu4bitKernel.can_implement(spec) == (False, "the CPU lacks AVX512-BF16")
-    kernel, rejected = choose_4bit_kernel(spec)
+    kernel, rejected = choose_kernel(spec)
     assert kernel.name == "reference" and rejected == [("bnb-cpu-4bit", "the CPU lacks AVX512-BF16")]
     module = w.get_linear(None)
     x = torch.randn(3, w.shape[1])
@@ -416,10 +409,10 @@ def test_cuda_4bit_never_falls_back_to_dense_silently(cases, monkeypatch):
 def test_kernel_choice_is_logged_once_per_layer_kind(cases, monkeypatch):
     from loguru import logger
 
-    from text_generation_server.quantizers import bitsandbytes as module
+    from text_generation_server.kernels import select
 
     monkeypatch.setenv(DISABLE_ENV, "bnb-cpu-4bit,reference")
-    monkeypatch.setattr(module, "_LOGGED", set())
+    monkeypatch.setattr(select, "_LOGGED", set())
     tensors, _, config = get_case(cases, "fp4")
     lines: list[str] = []
     sink = logger.add(lines.append, level="INFO", format="{message}")
@@ -438,14 +431,14 @@ def test_kernel_reasons_for_blocks_straddling_rows(cases, monkeypatch):
     tensors, _, config = get_case(cases, "nf4-dq-k100")
     w = weights_for(tensors, config).get_weights("m.qkv")
     spec = w.spec(torch.float32, "cpu")
-    kernel, rejected = choose_4bit_kernel(spec)
+    kernel, rejected = choose_kernel(spec)
     assert kernel.name == "reference"
     assert rejected == [("bnb-cpu-4bit", "in_features 100 not a multiple of the blocksize 64")]
     ok, reason = BnbMatmul4bitKernel.can_implement(spec)
     assert not ok and reason.startswith("in_features 100 not a multiple of the blocksize 64 "
                                         "(bitsandbytes' CPU dequantize is wrong")
     # CUDA's fused kernels use flat blocks: straddling rows is fine there.
-    assert choose_4bit_kernel(w.spec(torch.float16, "cuda"))[0].name == "bnb-matmul-4bit"
+    assert choose_kernel(w.spec(torch.float16, "cuda"))[0].name == "bnb-matmul-4bit"
 
 
 # -- bad checkpoints ------------------------------------------------------------------------------
@@ -597,7 +590,7 @@ def load_variant(folders, name: str, **kwargs):
     return get_model(str(folders[name]["ckpt"]), dtype="float32", quantize=VARIANTS[name][0], **kwargs)
 
 
-BNB_FAST = ("bnb-cpu-4bit", "bnb-matmul-4bit")  # the 4-bit kernels, outside kernels.base.KERNELS
+BNB_FAST = ("bnb-cpu-4bit", "bnb-matmul-4bit")  # the 4-bit kernels (family bnb-4bit), outside fast_kernels()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from helpers import (METHODS, MODE_ATOL, assert_bfloat16_close, fast_kernels, jo
                      load_qkv, prompt_logprobs, run_ranks, write_checkpoint)
 from safetensors.torch import load_file, save_file
 
-from text_generation_server.kernels.base import DISABLE_ENV, dequantize
+from text_generation_server.kernels.base import dequantize
+from text_generation_server.kernels.select import DISABLE_ENV
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, EetqConfig

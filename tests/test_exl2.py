@@ -21,7 +21,8 @@ from helpers import (METHODS, assert_bfloat16_close, assert_ranks_match_one_proc
 from safetensors.torch import load_file
 from test_quant_e2e import SHAPE
 
-from text_generation_server.kernels.base import DISABLE_ENV, dequantize
+from text_generation_server.kernels.base import dequantize
+from text_generation_server.kernels.select import DISABLE_ENV
 from text_generation_server.kernels.cpu import CpuInt4PackKernel
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.factory import get_loader, read_quantization_config

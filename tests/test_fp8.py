@@ -27,8 +27,7 @@ from helpers import (METHODS, PROMPTS, greedy, join_shards, kernel_names, load_q
 from safetensors.torch import load_file, save_file
 from test_fp8_activations import formula, hf_model, hf_prompt_logprobs, hook_declared_inputs
 
-from text_generation_server.kernels import registry  # noqa: F401  (registers every kernel in priority order)
-from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, NoKernelError, choose_kernel
+from text_generation_server.kernels.base import NoKernelError
 from text_generation_server.kernels.fp8 import (
     Fp8DequantLinear,
     Fp8ScaledMMLinear,
@@ -36,6 +35,8 @@ from text_generation_server.kernels.fp8 import (
     dequantize_fp8,
     fp8_to_float32,
 )
+from text_generation_server.kernels.select import DISABLE_ENV, build_linear, choose_kernel
+from text_generation_server.kernels.table import TABLES
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.factory import get_loader, read_quantization_config
 from text_generation_server.quantizers.config import CompressedTensorsConfig
@@ -329,7 +330,7 @@ def test_kernel_choice():
     cpu = fp8_weight().spec(torch.float32, "cpu")
     kernel, rejected = choose_kernel(cpu)
     assert kernel.name == "fp8-dequant"
-    for device, kernels in KERNELS.items():  # every other kernel refuses fp8 weights rather than misreading them
+    for device, kernels in TABLES.items():  # every other kernel refuses fp8 weights rather than misreading them
         spec = fp8_weight().spec(torch.bfloat16, device)
         for other in kernels:
             if not other.name.startswith("fp8-"):
@@ -401,14 +402,12 @@ def test_activation_scale_ub_caps_loud_tokens():
                     reason="torch._scaled_mm needs a CUDA GPU with compute capability >= 8.9")
 @pytest.mark.parametrize("name", list(SCALED_MM_CASES))
 def test_scaled_mm_kernel_on_cuda(name):
-    from text_generation_server.kernels.fp8 import build_fp8_linear
-
     w = fp8_weight(**SCALED_MM_CASES[name])
     cuda = Fp8Weight(w.weight.cuda(), w.scale.cuda(), w.row_block.cuda(), w.col_block.cuda(), w.activation,
                      None if w.input_scale is None else w.input_scale.cuda(), w.activation_scale_ub)
     x = torch.randn(33, w.shape[1], device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
-        module = build_fp8_linear(cuda, None, dtype, "cuda")
+        module = build_linear(cuda, None, dtype, "cuda")
         assert module.kernel_name == "fp8-scaled-mm"
         got = module(x.to(dtype)).float().cpu()
         dequant = Fp8DequantLinear(cuda, None, dtype)(x.to(dtype)).float().cpu()
@@ -419,11 +418,9 @@ def test_scaled_mm_kernel_on_cuda(name):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dequant_kernel_on_cuda_block_scales():
-    from text_generation_server.kernels.fp8 import build_fp8_linear
-
     w = fp8_weight(n=300, k=400, kind="block")
     cuda = Fp8Weight(w.weight.cuda(), w.scale.cuda(), w.row_block.cuda(), w.col_block.cuda())
-    module = build_fp8_linear(cuda, None, torch.float32, "cuda")
+    module = build_linear(cuda, None, torch.float32, "cuda")
     assert module.kernel_name == "fp8-dequant" and module.col_block is not None
     x = torch.randn(5, 400)
     torch.testing.assert_close(module(x.cuda()).cpu(), x @ dequantize_fp8(w).t(), rtol=1e-4, atol=1e-4)

@@ -25,15 +25,13 @@ import torch
 from helpers import PROMPTS, greedy, write_checkpoint, write_model_folder
 from safetensors.torch import load_file
 
-from text_generation_server.kernels import registry  # noqa: F401  (registers every kernel in priority order)
-from text_generation_server.kernels.base import DISABLE_ENV, choose_kernel
 from text_generation_server.kernels.fp8 import (
     Fp8DequantLinear,
     Fp8InputQuantizer,
     Fp8ScaledMMLinear,
     Fp8Weight,
-    build_fp8_linear,
 )
+from text_generation_server.kernels.select import DISABLE_ENV, build_linear, choose_kernel
 from text_generation_server.models.loader import get_model
 
 torch.set_num_threads(1)
@@ -197,7 +195,7 @@ def test_emulated_linear_is_the_formula(name, kernel, monkeypatch):
         monkeypatch.setenv(DISABLE_ENV, "fp8-dense")
     want = formula(w, x, formula_kind, input_scale, group, offset)
     for dtype in (torch.float32, torch.bfloat16):
-        module = build_fp8_linear(w, bias, dtype, "cpu", f"test {name}")
+        module = build_linear(w, bias, dtype, "cpu", f"test {name}")
         assert module.kernel_name == kernel
         assert ("emulated on CPU" in module.computes) == (name != "weight-only"), module.computes
         got = module(x.to(dtype).reshape(2, 3, 320)).reshape(6, 200)
@@ -218,7 +216,7 @@ def test_the_declaration_changes_the_result():
     w = weight_of(200, 320, "channel", activation="dynamic-token")
     x = activations_with_outliers(6, 320)
     exact = formula(w, x, "none")
-    got = build_fp8_linear(w, None, torch.float32, "cpu", "guard")(x)
+    got = build_linear(w, None, torch.float32, "cpu", "guard")(x)
     assert (got - exact).abs().max() > 1e-2 and (got - formula(w, x, "token")).abs().max() < 1e-4
 
 
@@ -254,7 +252,7 @@ def test_scaled_mm_inputs_are_the_emulated_ones(name):
     q, scale = module.quantize_input(x)
     assert q.dtype == E4M3 and q.shape == (6, 112)
     torch.testing.assert_close(q.float() * scale, declared_inputs(x, kind, input_scale), rtol=0, atol=0)
-    emulated = build_fp8_linear(w, None, torch.float32, "cpu", "scaled-mm check")(x)
+    emulated = build_linear(w, None, torch.float32, "cpu", "scaled-mm check")(x)
     torch.testing.assert_close(emulated, formula(w, x, kind, input_scale), rtol=1e-5, atol=1e-4)
     # torch's CPU _scaled_mm: the same products, its own summation order (bfloat16 output for rowwise scales).
     got = module(x)
@@ -289,7 +287,7 @@ def test_tensor_cores_compute_the_emulated_model(name):
                      w.activation_group_size, w.activation_group_offset)
     x = activations_with_outliers(33, 112)
     for dtype in (torch.bfloat16, torch.float16):
-        module = build_fp8_linear(cuda, None, dtype, "cuda", "gpu check")
+        module = build_linear(cuda, None, dtype, "cuda", "gpu check")
         assert module.kernel_name == "fp8-scaled-mm" and "tensor cores" in module.computes
         got = module(x.to(dtype).cuda()).float().cpu()
         emulated = Fp8DequantLinear(cuda, None, dtype)(x.to(dtype).cuda()).float().cpu()

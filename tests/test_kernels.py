@@ -16,20 +16,26 @@ from helpers import make_weight
 
 from text_generation_server.kernels import cpu, packing
 from text_generation_server.kernels.base import (
-    ALLOW_DENSE_ENV,
-    DISABLE_ENV,
-    KERNELS,
     DenseFallbackError,
     LinearSpec,
     NoKernelError,
     QuantizedWeight,
     ReferenceKernel,
+    dequantize,
+)
+from text_generation_server.kernels.select import (
+    ALLOW_DENSE_ENV,
+    DISABLE_ENV,
     build_linear,
     check_dense_fallback,
     choose_kernel,
     dense_fallback_allowed,
-    dequantize,
 )
+from text_generation_server.kernels.table import TABLES
+
+# The kernels of quantized weights per device, in table order; on CUDA those ranked above the dense reference.
+QUANTIZED = {device: [k for k in kernels if k.family == "quantized"] for device, kernels in TABLES.items()}
+CUDA_COMPACT = [k for k in QUANTIZED["cuda"] if k is not ReferenceKernel]
 
 torch.set_num_threads(1)
 
@@ -261,7 +267,7 @@ def test_selection_and_reasons(s, chosen, rejected, monkeypatch):
 
 
 def test_cpu_kernels_refuse_other_devices():
-    for kernel in KERNELS["cpu"]:
+    for kernel in QUANTIZED["cpu"]:
         if kernel.name in ("reference", "fp8-dequant"):
             continue  # device-agnostic, or a different weight format (refused for that reason first)
         assert kernel.can_implement(spec(dev="cuda")) == (False, "device cuda")
@@ -275,7 +281,7 @@ def test_cuda_candidates_without_a_gpu_give_reasons(monkeypatch):
         assert kernel.name != "reference"
         return
     assert kernel.name == "reference"
-    assert [name for name, _ in why] == [k.name for k in KERNELS["cuda"]]
+    assert [name for name, _ in why] == [k.name for k in CUDA_COMPACT]
     assert all(reason for _, reason in why)
 
 
@@ -289,7 +295,7 @@ def test_reference_outranks_packed_cpu_kernels_unless_disabled(monkeypatch):
 
 
 def test_cpu_kernel_order():
-    assert [k.name for k in KERNELS["cpu"][:2]] == ["cpu-int4pack", "cpu-int8"]
+    assert [k.name for k in QUANTIZED["cpu"][:2]] == ["cpu-int4pack", "cpu-int8"]
 
 
 def test_disable_falls_through(monkeypatch):
@@ -349,7 +355,7 @@ def no_gpu(monkeypatch):
 def test_cuda_refuses_the_dense_reference_with_every_reason(no_gpu):
     w = make_weight(256, 64, 4, 128, True, False)
     kernel, rejected = choose_kernel(w.spec(torch.float16, "cuda"))  # selection still answers
-    assert kernel is ReferenceKernel and [n for n, _ in rejected] == [k.name for k in KERNELS["cuda"]]
+    assert kernel is ReferenceKernel and [n for n, _ in rejected] == [k.name for k in CUDA_COMPACT]
     with pytest.raises(DenseFallbackError) as err:
         build_linear(w, None, torch.float16, "cuda", layer="layers.0.mlp.down_proj")
     msg = str(err.value)
@@ -363,7 +369,7 @@ def test_cuda_refuses_the_dense_reference_with_every_reason(no_gpu):
 
 
 def test_cuda_refusal_names_disabled_kernels(no_gpu, monkeypatch):
-    monkeypatch.setenv(DISABLE_ENV, ",".join(k.name for k in KERNELS["cuda"]))
+    monkeypatch.setenv(DISABLE_ENV, ",".join(k.name for k in CUDA_COMPACT))
     with pytest.raises(DenseFallbackError, match=r"8x the memory .* Kernels passed over: triton-gemm: disabled by "
                                                  r"TGS_DISABLE_KERNELS; tinygemm: disabled by TGS_DISABLE_KERNELS; "):
         build_linear(make_weight(128, 32, 4, 32, False, True), None, torch.float32, "cuda")
@@ -405,9 +411,7 @@ def test_which_kernels_keep_a_dense_copy():
     """The integer reference, bitsandbytes' 4-bit reference and fp8-dense dequantize once into the
     activation dtype. sparse-2:4 keeps a dequantized copy too, but half the values in the 2:4 sparse
     form it is chosen for, so it is not a fallback."""
-    from text_generation_server.quantizers.bitsandbytes import KERNELS_4BIT
-
-    every = {k for kernels in list(KERNELS.values()) + list(KERNELS_4BIT.values()) for k in kernels}
+    every = {k for kernels in TABLES.values() for k in kernels}
     assert sorted({(k.__module__.rsplit(".", 1)[-1], k.name) for k in every if k.dense_copy}) == [
         ("base", "reference"), ("bitsandbytes", "reference"), ("fp8", "fp8-dense")]
 

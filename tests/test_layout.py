@@ -55,7 +55,7 @@ def test_portions_are_packages_of_one_namespace():
 def test_every_module_imports_from_its_folder():
     """Python's namespace import joins the portions the way the paths say."""
     for name in ("text_generation_server.cli.main", "text_generation_server.quantizers.gptq",
-                 "text_generation_server.kernels.registry"):
+                 "text_generation_server.kernels.table"):
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.origin is not None
         top = {"quantizers": "quantizers", "kernels": "kernels"}.get(name.split(".")[1], "server")

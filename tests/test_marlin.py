@@ -28,7 +28,9 @@ from safetensors.torch import load_file
 
 from text_generation_server.kernels import marlin as km
 from text_generation_server.quantizers import marlin as qm
-from text_generation_server.kernels.base import DISABLE_ENV, KERNELS, LinearSpec, NoKernelError, choose_kernel, dequantize
+from text_generation_server.kernels.base import LinearSpec, NoKernelError, dequantize
+from text_generation_server.kernels.select import DISABLE_ENV, choose_kernel
+from text_generation_server.kernels.table import CPU, CUDA
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.config import GPTQConfig
 from text_generation_server.quantizers.factory import get_loader, read_quantization_config
@@ -423,7 +425,7 @@ def test_marlin_layout_kernel_refuses_with_reasons(changes, reason):
 
 
 def test_marlin_layout_sits_after_int4pack_and_serves_when_it_is_disabled(monkeypatch):
-    names = [k.name for k in KERNELS["cpu"]]
+    names = [k.name for k in CPU if k.family == "quantized"]
     assert names.index("marlin-layout") > names.index("reference") > names.index("cpu-int4pack")
     monkeypatch.setenv(DISABLE_ENV, "cpu-int4pack,reference")
     sym = canonical(256, 128, 4, 128, sym=True)
@@ -452,7 +454,7 @@ def test_marlin24_runs_dense_on_cpu_and_refuses_the_sparse_kernel_here(cases):
     assert ok == (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
     ok, why = km.Sparse24Kernel.can_implement(spec(device_type="cuda"))
     assert not ok and "2:4" in why
-    assert "sparse-2:4" in [k.name for k in KERNELS["cuda"]]
+    assert "sparse-2:4" in [k.name for k in CUDA]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,

@@ -23,7 +23,7 @@ from helpers import (PROMPTS, assert_bfloat16_close, assert_ranks_match_one_proc
                      write_checkpoint, write_model_folder)
 from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
-from text_generation_server.kernels.base import DISABLE_ENV
+from text_generation_server.kernels.select import DISABLE_ENV
 from text_generation_server.models.loader import get_model
 
 torch.set_num_threads(1)

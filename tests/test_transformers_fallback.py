@@ -224,7 +224,7 @@ def test_a_quantized_checkpoint_runs_on_our_kernels(folders, tmp_path, monkeypat
     weights."""
     from safetensors.torch import load_file, save_file
 
-    from text_generation_server.kernels.base import DISABLE_ENV
+    from text_generation_server.kernels.select import DISABLE_ENV
     from text_generation_server.layers.tensor_parallel import LinearSource
 
     folder = Path(folders["glm4"])

@@ -25,14 +25,9 @@ from helpers import make_weight, needs_gpu
 
 from text_generation_server.kernels import tinygemm as tgm
 from text_generation_server.kernels import triton_gemm as tg
-from text_generation_server.kernels.base import (
-    DISABLE_ENV,
-    KERNELS,
-    LinearSpec,
-    QuantizedWeight,
-    choose_kernel,
-    dequantize,
-)
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, ReferenceKernel, dequantize
+from text_generation_server.kernels.select import DISABLE_ENV, choose_kernel
+from text_generation_server.kernels.table import TABLES
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace
 
 torch.set_num_threads(1)
@@ -288,17 +283,13 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["cap"])
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setitem(KERNELS, "cuda", [tg.TritonGemmKernel, tgm.TinyGemmKernel])
+    monkeypatch.setitem(TABLES, "cuda", (tg.TritonGemmKernel, tgm.TinyGemmKernel, ReferenceKernel))
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     return lambda cap: state.update(cap=cap)
 
 
-def test_registered_in_cuda_list_in_order():
-    import importlib
-
-    importlib.import_module("text_generation_server.kernels.registry")
-    names = [k.name for k in KERNELS["cuda"]]
-    assert names[:2] == ["triton-gemm", "tinygemm"]  # the registry's import order is the priority
+def test_first_in_the_cuda_table_in_order():
+    assert [k.name for k in TABLES["cuda"]][:2] == ["triton-gemm", "tinygemm"]  # the table's order is the priority
 
 
 SELECTION = [
@@ -367,9 +358,8 @@ def test_imports_and_refuses_without_triton():
         "                    torch.arange(256, dtype=torch.int32) // 128, 4, 128)\n"
         "try:\n    tg.TritonGemmKernel.build(w, None, torch.float16)\n"
         "except ValueError as e:\n    print(e)\n"
-        "from text_generation_server.kernels import registry, tinygemm\n"
-        "from text_generation_server.kernels.base import KERNELS\n"
-        "print([k.name for k in KERNELS['cuda']][:2])\n"
+        "from text_generation_server.kernels.table import CUDA\n"
+        "print([k.name for k in CUDA][:2])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,13 +11,13 @@ the ground truth every other kernel is tested against.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from loguru import logger
+
+from text_generation_server.kernels.phase import in_prefill, prompt_linear
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,11 @@ class QuantizedWeight:
             group_rows=self.group_rows(),
         )
 
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        """The layer as the startup log names it beside its kernel."""
+        return (f"{spec.bits}-bit g{spec.group_size} {'asym' if spec.has_zeros else 'sym'}"
+                f"{' act-order' if spec.act_order else ''}")
+
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ground truth: dense [N, K] weight (the nn.Linear convention)."""
@@ -150,9 +155,13 @@ class QuantKernel(ABC):
     """A way to run a quantized linear. Subclasses are stateless; `build` returns the module."""
 
     name: str = "kernel"
+    # Kernels of one family are ranked against each other for a layer (kernels/table.py), and their
+    # refusals are what the startup log reports: "quantized" reads the canonical forms (integer codes,
+    # their 2:4 form, fp8), "bnb-4bit" bitsandbytes' own 4-bit layout, "dense" unquantized weights.
+    family: ClassVar[str] = "quantized"
     # True for kernels that dequantize the weight once into a dense copy in the activation dtype
     # (so the layer takes dense memory and runs at dense speed): on CUDA such a kernel is only
-    # used when the operator allows it (see check_dense_fallback). They are `reference`, the
+    # used when the operator allows it (select.check_dense_fallback). They are `reference`, the
     # bitsandbytes 4-bit `reference` and `fp8-dense`. sparse-2:4 also dequantizes, but into the
     # 2:4 compressed form (half the values) that the sparse tensor cores run: a deliberate
     # choice for a 2:4 checkpoint, not a fallback, so it is not flagged.
@@ -179,6 +188,12 @@ class ReferenceLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense product, on the prompt path in a prefill (kernels/phase.py)."""
+        if in_prefill():
+            return prompt_linear(x, self.weight, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -199,122 +214,9 @@ class ReferenceKernel(QuantKernel):
         return ReferenceLinear(dequantize(weight, act_dtype), None if bias is None else bias.to(act_dtype))
 
 
-# Ordered, fastest first, per device type. Kernel modules append themselves on import.
-KERNELS: dict[str, list[type[QuantKernel]]] = {"cpu": [], "cuda": []}
-
-DISABLE_ENV = "TGS_DISABLE_KERNELS"
-
-
-def register(device_type: str, kernel: type[QuantKernel], position: int | None = None) -> None:
-    kernels = KERNELS.setdefault(device_type, [])
-    if kernel in kernels:
-        return
-    if position is None:
-        kernels.append(kernel)
-    else:
-        kernels.insert(position, kernel)
-
-
-def disabled_kernels() -> set[str]:
-    """Kernel names switched off with TGS_DISABLE_KERNELS=name1,name2 (or --disable-kernels)."""
-    return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
-
-
 class NoKernelError(ValueError):
     pass
 
 
-ALLOW_DENSE_ENV = "TGS_ALLOW_DENSE_FALLBACK"
-ALLOW_DENSE_FLAG = f"--allow-dense-fallback ({ALLOW_DENSE_ENV}=1)"
-
-
 class DenseFallbackError(NoKernelError):
     """A quantized layer on CUDA would run on a kernel that keeps a dense dequantized copy."""
-
-
-def dense_fallback_allowed() -> bool:
-    """Whether the operator accepts dense copies of quantized weights on CUDA (--allow-dense-fallback)."""
-    return os.environ.get(ALLOW_DENSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def choose_kernel(
-    spec: LinearSpec,
-    kernels: dict[str, list[type[QuantKernel]]] | None = None,
-    fallback: type[QuantKernel] = ReferenceKernel,
-) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
-    """The first kernel in the device's list that can run `spec`, with the reasons others were passed over.
-
-    `kernels` defaults to the registry of canonical-weight kernels; a format with its own
-    weight layout (bitsandbytes 4-bit) passes its own lists and last resort.
-    """
-    if kernels is None:
-        from text_generation_server.kernels import registry  # noqa: F401  (registers the built-in kernels)
-
-        kernels = KERNELS
-    disabled = disabled_kernels()
-    rejected: list[tuple[str, str]] = []
-    candidates = kernels.get(spec.device_type, [])
-    if fallback not in candidates:
-        candidates = candidates + [fallback]  # the last resort, unless a device list ranks it
-    for kernel in candidates:
-        if kernel.name in disabled:
-            rejected.append((kernel.name, f"disabled by {DISABLE_ENV}"))
-            continue
-        ok, reason = kernel.can_implement(spec)
-        if ok:
-            return kernel, rejected
-        rejected.append((kernel.name, reason))
-    raise NoKernelError("no kernel can run this layer: " + "; ".join(f"{n}: {r}" for n, r in rejected))
-
-
-_LOGGED: set[tuple] = set()
-_DENSE_WARNED: set[tuple] = set()
-
-
-def check_dense_fallback(spec: LinearSpec, kernel: type[QuantKernel], rejected: list[tuple[str, str]],
-                         layer: str = "") -> None:
-    """On CUDA, refuses a kernel that keeps a dense dequantized copy unless the operator allows it.
-
-    A GPU serving a quantized checkpoint is sized for the quantized weights: a dense copy takes
-    2-8x their memory and runs at dense speed, so a layer that no compact kernel could take
-    (an unusual shape, a disabled or missing kernel, an old GPU) must not pass unnoticed. The
-    check runs when a layer is built, not in choose_kernel, which also answers "what would run"
-    for logs and tests. CPUs keep their order (the dense reference is the fast path there).
-    """
-    if spec.device_type != "cuda" or not kernel.dense_copy:
-        return
-    where = f"{layer}: " if layer else ""
-    bytes_per_value = torch.empty((), dtype=spec.act_dtype).element_size()
-    what = (f"{spec.bits}-bit {'integer' if spec.weight_format == 'int' else spec.weight_format} layer "
-            f"[{spec.out_features}x{spec.in_features}]")
-    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected) or "no other kernel is registered"
-    cost = (f"a dense {str(spec.act_dtype).removeprefix('torch.')} copy of the weights "
-            f"({8 * bytes_per_value / spec.bits:.0f}x the memory of the quantized ones, at dense speed)")
-    if not dense_fallback_allowed():
-        raise DenseFallbackError(
-            f"{where}no compact kernel can run this {what} on CUDA, and the '{kernel.name}' kernel that is left "
-            f"would keep {cost}. Kernels passed over: {reasons}. To accept dense weights for such layers, pass "
-            f"{ALLOW_DENSE_FLAG}."
-        )
-    key = (layer, spec.bits, spec.group_size, spec.weight_format, kernel.name, reasons)
-    if key not in _DENSE_WARNED:
-        _DENSE_WARNED.add(key)
-        logger.warning("{}{} on CUDA runs on '{}', {}, allowed by {}. Kernels passed over: {}", where, what,
-                       kernel.name, cost, ALLOW_DENSE_ENV, reasons)
-
-
-def build_linear(weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype,
-                 device_type: str, layer: str = "") -> torch.nn.Module:
-    """Chooses the kernel for this weight, logs the choice once per kind of layer, builds it."""
-    spec = weight.spec(act_dtype, device_type)
-    kernel, rejected = choose_kernel(spec)
-    check_dense_fallback(spec, kernel, rejected, layer)
-    key = (layer, spec.bits, spec.group_size, spec.has_zeros, spec.act_order, kernel.name)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        why = "; ".join(f"{n}: {r}" for n, r in rejected) or "first choice"
-        logger.info("{}{}-bit g{} {}{}: kernel {} ({})", f"{layer}: " if layer else "", spec.bits, spec.group_size,
-                    "asym" if spec.has_zeros else "sym", " act-order" if spec.act_order else "", kernel.name, why)
-    module = kernel.build(weight, bias, act_dtype)
-    module.kernel_name = kernel.name
-    return module

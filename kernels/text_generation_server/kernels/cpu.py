@@ -27,7 +27,8 @@ import math
 import torch
 
 from text_generation_server.kernels import cpu_native
-from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+from text_generation_server.kernels.phase import choose_variant
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -105,8 +106,30 @@ class Int4PackLinear(torch.nn.Module):
         self.in_features = packed.shape[1] * 2 if in_features is None else in_features
         self.padded = packed.shape[1] * 2 != self.in_features
         self.out_features = packed.shape[0]
-        # Prompt-sized inputs: row blocks dequantized to bf16 for torch's GEMM (cpu_native.py).
+        # Prompts (and large decode batches): row blocks dequantized to bf16 for torch's GEMM (cpu_native.py).
         self.native = cpu_native.native()
+        self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/select.py)
+
+    # The ways to compute (kernels/phase.py): "op" torch's int4 op, "dequant" the dequantized bf16 GEMM.
+    def _dequantizes(self) -> bool:
+        return (self.native is not None and self.compute_dtype == torch.bfloat16
+                and cpu_native.int4_dequant_fits(self.out_features))
+
+    def variants(self, rows: int) -> tuple[str, ...]:
+        return ("op", "dequant") if self._dequantizes() else ("op",)
+
+    def prompt_variant(self) -> str:
+        return "dequant" if self._dequantizes() else "op"
+
+    def static_variant(self, rows: int) -> str:
+        return cpu_native.int4_variant(rows) if self._dequantizes() else "op"
+
+    def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
+        if variant == "dequant":
+            return cpu_native.int4pack_dequant_gemm(self.native, x, self.packed, self.scales_and_zeros,
+                                                    self.group_size)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -116,12 +139,7 @@ class Int4PackLinear(torch.nn.Module):
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.to(self.compute_dtype).contiguous()
-        y = None
-        if self.native is not None and self.compute_dtype == torch.bfloat16:
-            y = cpu_native.int4pack_linear(self.native, x, self.packed, self.scales_and_zeros, self.group_size)
-        if y is None:
-            y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.to(self.act_dtype)
+        y = self.run(x, choose_variant(self, x.shape[0])).to(self.act_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -219,6 +237,7 @@ class Int8Linear(torch.nn.Module):
         # float32 [N], for the native kernels (cpu_native.py): decode rows and prompt-sized inputs
         self.register_buffer("scales_f32", scales.float() if scales_f32 is None else scales_f32)
         self.native = cpu_native.native()
+        self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/select.py)
         self.register_buffer("offset", offset)  # float32 [N]: s * (m - z), None when zero
         self.register_buffer("bias", bias)
         self.act_dtype = act_dtype
@@ -226,14 +245,32 @@ class Int8Linear(torch.nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
+    # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel, "op" torch's
+    # _weight_int8pack_mm, "dequant" the dequantized bf16 GEMM.
+    def _native_ok(self) -> bool:
+        return self.native is not None and self.compute_dtype == torch.bfloat16
+
+    def variants(self, rows: int) -> tuple[str, ...]:
+        return cpu_native.int8_variants(rows, self.in_features) if self._native_ok() else ("op",)
+
+    def prompt_variant(self) -> str:
+        return "dequant" if self._native_ok() else "op"
+
+    def static_variant(self, rows: int) -> str:
+        return cpu_native.int8_variant(rows, self.in_features) if self._native_ok() else "op"
+
+    def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
+        if variant == "gemv":
+            return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+        if variant == "dequant":
+            return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+        return torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        y = None
-        if self.native is not None and self.compute_dtype == torch.bfloat16:
-            y = cpu_native.int8_linear(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
-        if y is None:
-            y = torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
+        y = self.run(x, choose_variant(self, x.shape[0]))
         if self.offset is not None:
             y = (y.float() + x.float().sum(dim=1, keepdim=True) * self.offset).to(self.act_dtype)
         else:
@@ -276,6 +313,3 @@ class CpuInt8Kernel(QuantKernel):
         return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
                           None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
 
-
-register("cpu", CpuInt4PackKernel)
-register("cpu", CpuInt8Kernel)

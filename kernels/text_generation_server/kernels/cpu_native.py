@@ -27,6 +27,7 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
+from text_generation_server.kernels.phase import pad_prompt_rows
 
 ENV = "TGS_CPU_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -35,8 +36,10 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # bringing a second one whose idle threads would spin against torch's.
 LDFLAGS = ("-fopenmp",)
 
-# Activation rows up to which the int8 matrix-vector kernel runs (it keeps one accumulator per
-# row in registers); rows from which a layer dequantizes row blocks and calls the bfloat16 GEMM.
+# Row thresholds of decode batches (a prefill takes its layer's prompt path at every row count, the
+# dequantized bfloat16 GEMM where the layer has one: kernels/phase.py). Rows up to which the int8
+# matrix-vector kernel runs (it keeps one accumulator per row in registers); rows from which a layer
+# dequantizes row blocks and calls the bfloat16 GEMM.
 INT8_GEMV_MAX_ROWS = 8
 # ... and inner sizes up to which it does. With the non-temporal prefetch it lost to torch's op at
 # K = 8960 (an MLP's down projection at 1.5B); prefetching into L2 it streams 18-22 GB/s there at
@@ -48,10 +51,10 @@ INT8_DEQUANT_MIN_ROWS = 32
 # instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
 # 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
 BF16_GEMV_MAX_ROWS = 2
-# int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes, but 32 is
-# the chunk size of chunked prefill in tests and deployments: a 32-row chunk and a shorter cached
-# remainder then took different paths, whose bf16 roundings differ, and a greedy near-tie answered
-# differently with and without prefix caching (a CI run). 64 keeps every such chunk on torch's op.
+# int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes. The bound
+# was moved to 64 when prompts still followed it (d05298c: a 32-row chunk and a shorter cached
+# remainder took differently rounded paths); prompts now take one path whatever their chunking, and
+# decode batches keep 64 until a measurement says otherwise (kernels/select.py).
 INT4_DEQUANT_MIN_ROWS = 64
 # Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
 # K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
@@ -61,7 +64,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What the compiled instructions depend on: the CPU's model name and feature flags."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -73,7 +76,7 @@ def _cpu_signature() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_signature()):
+    for part in (SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, cpu_signature()):
         digest.update(part.encode())
     return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
 
@@ -115,9 +118,10 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
-            logger.info("native CPU kernels ready: int8 matrix-vector products up to {} rows (K up to {}), bf16 ones "
-                        "up to {} rows, int8 and int4 layers through dequantized bf16 GEMMs from {} and {} rows; "
-                        "torch's ops otherwise", INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
+            logger.info("native CPU kernels ready: prompts through dequantized bf16 GEMMs (int8, int4); decode "
+                        "batches: int8 matrix-vector products up to {} rows (K up to {}), bf16 ones up to {} rows, "
+                        "int8 and int4 layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops "
+                        "otherwise", INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
                         INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
@@ -136,21 +140,37 @@ def reset() -> None:
         _state.clear()
 
 
-def int8_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor | None:
-    """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, or None for row counts left to torch's op."""
-    rows = x.shape[0]
+def int8_variant(rows: int, k: int) -> str:
+    """The static decode choice for an int8 layer of inner size `k` (native extension present,
+    bfloat16 compute): "gemv" up to INT8_GEMV_MAX_ROWS rows, "dequant" from INT8_DEQUANT_MIN_ROWS,
+    torch's op ("op") in between and wherever the matrix-vector kernel cannot run."""
     if rows <= INT8_GEMV_MAX_ROWS:
-        if weight.shape[1] > INT8_GEMV_MAX_K:
-            return None
-        return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
-    if rows < INT8_DEQUANT_MIN_ROWS:
-        return None
-    xb = x.to(torch.bfloat16).contiguous()
+        return "gemv" if k <= INT8_GEMV_MAX_K else "op"
+    return "dequant" if rows >= INT8_DEQUANT_MIN_ROWS else "op"
+
+
+def int8_variants(rows: int, k: int) -> tuple[str, ...]:
+    """Every int8 variant that can run `rows` rows of inner size `k` (native extension present)."""
+    gemv = ("gemv",) if 0 < rows <= INT8_GEMV_MAX_ROWS and k <= INT8_GEMV_MAX_K else ()
+    return gemv + ("op", "dequant")
+
+
+def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums."""
+    return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
+
+
+def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """The same product through DEQUANT_ROWS-row blocks of the weight dequantized to bfloat16 and
+    torch's bfloat16 GEMM (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py)."""
+    rows = x.shape[0]
+    xb = pad_prompt_rows(x.to(torch.bfloat16).contiguous())
     n = weight.shape[0]
     parts = [xb @ module.int8_dequant(weight, scales, n0, min(n, n0 + DEQUANT_ROWS)).t()
              for n0 in range(0, n, DEQUANT_ROWS)]
-    return torch.cat(parts, dim=1).to(out_dtype)
+    return torch.cat(parts, dim=1)[:rows].to(out_dtype)
 
 
 def for_bf16_weight(weight: torch.Tensor) -> Extension | None:
@@ -161,32 +181,43 @@ def for_bf16_weight(weight: torch.Tensor) -> Extension | None:
     return native()
 
 
-def bf16_linear(module: Extension, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K] bfloat16 ^T (+ bias) for up to BF16_GEMV_MAX_ROWS rows, in x's dtype;
-    None when torch's GEMM should run it (more rows, another device or dtype, a non-contiguous weight)."""
-    k = weight.shape[1]
-    if x.device.type != "cpu" or x.shape[-1] != k or x.numel() > BF16_GEMV_MAX_ROWS * k or x.numel() == 0:
-        return None
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-        return None
-    y = module.bf16_gemv(x.reshape(-1, k).float().contiguous(), weight)
+def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the bfloat16 matrix-vector product can run `rows` rows against `weight` [N, K]."""
+    return (0 < rows <= BF16_GEMV_MAX_ROWS and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.is_contiguous())
+
+
+def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (M <= BF16_GEMV_MAX_ROWS)."""
+    y = module.bf16_gemv(x.float().contiguous(), weight)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return y.to(x.dtype)
 
 
-def int4pack_linear(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor | None:
-    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, or None for row counts left to torch's op.
+def int4_dequant_fits(n: int) -> bool:
+    """Whether int4 layers of `n` output features can run the dequantized GEMM (whole 64-row blocks)."""
+    return n % 64 == 0
+
+
+def int4_variant(rows: int) -> str:
+    """The static decode choice for an int4 layer that can dequantize: "dequant" from
+    INT4_DEQUANT_MIN_ROWS rows, torch's op ("op") below."""
+    return "dequant" if rows >= INT4_DEQUANT_MIN_ROWS else "op"
+
+
+def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, through DEQUANT_ROWS-row blocks dequantized
+    to bfloat16 (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py).
 
     W = (q - 8) * scale + zero, scales_and_zeros [Kp / group_size, N, 2] as torch's op takes them."""
+    rows = x.shape[0]
+    x = pad_prompt_rows(x)
     n = packed.shape[0]
-    if x.shape[0] < INT4_DEQUANT_MIN_ROWS or n % 64:
-        return None  # decode: nothing computed here, so torch's op pays nothing for the check
     sz = scales_and_zeros.float()
     scales, zeros = sz[..., 0].contiguous(), sz[..., 1].contiguous()
     blocks, step = n // 64, DEQUANT_ROWS // 64
     parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=1)[:rows]

@@ -1,41 +1,77 @@
-"""The dense linear that unquantized weights run on."""
+"""The `dense` kernel: unquantized weights, chosen through the kernel table like the others.
+
+A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py picks per forward):
+- "gemv": on the CPU, a decode-sized input against bfloat16 weights runs the native
+  matrix-vector product, which streams the weights faster than torch's GEMM there
+  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS rows);
+- "gemm": torch's F.linear;
+- "padded-gemm": the prompt path, F.linear with the smallest inputs padded so each row has the
+  bits it has inside a larger call (every prefill forward, whatever its row count).
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-
-def dense_forward(native, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, except a decode-sized input against bfloat16 weights on the CPU: the native
-    matrix-vector product streams the weights faster than torch's GEMM there (kernels/cpu_native.py)."""
-    if native is not None:
-        from text_generation_server.kernels import cpu_native
-
-        y = cpu_native.bf16_linear(native, x, weight, bias)
-        if y is not None:
-            return y
-    return F.linear(x, weight, bias)
+from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels.base import LinearSpec, QuantKernel
+from text_generation_server.kernels.phase import choose_variant, prompt_linear
 
 
-def native_for(weight: torch.Tensor):
+def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
     """The native CPU extension when `weight` is bfloat16 on the CPU (built at load), else None."""
-    from text_generation_server.kernels import cpu_native
-
     return cpu_native.for_bf16_weight(weight)
 
 
-class DenseLinear(torch.nn.Module):
+class DenseProduct:
+    """x @ weight^T (+ bias) for a module holding `weight` [N, K], `bias` and `native` (the extension
+    or None): DenseLinear and the tensor-parallel head share it (phase.RowVariantLayer)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    native: cpu_native.Extension | None
+    measured: dict[int, str]
+
+    def variants(self, rows: int) -> tuple[str, ...]:
+        gemv = self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight)
+        return ("gemv", "gemm", "padded-gemm") if gemv else ("gemm", "padded-gemm")
+
+    def prompt_variant(self) -> str:
+        return "padded-gemm"
+
+    def static_variant(self, rows: int) -> str:
+        return "gemv" if self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight) else "gemm"
+
+    def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        # x: [M, K] -> [M, N]
+        if variant == "gemv":
+            return cpu_native.bf16_gemv(self.native, x, self.weight, self.bias)
+        if variant == "padded-gemm":
+            return prompt_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        k = x.shape[-1]
+        flat = x.reshape(-1, k)
+        if flat.device.type != "cpu" or k != self.weight.shape[1]:
+            return F.linear(x, self.weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
+        return self.run(flat, choose_variant(self, flat.shape[0])).reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+class DenseLinear(DenseProduct, torch.nn.Module):
     # x: [tokens, in_features] -> [tokens, out_features]
+    kernel_name = "dense"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.native = native_for(weight)
-
-    @property
-    def kernel_name(self) -> str:
-        return "dense"
+        self.measured = {}
 
     def _apply(self, fn, recurse: bool = True):
         # .to() may change the weight's device or dtype: the native path follows it.
@@ -44,4 +80,35 @@ class DenseLinear(torch.nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_forward(self.native, x, self.weight, self.bias)
+        return self.dense_product(x)
+
+
+class DenseWeight(Protocol):
+    """What the dense kernel reads of a weight (quantizers.weights.UnquantizedWeight)."""
+
+    weight: torch.Tensor  # [out_features, in_features]
+
+
+def dense_spec(weight: torch.Tensor, act_dtype: torch.dtype, device_type: str) -> LinearSpec:
+    """The LinearSpec of a dense weight [N, K]: format "dense", bits of its dtype, one group over K."""
+    n, k = weight.shape
+    return LinearSpec(in_features=k, out_features=n, bits=weight.element_size() * 8, group_size=max(k, 1),
+                      has_zeros=False, act_order=False, act_dtype=act_dtype, device_type=device_type,
+                      weight_format="dense")
+
+
+class DenseKernel(QuantKernel):
+    """Unquantized weights as they are: torch's GEMM, the native bf16 matrix-vector product for decode rows."""
+
+    name = "dense"
+    family = "dense"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if spec.weight_format != "dense":
+            return False, f"runs unquantized weights, not {spec.weight_format} weights"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: DenseWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        return DenseLinear(weight.weight, bias)

@@ -22,7 +22,7 @@ authors (compressed-tensors' fake quantization, which transformers runs on CPU) 
 token: `Fp8InputQuantizer` is the one piece of code that quantizes inputs, for the tensor cores
 and for the emulating kernels alike.
 
-Kernels (registered in this order, chosen through base.choose_kernel like the int ones):
+Kernels (ranked in this order in kernels/table.py, chosen by kernels/select.py like the int ones):
 - fp8-scaled-mm (CUDA, compute capability >= 8.9): torch._scaled_mm on e4m3 inputs quantized
   per call as declared. Weights with one scale column (per-tensor, per-channel) and inputs
   with one scale per token or per tensor only: block scales and per-group input scales go to
@@ -53,16 +53,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from loguru import logger
 
-from text_generation_server.kernels.base import (
-    LinearSpec,
-    QuantKernel,
-    ReferenceLinear,
-    check_dense_fallback,
-    choose_kernel,
-    register,
-)
+from text_generation_server.kernels.base import LinearSpec, QuantKernel, ReferenceLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value
@@ -174,6 +166,10 @@ class Fp8Weight:
         return LinearSpec(in_features=k, out_features=n, bits=8, group_size=group,
                           has_zeros=False, act_order=False, act_dtype=act_dtype, device_type=device_type,
                           group_rows_gcd=math.gcd(*lengths) if k else None, weight_format="fp8")
+
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        """What the layer computes on `kernel`, as the startup log and the module's `computes` say it."""
+        return f"fp8 e4m3 weights ({self.scale_kind()} scales), {kernel.describe(self, spec.device_type)}"
 
     def nbytes(self) -> int:
         """Resident bytes of the weight and its scales (what a rank keeps for this linear)."""
@@ -389,7 +385,7 @@ class Fp8EmulatedDenseLinear(ReferenceLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = self.quantizer.fake_quantize(x.reshape(-1, x.shape[-1])).to(self.weight.dtype)
-        return F.linear(xq.reshape(x.shape), self.weight, self.bias)
+        return self.linear(xq.reshape(x.shape))
 
 
 # -- fp8-scaled-mm ----------------------------------------------------------------------------
@@ -490,29 +486,3 @@ class Fp8ScaledMMKernel(QuantKernel):
             return ("fp8 per-token dynamic activations (the checkpoint is weight-only; the fp8 tensor cores "
                     "take e4m3 inputs)")
         return f"{weight.describe_activations()} (on fp8 tensor cores)"
-
-
-register("cuda", Fp8ScaledMMKernel)
-register("cuda", Fp8DequantCudaKernel)
-register("cpu", Fp8DenseKernel)
-register("cpu", Fp8DequantKernel)
-
-_LOGGED: set[tuple] = set()
-
-
-def build_fp8_linear(weight: Fp8Weight, bias: torch.Tensor | None, act_dtype: torch.dtype, device_type: str,
-                     layer: str = "") -> torch.nn.Module:
-    """Chooses the kernel for this fp8 weight (same registry as the int kernels), logs it once per kind of layer."""
-    spec = weight.spec(act_dtype, device_type)
-    kernel, rejected = choose_kernel(spec)
-    check_dense_fallback(spec, kernel, rejected, layer)
-    computes = f"fp8 e4m3 weights ({weight.scale_kind()} scales), {kernel.describe(weight, device_type)}"
-    key = (layer, computes, spec.group_size, kernel.name)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        why = "; ".join(f"{n}: {r}" for n, r in rejected) or "first choice"
-        logger.info("{}{}: kernel {} ({})", f"{layer}: " if layer else "", computes, kernel.name, why)
-    module = kernel.build(weight, bias, act_dtype)
-    module.kernel_name = kernel.name
-    module.computes = computes  # what the layer computes, as logged (the kernel names alone do not say)
-    return module

@@ -25,22 +25,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
-from loguru import logger
 
-from text_generation_server.kernels import cpu  # noqa: F401  (registers first: native kernels rank above ours)
 from text_generation_server.kernels import packing
-from text_generation_server.kernels.base import (
-    LinearSpec,
-    NoKernelError,
-    QuantizedWeight,
-    QuantKernel,
-    build_linear,
-    choose_kernel,
-    dequantize,
-    register,
-)
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, dequantize
 
 TILE = 16  # rows of K (2:4: of compressed K) and columns of N per tile
 BLOCK_N = 64  # output columns every permutation stays inside
@@ -502,10 +492,10 @@ class Sparse24Kernel(QuantKernel):
         return True, ""
 
     @classmethod
-    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
-        if not is_24_sparse(weight):
+    def build(cls, weight: Sparse24Weight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        if not is_24_sparse(weight.plain):
             raise ValueError(f"{cls.name}: the weight is not 2:4 sparse along its input rows")
-        dense = dequantize(weight, act_dtype)  # [N, K], exact zeros where pruned
+        dense = dequantize(weight.plain, act_dtype)  # [N, K], exact zeros where pruned
         if torch.backends.cusparselt.is_available():
             sparse = torch.sparse.SparseSemiStructuredTensorCUSPARSELT.from_dense(dense)
         else:
@@ -513,43 +503,37 @@ class Sparse24Kernel(QuantKernel):
         return SparseSemiStructuredLinear(sparse, None if bias is None else bias.to(act_dtype))
 
 
-_LOGGED: set[tuple] = set()
-
-
-def build_sparse_24_linear(weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype,
-                           device_type: str, layer: str = "") -> torch.nn.Module:
-    """A 2:4 weight: a kernel that uses the structure where one can run it, else the dense kernels.
+@dataclass
+class Sparse24Weight:
+    """A canonical weight whose codes are known to be 2:4 sparse along K (checked by `sparse_24_weight`).
 
     LinearSpec has no field for sparsity, so the structure travels as weight_format
-    SPARSE_24_FORMAT, set only after checking the codes: kernels that only know "int" refuse
-    it, and when none takes it the same weight is built as a plain "int" weight.
+    SPARSE_24_FORMAT: kernels that only know "int" refuse it, and when none takes it,
+    kernels/select.py builds `plain`, the same weight, on the integer kernels.
     """
-    if is_24_sparse(weight):
-        spec = replace(weight.spec(act_dtype, device_type), weight_format=SPARSE_24_FORMAT)
-        key = (layer, spec.bits, spec.group_size, device_type, act_dtype)
-        try:
-            kernel, _ = choose_kernel(spec)
-        except NoKernelError as exc:
-            if key not in _LOGGED:
-                _LOGGED.add(key)
-                logger.info("{}2:4 structure not used, dense kernels instead ({})", f"{layer}: " if layer else "", exc)
-        else:
-            if key not in _LOGGED:
-                _LOGGED.add(key)
-                logger.info("{}{}-bit 2:4 g{}: kernel {}", f"{layer}: " if layer else "", spec.bits, spec.group_size,
-                            kernel.name)
-            module = kernel.build(weight, bias, act_dtype)
-            module.kernel_name = kernel.name
-            return module
-    return build_linear(weight, bias, act_dtype, device_type, layer)
+
+    plain: QuantizedWeight
+    structure: ClassVar[str] = "2:4 structure"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.plain.shape
+
+    def spec(self, act_dtype: torch.dtype, device_type: str) -> LinearSpec:
+        return replace(self.plain.spec(act_dtype, device_type), weight_format=SPARSE_24_FORMAT)
+
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        return f"{spec.bits}-bit 2:4 g{spec.group_size}"
 
 
-register("cpu", MarlinLayoutKernel)
-register("cuda", Sparse24Kernel)
+def sparse_24_weight(weight: QuantizedWeight) -> Sparse24Weight | QuantizedWeight:
+    """The weight with its 2:4 structure made known where its codes have it, else the weight itself."""
+    return Sparse24Weight(weight) if is_24_sparse(weight) else weight
+
 
 __all__ = [
-    "MARLIN_BITS", "MarlinLayoutKernel", "MarlinPacked", "SPARSE_24_FORMAT", "Sparse24Kernel",
-    "build_sparse_24_linear", "is_24_sparse", "marlin_to_quantized", "pack_marlin24_weight", "pack_marlin_weight",
+    "MARLIN_BITS", "MarlinLayoutKernel", "MarlinPacked", "SPARSE_24_FORMAT", "Sparse24Kernel", "Sparse24Weight",
+    "is_24_sparse", "sparse_24_weight", "marlin_to_quantized", "pack_marlin24_weight", "pack_marlin_weight",
     "pack_marlin_zeros", "permute_scales", "quantized_to_marlin", "scale_perm", "unpack_marlin24_weight",
     "unpack_marlin_weight", "unpack_marlin_zeros", "unpermute_scales", "weight_perm",
 ]

@@ -5,7 +5,7 @@ rows, from its own tensor-core layout, built once from the canonical `QuantizedW
 (`tinygemm_layout`, then `_convert_weight_to_int4pack`). Act-order weights are sorted by group
 at build; each forward then permutes the input into a shared scratch buffer.
 
-It ranks right after triton-gemm (kernels/registry.py imports it next): triton-gemm runs every
+It ranks right after triton-gemm (kernels/table.py): triton-gemm runs every
 layer tinygemm can, so tinygemm serves when triton-gemm is missing (no Triton) or disabled
 (TGS_DISABLE_KERNELS). The layer and machine checks are triton-gemm's, shared.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from loguru import logger
 
-from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
 from text_generation_server.kernels.cpu import int4_group_size
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
 from text_generation_server.kernels.triton_gemm import layer_reason, machine_reason
@@ -136,6 +136,3 @@ class TinyGemmKernel(QuantKernel):
         logger.debug("tinygemm: K={} N={} group {} inner_k_tiles {}", k, weight.out_features, gs, inner_k_tiles)
         return TinyGemmLinear(packed, sz, gs, perm, None if bias is None else bias.to(torch.bfloat16),
                               k, weight.out_features)
-
-
-register("cuda", TinyGemmKernel)

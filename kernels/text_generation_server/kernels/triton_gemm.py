@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import torch
 from loguru import logger
 
-from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel, register
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
@@ -640,6 +640,3 @@ class TritonGemmKernel(QuantKernel):
             raise ValueError(f"{cls.name} cannot run this weight: {reason}")
         gw = repack(weight, act_dtype)
         return TritonGemmLinear(gw, None if bias is None else bias.to(act_dtype).contiguous(), act_dtype)
-
-
-register("cuda", TritonGemmKernel)

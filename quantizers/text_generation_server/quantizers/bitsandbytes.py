@@ -20,17 +20,7 @@ compact; a warning names the layer). Quantizing on load
 reads the dense tensor sharded the same way (whole blocks), so sharded equals unsharded exactly
 when K % blocksize == 0; otherwise each rank quantizes its own part (a warning says so).
 
-Kernels, in order (a layer logs which runs; TGS_DISABLE_KERNELS switches them off like the others):
-- "bnb-cpu-4bit": bitsandbytes' fused CPU 4-bit matmul on its packed CPU layout (needs AVX512-BF16,
-  N % 32 == 0, K % blocksize == 0). Fastest on CPU (about 2x a dense fp32 matmul at batch 1) and
-  compact; it computes in bfloat16 (bf16 activations and scales), like the project's int4/int8 CPU
-  kernels.
-- "reference": dequantizes once (exact, dense memory). On CPU it ranks before bnb-matmul-4bit, as
-  the reference ranks before marlin-layout: a dense matmul outruns a dequantize per call.
-- "bnb-matmul-4bit": bnb.matmul_4bit, compact; the fused kernel on CUDA (first choice there), a
-  dequantize per call on CPU (slow: TGS_DISABLE_KERNELS=bnb-cpu-4bit,reference trades speed for
-  memory). On CPU only with K % blocksize == 0: bitsandbytes 0.50.2's CPU dequantize returns wrong
-  values for some shapes whose blocks straddle rows (e.g. [4, 96] in blocks of 64).
+Kernels: kernels/bitsandbytes.py (bnb-cpu-4bit, reference, bnb-matmul-4bit), chosen like the others.
 
 int8 (LLM.int8): `weight` int8 [N, K] and `SCB` float32 [N] (row absmax): W = weight * SCB / 127,
 i.e. per-channel symmetric int8, run weight-only through the canonical QuantizedWeight (torch's
@@ -44,21 +34,15 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from loguru import logger
 
-from text_generation_server.kernels.base import (
-    LinearSpec,
-    QuantKernel,
-    ReferenceLinear,
-    check_dense_fallback,
-    choose_kernel,
-)
+from text_generation_server.kernels.base import LinearSpec, QuantKernel
+from text_generation_server.kernels.bitsandbytes import CODES, bnb_functional, dequantize_flat
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.eetq import (
@@ -75,50 +59,6 @@ from text_generation_server.quantizers.weights import UnquantizedWeight, Weights
 FLAGS = {"bitsandbytes": "int8", "bitsandbytes-nf4": "nf4", "bitsandbytes-fp4": "fp4"}
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' quantize_4bit accepts
 ON_LOAD_BLOCKSIZE = 64
-
-# The two 4-bit code tables, as float32 (bitsandbytes get_4bit_type). NF4: quantiles of N(0, 1)
-# scaled to [-1, 1]; FP4: sign + 2-bit exponent + 1-bit mantissa, normalised by 6 (code 1 is 1/192).
-CODES = {
-    "nf4": torch.tensor([
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-        0.7229568362236023, 1.0], dtype=torch.float32),
-    "fp4": torch.tensor([0.0, 1 / 192, 2 / 3, 1.0, 1 / 3, 0.5, 1 / 6, 0.25,
-                         -0.0, -1 / 192, -2 / 3, -1.0, -1 / 3, -0.5, -1 / 6, -0.25], dtype=torch.float32),
-}
-
-
-class MissingDependencyError(ValueError):
-    """An optional package this quantization needs is not installed."""
-
-
-def bnb_functional():
-    """bitsandbytes.functional, or an error saying how to install it."""
-    try:
-        import bitsandbytes.functional as bnb_f
-    except (ImportError, OSError) as exc:
-        raise MissingDependencyError(
-            f"bitsandbytes 4-bit quantization needs the bitsandbytes package ({exc}): "
-            'pip install "text-generation-server[bnb]"'
-        ) from exc
-    return bnb_f
-
-
-@cache
-def _cpu_fused_4bit() -> str:
-    """Why bitsandbytes' fused CPU 4-bit kernel cannot run here ("" when it can)."""
-    try:
-        bnb_f = bnb_functional()
-    except MissingDependencyError:
-        return "bitsandbytes is not installed"
-    if not hasattr(bnb_f, "_convert_weight_packed_for_cpu") or not hasattr(bnb_f, "has_avx512bf16"):
-        return "this bitsandbytes has no packed CPU 4-bit layout"
-    # bitsandbytes registers its CPU gemv_4bit kernel (for that layout) only on AVX512-BF16 CPUs.
-    if not bnb_f.has_avx512bf16():
-        return "the CPU lacks AVX512-BF16"
-    return ""
-
 
 # -- config ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -175,14 +115,6 @@ class BnbConfig(QuantizerConfig):
 
 
 # -- 4-bit weight and kernels ---------------------------------------------------------------------
-def dequantize_flat(packed: torch.Tensor, absmax: torch.Tensor, count: int, quant_type: str,
-                    blocksize: int) -> torch.Tensor:
-    """float32 [count]: table[code] * absmax[i // blocksize] of the first `count` packed codes."""
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:count].long()
-    scale = absmax.float().repeat_interleave(blocksize)[:count]
-    return CODES[quant_type].to(packed.device)[codes] * scale
-
-
 @dataclass
 class Bnb4bitWeight:
     """One rank's 4-bit weight in bitsandbytes' layout: a stored [rows, cols] matrix, flat blocks.
@@ -229,145 +161,11 @@ class Bnb4bitWeight:
                           has_zeros=False, act_order=False, act_dtype=act_dtype, device_type=device_type,
                           weight_format=f"bnb-{self.quant_type}")
 
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        return f"bitsandbytes {self.quant_type} blocksize {self.blocksize}"
+
     def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        spec = self.spec(self.act_dtype, self.device_type)
-        kernel, rejected = choose_4bit_kernel(spec)
-        check_dense_fallback(spec, kernel, rejected, self.layer or self.prefix)
-        key = (self.layer or self.prefix, spec.weight_format, spec.group_size, kernel.name)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            why = "; ".join(f"{n}: {r}" for n, r in rejected) or "first choice"
-            logger.info("{}: bitsandbytes {} blocksize {}: kernel {} ({})", self.layer or self.prefix,
-                        self.quant_type, self.blocksize, kernel.name, why)
-        module = kernel.build(self, None if bias is None else bias.to(self.act_dtype), self.act_dtype)
-        module.kernel_name = kernel.name
-        return module
-
-
-_LOGGED: set[tuple] = set()
-
-
-def _common_4bit(spec: LinearSpec) -> str:
-    if spec.weight_format not in ("bnb-nf4", "bnb-fp4"):
-        return f"runs bitsandbytes 4-bit weights, not {spec.weight_format} weights"
-    return ""
-
-
-class Bnb4bitLinear(torch.nn.Module):
-    # x: [..., K] -> [..., N]; the input is zero-padded to the stored columns first
-    def __init__(self, weight: Bnb4bitWeight, bias: torch.Tensor | None, act_dtype: torch.dtype, fused_cpu: bool):
-        super().__init__()
-        bnb_f = bnb_functional()
-        import bitsandbytes
-
-        self._gemv_4bit = bnb_f.gemv_4bit
-        self._matmul_4bit = bitsandbytes.matmul_4bit
-        self.fused_cpu = fused_cpu
-        self.pad = weight.pad
-        self.out_features, self.in_features = weight.shape
-        self.act_dtype = act_dtype
-        code = CODES[weight.quant_type].to(weight.packed.device)
-        state = bnb_f.QuantState(absmax=weight.absmax.float().clone(), shape=torch.Size([weight.rows, weight.cols]),
-                                 code=code, blocksize=weight.blocksize, quant_type=weight.quant_type,
-                                 dtype=act_dtype)
-        packed = weight.packed.reshape(-1, 1)
-        if fused_cpu:  # bitsandbytes' blocked CPU layout; absmax becomes bf16 [K/blocksize, N]
-            packed, state = bnb_f._convert_weight_packed_for_cpu(packed.clone(), state)
-        self.register_buffer("packed", packed)
-        self.register_buffer("bias", bias)
-        self.state = state
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features)
-        if self.pad != (0, 0):
-            x = F.pad(x, self.pad)
-        if self.fused_cpu:
-            y = self._gemv_4bit(x.contiguous(), self.packed, state=self.state).to(self.act_dtype)
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = self._matmul_4bit(x.to(self.act_dtype), self.packed.t(), quant_state=self.state, bias=self.bias)
-        return y.reshape(*lead, self.out_features)
-
-
-class BnbCpu4bitKernel(QuantKernel):
-    """bitsandbytes' fused CPU 4-bit matmul (AVX512-BF16): compact, bf16 compute."""
-
-    name = "bnb-cpu-4bit"
-
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        reason = _common_4bit(spec)
-        if reason:
-            return False, reason
-        if spec.device_type != "cpu":
-            return False, f"device {spec.device_type}"
-        if spec.act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return False, f"activation dtype {spec.act_dtype} not in bfloat16/float16/float32"
-        if spec.out_features % 32:
-            return False, f"out_features {spec.out_features} not a multiple of 32"
-        if spec.in_features % spec.group_size:
-            return False, f"in_features {spec.in_features} not a multiple of the blocksize {spec.group_size}"
-        reason = _cpu_fused_4bit()
-        return (False, reason) if reason else (True, "")
-
-    @classmethod
-    def build(cls, weight: Bnb4bitWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
-        return Bnb4bitLinear(weight, bias, act_dtype, fused_cpu=True)
-
-
-class BnbMatmul4bitKernel(QuantKernel):
-    """bnb.matmul_4bit: the fused kernel on CUDA, dequantize-per-call on CPU; compact either way."""
-
-    name = "bnb-matmul-4bit"
-
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        reason = _common_4bit(spec)
-        if reason:
-            return False, reason
-        if spec.device_type == "cpu" and spec.in_features % spec.group_size:
-            return False, (f"in_features {spec.in_features} not a multiple of the blocksize {spec.group_size} "
-                           "(bitsandbytes' CPU dequantize is wrong for some shapes whose blocks straddle rows)")
-        try:
-            bnb_functional()
-        except MissingDependencyError:
-            return False, "bitsandbytes is not installed"
-        return True, ""
-
-    @classmethod
-    def build(cls, weight: Bnb4bitWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
-        return Bnb4bitLinear(weight, bias, act_dtype, fused_cpu=False)
-
-
-class Bnb4bitReferenceKernel(QuantKernel):
-    """Dequantizes once and runs a dense matmul: always exact, never compact."""
-
-    name = "reference"
-    dense_copy = True
-
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        reason = _common_4bit(spec)
-        return (False, reason) if reason else (True, "")
-
-    @classmethod
-    def build(cls, weight: Bnb4bitWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
-        return ReferenceLinear(weight.dequantize(act_dtype), bias)
-
-
-# Fastest first per device (see the module docstring). Not in kernels.base.KERNELS: those run
-# canonical integer weights, these run only bitsandbytes' own layout.
-KERNELS_4BIT: dict[str, list[type[QuantKernel]]] = {
-    "cpu": [BnbCpu4bitKernel, Bnb4bitReferenceKernel, BnbMatmul4bitKernel],
-    "cuda": [BnbMatmul4bitKernel, Bnb4bitReferenceKernel],
-}
-
-
-def choose_4bit_kernel(spec: LinearSpec) -> tuple[type[QuantKernel], list[tuple[str, str]]]:
-    """The first 4-bit kernel that can run `spec`, with the reasons the others were passed over."""
-    return choose_kernel(spec, KERNELS_4BIT, Bnb4bitReferenceKernel)
+        return build_linear(self, bias, self.act_dtype, self.device_type, self.layer or self.prefix)
 
 
 # -- reading 4-bit tensors ---------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from text_generation_server.kernels import packing
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import QuantizedWeight
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import CompressedTensorsConfig, WeightScheme
 from text_generation_server.quantizers.fp8 import Fp8CheckpointLoader, Fp8LinearWeight, Fp8Scheme
 from text_generation_server.quantizers.sharding import (

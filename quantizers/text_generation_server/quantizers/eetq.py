@@ -24,7 +24,8 @@ from typing import ClassVar
 
 import torch
 
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import QuantizedWeight
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.sharding import layer_kind, rank_rows
 from text_generation_server.quantizers.sources import CheckpointError

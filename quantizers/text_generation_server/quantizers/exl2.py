@@ -44,7 +44,8 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from text_generation_server.kernels import packing
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import QuantizedWeight
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows

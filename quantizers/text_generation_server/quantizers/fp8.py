@@ -51,8 +51,8 @@ import torch
 
 from loguru import logger
 
-from text_generation_server.kernels import registry  # noqa: F401  (kernel priority is registration order)
-from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, build_fp8_linear, dequantize_fp8
+from text_generation_server.kernels.fp8 import E4M3_MAX, FP8_DTYPE, Fp8Weight, dequantize_fp8
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes, rank_rows
@@ -168,7 +168,7 @@ class Fp8LinearWeight:
         return dequantize_fp8(self.fp8, dtype)
 
     def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        return build_fp8_linear(self.fp8, bias, self.act_dtype, self.device_type, self.layer or self.prefix)
+        return build_linear(self.fp8, bias, self.act_dtype, self.device_type, self.layer or self.prefix)
 
 
 def _rank_part_rows(weights: Weights, sizes: list[int], name: str) -> torch.Tensor:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from text_generation_server.kernels import packing
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import QuantizedWeight
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import GPTQConfig
 from text_generation_server.quantizers.sharding import (
     check_g_idx,

@@ -10,7 +10,7 @@ IST-DASLab Marlin, Sparse-Marlin and vLLM's gptq_marlin_24 accept); 4-bit, 2:4 a
 
 Loading unpacks into the canonical QuantizedWeight, so every kernel serves these
 checkpoints; the 2:4 structure is kept as a property of the codes, which a sparse kernel
-uses where the device has one (kernels.marlin.build_sparse_24_linear).
+uses where the device has one (kernels.marlin.Sparse24Weight).
 
 Sharding reads, for each rank, the smallest window of whole layout blocks (16 input rows,
 2:4: 32; 64 output columns) that covers its slice, unpacks the window and cuts the slice out
@@ -31,18 +31,19 @@ from typing import ClassVar
 import torch
 
 from text_generation_server.kernels import packing
-from text_generation_server.kernels.base import QuantizedWeight, build_linear
+from text_generation_server.kernels.base import QuantizedWeight
 from text_generation_server.kernels.marlin import (
     BLOCK_N,
     TILE,
     MarlinPacked,
-    build_sparse_24_linear,
     marlin_to_quantized,
     quantized_to_marlin,
+    sparse_24_weight,
     unpack_marlin24_weight,
     unpack_marlin_weight,
     unpermute_scales,
 )
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.config_reader import ConfigReader
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes
@@ -132,8 +133,8 @@ class MarlinWeight:
         return self.weight
 
     def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        build = build_sparse_24_linear if self.sparse_24 else build_linear
-        return build(self.weight, bias, self.act_dtype, self.device_type, self.layer or self.prefix)
+        weight = sparse_24_weight(self.weight) if self.sparse_24 else self.weight
+        return build_linear(weight, bias, self.act_dtype, self.device_type, self.layer or self.prefix)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from text_generation_server.kernels.base import LinearSpec, QuantKernel
+from text_generation_server.kernels.dense import dense_spec
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
 from text_generation_server.quantizers.sources import (
     CheckpointError,
@@ -41,10 +44,15 @@ class UnquantizedWeight:
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)  # type: ignore[return-value]
 
-    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        from text_generation_server.kernels.dense import DenseLinear
+    def spec(self, act_dtype: torch.dtype, device_type: str) -> LinearSpec:
+        return dense_spec(self.weight, act_dtype, device_type)
 
-        return DenseLinear(self.weight, bias)
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        return ""  # dense layers are not named in the kernel log
+
+    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        """The `dense` kernel (chosen through kernels/table.py like every format), in the weight's dtype."""
+        return build_linear(self, bias, self.weight.dtype, self.weight.device.type)
 
 
 class WeightsLoader(ABC):

@@ -1,11 +1,14 @@
-"""What every layer of one forward shares: positions, the KV cache, attention metadata, and
-the rotary cos/sin computed once per rotary embedding (a model may have two: Gemma 3's local
-and global layers)."""
+"""What every layer of one forward shares: positions, the KV cache, attention metadata, the
+rotary cos/sin computed once per rotary embedding (a model may have two: Gemma 3's local
+and global layers), and the phase the linear kernels see (kernels/phase.py)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 
+from text_generation_server.kernels.phase import forward_phase
 from text_generation_server.layers.attention import AttentionMetadata, KVCache
 from text_generation_server.layers.rotary import RotaryEmbedding
 
@@ -30,3 +33,9 @@ class ForwardContext:
             found = self._rope[key] = rotary.cos_sin(self.positions, self.dtype, self.meta.max_position,
                                                      self.seq_lens)
         return found
+
+    def kernel_phase(self) -> AbstractContextManager[None]:
+        """Run the layers inside this: kernels then take one path for every row count of a prefill
+        (a forward with prompt rows, whatever decoding rows ride along), so a prompt computed in
+        chunks or after a cached prefix gets the bits it gets computed whole (kernels/phase.py)."""
+        return forward_phase(self.meta.is_prefill)

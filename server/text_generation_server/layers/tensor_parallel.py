@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.kernels.dense import dense_forward, native_for
+from text_generation_server.kernels.dense import DenseProduct, native_for
+from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.dist import ProcessGroup
+from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
 
@@ -143,8 +145,10 @@ class TensorParallelEmbedding(torch.nn.Module):
         return self.process_group.all_reduce(out)
 
 
-class TensorParallelHead(torch.nn.Module):
+class TensorParallelHead(DenseProduct, torch.nn.Module):
     # hidden: [tokens, hidden] -> logits [tokens, vocab]
+    # The product is the dense kernel's (kernels/dense.py): the native bf16 matrix-vector product for
+    # decode rows on the CPU, torch's GEMM otherwise.
     def __init__(self, weight: torch.Tensor, vocab_size: int, process_group: ProcessGroup,
                  bias: torch.Tensor | None = None):
         super().__init__()
@@ -153,6 +157,7 @@ class TensorParallelHead(torch.nn.Module):
         self.vocab_size = vocab_size
         self.process_group = process_group
         self.native = native_for(weight)
+        self.measured = {}
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
@@ -186,7 +191,7 @@ class TensorParallelHead(torch.nn.Module):
         return cls(weight, vocab_size, pg, b)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense_forward(self.native, hidden, self.weight, self.bias)
+        logits = self.dense_product(hidden)
         if self.process_group.size > 1:
             logits = self.process_group.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits
@@ -203,9 +208,6 @@ def int8_head(head: TensorParallelHead, act_dtype: torch.dtype) -> "QuantizedTen
     tok/s single-stream on 2 cores, against 9.4 with the bf16 head (on the native kernels of
     kernels/cpu_native.py both ways).
     """
-    from text_generation_server.kernels.base import build_linear
-    from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
-
     w = head.weight.data
     codes, scales = quantize_rows(w, w.float().abs().amax(dim=1))
     bias = None if head.bias is None else head.bias.data

@@ -249,8 +249,9 @@ class DecoderModel(torch.nn.Module):
         # (head=False: the final normed hidden states of those rows, for `logits` in pieces)
         hidden = self.embeddings(input_ids, positions)
         ctx = ForwardContext(positions, cache, meta, hidden.dtype, seq_lens)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
+        with ctx.kernel_phase():
+            for layer in self.layers:
+                hidden = layer(hidden, ctx)
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)

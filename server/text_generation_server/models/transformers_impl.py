@@ -232,9 +232,11 @@ class TransformersModel(torch.nn.Module):
 
     def forward(self, input_ids, positions, cache, meta, logits_indices=None, head: bool = True, seq_lens=None):
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
-        token = _CURRENT.set(ForwardContext(positions, cache, meta, self.dtype, seq_lens))
+        ctx = ForwardContext(positions, cache, meta, self.dtype, seq_lens)
+        token = _CURRENT.set(ctx)
         try:
-            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+            with ctx.kernel_phase():
+                out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         finally:
             _CURRENT.reset(token)
         hidden = out.last_hidden_state[0]
