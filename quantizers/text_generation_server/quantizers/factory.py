@@ -14,7 +14,6 @@ this), so the tables are complete whenever either function can be called.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +21,7 @@ import torch
 
 from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, marlin
 from text_generation_server.quantizers.awq import AWQLoader
+from text_generation_server.quantizers.checkpoint import read_json
 from text_generation_server.quantizers.compressed_tensors import CompressedTensorsLoader
 from text_generation_server.quantizers.config import (
     CONFIG_FILES,
@@ -80,14 +80,9 @@ def _find_config(folder: Path) -> tuple[dict, str, str, str] | None:
     """(dict, file, key prefix, method) of the first quantization config in the folder."""
     for name in CONFIG_FILES:
         path = folder / name
-        if not path.exists():
+        data = read_json(path, required=False)
+        if data is None:
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
         prefix = ""
         if name == "config.json":
             data = data.get("quantization_config")
