@@ -289,15 +289,17 @@ def test_the_phase_is_scoped_to_the_block():
     assert [row_bucket(r) for r in (0, 1, 2, 3, 8, 9, 33)] == [1, 1, 2, 4, 8, 16, 64]
 
 
-def test_a_forward_with_prompt_rows_is_a_prefill_for_every_layer():
-    """engine/causal_lm.py runs decoding rows and prompt chunks in one forward (is_prefill=True):
-    the model's ForwardContext puts every layer of it on the prompt path."""
+def test_a_forward_with_prompt_rows_is_a_prefill_and_names_its_decoding_rows():
+    """engine/causal_lm.py runs decoding rows and prompt chunks in one forward (is_prefill=True,
+    `decode_rows` naming the decoding ones): the model's ForwardContext makes it a prefill with that
+    split; a forward of decoding rows only (speculation) is a decode forward."""
     from text_generation_server.layers.attention import AttentionMetadata
     from text_generation_server.layers.context import ForwardContext
 
-    for prefill, phase in ((True, PREFILL), (False, DECODE)):
+    for prefill, rows, phase in ((True, None, PREFILL), (True, [2], PREFILL), (True, [0, 1, 2], DECODE),
+                                 (False, None, DECODE)):
         meta = AttentionMetadata(is_prefill=prefill, slots=torch.zeros(3, dtype=torch.long), prefill_lens=[2, 1],
-                                 cache_lens=[0, 5])
+                                 cache_lens=[0, 5], decode_rows=rows)
         ctx = ForwardContext(torch.arange(3), None, meta, torch.float32)
         with ctx.kernel_phase():
             assert current_phase() == phase
@@ -346,6 +348,30 @@ def test_decode_rows_still_take_the_fast_paths(native):
         assert {choose_variant(layers[n], r) for n in ("cpu-int8", "cpu-int4pack") for r in (1, 8, 45)} == {"dequant"}
         assert {choose_variant(layers["dense"], r) for r in (1, 2, 45)} == {"padded-gemm"}
     assert PROMPT_MIN_ROWS >= 12  # torch's float32 GEMM changes path below 12 rows (kernels/phase.py)
+
+
+def test_decoding_rows_riding_along_a_prompt_get_their_decode_bits(native):
+    """A prefill forward that carries decoding rows (rows 3 and 7 of 12 here) runs them on their
+    decode path: each equals the same rows in a plain decode step of that batch size, bit for bit,
+    and the prompt rows equal the prompt run alone, so a running request answers the same whether or
+    not a newcomer's prompt shares its step (prefix caching on and off change which steps do)."""
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(9))
+    decoding = [3, 7]
+    prompt = [r for r in range(12) if r not in decoding]
+    for name, layer in cpu_layers().items():
+        x = x.to(torch.float32 if "float32" in name else torch.bfloat16)
+        with forward_phase(prefill=True, decode_rows=decoding, total=12):
+            mixed = layer(x)
+        with forward_phase(prefill=False):
+            alone = layer(x[decoding])
+        with forward_phase(prefill=True):
+            prompt_alone = layer(x[prompt])
+        assert torch.equal(mixed[decoding], alone), name
+        assert torch.equal(mixed[prompt], prompt_alone), name
+        with forward_phase(prefill=True, decode_rows=decoding, total=12):
+            regrouped = layer(x[:10])  # not the forward's rows (an expert's tokens): all on the prompt path
+        with forward_phase(prefill=True):
+            assert torch.equal(regrouped, layer(x[:10])), name
 
 
 @pytest.mark.parametrize("quantize", ["eetq", None], ids=["cpu-int8", "dense"])

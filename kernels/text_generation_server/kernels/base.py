@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from text_generation_server.kernels.phase import in_prefill, prompt_linear
+from text_generation_server.kernels.phase import by_phase, prompt_linear
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,11 @@ class ReferenceLinear(torch.nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The dense product, on the prompt path in a prefill (kernels/phase.py)."""
-        if in_prefill():
-            return prompt_linear(x, self.weight, self.bias)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        k = x.shape[-1]
+        flat = x.reshape(-1, k)
+        y = by_phase(flat, lambda t: prompt_linear(t, self.weight, self.bias),
+                     lambda t: torch.nn.functional.linear(t, self.weight, self.bias))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class ReferenceKernel(QuantKernel):

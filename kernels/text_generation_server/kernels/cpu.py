@@ -28,7 +28,7 @@ import torch
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
-from text_generation_server.kernels.phase import choose_variant
+from text_generation_server.kernels.phase import run_rows
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -139,7 +139,7 @@ class Int4PackLinear(torch.nn.Module):
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.to(self.compute_dtype).contiguous()
-        y = self.run(x, choose_variant(self, x.shape[0])).to(self.act_dtype)
+        y = run_rows(self, x).to(self.act_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -270,7 +270,7 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        y = self.run(x, choose_variant(self, x.shape[0]))
+        y = run_rows(self, x)
         if self.offset is not None:
             y = (y.float() + x.float().sum(dim=1, keepdim=True) * self.offset).to(self.act_dtype)
         else:

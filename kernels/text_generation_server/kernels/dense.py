@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantKernel
-from text_generation_server.kernels.phase import choose_variant, prompt_linear
+from text_generation_server.kernels.phase import prompt_linear, run_rows
 
 
 def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
@@ -59,7 +59,7 @@ class DenseProduct:
         flat = x.reshape(-1, k)
         if flat.device.type != "cpu" or k != self.weight.shape[1]:
             return F.linear(x, self.weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
-        return self.run(flat, choose_variant(self, flat.shape[0])).reshape(*x.shape[:-1], self.weight.shape[0])
+        return run_rows(self, flat).reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 class DenseLinear(DenseProduct, torch.nn.Module):

@@ -394,7 +394,7 @@ class CausalLM:
             tables = tables.index_select(0, torch.tensor(step.included, dtype=torch.long, device=self.device))
         meta = AttentionMetadata(
             is_prefill=True, slots=step.slots, prefill_lens=step.q_lens, cache_lens=step.cache_lens,
-            block_tables=tables, backend=self.attention,
+            block_tables=tables, backend=self.attention, decode_rows=step.decode_rows,
         )
         rows = torch.tensor(step.logit_rows + step.extra_rows, dtype=torch.long, device=self.device)
         hidden = self.model(step.ids, step.positions, self.kv_cache, meta, rows, head=False, seq_lens=step.seq_lens)

@@ -47,6 +47,7 @@ class FlatStep:
     last_rows: list[int]  # per emitting row, its index in logit_rows (the row its token is drawn from)
     spans: list[PromptSpan]  # prompt logprobs asked for
     runs: list[Run]  # rows speculating
+    decode_rows: list[int]  # forward rows of decoding requests (their last token and proposals)
 
 
 def flatten_step(batch: Batch, proposals: dict[int, list[int]], recomputes: Callable[[RequestState], bool],
@@ -61,6 +62,7 @@ def flatten_step(batch: Batch, proposals: dict[int, list[int]], recomputes: Call
         batch.history[r, c] = v
     runs: list[Run] = []
     extra_rows: list[int] = []
+    decode_rows: list[int] = []
     ids, positions, slots, q_lens, cache_lens, logit_rows = [], [], [], [], [], []
     lengths: list[torch.Tensor] | None = [] if rope_length_dependent else None
     emit: list[int] = []
@@ -91,6 +93,7 @@ def flatten_step(batch: Batch, proposals: dict[int, list[int]], recomputes: Call
         else:
             first, n, done = state.length - 1, 1 + len(proposals.get(i, ())), True
             logit_rows.append(offset)
+            decode_rows.extend(range(offset, offset + n))
             if n > 1:
                 runs.append(Run(row=i, emitted=len(emit), proposal=proposals[i], first=len(extra_rows)))
                 extra_rows.extend(range(offset + 1, offset + n))
@@ -112,7 +115,7 @@ def flatten_step(batch: Batch, proposals: dict[int, list[int]], recomputes: Call
         ids=torch.cat(ids), positions=torch.cat(positions), slots=torch.cat(slots),
         seq_lens=torch.cat(lengths) if lengths is not None else None, q_lens=q_lens, cache_lens=cache_lens,
         included=included, logit_rows=logit_rows, extra_rows=extra_rows, emit=emit, last_rows=last_rows,
-        spans=spans, runs=runs,
+        spans=spans, runs=runs, decode_rows=decode_rows,
     )
 
 

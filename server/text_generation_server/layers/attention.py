@@ -129,6 +129,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None
     max_seq_len: int = 0
     backend: "AttentionBackend | None" = None
+    # Prefill: the flattened rows that belong to decoding requests rather than prompts. Attention
+    # does not need it; the linears run those rows on their decode path (kernels/phase.py).
+    decode_rows: list[int] | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property

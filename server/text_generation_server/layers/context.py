@@ -35,7 +35,7 @@ class ForwardContext:
         return found
 
     def kernel_phase(self) -> AbstractContextManager[None]:
-        """Run the layers inside this: kernels then take one path for every row count of a prefill
-        (a forward with prompt rows, whatever decoding rows ride along), so a prompt computed in
-        chunks or after a cached prefix gets the bits it gets computed whole (kernels/phase.py)."""
-        return forward_phase(self.meta.is_prefill)
+        """Run the layers inside this: kernels then take one path for every row count of a prompt,
+        so a prompt computed in chunks or after a cached prefix gets the bits it gets computed
+        whole, and decoding rows that ride along take their decode path (kernels/phase.py)."""
+        return forward_phase(self.meta.is_prefill, self.meta.decode_rows, int(self.positions.shape[0]))
