@@ -478,6 +478,9 @@ def test_with_per_request_errors_only_the_refused_newcomer_fails(lm):
         alone_bad = await service.Prefill(spb.PrefillRequest(batch=only_bad, per_request_errors=True), ctx)
         assert not alone_bad.HasField("batch") and "unclosed group" in alone_bad.generations[0].error
         assert not service.cache
+        with pytest.raises(StepFailedInShard, match="at least one request") as empty:  # still the batch's fault
+            await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=9), per_request_errors=True), ctx)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     asyncio.run(scenario())
     # With two ranks, each answers for its share of the ids (id % world_size), refusals too.

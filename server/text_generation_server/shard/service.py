@@ -326,13 +326,12 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 clash = set(self.cache[cached_id].request_ids) & {r.id for r in requests}
                 if clash:
                     raise RequestError(f"request ids {sorted(clash)[:4]} are already in batch {cached_id}")
+            batch: Batch | None = None
             if refused is None:
                 batch = self.model.make_batch(request.batch.id, requests)
-            else:
-                batch = None
-                if requests:
-                    batch, more = self.model.builder.make_batch_refusing(request.batch.id, requests)
-                    refused.update(more)
+            elif requests or not request.batch.requests:  # (an empty batch is refused as a whole)
+                batch, more = self.model.builder.make_batch_refusing(request.batch.id, requests)
+                refused.update(more)
             if cached_id is None:
                 generations, next_batch, timings = self._generate(batch) if batch is not None else \
                     ([], None, StepTimings(0, 0, 0))
@@ -348,7 +347,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             try:
                 if ahead is None:
                     concat_start = time.perf_counter_ns()
-                    merged = Batch.concatenate([cached.fork(cached.request_ids)] + ([batch] if batch else []))
+                    merged = Batch.concatenate([cached.fork(cached.request_ids)] + ([batch] if batch is not None else []))
                     concat_ns = time.perf_counter_ns() - concat_start
                     generations, next_batch, timings = self.model.generate_token(merged)
                     if next_batch is None:
