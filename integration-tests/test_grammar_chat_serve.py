@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import jsonschema
 import pytest
-from serve_client import client_stub, generate, launch_serve, request, rpc_error, stream_completion
+from serve_client import client_stub, generate, launch_serve, request, rpc_error, scrape, stream_completion
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.utils.locate import embedded_model_path
@@ -142,6 +142,27 @@ def test_invalid_grammars_are_invalid_argument_and_leave_other_requests_alone(se
                                      timeout=30)
             assert stream_error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert running.result().token_ids == alone.token_ids
+
+
+def test_three_at_once_only_the_bad_grammar_fails_and_never_reaches_a_prefill(servers):
+    """Admission: the router compiles each grammar (with the shards' compiler, on their tokenizer)
+    before it queues the request, so of three sent together the middle one, whose regex does not
+    compile, is refused alone and no Prefill fails; the other two get the tokens they get alone."""
+    server, _ = servers
+    stub = client_stub(server)
+    goods = [request(PROMPTS[2], max_new_tokens=10), request(PROMPTS[3], max_new_tokens=10)]
+    alone = [generate(stub, r).token_ids for r in goods]
+    bad = with_grammar(PROMPTS[0], cpb.Grammar(type=cpb.GRAMMAR_TYPE_REGEX, value="(ab"), max_new_tokens=10)
+    failed_before = scrape(server).value("tgi_batch_inference_failure", method="prefill")
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(generate, stub, goods[0])
+        middle = pool.submit(rpc_error, stub.Generate, bad, timeout=30)
+        last = pool.submit(generate, stub, goods[1])
+        error = middle.result()
+        assert [first.result().token_ids, last.result().token_ids] == alone
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("parameters.grammar.value: invalid regex") and "unclosed group" in error.details()
+    assert scrape(server).value("tgi_batch_inference_failure", method="prefill") == failed_before
 
 
 def test_chat_equals_generate_on_the_prompt_transformers_renders(servers, chat_model):

@@ -157,6 +157,30 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tiny_model, start_serve):
     assert gone, f"ranks {[r for r, p in shards.items() if pid_alive(p)]} outlived the launcher"
 
 
+def test_sighup_to_the_process_group_reloads_and_keeps_serving(tiny_model, start_serve):
+    """`kill -HUP -<pgid>` (a service manager's reload) reaches the launcher and every rank: the
+    launcher re-reads its files, the ranks ignore it, also while they are still starting."""
+    server = start_serve(tiny_model, num_shard=2)
+    assert wait_until(lambda: "starting 2 rank(s)" in server.log(), 60), server.log()[-2000:]
+    os.killpg(server.pid, signal.SIGHUP)  # the ranks are importing, before their own handlers exist
+    server.wait_serving()
+    shards = server.shard_pids()
+    assert sorted(shards) == [0, 1], server.log()[-2000:]
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    params = cpb.GenerateParameters(max_new_tokens=12, details=True)
+    before = stub.Generate(cpb.GenerateRequest(inputs=PROMPTS[0], parameters=params), timeout=60)
+
+    time.sleep(0.05)  # two signals sent at once may merge into one
+    os.killpg(server.pid, signal.SIGHUP)
+    assert wait_until(lambda: server.log().count("received SIGHUP") == 2, 10), server.log()[-2000:]
+    after = stub.Generate(cpb.GenerateRequest(inputs=PROMPTS[0], parameters=params), timeout=60)
+    assert [t.id for t in after.details.tokens] == [t.id for t in before.details.tokens]
+    assert server.proc.poll() is None
+    assert server.shard_pids() == shards and all(pid_alive(pid) for pid in shards.values())
+    server.proc.send_signal(signal.SIGTERM)  # and the ranks still stop when told to
+    assert server.wait_exit(30) == 0
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [

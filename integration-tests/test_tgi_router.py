@@ -37,6 +37,7 @@ get_model in this process (greedy, alone, no cache): they must be identical.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import random
 import struct
@@ -55,6 +56,13 @@ from text_generation_server.models.loader import get_model
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
+from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+from text_generation_server.router.block_pool import BlockPool
+from text_generation_server.router.client import ShardClient
+from text_generation_server.router.main import warmup_batch
+from text_generation_server.router.metrics import Metrics
+from text_generation_server.router.scheduler import Scheduler, SchedulerLimits, StepFailed
+from text_generation_server.router.validation import Limits, ValidRequest, validate
 
 MODEL = EMBEDDED_MODEL_ID
 MAX_INPUT, MAX_TOTAL = 200, 256
@@ -854,3 +862,127 @@ def test_speculating_shard_as_tgi(speculating, reference):
         assert all(len(g.tokens.logprobs) == len(g.tokens.ids) == len(g.tokens.texts) for g in tgi.last)
     finally:
         tgi.router.close()
+
+
+# -- 9. a newcomer the shard refuses ---------------------------------------------------------------------------
+BAD_REGEX = "(ab"  # llguidance: "unclosed group"; TGI's router sends regexes to its shards unchecked
+
+
+def test_a_refused_grammar_fails_a_tgi_routers_whole_prefill(tgi, reference):
+    """TGI's contract, which a TGI router gets (it never sets per_request_errors): one newcomer the
+    shard refuses fails the whole Prefill with INVALID_ARGUMENT naming it. TGI's router then fails
+    every request of that Prefill, the running ones it merged in too (backend.rs send_errors over
+    `entries`); the shard keeps serving and the running batch stays as it was."""
+    q = tgi.queue
+    q.append(PROMPTS[0], 30)
+    cached = tgi.prefill(*q.next_batch(tgi.max_prefill_tokens, tgi.max_batch_total_tokens))
+    for prompt in PROMPTS[1:4]:
+        q.append(prompt, 8)
+    batch, new = q.next_batch(tgi.max_prefill_tokens - cached.current_tokens, tgi.max_batch_total_tokens)
+    batch.requests[1].parameters.grammar, batch.requests[1].parameters.grammar_type = BAD_REGEX, pb.GRAMMAR_TYPE_REGEX
+    with pytest.raises(grpc.RpcError) as failed:
+        tgi.prefill(batch, new, cached)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"request {batch.requests[1].id}: grammar: invalid regex" in failed.value.details()
+    assert "unclosed group" in failed.value.details()
+    tgi.router.clear_cache(batch.id)  # what TGI does after a failed prefill
+    tgi.drop(new)
+    tgi.router.all("Health", pb.HealthRequest())
+    while cached is not None:  # not what TGI does (it failed these too): the shard still could
+        cached = tgi.step(cached)
+    assert tgi.tokens[0] == reference.tokens(PROMPTS[0], 30)
+
+
+class _CountingClient(ShardClient):
+    """Our router's shard client, counting the newcomers of each Prefill (and whether it carried
+    the running batch)."""
+
+    prefills: list[tuple[int, bool]]
+
+    async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
+        self.prefills.append((len(batch.requests), cached is not None))
+        return await super().prefill(batch, cached)
+
+
+async def _our_router(master_socket: str) -> tuple[Scheduler, _CountingClient, Metrics]:
+    """Our router as run_router connects it: ClearCache, Info, Warmup; its block pool and scheduler."""
+    client = await _CountingClient.connect(f"unix://{master_socket}")
+    client.prefills = []
+    await client.clear_cache()
+    info = await client.info()
+    warm = await client.warmup(pb.WarmupRequest(
+        batch=warmup_batch(MAX_INPUT, TGI_PREFILL, MAX_TOTAL), max_input_tokens=MAX_INPUT,
+        max_prefill_tokens=TGI_PREFILL, max_total_tokens=MAX_TOTAL))
+    pool = BlockPool(warm.max_supported_total_tokens // info.block_size + 1, info.block_size,
+                     prefix_caching=info.use_prefix_caching)
+    metrics = Metrics(model_name=MODEL)
+    scheduler = Scheduler(client, pool, SchedulerLimits(TGI_PREFILL, None, 16), metrics,
+                          support_chunking=info.support_chunking, speculate=info.speculate)
+    return scheduler, client, metrics
+
+
+async def _outcome(entry) -> list[int] | StepFailed:
+    """The request's tokens, or the failure it ended with."""
+    ids: list[int] = []
+    while True:
+        event = await entry.events.get()
+        if isinstance(event, StepFailed):
+            return event
+        ids += list(event.tokens.ids)
+        if event.HasField("generated_text"):
+            return ids
+
+
+@pytest.mark.parametrize("ranks", ["shard", "pair"])
+def test_our_router_fails_only_the_newcomer_the_shard_refuses(ranks, request, reference):
+    """Three newcomers in one Prefill, the middle one's grammar refused by the shards: it alone fails
+    (INVALID_ARGUMENT with the shard's reason), the other two and the running request get exactly
+    the tokens they get alone. Our router and its shard client over the shards' real sockets.
+
+    With `serve`, the router's validation compiles every grammar with the shards' own compiler on
+    the same tokenizer before it queues a request, so a bad grammar never reaches a shard from the
+    client API; the middle request here skips that check, standing for a refusal the router cannot
+    foresee. Once with a running batch (a merged Prefill), once without; with two ranks the refused
+    request's answer comes from the rank its id falls to, once from each."""
+    shard = request.getfixturevalue(ranks)
+    master = (shard[0] if isinstance(shard, list) else shard).socket_path(0)
+    limits = Limits(max_input_tokens=MAX_INPUT, max_total_tokens=MAX_TOTAL, max_stop_sequences=4,
+                    max_stop_sequence_length=64, max_top_n_tokens=5, max_input_chars=10_000)
+
+    def valid(prompt: str, new: int, bad: bool = False) -> ValidRequest:
+        req = validate(cpb.GenerateRequest(inputs=prompt, parameters=cpb.GenerateParameters(max_new_tokens=new)),
+                       reference.tokenizer, limits)
+        if bad:  # as if the router's check had passed it
+            req.parameters.grammar, req.parameters.grammar_type = BAD_REGEX, pb.GRAMMAR_TYPE_REGEX
+        return req
+
+    async def scenario():
+        scheduler, client, metrics = await _our_router(master)
+        scheduler.start()
+        try:
+            running = scheduler.submit(valid(PROMPTS[0], 30))  # id 0
+            first = await running.events.get()
+            three = [scheduler.submit(valid(PROMPTS[1], 8)), scheduler.submit(valid(PROMPTS[2], 8, bad=True)),
+                     scheduler.submit(valid(PROMPTS[3], 8))]  # ids 1, 2, 3: one Prefill with the running batch
+            merged = await asyncio.gather(_outcome(running), *map(_outcome, three))
+            merged[0] = list(first.tokens.ids) + merged[0]
+            again = [scheduler.submit(valid(PROMPTS[4], 6)), scheduler.submit(valid(PROMPTS[5], 6, bad=True)),
+                     scheduler.submit(valid(PROMPTS[1], 5))]  # ids 4, 5, 6: a Prefill of their own
+            fresh = await asyncio.gather(*map(_outcome, again))
+            return merged, fresh, client.prefills, metrics, scheduler.pool.used
+        finally:
+            await scheduler.stop()
+            await client.clear_cache()
+            await client.close()
+
+    merged, fresh, prefills, metrics, used = asyncio.run(scenario())
+    assert prefills == [(1, False), (3, True), (3, False)]
+    for refused in (merged[2], fresh[1]):
+        assert isinstance(refused, StepFailed) and refused.code == grpc.StatusCode.INVALID_ARGUMENT, refused
+        assert str(refused).startswith("the shards refused the request: grammar: invalid regex")
+        assert "unclosed group" in str(refused)
+    assert merged[0] == reference.tokens(PROMPTS[0], 30)
+    assert [merged[1], merged[3]] == [reference.tokens(PROMPTS[1], 8), reference.tokens(PROMPTS[3], 8)]
+    assert [fresh[0], fresh[2]] == [reference.tokens(PROMPTS[4], 6), reference.tokens(PROMPTS[1], 5)]
+    assert metrics.request_failure.labels(err="validation")._value.get() == 2
+    assert used == 0  # every block back, the refused requests' too

@@ -423,13 +423,10 @@ class InProcessClient:
         self.calls: list[str] = []
 
     async def prefill(self, batch, cached=None):
-        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+        from text_generation_server.router.client import ShardClient
 
         self.calls.append("prefill+cached" if cached is not None else "prefill")
-        req = pb.PrefillRequest(batch=batch)
-        if cached is not None:
-            req.cached_batch.CopyFrom(cached)
-        return await self.service.Prefill(req, self.ctx)
+        return await self.service.Prefill(ShardClient.prefill_request(batch, cached), self.ctx)
 
     async def decode(self, batches):
         from text_generation_server.pb.generate.v3 import generate_pb2 as pb

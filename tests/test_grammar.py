@@ -401,6 +401,97 @@ def test_the_shard_refuses_a_bad_grammar_per_request_and_the_running_batch_steps
     assert re.fullmatch("[a-z]{30}", lm.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
+def _pb_request(rid: int, prompt: str, new: int, grammar: str = "",
+                grammar_type: spb.GrammarType = spb.GRAMMAR_TYPE_NONE) -> spb.Request:
+    return spb.Request(id=rid, inputs=prompt, parameters=spb.NextTokenChooserParameters(
+        grammar=grammar, grammar_type=grammar_type), stopping_parameters=spb.StoppingCriteriaParameters(
+        max_new_tokens=new, ignore_eos_token=True), add_special_tokens=True)
+
+
+async def _decode_to_end(service, ctx, step, tokens: dict[int, list[int]]) -> None:
+    """Steps as a router does (finished requests filtered out) until every request finished;
+    `step`: the Prefill's answer, whose tokens are in `tokens` already."""
+    done = {g.request_id for g in step.generations if g.HasField("generated_text") or g.HasField("error")}
+    batch = step.batch if step.HasField("batch") else None
+    while batch is not None:
+        kept = [i for i in batch.request_ids if i not in done]
+        if len(kept) < len(batch.request_ids):
+            batch = (await service.FilterBatch(spb.FilterBatchRequest(batch_id=batch.id, request_ids=kept), ctx)).batch
+        step = await service.Decode(spb.DecodeRequest(batches=[batch]), ctx)
+        for g in step.generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+            if g.HasField("generated_text"):
+                done.add(g.request_id)
+        batch = step.batch if step.HasField("batch") else None
+
+
+def test_with_per_request_errors_only_the_refused_newcomer_fails(lm):
+    """Our router's Prefill (per_request_errors): of three newcomers merged into a running batch,
+    the middle one's grammar is refused; it alone gets its error, as its own Generation, and is
+    left out of the batch; the other two and the running request get exactly their tokens."""
+    from text_generation_server.shard.service import TextGenerationService
+
+    lm.allocate_kv_cache(64)
+    service = TextGenerationService(lm, "/tmp/unused", 1, 0.1)
+    ctx = Context()
+    bad_json = '{"type": "strin"}'
+
+    async def alone(rid: int, prompt: str, new: int) -> list[int]:
+        first = await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=rid, requests=[
+            _pb_request(rid, prompt, new)])), ctx)
+        tokens = {rid: list(first.generations[0].tokens.ids)}
+        await _decode_to_end(service, ctx, first, tokens)
+        return tokens[rid]
+
+    async def scenario():
+        expected = {2: await alone(2, PROMPTS[1], 12), 4: await alone(4, PROMPTS[2], 9)}
+        running = await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=1, requests=[
+            _pb_request(1, "def parse(", 40, r"[a-z]{30}", spb.GRAMMAR_TYPE_REGEX)])), ctx)
+        tokens = {1: list(running.generations[0].tokens.ids)}
+        newcomers = spb.Batch(id=2, requests=[_pb_request(2, PROMPTS[1], 12),
+                                              _pb_request(3, PROMPTS[0], 5, bad_json, spb.GRAMMAR_TYPE_JSON),
+                                              _pb_request(4, PROMPTS[2], 9)])
+        merged = await service.Prefill(spb.PrefillRequest(batch=newcomers, cached_batch=running.batch,
+                                                          per_request_errors=True), ctx)
+        refused = [g for g in merged.generations if g.HasField("error")]
+        assert [(g.request_id, g.error, len(g.tokens.ids)) for g in refused] == \
+            [(3, "request 3: grammar: invalid JSON schema: Invalid type: strin", 0)]
+        assert list(merged.batch.request_ids) == [1, 2, 4]
+        for g in merged.generations:
+            if not g.HasField("error"):
+                tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        await _decode_to_end(service, ctx, merged, tokens)
+        assert {rid: tokens[rid] for rid in expected} == expected
+        assert re.fullmatch("[a-z]{30}", lm.tokenizer.decode(tokens[1], skip_special_tokens=True))
+
+        # Every newcomer refused: the running batch still gets its step; without one, no batch.
+        running = await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=5, requests=[
+            _pb_request(5, PROMPTS[3], 6)])), ctx)
+        only_bad = spb.Batch(id=6, requests=[_pb_request(6, PROMPTS[0], 5, "(ab", spb.GRAMMAR_TYPE_REGEX)])
+        step = await service.Prefill(spb.PrefillRequest(batch=only_bad, cached_batch=running.batch,
+                                                        per_request_errors=True), ctx)
+        assert sorted((g.request_id, g.HasField("error")) for g in step.generations) == [(5, False), (6, True)]
+        assert list(step.batch.request_ids) == [5]
+        rest = {5: list(running.generations[0].tokens.ids) + [i for g in step.generations for i in g.tokens.ids]}
+        await _decode_to_end(service, ctx, step, rest)
+        assert rest[5] == await alone(7, PROMPTS[3], 6)
+        alone_bad = await service.Prefill(spb.PrefillRequest(batch=only_bad, per_request_errors=True), ctx)
+        assert not alone_bad.HasField("batch") and "unclosed group" in alone_bad.generations[0].error
+        assert not service.cache
+        with pytest.raises(StepFailedInShard, match="at least one request") as empty:  # still the batch's fault
+            await service.Prefill(spb.PrefillRequest(batch=spb.Batch(id=9), per_request_errors=True), ctx)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(scenario())
+    # With two ranks, each answers for its share of the ids (id % world_size), refusals too.
+    for rank in (0, 1):
+        ranked = TextGenerationService(lm, "/tmp/unused", 2, 0.1, rank=rank)
+        batch = spb.Batch(id=8, requests=[_pb_request(rid, PROMPTS[0], 3, "(ab", spb.GRAMMAR_TYPE_REGEX)
+                                          for rid in (10, 11)])
+        answer = asyncio.run(ranked.Prefill(spb.PrefillRequest(batch=batch, per_request_errors=True), ctx))
+        assert [g.request_id for g in answer.generations] == [10 + rank]
+
+
 def test_grammars_survive_chunked_prefill_prefix_caching_and_decode_ahead(lm):
     """The same grammar workload through the router's scheduler and a shard, prefix caching and
     chunking off and on (decode ahead is on in the shard): identical tokens, valid JSON."""

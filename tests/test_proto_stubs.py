@@ -68,6 +68,9 @@ SHARD_EXTRAS = {
     "NextTokenChooserParameters": {("logit_bias", 12, "LogitBiasEntry", "repeated", None)},
     # Ours alone, far from TGI's numbers: the router's token ids (a TGI router never sets it).
     "Request": {("input_ids", 1001, "uint32", "repeated", None)},
+    # Ours alone: a refused request answered on its own (only when the Prefill asks for it).
+    "PrefillRequest": {("per_request_errors", 1001, "bool", "", None)},
+    "Generation": {("error", 1001, "string", "optional", None)},
 }
 
 SHARD_RPCS = {

@@ -24,6 +24,10 @@ from text_generation_server.engine.batch import Batch, BlockAllocator, RequestSt
 from text_generation_server.engine.types import GenerationRequest, RequestError
 
 
+# A request that passed its checks: the request, its prompt's ids, prompt + max_new_tokens, its grammar matcher.
+_Prepared = tuple[GenerationRequest, list[int], int, "GrammarMatcher | None"]
+
+
 def request_error(request_id: int, exc: request_fields.InvalidField) -> RequestError:
     """A field's validator refusing a request, as the shard reports it (INVALID_ARGUMENT)."""
     return RequestError(f"request {request_id}: {exc.shard_message()}")
@@ -117,41 +121,66 @@ class BatchBuilder:
         ours) or from `CausalLM.generate`: each field is checked here by its validator
         (generation/request_fields.py), as the client API checks it, and by nothing downstream.
         Every rejection is a RequestError naming the request and field: the caller's input
-        was wrong, and nothing (no block) has been taken yet.
+        was wrong, and nothing (no block) has been taken yet. One refused request fails the
+        whole batch (TGI's contract); `make_batch_refusing` leaves it out instead.
         """
+        self._check_batch(requests)
+        return self._build(batch_id, [self._prepare(req) for req in requests])
+
+    def make_batch_refusing(self, batch_id: int, requests: list[GenerationRequest]
+                            ) -> tuple[Batch | None, dict[int, RequestError]]:
+        """`make_batch` request by request: a request its checks refuse is left out, with its
+        RequestError by id, and the others make the batch (None when every one was refused), so
+        one bad request costs no other its answer. A fault of the batch itself (no request, an
+        id twice, no KV cache, no free block) still raises."""
+        self._check_batch(requests)
+        prepared, refused = [], {}
+        for req in requests:
+            try:
+                prepared.append(self._prepare(req))
+            except RequestError as exc:
+                refused[req.id] = exc
+        return (self._build(batch_id, prepared) if prepared else None), refused
+
+    def _check_batch(self, requests: list[GenerationRequest]) -> None:
         if not requests:
             raise RequestError("a batch needs at least one request")
         if self.allocator is None:
             raise RuntimeError("the KV cache is not allocated (call warmup or allocate_kv_cache first)")
-        ids_seen: set[int] = set()
-        prepared = []
+        seen: set[int] = set()
         for req in requests:
-            if req.id in ids_seen:
+            if req.id in seen:
                 raise RequestError(f"request id {req.id} appears twice in the batch")
-            ids_seen.add(req.id)
-            try:
-                matcher, prompt = self._checked(req)
-            except request_fields.InvalidField as exc:
-                raise request_error(req.id, exc) from None
-            if max(prompt) >= self._vocab_size or min(prompt) < 0:
-                bad = max(prompt) if max(prompt) >= self._vocab_size else min(prompt)
+            seen.add(req.id)
+
+    def _prepare(self, req: GenerationRequest) -> _Prepared:
+        """One request's checks, all before any block is taken; RequestError naming it and its field."""
+        try:
+            matcher, prompt = self._checked(req)
+        except request_fields.InvalidField as exc:
+            raise request_error(req.id, exc) from None
+        if max(prompt) >= self._vocab_size or min(prompt) < 0:
+            bad = max(prompt) if max(prompt) >= self._vocab_size else min(prompt)
+            raise RequestError(
+                f"request {req.id}: token id {bad} is outside the model's vocabulary of {self._vocab_size}"
+            )
+        total = len(prompt) + req.max_new_tokens
+        # The fields only the shard protocol has (cache_len, chunk_len, the router's blocks and slots):
+        if req.cache_len:
+            if not req.blocks:
+                raise RequestError(f"request {req.id}: cache_len {req.cache_len} needs the blocks that hold it")
+            if req.cache_len >= len(prompt):
                 raise RequestError(
-                    f"request {req.id}: token id {bad} is outside the model's vocabulary of {self._vocab_size}"
+                    f"request {req.id}: cache_len {req.cache_len} must be less than its {len(prompt)} input "
+                    "tokens (the last one is always computed)"
                 )
-            total = len(prompt) + req.max_new_tokens
-            # The fields only the shard protocol has (cache_len, chunk_len, the router's blocks and slots):
-            if req.cache_len:
-                if not req.blocks:
-                    raise RequestError(f"request {req.id}: cache_len {req.cache_len} needs the blocks that hold it")
-                if req.cache_len >= len(prompt):
-                    raise RequestError(
-                        f"request {req.id}: cache_len {req.cache_len} must be less than its {len(prompt)} input "
-                        "tokens (the last one is always computed)"
-                    )
-            if req.chunk_len is not None and req.chunk_len < 1:
-                raise RequestError(f"request {req.id}: chunk_len must be >= 1, got {req.chunk_len}")
-            self._check_router_kv(req, total)
-            prepared.append((req, prompt, total, matcher))
+        if req.chunk_len is not None and req.chunk_len < 1:
+            raise RequestError(f"request {req.id}: chunk_len must be >= 1, got {req.chunk_len}")
+        self._check_router_kv(req, total)
+        return req, prompt, total, matcher
+
+    def _build(self, batch_id: int, prepared: list[_Prepared]) -> Batch:
+        """The batch of requests that passed their checks: blocks, slots and tensors."""
         states: list[RequestState] = []
         try:
             for req, prompt, total, _ in prepared:
@@ -175,7 +204,7 @@ class BatchBuilder:
         return Batch(
             batch_id=batch_id,
             states=states,
-            chooser=HeterogeneousNextTokenChooser([r.sampling for r in requests], self.device,
+            chooser=HeterogeneousNextTokenChooser([req.sampling for req, _, _, _ in prepared], self.device,
                                                   [m for _, _, _, m in prepared]),
             history=history.to(self.device),
             history_lengths=lengths.to(self.device),

@@ -4,12 +4,13 @@ then its model behind the rank's unix-socket gRPC service until it is told to st
 A rank started by our launcher gets the launcher's settings whole (SERVE_ARGS_ENV) and the
 launcher's pid (LAUNCHER_PID_ENV). It stays in the launcher's process group so Ctrl-C reaches
 the launcher, ignores SIGINT itself and waits for the launcher's SIGTERM, so a terminal
-interrupt drains instead of killing the ranks under the router; it stops on its own when the
-launcher is gone (see process_exit).
+interrupt drains instead of killing the ranks under the router; it ignores SIGHUP, the
+launcher's reload signal, so `kill -HUP -<pgid>` reloads instead of killing the ranks; it stops
+on its own when the launcher is gone (see process_exit).
 
 `run_shard` is also usable without our launcher (`serve --shard-only` with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment), the way TGI's launcher
-runs its shards; SIGINT and SIGTERM then both stop it.
+runs its shards; SIGINT and SIGTERM then both stop it, and SIGHUP keeps its default action.
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ def limit_cuda_memory(fraction: float, device) -> None:
         logger.info("CUDA memory capped at {:.0%} of {:.1f} GiB", fraction, total / 2**30)
 
 
+def ignore_hangup() -> None:
+    """SIGHUP is the launcher's "re-read the key and TLS files", and `kill -HUP -<pgid>` (what a
+    service manager's reload may send) reaches every process of the group: a rank must ignore it,
+    not die of its default action. The launcher starts ranks with SIGHUP blocked
+    (shard_procs.ShardProcesses.start), so one sent while this process was still starting is
+    pending, not fatal; ignoring it discards it, and unblocking is then safe."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+
+
 def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[str] = ()) -> int:
     """The body of `serve --shard-only`: one rank's model behind its unix-socket gRPC service."""
     configure_logging(args.logger_level, args.json_output, f"rank {rank}")
@@ -118,6 +129,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
     if launcher_pid is not None:
         # Started by our launcher: it handles Ctrl-C and tells us to stop with SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignore_hangup()
         set_parent_death_signal(signal.SIGTERM)
         watch_parent(int(launcher_pid), lambda: request_stop("the launcher is gone"))
 

@@ -129,6 +129,16 @@ class ShardProcesses:
 
     def start(self) -> None:
         payload = self.args.to_json()
+        # Children inherit the signal mask: blocked, a SIGHUP sent to the process group while a rank
+        # is still starting (before rank.ignore_hangup runs) stays pending instead of killing it.
+        # The launcher's own SIGHUP waits out the spawn and is delivered when the mask is restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            self._spawn(payload)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _spawn(self, payload: str) -> None:
         for rank in range(self.args.num_shard):
             env = dict(os.environ)
             env.update({

@@ -6,7 +6,8 @@ because the surviving ranks would block forever in their next collective; the
 orchestrator (systemd, Kubernetes) is the right place to restart. SIGTERM/SIGINT
 drain in-flight requests before the ranks are stopped; a second signal stops the
 ranks at once and exits with EXIT_INTERRUPTED. SIGHUP stops nothing: it asks the
-router to re-read its API key file and TLS certificate files.
+router to re-read its API key file and TLS certificate files; the ranks ignore it, so it may
+be sent to the whole process group (`kill -HUP -<pgid>`).
 
 Rank processes stay in the launcher's process group so Ctrl-C reaches the
 launcher; they ignore SIGINT themselves and wait for the launcher's SIGTERM, so a

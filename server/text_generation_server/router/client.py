@@ -94,12 +94,18 @@ class ShardClient:
                 best = r
         return best
 
-    async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
-        """Prefills `batch`; with `cached`, the same step decodes the running batch too (TGI v3)."""
-        request = pb.PrefillRequest(batch=batch)
+    @staticmethod
+    def prefill_request(batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillRequest:
+        """Our router's Prefill: a request a shard refuses comes back as a Generation with `error`
+        set, and the others go on (per_request_errors; a TGI shard ignores the field)."""
+        request = pb.PrefillRequest(batch=batch, per_request_errors=True)
         if cached is not None:
             request.cached_batch.CopyFrom(cached)
-        return self._merged(await self._all("Prefill", request))
+        return request
+
+    async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
+        """Prefills `batch`; with `cached`, the same step decodes the running batch too (TGI v3)."""
+        return self._merged(await self._all("Prefill", self.prefill_request(batch, cached)))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return self._merged(await self._all("Decode", pb.DecodeRequest(batches=batches)))

@@ -345,7 +345,9 @@ class Scheduler:
             # to the next call, which fails its requests then).
             await self._step_failed("prefill", [batch_id], entries, exc)
             return cached
-        self.metrics.prompt_tokens.inc(sum(e.request.input_length - e.allocation.cache_len for e in entries))
+        refused = {g.request_id for g in resp.generations if g.HasField("error")}
+        self.metrics.prompt_tokens.inc(sum(e.request.input_length - e.allocation.cache_len for e in entries
+                                           if e.id not in refused))
         filtering = time.monotonic()
         result = await self._dispatch(resp, entries_of_batch=stepped)
         self._observe("prefill", start, filtering, resp)
@@ -394,16 +396,29 @@ class Scheduler:
             except grpc.aio.AioRpcError:
                 pass
 
+    def _refused(self, gen: spb.Generation) -> None:
+        """A newcomer the shards refused on its own (per_request_errors): it alone fails, with the
+        shard's reason; it is in no batch, and its blocks were never written."""
+        entry = self.running.pop(gen.request_id, None)
+        if entry is None or entry.done:
+            return
+        reason = gen.error.removeprefix(f"request {entry.id}: ")  # the shard's id means nothing to the client
+        logger.bind(request_id=entry.id).warning("request {} refused by the shards: {}", entry.id, reason)
+        self._fail(entry, grpc.StatusCode.INVALID_ARGUMENT, f"the shards refused the request: {reason}", "validation")
+
     async def _dispatch(self, resp, entries_of_batch: list[Entry]) -> spb.CachedBatch | None:
         now = time.monotonic()
         generated = 0
+        for gen in resp.generations:
+            if gen.HasField("error"):
+                self._refused(gen)
         for entry in entries_of_batch:
             if entry.chunked and not entry.prompt_done and not entry.done:
                 self.metrics.prefill_chunks.inc()  # a forward that carried a piece of its prompt
         for gen in resp.generations:
             entry = self.running.get(gen.request_id)
             if entry is None or entry.done:
-                continue
+                continue  # a refused request's Generation too: _refused failed it above
             generated += len(gen.tokens.ids)
             self.metrics.request_skipped_tokens.observe(max(len(gen.tokens.ids) - 1, 0))
             if entry.last_token is None:

@@ -5,8 +5,10 @@ and the KV blocks; this service keeps a cache of live batches by id and runs the
 model on them. Model calls run one at a time on a worker thread, so Health and
 Info answer while a long prefill runs, and every rank executes the same sequence
 of collectives. A bad request answers INVALID_ARGUMENT and an unknown batch
-NOT_FOUND; the shard keeps serving either way. Messages become the engine's types and back
-in shard/wire.py.
+NOT_FOUND; the shard keeps serving either way. A Prefill that sets per_request_errors (our
+router's) answers a refused request alone, with a Generation whose `error` says why, and
+prefills the others (and steps the cached batch) as if it had not been sent. Messages become
+the engine's types and back in shard/wire.py.
 
 Decode ahead: as soon as a step leaves a cached batch, the model thread computes that
 batch's next decode step on a fork (`Batch.fork`) while the response travels to the
@@ -165,12 +167,22 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             logger.exception("shard call {} failed", getattr(fn, "__name__", fn))
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    async def _requests(self, context, batch: pb.Batch) -> list[GenerationRequest]:
+    async def _requests(self, context, batch: pb.Batch, refused: dict[int, RequestError] | None = None
+                        ) -> list[GenerationRequest]:
         """The batch's requests, decoded and tokenized (and their grammars compiled) on a thread of
         their own: the model thread only runs steps, and finds each grammar in the compiler's cache.
-        The fields' validators run in make_batch, on the model thread (engine/batch_builder.py)."""
+        The fields' validators run in make_batch, on the model thread (engine/batch_builder.py).
+        `refused`: where a request the wire decoding refuses goes (by id), left out of the list;
+        None: it fails the call."""
         def convert() -> list[GenerationRequest]:
-            requests = [request_from_pb(r) for r in batch.requests]
+            requests = []
+            for r in batch.requests:
+                try:
+                    requests.append(request_from_pb(r))
+                except RequestError as exc:
+                    if refused is None:
+                        raise
+                    refused[r.id] = exc
             for req in requests:
                 if req.input_ids is None:
                     req.input_ids = self.model.tokenizer.encode(
@@ -294,7 +306,14 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return await self._run(context, warm)
 
     async def Prefill(self, request, context):
-        requests = await self._requests(context, request.batch)
+        # Our router asks for each refused request to be answered on its own (per_request_errors);
+        # a TGI router gets TGI's contract: one refused request fails the call.
+        refused: dict[int, RequestError] | None = {} if request.per_request_errors else None
+        ids = [r.id for r in request.batch.requests]
+        if refused is not None and len(set(ids)) != len(ids):  # one id, two answers: a fault of the batch
+            twice = next(i for i in ids if ids.count(i) > 1)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {twice} appears twice in the batch")
+        requests = await self._requests(context, request.batch, refused)
 
         def prefill():
             if request.batch.id in self.cache:
@@ -307,10 +326,16 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 clash = set(self.cache[cached_id].request_ids) & {r.id for r in requests}
                 if clash:
                     raise RequestError(f"request ids {sorted(clash)[:4]} are already in batch {cached_id}")
-            batch = self.model.make_batch(request.batch.id, requests)
+            batch: Batch | None = None
+            if refused is None:
+                batch = self.model.make_batch(request.batch.id, requests)
+            elif requests or not request.batch.requests:  # (an empty batch is refused as a whole)
+                batch, more = self.model.builder.make_batch_refusing(request.batch.id, requests)
+                refused.update(more)
             if cached_id is None:
-                generations, next_batch, timings = self._generate(batch)
-                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None)
+                generations, next_batch, timings = self._generate(batch) if batch is not None else \
+                    ([], None, StepTimings(0, 0, 0))
+                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None, refused)
             # TGI's contract: one token for the cached batch and the new one. A step computed ahead
             # for the cached batch is that token; otherwise both run as one forward, on a fork of the
             # cached batch: if the step fails, only the new requests are lost, and the cached batch
@@ -322,7 +347,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             try:
                 if ahead is None:
                     concat_start = time.perf_counter_ns()
-                    merged = Batch.concatenate([cached.fork(cached.request_ids), batch])
+                    merged = Batch.concatenate([cached.fork(cached.request_ids)] + ([batch] if batch is not None else []))
                     concat_ns = time.perf_counter_ns() - concat_start
                     generations, next_batch, timings = self.model.generate_token(merged)
                     if next_batch is None:
@@ -330,7 +355,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                     else:
                         next_batch.adopt_blocks(cached)
                 else:
-                    new_gens, new_next, timings = self.model.generate_token(batch)
+                    new_gens, new_next, timings = self.model.generate_token(batch) if batch is not None else \
+                        ([], None, StepTimings(0, 0, 0))
                     generations, parts, ahead_timings = self._commit_ahead(cached, ahead)
                     generations += new_gens
                     timings = ahead_timings + timings
@@ -339,15 +365,19 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                         if parts or new_next is not None else None
                     concat_ns = time.perf_counter_ns() - concat_start
             except BaseException:
-                self.model.release(batch)  # the new requests' own blocks; the cached batch is untouched
+                if batch is not None:
+                    self.model.release(batch)  # the new requests' own blocks; the cached batch is untouched
                 if ahead is not None:
                     self._ahead[cached_id] = ahead
                 raise
             del self.cache[cached_id]
             return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
-                                       timings, concat_ns)
+                                       timings, concat_ns, refused)
 
         return await self._run(context, prefill)
+
+    def _answers_for(self, request_id: int) -> bool:
+        return request_id % self.world_size == self.rank
 
     async def Decode(self, request, context):
         def decode():
@@ -448,11 +478,15 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             raise BatchNotFound(f"batch {batch_id} not found")
         return batch
 
-    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns):
+    def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns,
+                       refused: dict[int, RequestError] | None = None):
+        """`refused`: the Prefill's requests refused on their own, each answered with its error."""
+        mine = self._answers_for
         resp = cls(
             # TGI's split: each rank answers for the requests with id % world_size == rank, and the
             # router merges the ranks' answers (every rank still runs every request).
-            generations=[generation_to_pb(g) for g in generations if g.request_id % self.world_size == self.rank],
+            generations=[generation_to_pb(g) for g in generations if mine(g.request_id)] +
+                        [pb.Generation(request_id=i, error=str(e)) for i, e in (refused or {}).items() if mine(i)],
             forward_ns=timings.forward_ns,
             decode_ns=timings.decode_ns,
             total_ns=timings.total_ns,
