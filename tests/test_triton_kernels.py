@@ -450,6 +450,24 @@ def test_tinygemm_built_from_a_triton_gemm_layer_is_the_one_built_from_the_check
         assert b is None or torch.equal(a, b)
 
 
+def test_triton_gemm_and_tinygemm_are_timed_against_each_other_where_both_run(gpu, monkeypatch):
+    from text_generation_server.kernels.select import CACHE_ENV, PREFER_ENV, rival_kernel
+
+    monkeypatch.setenv(CACHE_ENV, "off")
+    monkeypatch.delenv(PREFER_ENV, raising=False)
+    assert rival_kernel(cuda_spec(), "triton-gemm") is tgm.TinyGemmKernel
+    assert rival_kernel(cuda_spec(zeros=True, act=True, bits=3, gs=64), "triton-gemm") is tgm.TinyGemmKernel
+    for spec in (cuda_spec(dtype=torch.float16), cuda_spec(bits=8), cuda_spec(k=4100, n=100, gs=48, rows=4)):
+        assert rival_kernel(spec, "triton-gemm") is None  # tinygemm cannot run it: nothing to time
+    assert rival_kernel(cuda_spec(), "tinygemm") is None  # triton-gemm disabled or missing: nothing either
+    monkeypatch.setenv(DISABLE_ENV, "tinygemm")
+    assert rival_kernel(cuda_spec(), "triton-gemm") is None
+    monkeypatch.delenv(DISABLE_ENV)
+    for name in ("tinygemm", "triton-gemm"):  # the operator's choice by name stands
+        monkeypatch.setenv(PREFER_ENV, name)
+        assert rival_kernel(cuda_spec(), "triton-gemm") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernels compile for real GPUs (no GPU needed: Triton compiles for a named target)
 
