@@ -9,14 +9,20 @@
 #                 (building first on a bare machine), served, then the fp16 vs int4 ratio table
 #   decode-all    fp16 then int4 in one command (only when the model is already built: ~10 min)
 #   tests         pytest: the CUDA tests (see select_cuda_tests below)
-#   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py
-#   kernels-quick both with --quick
+#   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py, then kernel-choice
+#   kernels-quick the first two with --quick, then kernel-choice
+#   kernel-choice benchmarks/kernel_choice.py: what warmup's kernel timing chooses per decode batch size
+#                 (triton-gemm or tinygemm) on the 1B shapes, the step time of each choice, and a second
+#                 start that reads the choices from the kernel cache instead of timing
 #   quick         one call of at most 9 minutes on a bare machine (the first call of a session):
 #                 the CUDA tests that matter most (tests-quick, 150 s), a Llama-3.2-1B-shaped model
 #                 built on the card, quantized to int4 and served fp16 then int4 (decode-quick, 200 s),
-#                 then kernels-quick (45 s each); TGS_COMMAND_LIMIT_S defaults to 470 for it
+#                 then kernels-quick (45 s each, kernel-choice 40 s if time is left); TGS_COMMAND_LIMIT_S
+#                 defaults to 470 for it
 #   tests-quick   the first of those alone (TGS_QUICK_TESTS: the test files or node ids to run instead)
-#   decode-quick  the second alone (TGS_GPU_QUICK_ARGS replaces its gpu_decode.py flags)
+#   decode-quick  the second alone (TGS_GPU_QUICK_ARGS replaces its gpu_decode.py flags;
+#                 TGS_GPU_QUICK_DTYPE=bfloat16 serves both models in bfloat16, where warmup times the int4
+#                 layers' two kernels: the servers' "kernels for" lines are copied into its log)
 #   report        the ratio table from whatever results the work dir holds
 #   prepare-wheels  NOT on the device: downloads the wheels the device lacks into .whl/ (below)
 #
@@ -73,7 +79,7 @@ WHEEL_NAMES=(loguru protobuf grpcio grpcio-health-checking grpcio-reflection typ
 # Llama-3.2-1B's shape (untied head): builds on the card in seconds, quantizes in well under a minute.
 QUICK_DECODE_ARGS="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256
     --batches 1,8 --prefill-lengths 512,2048 --prefill-reps 1 --prompt-tokens 128 --new-tokens 64
-    --cuda-graphs 1,2,4,8 --startup-timeout-s 150 --max-shard-mb 1024"
+    --cuda-graphs 1,2,4,8 --startup-timeout-s 150 --max-shard-mb 1024 --dtype ${TGS_GPU_QUICK_DTYPE:-float16}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
@@ -219,7 +225,7 @@ step_tests() {
 
 # The files whose CUDA tests come first when time is short: the kernels every CUDA model runs
 # (Triton, paged attention, graphs, warmup's memory), then the quantized formats, then serving.
-QUICK_TEST_FILES=(test_triton_kernels test_paged_attention test_cuda_graphs test_warmup_memory
+QUICK_TEST_FILES=(test_triton_kernels test_kernel_tuning test_paged_attention test_cuda_graphs test_warmup_memory
     test_attention_backends test_kernels test_fused_moe test_moe test_fp8 test_fp8_activations test_marlin
     test_exl2 test_grammar test_serve_flags)
 
@@ -241,9 +247,26 @@ step_tests_quick() {
 }
 
 decode_quick() {
+    local rc
     # shellcheck disable=SC2086  # flag lists
     run_step decode_quick 200 "$PY" benchmarks/gpu_decode.py --phase all --work-dir "${WORK}-quick" --out "$OUT" \
         ${TGS_GPU_QUICK_ARGS:-$QUICK_DECODE_ARGS}
+    rc=$?
+    show_kernel_choices decode_quick
+    return $rc
+}
+
+# The servers' warmup lines on the kernels each layer shape runs per decode batch size (kernels/tuning.py),
+# copied into the step's log: none when no layer has two kernels (float16 activations: tinygemm needs bfloat16).
+show_kernel_choices() {
+    local found
+    found=$(grep -h -e "kernels for " -e "kernel tuning " "$OUT"/server_*.log 2>/dev/null)
+    echo "== kernel choices at warmup: ${found:+$'\n'}${found:-none logged (no layer had two kernels)}" |
+        tee -a "$OUT/gpu_all_$1.log"
+}
+
+kernel_choice() {
+    run_step kernel_choice "$1" "$PY" benchmarks/kernel_choice.py
 }
 
 decode() {  # decode NAME PHASE
@@ -275,10 +298,11 @@ main() {
     local step
     for step in "$@"; do
         case $step in
-            fp16 | int4 | decode-all | report | tests | kernels | kernels-quick | quick | tests-quick | decode-quick) ;;
+            fp16 | int4 | decode-all | report | tests | kernels | kernels-quick | kernel-choice | quick | tests-quick | \
+                decode-quick) ;;
             *)
                 echo "unknown step '$step' (quick, tests-quick, decode-quick, fp16, int4, decode-all, tests, kernels," \
-                    "kernels-quick, report;" \
+                    "kernels-quick, kernel-choice, report;" \
                     "prepare-wheels alone, off the device)" >&2
                 return 2
                 ;;
@@ -297,11 +321,14 @@ main() {
             kernels)
                 run_step kernels_cuda 280 "$PY" benchmarks/kernels_cuda.py || status=1
                 run_step attention_cuda 280 "$PY" benchmarks/attention_cuda.py || status=1
+                kernel_choice 120 || status=1
                 ;;
             kernels-quick)
                 run_step kernels_cuda 200 "$PY" benchmarks/kernels_cuda.py --quick || status=1
                 run_step attention_cuda 200 "$PY" benchmarks/attention_cuda.py --quick || status=1
+                kernel_choice 120 || status=1
                 ;;
+            kernel-choice) kernel_choice 300 || status=1 ;;
             tests-quick) step_tests_quick || status=1 ;;
             decode-quick) decode_quick || status=1 ;;
             quick)
@@ -309,6 +336,7 @@ main() {
                 decode_quick || status=1
                 run_step kernels_cuda 45 "$PY" benchmarks/kernels_cuda.py --quick || status=1
                 run_step attention_cuda 45 "$PY" benchmarks/attention_cuda.py --quick || status=1
+                kernel_choice 40 || status=1
                 ;;
         esac
     done

@@ -36,7 +36,7 @@ from text_generation_server.kernels.select import (
     preferences,
     tune_rows,
 )
-from text_generation_server.kernels.table import CPU, CUDA, FAMILY_OF_FORMAT
+from text_generation_server.kernels.table import CPU, CUDA, FAMILY_OF_FORMAT, TIMED_PAIRS
 
 torch.set_num_threads(2)
 KERNELS_DIR = Path(select.__file__).parent
@@ -74,6 +74,9 @@ def test_the_tables_pin_every_kernel_in_priority_order():
         ("dense", "dense"),
     ]
     assert set(FAMILY_OF_FORMAT.values()) == {k.family for k in CPU + CUDA}
+    # Timed against each other at warmup where both run a layer (kernels/tuning.py): CUDA's two integer kernels.
+    assert {device: [(a.name, b.name) for a, b in pairs] for device, pairs in TIMED_PAIRS.items()} == {
+        "cpu": [], "cuda": [("triton-gemm", "tinygemm")]}
 
 
 def test_every_linear_kernel_is_in_a_table():

@@ -139,6 +139,50 @@ def test_forward_picks_paths_by_token_count(interpret):
     assert module(torch.zeros(0, 256, dtype=torch.float16)).shape == (0, 96)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_prompt_takes_one_path_whatever_its_rows(dtype, interpret, monkeypatch):
+    """In a prefill every row count runs the dequant plan (kernels/phase.py): a 45-row prompt whole,
+    as a 40-row chunk and a 5-row cached remainder, or one row of it, gives the same bits. Decode
+    rows still take their plan by count (split-K, fused and dequant sum in different orders)."""
+    from text_generation_server.kernels.phase import forward_phase
+
+    w = make_weight(256, 96, 4, 64, False, True, seed=5)
+    module = tg.TritonGemmKernel.build(w, torch.randn(96), dtype)
+    paths: list[str] = []
+    run = module.run
+    monkeypatch.setattr(module, "run", lambda x, plan=None: (
+        paths.append((plan or module.plan(x.shape[0])).path), run(x, plan))[1])
+    x = torch.randn(45, 256, generator=torch.Generator().manual_seed(6)).to(dtype)
+    with forward_phase(prefill=True):
+        whole = module(x)
+        chunked = torch.cat([module(x[:40]), module(x[40:])])
+        first_row = module(x[:1])
+    assert set(paths) == {"dequant"}
+    assert torch.equal(chunked, whole) and torch.equal(first_row, whole[:1])
+    paths.clear()
+    module(x[:1]), module(x[:40])
+    assert paths == ["split-k", "fused"]
+
+
+CANONICAL_CASES = CASES[:9] + [(4100, 100, 4, 48, False, True, torch.float32)]  # the last: groups padded
+
+
+@pytest.mark.parametrize("case", CANONICAL_CASES, ids=_case_id)
+def test_the_canonical_weight_comes_back_from_the_layout(case):
+    """tinygemm is built from a triton-gemm layer's weights at warmup (kernels/tuning.py): the layout
+    gives back codes, scales and zero points that dequantize to the checkpoint's weight (scales
+    rounded to the activation dtype, as the kernel stores them)."""
+    k, n, bits, gs, sym, act, dtype = case
+    w = make_weight(k, n, bits, gs or k, sym, act, seed=k + 3 * n)
+    layer = tg.TritonGemmKernel.build(w, None, dtype)
+    back = layer.canonical_weight()
+    assert back.bits == bits and back.shape == w.shape and (back.zeros is None) == sym
+    rounded = QuantizedWeight(w.qweight, w.scales.to(dtype).float(), w.zeros, w.g_idx, bits, w.group_size)
+    assert torch.equal(dequantize(back), dequantize(rounded))
+    if layer.gw.perm is None or act:
+        assert back.act_order == act
+
+
 def test_split_k_is_deterministic_and_returns_locks_to_zero(interpret):
     w = make_weight(512, 64, 4, 128, False, False, seed=5)
     scratch = ScratchSpace()
@@ -219,22 +263,19 @@ def test_scratch_sized_once_for_all_layers():
     assert scratch.prepare(max_tokens=8, max_input_tokens=8) > 0
     each = [layer.scratch_needs(8, 8) for layer in layers]
     shared = {name: max(n[name] for n in each) for name in each[0]}
-    assert shared["splitk_partials"] > 0 and shared["splitk_locks"] > 0 and "dequant" not in shared
+    assert shared["splitk_partials"] > 0 and shared["splitk_locks"] > 0
+    # Prompts take the dequant path whatever their size: one buffer, the largest layer's weight.
+    assert shared["dequant"] == max(layer.in_features * layer.out_features * 2 for layer in layers)
     stats = scratch.stats()
-    assert stats.frozen and stats.sized_for == (8, 8) and stats.allocations == 2  # partials + locks
+    assert stats.frozen and stats.sized_for == (8, 8) and stats.allocations == 3  # partials, locks, dequant
     assert stats.reserved_bytes == sum(shared.values())  # the largest need, not one buffer per layer
     assert sum(sum(n.values()) for n in each) > stats.reserved_bytes
     assert scratch.prepare(max_tokens=8, max_input_tokens=8) == 0  # every other layer's call: no-op
-    assert scratch.stats().allocations == 2
-    # A prefill above the threshold adds one dequant buffer: the largest layer's weight.
-    big = [layer.scratch_needs(1000, 500) for layer in layers]
-    shared_big = {name: max(n[name] for n in big) for name in big[0]}
-    assert shared_big["dequant"] == max(layer.in_features * layer.out_features * 2 for layer in layers)
-    assert scratch.prepare(max_tokens=1000, max_input_tokens=500) > 0
-    assert scratch.stats().reserved_bytes == sum(shared_big.values())
-    # Lower limits give the dequant buffer back.
-    scratch.prepare(max_tokens=8, max_input_tokens=8)
-    assert scratch.stats().reserved_bytes == sum(shared.values())
+    assert scratch.stats().allocations == 3
+    # Larger prefills need nothing more: split-K stops at 16 rows, the dequantized weight is one per layer.
+    assert [layer.scratch_needs(1000, 500) for layer in layers] == [layer.scratch_needs(16, 16) for layer in layers]
+    assert scratch.prepare(max_tokens=1000, max_input_tokens=500) == 0
+    assert scratch.stats().reserved_bytes == sum(shared.values()) and scratch.stats().allocations == 3
 
 
 def test_no_allocation_after_warmup(interpret):
@@ -256,7 +297,8 @@ def test_undersized_warmup_is_counted():
     layers = _layers(scratch)
     scratch.prepare(max_tokens=16, max_input_tokens=16)
     assert scratch.stats().allocations_after_freeze == 0
-    scratch.get("dequant", torch.device("cpu"), layers[0].in_features * layers[0].out_features * 2)
+    partials = scratch.stats().reserved_bytes  # more than the split-K partials warmup sized
+    scratch.get("splitk_partials", torch.device("cpu"), partials)
     assert scratch.stats().allocations_after_freeze == 1
 
 
@@ -391,6 +433,39 @@ def test_tinygemm_layout_matches_reference(k, n, gs, sym, act, bits):
     y = _tinygemm_emulated(codes, sz, kgs, perm, x, n)
     ref = x.double() @ dequantize(w, torch.float64).t()
     assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act,bits", [(256, 64, 128, False, True, 4), (512, 60, 64, True, False, 4),
+                                                 (256, 24, 256, False, False, 3), (384, 40, 32, False, True, 4)])
+def test_tinygemm_built_from_a_triton_gemm_layer_is_the_one_built_from_the_checkpoint(k, n, gs, sym, act, bits):
+    """Warmup builds tinygemm from a loaded triton-gemm layer (kernels/tuning.py): the same codes,
+    groups, order and scales as from the checkpoint's weight, its scales rounded to bfloat16 first
+    (as triton-gemm keeps them)."""
+    w = make_weight(k, n, bits, gs, sym, act, seed=k + n)
+    rounded = QuantizedWeight(w.qweight, w.scales.bfloat16().float(), w.zeros, w.g_idx, bits, gs)
+    got = tgm.tinygemm_layout(tg.TritonGemmKernel.build(w, None, torch.bfloat16).canonical_weight())
+    want = tgm.tinygemm_layout(rounded)
+    assert got[2] == want[2] and (got[3] is None) == (want[3] is None)
+    for a, b in zip(got[:2] + got[3:], want[:2] + want[3:]):
+        assert b is None or torch.equal(a, b)
+
+
+def test_triton_gemm_and_tinygemm_are_timed_against_each_other_where_both_run(gpu, monkeypatch):
+    from text_generation_server.kernels.select import CACHE_ENV, PREFER_ENV, rival_kernel
+
+    monkeypatch.setenv(CACHE_ENV, "off")
+    monkeypatch.delenv(PREFER_ENV, raising=False)
+    assert rival_kernel(cuda_spec(), "triton-gemm") is tgm.TinyGemmKernel
+    assert rival_kernel(cuda_spec(zeros=True, act=True, bits=3, gs=64), "triton-gemm") is tgm.TinyGemmKernel
+    for spec in (cuda_spec(dtype=torch.float16), cuda_spec(bits=8), cuda_spec(k=4100, n=100, gs=48, rows=4)):
+        assert rival_kernel(spec, "triton-gemm") is None  # tinygemm cannot run it: nothing to time
+    assert rival_kernel(cuda_spec(), "tinygemm") is None  # triton-gemm disabled or missing: nothing either
+    monkeypatch.setenv(DISABLE_ENV, "tinygemm")
+    assert rival_kernel(cuda_spec(), "triton-gemm") is None
+    monkeypatch.delenv(DISABLE_ENV)
+    for name in ("tinygemm", "triton-gemm"):  # the operator's choice by name stands
+        monkeypatch.setenv(PREFER_ENV, name)
+        assert rival_kernel(cuda_spec(), "triton-gemm") is None
 
 
 # ---------------------------------------------------------------------------------------------

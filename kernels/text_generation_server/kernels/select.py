@@ -24,6 +24,10 @@ What decides, strongest first:
    choice's, logs what it measured and chose, and falls back to the static order when a
    measurement fails or a candidate raises or disagrees: never to a wrong result. `tune_rows`
    measures a built module's variants at given row counts and records the winners.
+   Where the table pairs two kernels that can both run a layer (table.TIMED_PAIRS: triton-gemm and
+   tinygemm on CUDA), warmup times them at the CUDA graphs' batch sizes, once per layer shape, and
+   layers of that shape run the faster one per decode row bucket (kernels/tuning.py,
+   kernels/dispatch.py; "kernel rows<=B" entries in the file).
 4. The static order of kernels/table.py, and each module's static row thresholds.
 
 A prompt's rows never depend on how it is chunked: in a prefill forward every layer takes its one
@@ -47,7 +51,7 @@ from loguru import logger
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import DenseFallbackError, LinearSpec, NoKernelError, QuantKernel
 from text_generation_server.kernels.phase import forward_phase, row_bucket
-from text_generation_server.kernels.table import FAMILY_OF_FORMAT, TABLES
+from text_generation_server.kernels.table import FAMILY_OF_FORMAT, TABLES, TIMED_PAIRS
 
 DISABLE_ENV = "TGS_DISABLE_KERNELS"
 PREFER_ENV = "TGS_PREFER_KERNELS"
@@ -95,16 +99,22 @@ def device_signature(device_type: str) -> str:
 
 
 def shape_key(spec: LinearSpec) -> str:
-    """A layer shape as preferences key it: format, bits, group, K x N, activation dtype."""
+    """A layer shape as preferences key it: format, bits, group (with zero points, act-order), K x N,
+    activation dtype."""
     dtype = str(spec.act_dtype).removeprefix("torch.")
-    return f"{spec.weight_format}/{spec.bits}-bit/g{spec.group_size}/{spec.in_features}x{spec.out_features}/{dtype}"
+    group = f"g{spec.group_size}{'-asym' if spec.has_zeros else ''}{'-act' if spec.act_order else ''}"
+    return f"{spec.weight_format}/{spec.bits}-bit/{group}/{spec.in_features}x{spec.out_features}/{dtype}"
 
 
 LAYER = "layer"  # the bucket of a whole-layer (kernel) preference
 
 
-def _bucket_key(bucket: int | None) -> str:
-    return LAYER if bucket is None else f"rows<={bucket}"
+def _bucket_key(bucket: int | None, scope: str = "") -> str:
+    """"layer", "rows<=B" (a module's variant) or "SCOPE rows<=B" (e.g. "kernel rows<=B": the kernel a
+    KernelDispatch runs for decode batches of up to B rows, kernels/dispatch.py)."""
+    if bucket is None:
+        return LAYER
+    return f"{scope} rows<={bucket}" if scope else f"rows<={bucket}"
 
 
 class Preferences:
@@ -124,21 +134,26 @@ class Preferences:
                 logger.warning("kernel preferences {} ignored ({}): the static order applies", path, exc)
                 self.choices = {}
 
-    def get(self, spec: LinearSpec, bucket: int | None = None) -> str | None:
-        entry = self.choices.get(shape_key(spec), {}).get(_bucket_key(bucket))
+    def get(self, spec: LinearSpec, bucket: int | None = None, scope: str = "") -> str | None:
+        entry = self.choices.get(shape_key(spec), {}).get(_bucket_key(bucket, scope))
         return entry.get("choice") if isinstance(entry, dict) else None
 
-    def row_choices(self, spec: LinearSpec) -> dict[int, str]:
-        """Row bucket -> variant measured for decode batches of this layer shape."""
+    def row_choices(self, spec: LinearSpec, scope: str = "") -> dict[int, str]:
+        """Row bucket -> variant (scope "kernel": kernel) measured for decode batches of this layer shape."""
+        prefix = _bucket_key(0, scope).removesuffix("0")
         out = {}
         for key, entry in self.choices.get(shape_key(spec), {}).items():
-            if key.startswith("rows<=") and isinstance(entry, dict) and isinstance(entry.get("choice"), str):
-                out[int(key.removeprefix("rows<="))] = entry["choice"]
+            if key.startswith(prefix) and isinstance(entry, dict) and isinstance(entry.get("choice"), str):
+                try:
+                    out[int(key.removeprefix(prefix))] = entry["choice"]
+                except ValueError:
+                    continue
         return out
 
-    def record(self, spec: LinearSpec, bucket: int | None, choice: str, timings: Mapping[str, float]) -> None:
+    def record(self, spec: LinearSpec, bucket: int | None, choice: str, timings: Mapping[str, float],
+               scope: str = "") -> None:
         """Keeps a choice (and the timings it came from, in ms) and writes the file."""
-        self.choices.setdefault(shape_key(spec), {})[_bucket_key(bucket)] = {
+        self.choices.setdefault(shape_key(spec), {})[_bucket_key(bucket, scope)] = {
             "choice": choice, "ms": {name: round(seconds * 1e3, 4) for name, seconds in timings.items()}}
         if self.path is None:
             return
@@ -236,6 +251,7 @@ def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], ti
     if not isinstance(measured, dict):
         return {}
     prefs = prefs or preferences(spec.device_type)
+    scope = getattr(module, "preference_scope", "")
     tensors = [*module.parameters(), *module.buffers()]
     device = tensors[0].device if tensors else torch.device(spec.device_type)
     chosen: dict[int, str] = {}
@@ -258,10 +274,10 @@ def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], ti
         static = module.static_variant(bucket)  # type: ignore[operator]
         names = [static] + [v for v in module.variants(bucket) if v != static]  # type: ignore[operator]
         choice, timings = measure({v: (lambda v=v: forced(v)) for v in names}, timer,
-                                  f"{shape_key(spec)} {_bucket_key(bucket)}")
+                                  f"{shape_key(spec)} {_bucket_key(bucket, scope)}")
         if choice is not None:
             measured[bucket] = chosen[bucket] = choice
-            prefs.record(spec, bucket, choice, timings)
+            prefs.record(spec, bucket, choice, timings, scope)
     return chosen
 
 
@@ -298,6 +314,25 @@ def choose_kernel(spec: LinearSpec, table: Mapping[str, Sequence[type[QuantKerne
             return kernel, rejected
         rejected.append((kernel.name, reason))
     raise NoKernelError("no kernel can run this layer: " + "; ".join(f"{n}: {r}" for n, r in rejected))
+
+
+def rival_kernel(spec: LinearSpec, kernel_name: str,
+                 pairs: Mapping[str, Sequence[tuple[type[QuantKernel], type[QuantKernel]]]] | None = None
+                 ) -> type[QuantKernel] | None:
+    """The kernel warmup times against `kernel_name` on this layer (table.TIMED_PAIRS), or None when
+    no kernel is paired with it, its rival is disabled or cannot run the layer, or the choice is
+    not the table's to make: a kernel the operator prefers (TGS_PREFER_KERNELS) runs the layer, or
+    a whole-layer measurement chose it."""
+    for first, rival in (TIMED_PAIRS if pairs is None else pairs).get(spec.device_type, ()):
+        if first.name != kernel_name or rival.name in disabled_kernels() or not rival.can_implement(spec)[0]:
+            continue
+        preferred = set(preferred_kernels())
+        if any(k.name in preferred and k.can_implement(spec)[0] for k in (first, rival)):
+            return None
+        if preferences(spec.device_type).get(spec) is not None:
+            return None
+        return rival
+    return None
 
 
 _LOGGED: set[tuple] = set()  # every message logged once per kind of layer (choices, fallbacks, warnings)
@@ -376,6 +411,7 @@ def build_linear(weight: LinearWeight, bias: torch.Tensor | None, act_dtype: tor
         logger.info("{}{}: kernel {} ({})", where, subject, kernel.name, why)
     module = kernel.build(weight, bias, act_dtype)
     module.kernel_name = kernel.name
+    module.linear_spec = spec  # how warmup's kernel timing finds and groups layers (kernels/tuning.py)
     if subject:
         module.computes = subject  # what the layer computes, as logged (the kernel names alone do not say)
     measured = getattr(module, "measured", None)

@@ -3,7 +3,8 @@
 kernels/select.py walks a device's table for each layer, asking the kernels of the layer's family
 (QuantKernel.family) in this order whether they can run it (`can_implement`), and takes the first
 that can and is not switched off (TGS_DISABLE_KERNELS), unless the operator names a kernel to
-prefer (TGS_PREFER_KERNELS) or a measurement on this machine chose one (select.py). A kernel that
+prefer (TGS_PREFER_KERNELS) or a measurement on this machine chose one (select.py; TIMED_PAIRS
+below: kernels timed against each other per decode batch size at warmup). A kernel that
 cannot run here (no Triton, no GPU, no bitsandbytes) stays listed and refuses with its reason, so
 the log says why each layer runs where it does.
 
@@ -67,6 +68,17 @@ CUDA: tuple[type[QuantKernel], ...] = (
 )
 
 TABLES: dict[str, tuple[type[QuantKernel], ...]] = {"cpu": CPU, "cuda": CUDA}
+
+# Kernels warmup times against each other where both can run a layer (kernels/select.py,
+# `tune_kernels`), per device: (the one the table ranks first, its rival). The first is built at
+# load and keeps every prompt; warmup builds the rival from the first one's weights, times both at
+# the CUDA graphs' batch sizes, and keeps the rival's copy only where it ran a decode batch faster.
+# On an H100, tinygemm ran the 4096x4096 4-bit batch-1 product in 10.8 us to triton-gemm's 16.3,
+# and triton-gemm the batch-16 one in 15.3 us to tinygemm's 24.5 (BENCHMARKS.md, "First GPU run").
+TIMED_PAIRS: dict[str, tuple[tuple[type[QuantKernel], type[QuantKernel]], ...]] = {
+    "cpu": (),
+    "cuda": ((TritonGemmKernel, TinyGemmKernel),),
+}
 
 # The family of kernels each LinearSpec.weight_format is ranked among (QuantKernel.family).
 FAMILY_OF_FORMAT: dict[str, str] = {

@@ -16,7 +16,7 @@ not, act-order), repacked once at build:
   exact in fp16 and bf16 up to 256).
 - K pads to a multiple of 128 and N to a multiple of 128 with zero weights (never refused).
 
-Three paths, chosen by token count M:
+Three paths. Decode batches (and calls outside a model's forward) take one by token count M:
 - split-K (M <= 16, too few output tiles to fill the GPU): the K chunks are split across
   programs; each writes fp32 partials to a shared workspace and bumps a per-tile counter; the
   last to arrive sums the partials in fixed order (deterministic), writes the output and resets
@@ -25,7 +25,13 @@ Three paths, chosen by token count M:
 - dequant (M > LARGE_BATCH_TOKENS, Exllama's approach): dequantize into one shared scratch
   buffer [K, N] (rows scattered back to input order, so the input needs no permutation) and
   call the dense GEMM.
-The workspaces live in kernels/scratch.py, sized once at warmup, shared by all layers.
+A prefill forward takes the dequant path whatever its M (kernels/phase.py): the three paths sum
+in different orders, so a 5-row cached remainder on split-K and the 40-row chunk before it on
+the fused kernel would round the same prompt differently. Dequant is the path the dense layers
+take (torch's GEMM on the dequantized weight) and the fastest for long prompts; a short prompt
+pays one dequantization of the weight (~4.5 bytes moved per weight instead of ~0.5).
+The workspaces live in kernels/scratch.py, sized once at warmup, shared by all layers; the
+layout, and the canonical weight back from it, in kernels/triton_layout.py.
 
 The module imports without Triton; the kernels then refuse every layer with the reason. The
 @triton.jit functions are defined on first use, so TRITON_INTERPRET=1 set by a test before
@@ -36,7 +42,6 @@ functions, decorated when triton is imported, and the interpreter cannot call th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -44,11 +49,18 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+from text_generation_server.kernels.phase import in_prefill, pad_prompt_rows
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
+from text_generation_server.kernels.triton_layout import (  # noqa: F401  (unpack_chunks: tests, benchmarks)
+    CHUNK,
+    GemmWeight,
+    _cdiv,
+    canonical_weight,
+    repack,
+    unpack_chunks,
+)
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
-CHUNK = 128  # K rows per packed chunk: the K tile of every path and K's padding unit (the kernels spell it 128)
-N_ALIGN = 128  # N pads to this, so every BN in use divides it and weight loads need no mask
 # Above this many tokens, dequantize-then-cuBLAS beats the fused kernel. Per 4-bit weight the
 # dequant path moves ~4.5 bytes (read 0.5 packed, write 2, read back 2) before a cuBLAS GEMM at
 # F flop/s; the fused kernel, compute-bound at these sizes, runs at a fraction e of F. Break-even:
@@ -111,121 +123,6 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(device)
     return props.multi_processor_count, int(getattr(props, "shared_memory_per_block_optin", _DEFAULT_SMEM))
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# -- repack ------------------------------------------------------------------------------------
-
-@dataclass
-class GemmWeight:
-    """A `QuantizedWeight` in the layout the Triton kernels read (see the module docstring)."""
-
-    qweight: torch.Tensor  # int32 [Kp / PACK, Np], tile-interleaved
-    scales: torch.Tensor  # [ceil(Kp / group_rows), Np], activation dtype
-    zeros: torch.Tensor | None  # like scales; None: every zero point is sym_zero
-    perm: torch.Tensor | None  # int32 [Kp]: input column of each stored row, -1 for padding; None: identity
-    bits: int  # stored code width, 4 or 8
-    group_rows: int  # stored rows per scale row
-    sym_zero: int
-    in_features: int
-    out_features: int
-
-    @property
-    def padded_in(self) -> int:
-        return self.qweight.shape[0] * 32 // self.bits
-
-    @property
-    def padded_out(self) -> int:
-        return self.qweight.shape[1]
-
-
-def _layout_cost(counts: list[int], group_rows: int, pad_groups: bool, k: int, bits: int, scale_bytes: int) -> int:
-    """Stored bytes per output column: codes plus one scale (and zero) row per group_rows rows."""
-    rows = sum(_cdiv(c, group_rows) * group_rows for c in counts) if pad_groups else k
-    kp = _cdiv(rows, CHUNK) * CHUNK
-    return kp * bits // 8 + _cdiv(kp, group_rows) * scale_bytes
-
-
-def repack(weight: QuantizedWeight, act_dtype: torch.dtype) -> GemmWeight:
-    """Sorts rows by group, pads K/N/groups, packs codes tile-interleaved, expands scales per GS rows."""
-    k, n = weight.in_features, weight.out_features
-    device = weight.qweight.device
-    bits = 4 if weight.bits <= 4 else 8
-    g = weight.g_idx.long()
-    order = torch.argsort(g, stable=True)
-    sorted_g = g[order]
-    counts_t = torch.bincount(g, minlength=weight.scales.shape[0])
-    used = counts_t[counts_t > 0]
-    counts = used.tolist()
-    # Scale rows per GS stored rows: GS must tile every group. The counts' gcd always does
-    # (no padding); if it is small, padding each group to a multiple of 32..128 can be cheaper.
-    scale_bytes = act_dtype.itemsize * (1 if weight.zeros is None else 2)
-    candidates = [(math.gcd(*counts), False)] + [(s, True) for s in (128, 64, 32)]
-    group_rows, pad_groups = min(candidates, key=lambda c: _layout_cost(counts, c[0], c[1], k, bits, scale_bytes))
-    if pad_groups:
-        padded = (used + group_rows - 1) // group_rows * group_rows
-        gid = torch.repeat_interleave(torch.arange(len(counts), device=device), used)
-        starts = torch.cumsum(used, 0) - used
-        dest = (torch.cumsum(padded, 0) - padded)[gid] + torch.arange(k, device=device) - starts[gid]
-        rows = int(padded.sum())
-    else:
-        dest = torch.arange(k, device=device)
-        rows = k
-    kp = _cdiv(max(rows, 1), CHUNK) * CHUNK
-    np_ = _cdiv(max(n, 1), N_ALIGN) * N_ALIGN
-    identity = not pad_groups and torch.equal(order, torch.arange(k, device=device))
-    perm = None
-    if not identity:
-        perm = torch.full((kp,), -1, dtype=torch.int32, device=device)
-        perm[dest] = order.to(torch.int32)
-
-    codes = torch.zeros(kp, np_, dtype=torch.uint8, device=device)
-    codes[dest, :n] = weight.qweight.index_select(0, order)
-    # Which checkpoint group each block of group_rows stored rows takes its scale from.
-    block_group = torch.full((_cdiv(kp, group_rows),), -1, dtype=torch.long, device=device)
-    block_group[dest // group_rows] = sorted_g
-    if not torch.equal(block_group[dest // group_rows], sorted_g):
-        raise ValueError(f"triton-gemm: groups do not tile into {group_rows}-row blocks after sorting by g_idx")
-    valid = (block_group >= 0).unsqueeze(1)
-    src = block_group.clamp(min=0)
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        out = torch.where(valid, t.float().index_select(0, src), torch.zeros((), device=device))
-        return torch.nn.functional.pad(out, (0, np_ - n)).to(act_dtype).contiguous()
-
-    return GemmWeight(
-        qweight=_pack_chunks(codes, bits),
-        scales=per_block(weight.scales),
-        zeros=None if weight.zeros is None else per_block(weight.zeros),
-        perm=perm,
-        bits=bits,
-        group_rows=group_rows,
-        sym_zero=2 ** (weight.bits - 1),
-        in_features=k,
-        out_features=n,
-    )
-
-
-def _pack_chunks(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [Kp, Np] -> int32 [Kp / PACK, Np]: word (c*R + r) field i holds row c*CHUNK + i*R + r."""
-    kp, np_ = codes.shape
-    pack, r = 32 // bits, CHUNK * bits // 32
-    fields = codes.view(kp // CHUNK, pack, r, np_)
-    words = torch.zeros(kp // CHUNK, r, np_, dtype=torch.int64, device=codes.device)
-    for i in range(pack):
-        words |= fields[:, i].to(torch.int64) << (bits * i)
-    words = words - ((words >> 31) & 1) * (1 << 32)  # same 32 bits, as a signed int32
-    return words.to(torch.int32).view(kp // pack, np_)
-
-
-def unpack_chunks(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of the packing: int32 [Kp / PACK, Np] -> uint8 [Kp, Np] (tests, debugging)."""
-    pack, r = 32 // bits, CHUNK * bits // 32
-    words = qweight.to(torch.int64).view(-1, r, qweight.shape[1])
-    fields = [(words >> (bits * i)) & ((1 << bits) - 1) for i in range(pack)]
-    return torch.stack(fields, dim=1).reshape(-1, qweight.shape[1]).to(torch.uint8)
 
 
 # -- plans -------------------------------------------------------------------------------------
@@ -308,6 +205,10 @@ def fit_tiles(bm: int, bn: int, bits: int, elt: int, smem: int, row_scales: bool
         else:
             break
     return bm, bn, _stages(bm, bn, bits, elt, smem, row_scales, zeros)
+
+
+# The plan of every prefill forward, whatever its row count (module docstring).
+PROMPT_PLAN = Plan("dequant")
 
 
 def smaller_plan(plan: Plan) -> Plan | None:
@@ -544,7 +445,8 @@ class TritonGemmLinear(torch.nn.Module):
         return plan.split_k * tiles * plan.block_m * plan.block_n * 4, tiles * 4
 
     def scratch_needs(self, max_tokens: int, max_input_tokens: int) -> dict[str, int]:
-        """Split-K partials and locks for decode-sized batches; the dense weight when prefill is large."""
+        """Split-K partials and locks for decode-sized batches; the dense weight for prompts, which
+        take the dequant path whatever their size (module docstring)."""
         needs = {"splitk_partials": 0, "splitk_locks": 0}
         for m in range(1, min(max_tokens, SPLIT_K_MAX_TOKENS) + 1):
             plan = self.plan(m)
@@ -552,8 +454,7 @@ class TritonGemmLinear(torch.nn.Module):
                 ws, locks = self._split_bytes(m, plan)
                 needs["splitk_partials"] = max(needs["splitk_partials"], ws)
                 needs["splitk_locks"] = max(needs["splitk_locks"], locks)
-        if max_tokens > LARGE_BATCH_TOKENS:
-            needs["dequant"] = self.in_features * self.out_features * self.act_dtype.itemsize
+        needs["dequant"] = self.in_features * self.out_features * self.act_dtype.itemsize
         return needs
 
     def prepare_scratch(self, max_tokens: int, max_input_tokens: int) -> int:
@@ -562,12 +463,17 @@ class TritonGemmLinear(torch.nn.Module):
         allocated = self.scratch.prepare(max_tokens, max_input_tokens)
         if self.scratch_device.type == "cuda":
             sizes = {min(b, max_tokens) for b in (1, 16, 32, 64, 128, LARGE_BATCH_TOKENS)}
-            if max_tokens > LARGE_BATCH_TOKENS:
-                sizes.add(LARGE_BATCH_TOKENS + 1)
             with torch.no_grad():
                 for m in sorted(sizes):
                     self.run(torch.zeros(m, self.in_features, dtype=self.act_dtype, device=self.scratch_device))
+                self.run(torch.zeros(1, self.in_features, dtype=self.act_dtype, device=self.scratch_device),
+                         PROMPT_PLAN)
         return allocated
+
+    def canonical_weight(self) -> QuantizedWeight:
+        """The canonical weight this layer computes (kernels/triton_layout.py), for building another
+        kernel from it (warmup's kernel timing, kernels/select.py)."""
+        return canonical_weight(self.gw)
 
     def run(self, x: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] by `plan` (default: the plan for M). Tests and benchmarks force paths here."""
@@ -585,7 +491,8 @@ class TritonGemmLinear(torch.nn.Module):
             w = typed_view(self.scratch.get("dequant", dev, nbytes), self.act_dtype,
                            (self.in_features, self.out_features))
             dequantize_into(self.gw, w)
-            return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
+            xp = pad_prompt_rows(x)  # CPU (the interpreter) only: torch's GEMM rounds its smallest inputs apart
+            return (torch.mm(xp, w) if self.bias is None else torch.addmm(self.bias, xp, w))[:m]
         out = torch.empty(m, self.out_features, dtype=self.act_dtype, device=dev)
         ws = locks = None
         if plan.split_k > 1:
@@ -610,7 +517,8 @@ class TritonGemmLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        return self.run(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        plan = PROMPT_PLAN if in_prefill() else None  # a prompt's rows: one path whatever their count
+        return self.run(x.reshape(-1, self.in_features), plan).reshape(*lead, self.out_features)
 
 
 class TritonGemmKernel(QuantKernel):

@@ -21,6 +21,7 @@ from text_generation_server.engine.cuda_graphs import DecodeGraphs
 from text_generation_server.engine.types import Generation, GenerationRequest, StepTimings
 from text_generation_server.engine import memory
 from text_generation_server.engine.memory import is_out_of_memory
+from text_generation_server.kernels.tuning import tune_kernels
 from text_generation_server.layers.attention import AttentionBackend
 
 
@@ -83,6 +84,8 @@ def run_warmup(
     """Runs the largest forwards the limits allow, then gives the KV cache what is left.
 
     Returns the number of tokens the KV cache holds (max_supported_total_tokens). In order:
+    0. where two kernels can run a layer (CUDA), both timed at the graphs' batch sizes and the
+       faster kept per size (`tune_kernels`: once per layer shape, cached per device);
     1. kernel scratch (`prepare_scratch`, sized for max_prefill_tokens);
     2. a temporary KV cache just large enough for the two forwards below;
     3. the prefill of the warmup batch (the router's: max_prefill_tokens prompt tokens);
@@ -114,6 +117,15 @@ def run_warmup(
     if not requests:
         raise ValueError("warmup needs at least one request")
     lm.drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
+    decode_rows, decode_why = decode_batch_limit(
+        max_batch_size or lm.max_batch_size, lm.graph_buckets, max_batch_total_tokens, lm.block_size,
+        max_prefill_tokens,
+    )
+    graphs_off = lm.graphs_off_reason()
+    buckets = [] if graphs_off else graph_buckets_within(lm.graph_buckets, decode_rows)
+    # 0: where two kernels can run a layer, the faster per graph batch size (kernels/tuning.py), before
+    # the scratch is sized and the graphs capture; on CPU no layer has two.
+    tune_kernels(lm.model, buckets, keep_free_bytes=max_total_tokens * lm.kv_bytes_per_token)
     limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
     scratch_bytes = 0
     with _phase(lm, f"the kernels' scratch space for {limits} does not fit in memory",
@@ -124,13 +136,6 @@ def run_warmup(
             if prepare is not None:
                 scratch_bytes += int(prepare(max_tokens=max_prefill_tokens, max_input_tokens=max_input_tokens) or 0)
     scratch_note = f" with {scratch_bytes / 2**20:.1f} MiB of kernel scratch reserved" if scratch_bytes else ""
-
-    decode_rows, decode_why = decode_batch_limit(
-        max_batch_size or lm.max_batch_size, lm.graph_buckets, max_batch_total_tokens, lm.block_size,
-        max_prefill_tokens,
-    )
-    graphs_off = lm.graphs_off_reason()
-    buckets = [] if graphs_off else graph_buckets_within(lm.graph_buckets, decode_rows)
     lm.attention.reserve_decode(max([decode_rows, *buckets]), max_total_tokens, lm.device)
 
     # 2-3: the largest prefill, over a temporary cache.
