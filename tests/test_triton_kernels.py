@@ -25,6 +25,7 @@ from helpers import make_weight, needs_gpu
 
 from text_generation_server.kernels import tinygemm as tgm
 from text_generation_server.kernels import triton_gemm as tg
+from text_generation_server.kernels import triton_layout
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, ReferenceKernel, dequantize
 from text_generation_server.kernels.select import DISABLE_ENV, choose_kernel
 from text_generation_server.kernels.table import TABLES
@@ -217,7 +218,7 @@ def test_repack_layout_round_trips():
     assert (gw.padded_in, gw.padded_out) == (256, 128)
     assert gw.group_rows == 64 and gw.perm is not None  # the 8-row group padded to 64, not 8-row scales
     assert gw.scales.shape == (4, 128) and gw.zeros.shape == (4, 128)
-    codes = tg.unpack_chunks(gw.qweight, gw.bits)  # stored row j holds input row perm[j]
+    codes = triton_layout.unpack_chunks(gw.qweight, gw.bits)  # stored row j holds input row perm[j]
     stored = gw.perm >= 0
     assert int(stored.sum()) == 200 and sorted(gw.perm[stored].tolist()) == list(range(200))
     assert torch.equal(codes[stored][:, :72], w.qweight[gw.perm[stored].long()])

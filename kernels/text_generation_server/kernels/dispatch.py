@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from text_generation_server.kernels.phase import choose_variant
+from text_generation_server.kernels.phase import choose_variant, run_rows
 
 
 def held_bytes(module: torch.nn.Module) -> int:
@@ -67,8 +67,10 @@ class KernelDispatch(torch.nn.Module):
         return self.builds[variant](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return self.run(x, choose_variant(self, rows))
+        # x: [..., K] -> [..., N]
+        k = x.shape[-1]
+        y = run_rows(self, x.reshape(-1, k))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def chosen(self, buckets: list[int]) -> dict[int, str]:
         """The kernel each decode row bucket runs."""

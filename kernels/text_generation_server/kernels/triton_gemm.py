@@ -49,15 +49,14 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
-from text_generation_server.kernels.phase import in_prefill, pad_prompt_rows
+from text_generation_server.kernels.phase import by_phase, pad_prompt_rows
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
-from text_generation_server.kernels.triton_layout import (  # noqa: F401  (unpack_chunks: tests, benchmarks)
+from text_generation_server.kernels.triton_layout import (
     CHUNK,
     GemmWeight,
     _cdiv,
     canonical_weight,
     repack,
-    unpack_chunks,
 )
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
@@ -517,8 +516,9 @@ class TritonGemmLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        plan = PROMPT_PLAN if in_prefill() else None  # a prompt's rows: one path whatever their count
-        return self.run(x.reshape(-1, self.in_features), plan).reshape(*lead, self.out_features)
+        # A prompt's rows: one path whatever their count; decoding rows their plan by row count.
+        y = by_phase(x.reshape(-1, self.in_features), lambda t: self.run(t, PROMPT_PLAN), lambda t: self.run(t, None))
+        return y.reshape(*lead, self.out_features)
 
 
 class TritonGemmKernel(QuantKernel):
