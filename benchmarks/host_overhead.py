@@ -14,9 +14,10 @@ clients, greedy, the same prompt) x X. Per cell:
 - exposed host = served inter-token - served X: what the host adds to each step that the
   forward's wait does not hide;
 - host CPU per step: CPU seconds of the server's processes (launcher, router, ranks) over the
-  cell / decode forwards, the stand-in's own CPU taken out: the host work, hidden or not (CPU
-  time moves far less than wall time when other jobs share the machine);
-- client CPU per step: this process's CPU over the served cell / decode forwards: what the B
+  cell, the stand-in's own CPU taken out, / the router's decode steps (its
+  tgi_batch_inference_duration count): the host work, hidden or not, the prefills that admitted
+  the clients included (CPU time moves far less than wall time when other jobs share the machine);
+- client CPU per step: this process's CPU over the served cell / the same steps: what the B
   streaming clients took from the same cores;
 - in-process step: the engine's `generate_token` loop on the same model and stand-in in this
   process (no gRPC, no router, no decode ahead), wall time per decode step; in-process host =
@@ -51,7 +52,7 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
-    StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints,
+    STEP, StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, scrape_steps, steps_delta,
 )
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
@@ -189,31 +190,29 @@ async def stream(stub, request) -> Stream:
     return out
 
 
-async def served_round(server: StartedServer, stats, batch_size: int, wait_us: int, new_tokens: int,
+async def served_round(server: StartedServer, stats, stub, batch_size: int, wait_us: int, new_tokens: int,
                        ) -> tuple[dict[str, float | None], list[list[int]]]:
-    """One cell through `serve`: its measures (µs) and every client's streamed ids."""
-    import grpc
-
+    """One cell through `serve` on the client API `stub`: its measures (µs) and every client's
+    streamed ids."""
     from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
-    from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
     stats.set_wait_us(wait_us)
     request = cpb.GenerateRequest(inputs=PROMPT, parameters=cpb.GenerateParameters(max_new_tokens=new_tokens))
-    async with grpc.aio.insecure_channel(server.target) as channel:
-        stub = cpb_grpc.TextGenerationStub(channel)
-        await channel.channel_ready()
-        before, server_cpu, client_cpu = stats.read(), server.cpu_s(), time.process_time()
-        streams = await asyncio.gather(*(stream(stub, request) for _ in range(batch_size)))
-        client_cpu = time.process_time() - client_cpu
-        server_cpu = server.cpu_s() - server_cpu
-        after = stats.read()
-    calls = after["decode_calls"] - before["decode_calls"]
+    steps_before = scrape_steps(server.metrics_url, (STEP,))
+    before, server_cpu, client_cpu = stats.read(), server.cpu_s(), time.process_time()
+    streams = await asyncio.gather(*(stream(stub, request) for _ in range(batch_size)))
+    client_cpu = time.process_time() - client_cpu
+    server_cpu = server.cpu_s() - server_cpu
+    after = stats.read()
+    # Decode steps the router ran (a decode-ahead fork that was dropped is not one, though the
+    # stand-in ran it).
+    steps = int(steps_delta(steps_before, scrape_steps(server.metrics_url, (STEP,))).get(STEP, (0, 0))[1])
     standin_cpu = sum(after[k] - before[k] for k in ("decode_cpu_ns", "prefill_cpu_ns")) / 1e9
     out: dict[str, float | None] = {
         "served X µs": per_call_us(before, after),
         "served inter-token µs": inter_token_us([s.stamps for s in streams]),
-        "host CPU per step µs": (server_cpu - standin_cpu) / calls * 1e6 if calls else None,
-        "client CPU per step µs": client_cpu / calls * 1e6 if calls else None,
+        "host CPU per step µs": (server_cpu - standin_cpu) / steps * 1e6 if steps else None,
+        "client CPU per step µs": client_cpu / steps * 1e6 if steps else None,
     }
     return out, [s.ids for s in streams]
 
@@ -222,27 +221,23 @@ def exposed(itl: float | None, x: float | None) -> float | None:
     return itl - x if itl is not None and x is not None else None
 
 
-async def amain(args: argparse.Namespace) -> int:
-    batches, waits = parse_ints(args.batches, "--batches"), [int(w) for w in args.waits_us.split(",")]
-    load_start = os.getloadavg()[0]
-    tmp = tempfile.TemporaryDirectory(prefix="tgs-host-overhead-")
-    served_stats_path, local_stats_path = Path(tmp.name) / "served.stats", Path(tmp.name) / "in-process.stats"
-    from text_generation_server.engine.standin import StandinStats
+async def measure(args: argparse.Namespace, ours: InProcess, server: StartedServer, stats, batches: list[int],
+                  waits: list[int], cells: Cells) -> tuple[int, int]:
+    """Every round of every cell, in-process and served side by side; (tokens streamed, tokens
+    off the stand-in's cycle). The clients share one channel, opened once: a new connection's
+    first tokens can stall for tens of ms (seen here: 35-40 ms before the first token, then the
+    backlog at once), which would be measured as a short inter-token time."""
+    import grpc
 
-    try:
-        ours = InProcess(args.model, args.dtype, local_stats_path, max(batches), args.new_tokens)
-    except ValueError as exc:
-        print(f"host_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
-        return 2
-    served_stats = StandinStats.create(served_stats_path, waits[0])
-    flags = [*shlex.split(args.server_args), "--max-concurrent-requests", str(max(128, max(batches)))]
-    server = StartedServer(args.model, flags, args.startup_timeout_s, env=standin_env(waits[0], served_stats_path))
-    cells, streamed, broken = Cells(), 0, 0
-    try:
-        await server.wait_ready()
+    from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+
+    streamed = broken = 0
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stub = cpb_grpc.TextGenerationStub(channel)
+        await channel.channel_ready()
         for b in batches:  # warm-up of both sides at every batch size
             ours.round(b, waits[0])
-            await served_round(server, served_stats, b, waits[0], 4)
+            await served_round(server, stats, stub, b, waits[0], 4)
         for _ in range(args.rounds):
             for wait in waits:
                 for b in batches:
@@ -251,13 +246,36 @@ async def amain(args: argparse.Namespace) -> int:
                     cells.add(cell, "in-process X µs", x_local)
                     cells.add(cell, "in-process step µs", step)
                     cells.add(cell, "in-process host µs", exposed(step, x_local))
-                    measures, ids = await served_round(server, served_stats, b, wait, args.new_tokens)
+                    measures, ids = await served_round(server, stats, stub, b, wait, args.new_tokens)
                     for name, value in measures.items():
                         cells.add(cell, name, value)
                     cells.add(cell, "exposed host µs", exposed(measures["served inter-token µs"],
                                                                measures["served X µs"]))
                     streamed += sum(len(s) for s in ids)
                     broken += sum(off_cycle(s, ours.cycle) for s in ids)
+    return streamed, broken
+
+
+async def amain(args: argparse.Namespace) -> int:
+    from text_generation_server.engine.standin import StandinStats
+
+    batches, waits = parse_ints(args.batches, "--batches"), [int(w) for w in args.waits_us.split(",")]
+    load_start = os.getloadavg()[0]
+    tmp = tempfile.TemporaryDirectory(prefix="tgs-host-overhead-")
+    served_stats_path, local_stats_path = Path(tmp.name) / "served.stats", Path(tmp.name) / "in-process.stats"
+    try:
+        ours = InProcess(args.model, args.dtype, local_stats_path, max(batches), args.new_tokens)
+    except ValueError as exc:
+        print(f"host_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
+        tmp.cleanup()
+        return 2
+    served_stats = StandinStats.create(served_stats_path, waits[0])
+    flags = [*shlex.split(args.server_args), "--max-concurrent-requests", str(max(128, max(batches)))]
+    server = StartedServer(args.model, flags, args.startup_timeout_s, env=standin_env(waits[0], served_stats_path))
+    cells = Cells()
+    try:
+        await server.wait_ready()
+        streamed, broken = await measure(args, ours, server, served_stats, batches, waits, cells)
     finally:
         server.stop()
         served_stats.close()
