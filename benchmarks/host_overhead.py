@@ -56,7 +56,7 @@ from bench_common import (  # noqa: E402
 )
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
-QUICK = {"batches": "1,8", "waits_us": "0,1000", "new_tokens": 12, "rounds": 1}
+QUICK = {"batches": "1,8", "waits_us": "0,1000", "new_tokens": 24, "rounds": 1}
 FULL = {"batches": "1,8,64", "waits_us": "0,1000", "new_tokens": 64, "rounds": 3}
 COLUMNS = ("batch", "X nominal µs", "in-process X µs", "in-process step µs", "in-process host µs", "served X µs",
            "served inter-token µs", "exposed host µs", "host CPU per step µs", "client CPU per step µs")

@@ -152,7 +152,7 @@ def test_quick_run_on_the_embedded_model(capsys, monkeypatch):
                                                              abs=1.01), row
         assert values["exposed host µs"] == pytest.approx(values["served inter-token µs"] - values["served X µs"],
                                                           abs=1.01), row
-        assert values["served inter-token µs"] >= values["served X µs"] * 0.9, row
+        # A step holds the wait (a short window's mean can dip below it when two tokens arrive together).
+        assert values["served inter-token µs"] >= nominal * 0.5, row
         assert values["host CPU per step µs"] > 0 and values["client CPU per step µs"] > 0, row
-    assert "of 216 streamed tokens followed the stand-in's cycle" in out
-    assert "canned tokens: 216 of 216" in out
+    assert "canned tokens: 432 of 432 streamed tokens followed the stand-in's cycle" in out  # 2 x (1 + 8) x 24
