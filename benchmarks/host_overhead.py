@@ -14,7 +14,8 @@ clients, greedy, the same prompt) x X. Per cell:
 - exposed host = served inter-token - served X: what the host adds to each step that the
   forward's wait does not hide;
 - host CPU per step: CPU seconds of the server's processes (launcher, router, ranks) over the
-  cell, the stand-in's own CPU taken out, / the router's decode steps (its
+  cell, the stand-in's own CPU taken out (rank 0's: with several ranks the others' is counted
+  as host work), / the router's decode steps (its
   tgi_batch_inference_duration count): the host work, hidden or not, the prefills that admitted
   the clients included (CPU time moves far less than wall time when other jobs share the machine);
 - client CPU per step: this process's CPU over the served cell / the same steps: what the B

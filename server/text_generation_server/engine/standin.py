@@ -29,10 +29,10 @@ a replayed graph would skip the wait). On CUDA the wait is a host-side sleep, i.
 that blocks the host; the benchmark is meant for CPUs.
 
 Measuring X instead of assuming it: `TGS_BENCHMARK_STANDIN_STATS=<file>` (optional) names a
-small file of int64 slots (`STAT_SLOTS`) that rank 0 maps and updates per forward: calls, wall ns
-and the calling thread's CPU ns of decode steps, and of prefill-shaped ones, apart. Its first slot,
-when >= 0, overrides X at run time, so one server serves several X (the benchmark writes it
-between rounds). `StandinStats.create` makes such a file; `StandinStats.open` maps one.
+small file of int64 slots (`STAT_SLOTS`) that every rank maps and rank 0 updates per forward:
+calls, wall ns and the calling thread's CPU ns of decode steps, and of prefill-shaped ones, apart.
+Its first slot, when >= 0, overrides X at run time on every rank, so one server serves several X
+(the benchmark writes it between rounds). `StandinStats.create` makes such a file; `StandinStats.open` maps one.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def standin_wait_us(environ: Mapping[str, str] = os.environ) -> int | None:
 
 
 class StandinStats:
-    """The stats file's int64 slots (STAT_SLOTS), memory-mapped: written by rank 0's stand-in,
-    read (and its wait_us written) by the benchmark."""
+    """The stats file's int64 slots (STAT_SLOTS), memory-mapped: counted by rank 0's stand-in, its
+    wait_us read by every rank's; read (and its wait_us written) by the benchmark."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -141,11 +141,14 @@ class StandinForward(torch.nn.Module):
     graph_blocker = f"the benchmark stand-in forward ({FORWARD_US_ENV}) is on: a graph would skip its wait"
 
     def __init__(self, inner: torch.nn.Module, wait_us: int, cycle: list[int], device: torch.device,
-                 stats: StandinStats | None = None):
+                 stats: StandinStats | None = None, record: bool = True):
+        """stats: the file whose wait_us overrides `wait_us`; record: whether this one counts its
+        forwards there (rank 0 only, so a step is counted once)."""
         super().__init__()
         self.inner = inner
         self.wait_us = wait_us
         self.stats = stats
+        self.record = record
         self.vocab_size = inner.config.vocab_size
         self.cycle = list(cycle)
         # Row i: the logits that choose cycle[i]; a step's logits are rows of it, one copy.
@@ -174,7 +177,7 @@ class StandinForward(torch.nn.Module):
         remaining_ns = self.current_wait_us() * 1000 - (time.perf_counter_ns() - start)
         if remaining_ns > 0:
             time.sleep(remaining_ns / 1e9)  # releases the GIL, as a device wait does
-        if self.stats is not None:
+        if self.stats is not None and self.record:
             self.stats.add(bool(getattr(meta, "is_prefill", False)), time.perf_counter_ns() - start, cpu_ns)
         return out
 
@@ -194,11 +197,14 @@ def from_environment(net: torch.nn.Module, tokenizer: Tokenizer, eos_token_ids: 
     cycle = canned_cycle(net.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True),
                          special | set(eos_token_ids))
     stats_path = environ.get(STATS_ENV)
-    stats = StandinStats.open(stats_path) if stats_path and rank == 0 else None
+    try:
+        stats = StandinStats.open(stats_path) if stats_path else None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{STATS_ENV}={stats_path} is not a stand-in stats file: {exc}") from exc
     banner = "!" * 100
     logger.warning(banner)
     logger.warning("BENCHMARK STAND-IN FORWARD ON ({}={}): this server does NOT run the model. Every forward returns "
                    "canned logits (tokens {}...) after a {} µs wait.", FORWARD_US_ENV, wait_us, cycle[:4], wait_us)
     logger.warning("Only benchmarks/host_overhead.py sets it; unset {} to serve the model.", FORWARD_US_ENV)
     logger.warning(banner)
-    return StandinForward(net, wait_us, cycle, device, stats)
+    return StandinForward(net, wait_us, cycle, device, stats, record=rank == 0)
