@@ -10,6 +10,7 @@ one kept, so the result never depends on how a sort orders equal values.
 
 from __future__ import annotations
 
+import copy
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -181,6 +182,22 @@ def apply_typical_p(scores: Tensor, typical_p: Tensor) -> Tensor:
     return scores.masked_fill(distance > threshold, -math.inf)
 
 
+def greedy_choice(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's argmax and its log-probability, as the chooser picks and reports them for a
+    greedy row without processors: ids [rows] int64, and (id, logprob) pairs [rows, 2] float64,
+    the layout the step reads back in one transfer (engine/readback.py).
+
+    The log-softmax is torch's fused kernel, the chooser's own: the logprobs are the values the
+    full path reports, bit for bit, and a CUDA graph runs this after the forward (no launches of
+    its own); eagerly it is four launches whatever the batch."""
+    scores = logits.to(torch.float32)
+    ids = scores.argmax(dim=-1)
+    picked = torch.empty(ids.shape[0], 2, dtype=torch.float64, device=scores.device)
+    picked[:, 0].copy_(ids)
+    picked[:, 1:].copy_(torch.log_softmax(scores, dim=-1).gather(1, ids[:, None]))
+    return ids, picked
+
+
 def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row drawn from `probs` ([S, V], rows need not be normalised): argmax(p / E).
 
@@ -285,10 +302,21 @@ class HeterogeneousNextTokenChooser:
             self._max_top_k if nucleus_rows and all(row.top_k > 0 for row in nucleus_rows) else None
         )
         self._sample_rows = [index for index, row in enumerate(params) if row.do_sample]
-        self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device)
+        # Built only when some row samples: torch.tensor(list, device=) is a synchronous copy on
+        # CUDA, and choosers are rebuilt at every filter and decode-ahead fork.
+        self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device) \
+            if self._sample_rows else None
 
     def __len__(self) -> int:
         return len(self._params)
+
+    @property
+    def greedy_only(self) -> bool:
+        """Whether every row is greedy without processors or grammar: its tokens and logprobs are
+        then `greedy_choice` of the logits, which a decode graph computes with the forward."""
+        return not self._sample_rows and not self._grammar_rows and all(
+            column is None for column in (self._repetition, self._frequency, self._temperature, self._top_k,
+                                          self._top_p, self._typical_p))
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -379,6 +407,10 @@ class HeterogeneousNextTokenChooser:
                 raise ValueError(f"filter index {index!r} out of range for a batch of {size}")
         if len(set(indices)) != len(indices):
             raise ValueError(f"filter indices repeat a row (a generator cannot be shared): {indices}")
+        if indices == list(range(size)):
+            # Every row in place (a decode-ahead fork of a whole batch): the parameter tensors are
+            # read only, so they are shared rather than built again from the host.
+            return copy.copy(self)
         return self._from_parts(
             [self._params[i] for i in indices],
             [self._seeds[i] for i in indices],
