@@ -215,6 +215,17 @@ def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def _clone_generator(generator: torch.Generator) -> torch.Generator:
+    """A generator continuing from `generator`'s state, independently of it (one call where torch
+    has `clone_state`: decode ahead forks every sampling row's generator each step)."""
+    clone = getattr(generator, "clone_state", None)
+    if clone is not None:
+        return clone()
+    twin = torch.Generator(device=generator.device)
+    twin.set_state(generator.get_state())
+    return twin
+
+
 class HeterogeneousNextTokenChooser:
     """Chooses the next token for every row of a batch whose rows have different parameters.
 
@@ -425,15 +436,7 @@ class HeterogeneousNextTokenChooser:
         ahead can be thrown away."""
         forked = self.filter(indices)
         forked._matchers = [None if m is None else m.fork() for m in forked._matchers]
-        generators = []
-        for generator in forked._generators:
-            if generator is None:
-                generators.append(None)
-                continue
-            twin = torch.Generator(device=generator.device)
-            twin.set_state(generator.get_state())
-            generators.append(twin)
-        forked._generators = generators
+        forked._generators = [None if g is None else _clone_generator(g) for g in forked._generators]
         return forked
 
     @classmethod
