@@ -49,7 +49,7 @@ class UploadBuffer:
         """Copies the mirror to the device (one launch); returns the device buffer."""
         self.tensor.copy_(self._host, non_blocking=True)
         if self._event is not None:
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.device))
             self._pending = True
         return self.tensor
 
@@ -72,7 +72,7 @@ class Readback:
         host = self._host[:count]
         host.copy_(flat, non_blocking=True)
         if self._event is not None:
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.device))
             self._event.synchronize()
         return host.tolist()
 

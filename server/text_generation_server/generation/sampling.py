@@ -392,9 +392,11 @@ class HeterogeneousNextTokenChooser:
             scores = apply_typical_p(scores, self._typical_p)
 
         logprobs = torch.log_softmax(scores, dim=-1)
-        next_ids = scores.argmax(dim=-1)
-        if self._sample_rows:
-            next_ids = next_ids.index_copy(0, self._sample_index, self._draw(logprobs))
+        if not self._sample_rows:
+            return scores.argmax(dim=-1), logprobs
+        if len(self._sample_rows) == batch:  # every row samples: no argmax, no row gathers
+            return self._draw(logprobs), logprobs
+        next_ids = scores.argmax(dim=-1).index_copy(0, self._sample_index, self._draw(logprobs))
         return next_ids, logprobs
 
     def _draw(self, logprobs: Tensor) -> Tensor:
@@ -404,7 +406,9 @@ class HeterogeneousNextTokenChooser:
         its seed and the vocabulary size, never on the rows beside it; only that fill is a
         per-row loop, the rest is batched.
         """
-        probs = logprobs.index_select(0, self._sample_index).exp()  # [S, V]
+        sampling = logprobs if len(self._sample_rows) == len(self._params) else \
+            logprobs.index_select(0, self._sample_index)
+        probs = sampling.exp()  # [S, V]
         uniforms = torch.empty_like(probs)
         for index, row in enumerate(self._sample_rows):
             uniforms[index].uniform_(generator=self._generators[row])
