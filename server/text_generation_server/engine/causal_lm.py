@@ -468,7 +468,8 @@ class CausalLM:
         if self._inputs is None or self._inputs.tensor.shape[1] < rows:
             self._inputs = UploadBuffer((4, max(8, 1 << (rows - 1).bit_length())), torch.long, self.device)
         self._inputs.host()[:, :rows] = inputs
-        input_ids, positions_t, slots, seq_lens = self._inputs.push()[:, :rows].unbind(0)
+        self._inputs.push()
+        input_ids, positions_t, slots, seq_lens = self._inputs.rows(rows)
         meta = AttentionMetadata(
             is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=seq_lens,
             max_seq_len=max_len, backend=self.attention,

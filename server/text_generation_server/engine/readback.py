@@ -38,6 +38,14 @@ class UploadBuffer:
         self._view = self._host.numpy()
         self._event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._pending = False
+        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rows(self, count: int) -> tuple[torch.Tensor, ...]:
+        """The device buffer's rows, each cut to its first `count` entries (views, made once)."""
+        views = self._rows.get(count)
+        if views is None:
+            views = self._rows[count] = self.tensor[:, :count].unbind(0)
+        return views
 
     def host(self) -> np.ndarray:
         if self._pending and self._event is not None:
