@@ -234,7 +234,8 @@ class CausalLM:
             next_ids, pairs = chosen
             self._append(batch, next_ids)
             next_list, chosen_logprobs = unpack_choices(self.readback.fetch(pairs))
-            tops, prompt_lps = None, []
+            tops = None
+            prompt_lps: list[list[float]] = []
         else:
             if self._text_vocab < logits.shape[-1]:
                 logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning

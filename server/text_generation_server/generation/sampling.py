@@ -316,7 +316,7 @@ class HeterogeneousNextTokenChooser:
         # Built only when some row samples: torch.tensor(list, device=) is a synchronous copy on
         # CUDA, and choosers are rebuilt at every filter and decode-ahead fork.
         self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device) \
-            if self._sample_rows else None
+            if self._sample_rows else torch.empty(0, dtype=torch.int64, device=device)
 
     def __len__(self) -> int:
         return len(self._params)
