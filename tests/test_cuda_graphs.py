@@ -225,8 +225,8 @@ def test_a_replaced_kv_cache_is_never_replayed(folders):
     graphs.capture(lm.model, lm.kv_cache, lm.attention)
     other = load(folders["llama"])
     batch = other.make_batch(0, [request(0, 5, 3)])
-    assert graphs.run(other.kv_cache, batch.history[:, 0], batch.history_lengths - 1, batch.slot_table[:, 0],
-                      batch.block_tables, batch.history_lengths, 5) is None
+    inputs = (batch.history[:, 0].tolist(), [4], batch.slot_table[:, 4].tolist(), [5])
+    assert graphs.run(other.kv_cache, inputs, batch.block_tables, 5) is None
     assert graphs.stats.eager == {"the KV cache was replaced after capture": 1}
 
 
@@ -235,7 +235,8 @@ def test_replay_allocates_no_static_buffers(folders):
     lm = load(folders["llama"], buckets=[1, 2, 4, 8], capturer=capturer)
     graphs = lm.graphs
     before = {name: (t.data_ptr(), t.shape) for name, t in graphs.static_buffers().items()}
-    assert set(before) == {"input_ids", "positions", "slots", "block_tables", "seq_lens", "logits"}
+    assert set(before) == {"inputs", "input_ids", "positions", "slots", "block_tables", "seq_lens", "logits",
+                           "tokens", "picked"}
     assert before["block_tables"][1] == (8, -(-MAX_TOTAL // BLOCK_SIZE))
     assert capturer.captures == 4
     padding_scenario(lm)

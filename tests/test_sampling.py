@@ -539,3 +539,18 @@ def test_shape_and_index_errors() -> None:
     empty = chooser.filter([])
     assert len(empty) == 0 and empty.seeds == []
     assert len(HeterogeneousNextTokenChooser.concatenate([empty, chooser.filter([1])])) == 1
+
+
+def test_a_fork_draws_what_the_original_would_and_leaves_it_untouched() -> None:
+    """Decode ahead runs a step on a fork: the fork's draws are the ones the original would
+    make, and the original's streams stay where they were."""
+    params = [SamplingParams(do_sample=True, seed=3), SamplingParams(), SamplingParams(do_sample=True, seed=4)]
+    chooser = HeterogeneousNextTokenChooser(params, "cpu")
+    history, lengths = padded_history([[1], [2], [3]], 0)
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    chooser(scores, history, lengths)
+    ahead = [chooser.fork([0, 1, 2])(scores, history, lengths)[0].tolist() for _ in range(2)]
+    assert ahead[0] == ahead[1]  # each fork starts where the original is
+    assert chooser(scores, history, lengths)[0].tolist() == ahead[0]
+    part = chooser.fork([2])
+    assert part(scores[2:], history[2:], lengths[2:])[0].tolist() == chooser(scores, history, lengths)[0][2:].tolist()

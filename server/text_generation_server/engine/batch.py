@@ -65,6 +65,13 @@ class RequestState:
     prefilled: int = 0
     chunk: int = 0  # prompt tokens the next forward processes (0 once the prompt is done)
     prompt_logprobs: list[float] | None = None  # gathered chunk by chunk for prefill_logprobs
+    # The sequence's last token (the prompt's until the request gets one, then set with every
+    # token it gets): a decode step's input, known on the host, so the inputs go up in one copy.
+    last_token: int = -1
+
+    def __post_init__(self) -> None:
+        if self.last_token < 0 and self.prompt_ids:
+            self.last_token = self.prompt_ids[-1]
 
     @property
     def input_length(self) -> int:
@@ -93,6 +100,13 @@ class RequestState:
     def max_length(self) -> int:
         return self.input_length + self.request.max_new_tokens
 
+    def slot(self, position: int, block_size: int) -> int:
+        """The KV slot of `position`, as the batch's slot table holds it (-1 past the positions
+        the request can ever write, `BatchBuilder.kv_tokens`)."""
+        if position >= max(self.max_length - 1, 1):
+            return -1
+        return self.blocks[position // block_size] * block_size + position % block_size
+
 
 class Batch:
     def __init__(
@@ -110,6 +124,8 @@ class Batch:
         self.chooser = chooser
         self.history = history  # [B, T] int64: prompt + generated ids
         self.history_lengths = history_lengths  # [B] int64
+        # Never written in place (filter, concatenate and fork make new ones, a whole-batch fork
+        # shares them): a decode graph keeps the last block table it copied by identity.
         self.slot_table = slot_table  # [B, T] int64: KV slot of each position (-1 past the end)
         self.block_tables = block_tables  # [B, max_blocks] int64
 
@@ -165,8 +181,9 @@ class Batch:
     def fork(self, request_ids: list[int]) -> "Batch":
         """An independent copy of the named rows, for a decode step computed ahead of its request.
 
-        Tensors, stopping counters, detokenizers and random streams are copied, so running
-        a step on the fork leaves this batch exactly as it was; the KV blocks are shared
+        Tensors a step writes (the history and its lengths), stopping counters, detokenizers
+        and random streams are copied, so running a step on the fork leaves this batch exactly
+        as it was; the slot and block tables, which no step writes, and the KV blocks are shared
         (the fork writes only positions from each row's last token on, past what any step has
         kept: the next position, or with speculation the proposed ones after it; a replayed step
         writes them again before anything reads them). The fork never frees blocks: this batch
@@ -174,12 +191,19 @@ class Batch:
         """
         position = {rid: i for i, rid in enumerate(self.request_ids)}
         keep = [position[rid] for rid in request_ids]
-        index = torch.tensor(keep, dtype=torch.long, device=self.history.device)
         states = [self.states[i].fork() for i in keep]
+        chooser = self.chooser.fork(keep)
+        if keep == list(range(len(self.states))):
+            # The whole batch (decode ahead's usual fork): two copies, no index from the host
+            # (torch.tensor(list, device=) is a synchronous copy on CUDA), and the same block
+            # table object, so a decode graph sees it unchanged and copies nothing.
+            return Batch(self.batch_id, states, chooser, self.history.clone(), self.history_lengths.clone(),
+                         self.slot_table, self.block_tables)
+        index = torch.tensor(keep, dtype=torch.long, device=self.history.device)
         return Batch(
             batch_id=self.batch_id,
             states=states,
-            chooser=self.chooser.fork(keep),
+            chooser=chooser,
             history=self.history.index_select(0, index),
             history_lengths=self.history_lengths.index_select(0, index),
             slot_table=self.slot_table.index_select(0, index),

@@ -6,8 +6,10 @@ tokens, checks stopping and streams text. Requests that finish stay in the batch
 until the caller filters them out (the TGI v3 contract: the router calls
 FilterBatch), so the shard never drops work on its own. Batches are built, and their
 KV blocks assigned and given back, by `BatchBuilder` (engine/batch_builder.py); a
-prefill-shaped step's tokens are laid out by engine/prefill.py, and what the step needs back
-from the device comes in one transfer (engine/readback.py).
+prefill-shaped step's tokens are laid out by engine/prefill.py. A decode step's inputs go up in
+one copy and what the step needs back comes down in one transfer (engine/readback.py); a batch
+of greedy rows is chosen with the forward (in its CUDA graph when one serves it), so its step
+issues a handful of launches and one sync (tests/test_step_budget.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
+from text_generation_server.generation.sampling import greedy_choice
 from text_generation_server.generation.speculation import MAX_SPECULATE, Run, ngram_proposals, speculation_limit
 from text_generation_server.generation.stopping import FinishReason
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache, KVLayout
@@ -28,7 +31,7 @@ from text_generation_server.engine.batch import Batch, BlockAllocator, RequestSt
 from text_generation_server.engine.batch_builder import BatchBuilder
 from text_generation_server.engine.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from text_generation_server.engine.prefill import PromptSpan, advance_prompts, flatten_step, plan_chunks
-from text_generation_server.engine.readback import to_host
+from text_generation_server.engine.readback import Readback, UploadBuffer, to_host, unpack_choices
 from text_generation_server.engine.types import (
     GeneratedText,
     Generation,
@@ -95,6 +98,8 @@ class CausalLM:
         # Prompt tokens one forward may compute (set by warmup); later chunks of a long prompt
         # are sized within it. None: no limit (the CLI and tests without warmup).
         self.max_prefill_tokens: int | None = None
+        self.readback = Readback(device)
+        self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
         layout = self.kv_layout
         spec = AttentionSpec(
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
@@ -206,43 +211,48 @@ class CausalLM:
         start = time.perf_counter_ns()
         # Grammar rows' masks fill on the compiler's worker while the forward runs.
         masks = self.builder.grammar_masks(batch.chooser)
+        chosen = None
         try:
             proposals = self._proposals(batch)
             if batch.prefilling or proposals or (self._rope_switch is not None and
                                                  any(map(self._recomputes, batch.states))):
                 logits, emit, prompt_spans, speculative = self._prefill_forward(batch, proposals)
             else:
-                logits, emit, prompt_spans, speculative = self._decode_forward(batch), None, [], None
+                (logits, chosen), emit, prompt_spans, speculative = self._decode_forward(batch), None, [], None
         except BaseException:
             if masks is not None:
                 masks.done()  # the worker must let go of the matchers before anyone else steps them
             raise
         forward_done = time.perf_counter_ns()
 
-        if self._text_vocab < logits.shape[-1]:
-            logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
-        if emit is None:
-            chooser, history, lengths, emit_rows = batch.chooser, batch.history, batch.history_lengths, None
-        else:
-            # Only requests that finish their prompt draw: a seeded request's random stream must
-            # not advance while its prompt is still being prefilled.
-            emit_rows = torch.tensor(emit, dtype=torch.long, device=self.device)
-            chooser = batch.chooser.filter(emit)
-            history = batch.history.index_select(0, emit_rows)
-            lengths = batch.history_lengths.index_select(0, emit_rows)
-            masks = masks.select(emit) if masks is not None else None
-        next_ids, logprobs = chooser(logits, history, lengths, masks)
-        rows = torch.arange(len(next_ids), device=next_ids.device)
-        if emit_rows is None:
-            batch.history[rows, lengths] = next_ids
-            batch.history_lengths += 1
-        else:
-            batch.history[emit_rows, lengths] = next_ids
-            batch.history_lengths.index_add_(0, emit_rows, torch.ones_like(emit_rows))
         emitting = batch.states if emit is None else [batch.states[i] for i in emit]
         top_n = [s.request.top_n_tokens for s in emitting]
-        next_list, chosen_logprobs, tops, prompt_lps = to_host(next_ids, logprobs, top_n,
-                                                               [span.values for span in prompt_spans])
+        chooser = batch.chooser
+        if chosen is not None:
+            # Greedy rows without processors or top-n: chosen with the forward. The history update
+            # is enqueued before the readback waits, so the device runs it meanwhile.
+            next_ids, pairs = chosen
+            self._append(batch, next_ids)
+            next_list, chosen_logprobs = unpack_choices(self.readback.fetch(pairs))
+            tops = None
+            prompt_lps: list[list[float]] = []
+        else:
+            if self._text_vocab < logits.shape[-1]:
+                logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
+            if emit is None:
+                history, lengths, emit_rows = batch.history, batch.history_lengths, None
+            else:
+                # Only requests that finish their prompt draw: a seeded request's random stream must
+                # not advance while its prompt is still being prefilled.
+                emit_rows = torch.tensor(emit, dtype=torch.long, device=self.device)
+                chooser = batch.chooser.filter(emit)
+                history = batch.history.index_select(0, emit_rows)
+                lengths = batch.history_lengths.index_select(0, emit_rows)
+                masks = masks.select(emit) if masks is not None else None
+            next_ids, logprobs = chooser(logits, history, lengths, masks)
+            self._append(batch, next_ids, emit_rows, lengths)
+            next_list, chosen_logprobs, tops, prompt_lps = to_host(self.readback, next_ids, logprobs, top_n,
+                                                                   [span.values for span in prompt_spans])
         seeds = chooser.seeds
         grammar_complete = chooser.accept(next_list)  # None without grammar rows
 
@@ -266,11 +276,25 @@ class CausalLM:
         timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
         return generations, (None if all_stopped else batch), timings
 
+    @staticmethod
+    def _append(batch: Batch, next_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> None:
+        """Writes the chosen ids into the device history (the next prefill-shaped step, penalties
+        and n-gram proposals read it): every row's (two launches), or those of `rows`, whose
+        lengths before the token are `lengths`."""
+        if rows is None:
+            batch.history.scatter_(1, batch.history_lengths[:, None], next_ids[:, None])
+            batch.history_lengths += 1
+        else:
+            batch.history[rows, lengths] = next_ids
+            batch.history_lengths.index_add_(0, rows, torch.ones_like(rows))
+
     def _emit_token(self, state: RequestState, gen: Generation, token: int, logprob: float,
                     top: tuple[list[int], list[float]] | None, grammar_complete: bool, seed: int) -> None:
         """Adds one chosen token to the request and to its Generation of this step (a speculative
         step adds several, each checked for stopping in order); ends the request when it stops."""
         state.length += 1
+        state.last_token = token
         text = state.detokenizer.step(token)
         stop, reason = state.stopping(token, text)
         if not stop and grammar_complete:
@@ -359,11 +383,10 @@ class CausalLM:
             chooser = batch.chooser.filter(rows)  # the same generators: their streams advance
             lengths = batch.history_lengths.index_select(0, index)
             next_ids, logprobs = chooser(logits, batch.history.index_select(0, index), lengths)
-            batch.history[index, lengths] = next_ids
-            batch.history_lengths.index_add_(0, index, torch.ones_like(index))
+            self._append(batch, next_ids, index, lengths)
             states = [batch.states[i] for i in rows]
             top_n = [s.request.top_n_tokens for s in states]
-            tokens, chosen_logprobs, tops, _ = to_host(next_ids, logprobs, top_n, [])
+            tokens, chosen_logprobs, tops, _ = to_host(self.readback, next_ids, logprobs, top_n, [])
             seeds = chooser.seeds
             going = []
             for j, (run, state) in enumerate(zip(active, states)):
@@ -421,25 +444,44 @@ class CausalLM:
             out[start:stop] = logits.gather(1, wanted[start:stop, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         return out
 
-    def _decode_forward(self, batch: Batch) -> torch.Tensor:
-        """Logits of every row's next token: from a CUDA graph when one serves the batch, else
-        eagerly. The inputs are gathered on the device; the only host values used are Python
-        ints the states already hold, so the step never waits on the device."""
-        positions = batch.history_lengths - 1
-        rows = torch.arange(len(batch), device=self.device)
-        input_ids = batch.history[rows, positions]
-        slots = batch.slot_table[rows, positions]
-        max_len = max(s.length for s in batch.states)
+    def _decode_forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Logits of every row's next token, from a CUDA graph when one serves the batch, else
+        eagerly; and when every row is greedy without processors or top-n, their choice
+        (`greedy_choice`: ids, (id, logprob) pairs), which the graph computes with the forward.
+
+        The inputs are Python ints the states hold (each row's last token, position, slot and
+        length), written into a pinned buffer and sent in one copy: the step never waits on the
+        device, and builds nothing on it with gathers."""
+        states = batch.states
+        lengths = [s.length for s in states]
+        positions = [n - 1 for n in lengths]
+        block_size = self.block_size
+        inputs = ([s.last_token for s in states], positions,
+                  [s.slot(p, block_size) for s, p in zip(states, positions)], lengths)
+        greedy = batch.chooser.greedy_only and not any(s.request.top_n_tokens for s in states)
+        max_len = max(lengths)
         if self.graphs is not None:
-            logits = self.graphs.run(self.kv_cache, input_ids, positions, slots, batch.block_tables,
-                                     batch.history_lengths, max_len)
-            if logits is not None:
-                return logits
+            replayed = self.graphs.run(self.kv_cache, inputs, batch.block_tables, max_len)
+            if replayed is not None:
+                logits, tokens, picked = replayed
+                return logits, ((tokens, picked) if greedy else None)
+        rows = len(states)
+        if self._inputs is None or self._inputs.tensor.shape[1] < rows:
+            self._inputs = UploadBuffer((4, max(8, 1 << (rows - 1).bit_length())), torch.long, self.device)
+        self._inputs.host()[:, :rows] = inputs
+        self._inputs.push()
+        input_ids, positions_t, slots, seq_lens = self._inputs.rows(rows)
         meta = AttentionMetadata(
-            is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=batch.history_lengths,
+            is_prefill=False, slots=slots, block_tables=batch.block_tables, seq_lens=seq_lens,
             max_seq_len=max_len, backend=self.attention,
         )
-        return self.model(input_ids, positions, self.kv_cache, meta)
+        logits = self.model(input_ids, positions_t, self.kv_cache, meta)
+        return logits, (self._greedy_choice(logits) if greedy else None)
+
+    def _greedy_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_choice` over the ids the tokenizer can decode (a padded vocabulary's tail is
+        never chosen)."""
+        return greedy_choice(logits[:, : self._text_vocab])
 
     def _prefill_tokens(self, state: RequestState) -> Tokens:
         ids = state.prompt_ids
@@ -481,7 +523,7 @@ class CausalLM:
                 self._graph_capturer = CudaGraphCapturer(self.device)
             graphs = DecodeGraphs(buckets, max_total_tokens, self.block_size, self.device, self._graph_capturer)
         self.graphs = None  # not replayed while it captures (the probe forward runs eagerly)
-        grown = graphs.capture(self.model, self.kv_cache, self.attention)
+        grown = graphs.capture(self.model, self.kv_cache, self.attention, choose=self._greedy_choice)
         self.graphs = graphs
         return grown
 

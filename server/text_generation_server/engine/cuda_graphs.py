@@ -4,15 +4,21 @@ A decode step of a small batch is dominated by kernel launches; a CUDA graph rep
 whole forward with one launch. A graph fixes every address and shape it was captured with,
 so the step's inputs go through static buffers sized for the largest bucket:
 
-    input_ids [B]  positions [B]  slots [B]       int64
+    inputs [4, B]  int64: input_ids, positions, slots, seq_lens (rows of one buffer)
     block_tables [B, max_blocks]  seq_lens [B]    int32 (what triton-paged reads)
-    logits [B, vocab]                             float32, written by the graph
+    logits [B, vocab]                             the model's dtype, written by the graph
+    tokens [B] int64, picked [B, 2] float64       the greedy choice, written by the graph
 
-`max_blocks` covers max_total_tokens. A batch of n rows replays the smallest bucket b >= n:
-its rows are copied into the buffers (device to device, no host sync) and rows n..b are
-padding: seq_len 0 (attention reads nothing and writes zeros), slot 0, which lies in block 0,
-reserved by the router and never read. Only the model's forward is captured; sampling runs
-eagerly on the returned logits[:n].
+`max_blocks` covers max_total_tokens. A batch of n rows replays the smallest bucket b >= n.
+The host knows every row's inputs (its last token, position, slot and length), writes them
+into a pinned mirror of `inputs` and sends them with one copy (engine/readback.py
+`UploadBuffer`); the graph converts seq_lens to int32 itself. The block tables are copied
+(device to device) only when the batch's table is another tensor than the last step's: a
+steady batch copies nothing else. Rows n..b are padding: seq_len 0 (attention reads nothing
+and writes zeros), slot 0, which lies in block 0, reserved by the router and never read.
+After the forward the graph also takes each row's greedy choice (`choose`, the sampler's
+`greedy_choice`): a batch of greedy rows needs no launch between the replay and the readback
+but the history update. Other batches are chosen eagerly from the returned logits[:n].
 
 Everything a graph fixes on the host side is fixed per bucket at capture: the metadata's
 `max_seq_len` is max_total_tokens (the rotary bound and the split heuristic read it), and the
@@ -43,9 +49,10 @@ from loguru import logger
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from text_generation_server.engine.readback import UploadBuffer
 from text_generation_server.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 
-PAD_SLOT = 0  # slot 0 is in block 0, which nothing reads
+PAD_SLOT = 0  # slot 0 is in block 0, which nothing reads (the zeroed buffers hold it)
 
 
 class CapturedGraph(Protocol):
@@ -190,6 +197,7 @@ class EagerReplayCapturer:
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0
+        self.inside = False  # while the recorded callable runs (what a real graph runs on the device)
 
     def capture(self, forward: Callable[[], None]) -> _EagerGraph:
         self.captures += 1
@@ -198,11 +206,14 @@ class EagerReplayCapturer:
     def memory_reserved(self) -> int:
         return 0
 
-    @staticmethod
-    def _run(forward: Callable[[], None]) -> list[tuple[str, tuple]]:
+    def _run(self, forward: Callable[[], None]) -> list[tuple[str, tuple]]:
         trace = _OpTrace()
-        with _NoHostSync(), trace:
-            forward()
+        self.inside = True
+        try:
+            with _NoHostSync(), trace:
+                forward()
+        finally:
+            self.inside = False
         return trace.ops
 
 
@@ -233,17 +244,22 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.capturer = capturer
         rows = buckets[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), PAD_SLOT, dtype=torch.long, device=device)
+        self._upload = UploadBuffer((4, rows), torch.long, self.device)  # zeros: PAD_SLOT is 0
+        self.inputs = self._upload.tensor
+        self.input_ids, self.positions, self.slots, self._seq_lens64 = self.inputs.unbind(0)
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [rows, vocab], sized by the first capture
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.picked = torch.zeros(rows, 2, dtype=torch.float64, device=device)
         self.stats = GraphStats()
         self._graphs: dict[int, CapturedGraph] = {}
         self._memos: dict[int, dict] = {}  # keep what each graph fixed (workspaces) alive
         self._cache: weakref.ref | None = None
+        self._tables: weakref.ref | None = None  # the batch block table the buffer holds now
+        self._table_rows = 0
         self._live_rows = 0
+        self._choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._logged: set[str] = set()
 
     @property
@@ -251,8 +267,9 @@ class DecodeGraphs:
         return bool(self._graphs)
 
     def static_buffers(self) -> dict[str, torch.Tensor]:
-        out = {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
-               "block_tables": self.block_tables, "seq_lens": self.seq_lens}
+        out = {"inputs": self.inputs, "input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
+               "block_tables": self.block_tables, "seq_lens": self.seq_lens, "tokens": self.tokens,
+               "picked": self.picked}
         if self.logits is not None:
             out["logits"] = self.logits
         return out
@@ -261,16 +278,22 @@ class DecodeGraphs:
         return max_seq_len <= self.max_seq_len
 
     # -- capture ----------------------------------------------------------------------------------
-    def capture(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend) -> int:
+    def capture(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
+                choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Captures every bucket (largest first, so the smaller ones reuse its pool memory)
-        against `kv_cache`; returns the bytes the device's allocator grew by."""
+        against `kv_cache`; returns the bytes the device's allocator grew by. `choose`: logits
+        [n, vocab] -> (ids [n], (id, logprob) pairs [n, 2]) of a greedy row (the sampler's
+        `greedy_choice` over the text vocabulary), run in the graph after the forward."""
         if not backend.graph_safe:
             raise ValueError(f"attention backend {backend.name} is not graph-safe: its decode syncs with the host "
                              "or sizes tensors from device values")
         memo_for = backend.capture_memo
         self.release()
+        self._upload.host()[:] = 0
         self._pad(0, self.buckets[-1])
         self._live_rows = 0
+        self._tables, self._table_rows = None, 0
+        self._choose = choose
         before = self.capturer.memory_reserved()
         memos = {b: memo_for(b, self.max_seq_len, self.device) for b in reversed(self.buckets)}
         if self.logits is None:
@@ -296,8 +319,16 @@ class DecodeGraphs:
         return model(self.input_ids[:rows], self.positions[:rows], kv_cache, meta)
 
     def _forward(self, model, kv_cache, backend, rows: int, memo: dict) -> Callable[[], None]:
+        choose = self._choose
+
         def forward() -> None:
-            self.logits[:rows].copy_(self._call(model, kv_cache, backend, rows, memo))
+            self.seq_lens[:rows].copy_(self._seq_lens64[:rows])
+            logits = self._call(model, kv_cache, backend, rows, memo)
+            self.logits[:rows].copy_(logits)
+            if choose is not None:
+                tokens, picked = choose(logits)
+                self.tokens[:rows].copy_(tokens)
+                self.picked[:rows].copy_(picked)
 
         return forward
 
@@ -309,16 +340,18 @@ class DecodeGraphs:
         self._cache = None
 
     # -- replay -----------------------------------------------------------------------------------
-    def run(self, kv_cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor | None:
-        """Logits [n, vocab] of one decode step from its graph, or None when the step must run
-        eagerly (the reason is counted in stats.eager and logged once).
+    def run(self, kv_cache: KVCache, inputs: Sequence[Sequence[int]], block_tables: torch.Tensor,
+            max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(logits [n, vocab], greedy ids [n], greedy (id, logprob) pairs [n, 2]) of one decode
+        step from its graph, or None when the step must run eagerly (the reason is counted in
+        stats.eager and logged once). The greedy outputs are zeros without a `choose`.
 
-        input_ids, positions, slots, seq_lens: [n]; block_tables [n, width]; max_seq_len: the
-        longest sequence after this step (a host int). The logits are a view of a static buffer
-        that the next replay overwrites.
+        inputs: four host lists of n ints (input ids, positions, slots, sequence lengths after
+        this step); block_tables [n, width] on the device, never written in place (a table that
+        is the last step's object is not copied again); max_seq_len: the longest sequence after
+        this step. The outputs are views of static buffers that the next replay overwrites.
         """
-        rows = input_ids.shape[0]
+        rows = len(inputs[0])
         reason = None
         if not self._graphs:
             reason = "no graphs captured"
@@ -332,27 +365,28 @@ class DecodeGraphs:
         if reason is not None:
             return self._eager(reason)
         bucket = next(b for b in self.buckets if b >= rows)
-        # Columns past max_blocks cannot be needed (positions < max_seq_len); narrower tables
-        # leave stale columns, zeroed so no row keeps another batch's blocks.
-        width = min(block_tables.shape[1], self.max_blocks)
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.slots[:rows].copy_(slots)
-        self.seq_lens[:rows].copy_(seq_lens)
-        self.block_tables[:rows, :width].copy_(block_tables[:, :width])
-        if width < self.max_blocks:
-            self.block_tables[:rows, width:].zero_()
+        host = self._upload.host()
+        host[:, :rows] = inputs
         if self._live_rows > rows:
-            self._pad(rows, self._live_rows)  # rows a larger batch left behind
+            host[:, rows:self._live_rows] = 0  # rows a larger batch left behind (PAD_SLOT is 0)
         self._live_rows = rows
+        self._upload.push()
+        if self._tables is None or self._tables() is not block_tables:
+            # Columns past max_blocks cannot be needed (positions < max_seq_len); narrower tables
+            # leave stale columns, zeroed so no row keeps another batch's blocks.
+            width = min(block_tables.shape[1], self.max_blocks)
+            self.block_tables[:rows, :width].copy_(block_tables[:, :width])
+            if width < self.max_blocks:
+                self.block_tables[:rows, width:].zero_()
+            if self._table_rows > rows:
+                self.block_tables[rows:self._table_rows].zero_()
+            self._tables, self._table_rows = weakref.ref(block_tables), rows
         self._graphs[bucket].replay()
         self.stats.replays[bucket] += 1
-        return self.logits[:rows]
+        return self.logits[:rows], self.tokens[:rows], self.picked[:rows]
 
     def _pad(self, start: int, stop: int) -> None:
-        self.input_ids[start:stop].zero_()
-        self.positions[start:stop].zero_()
-        self.slots[start:stop].fill_(PAD_SLOT)
+        self.inputs[:, start:stop].zero_()  # PAD_SLOT is 0
         self.seq_lens[start:stop].zero_()
         self.block_tables[start:stop].zero_()
 

@@ -1,29 +1,105 @@
-"""The step's one device-to-host transfer.
+"""The step's transfers between host and device: inputs up in one copy, results down in one.
 
-Everything the Python side of a step needs from the device (chosen ids, their logprobs, the
-top-n alternatives, prompt-token logprobs) is packed into one float64 tensor and read with one
-`tolist()`: one sync per step, however many requests ask for how much.
+A decode step's inputs are Python ints the host already holds (each row's last token, its
+position, slot and length). They are written into a pinned host buffer and go up with one
+non-blocking copy (`UploadBuffer`): no `torch.tensor(list, device=)`, which on CUDA is a
+synchronous copy, and no gathers on the device to rebuild them.
+
+Everything the Python side of a step needs back (chosen ids, their logprobs, the top-n
+alternatives, prompt-token logprobs) is packed into one float64 tensor and comes down with one
+copy into a pinned buffer, then one wait on an event recorded after it (`Readback.fetch`): the
+one sync of a step, however many requests ask for how much. On a CPU the same copies run (the
+"device" is host memory already), so CPU tests count the same operations a GPU step issues.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def to_host(next_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int], prompt_values: list[torch.Tensor]
+def _pinned(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class UploadBuffer:
+    """A device buffer fed from a pinned host mirror with one copy.
+
+    Write the values into `host()` (a numpy view of the pinned mirror), then `push()`: one
+    non-blocking copy of the whole mirror, so a step's inputs cost one launch however many
+    rows and columns they have. `host()` first waits for the last push to have left the
+    mirror (it has, once the step it fed was read back; the wait only guards a step that
+    failed before its readback)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.device = torch.device(device)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=self.device)  # what the device reads
+        self._host = torch.zeros(shape, dtype=dtype, pin_memory=_pinned(self.device))
+        self._view = self._host.numpy()
+        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._pending = False
+        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rows(self, count: int) -> tuple[torch.Tensor, ...]:
+        """The device buffer's rows, each cut to its first `count` entries (views, made once)."""
+        views = self._rows.get(count)
+        if views is None:
+            views = self._rows[count] = self.tensor[:, :count].unbind(0)
+        return views
+
+    def host(self) -> np.ndarray:
+        if self._pending and self._event is not None:
+            self._event.synchronize()
+        self._pending = False
+        return self._view
+
+    def push(self) -> torch.Tensor:
+        """Copies the mirror to the device (one launch); returns the device buffer."""
+        self.tensor.copy_(self._host, non_blocking=True)
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
+            self._pending = True
+        return self.tensor
+
+
+class Readback:
+    """One device-to-host transfer per step, into a pinned buffer kept between steps."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._host: torch.Tensor | None = None
+        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def fetch(self, packed: torch.Tensor) -> list[float]:
+        """The values of `packed` (float64, contiguous) on the host: one copy and one wait."""
+        flat = packed.reshape(-1)
+        count = flat.numel()
+        if self._host is None or self._host.numel() < count:
+            size = max(count, 2 * (self._host.numel() if self._host is not None else 0), 256)
+            self._host = torch.empty(size, dtype=torch.float64, pin_memory=_pinned(self.device))
+        host = self._host[:count]
+        host.copy_(flat, non_blocking=True)
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
+            self._event.synchronize()
+        return host.tolist()
+
+
+def to_host(readback: Readback, next_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int],
+            prompt_values: list[torch.Tensor]
             ) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]] | None, list[list[float]]]:
     """(chosen ids, their logprobs, per row its top_n[row] (ids, logprobs) or None when nobody
     asked, the prompt logprobs of each of `prompt_values`), in one transfer.
 
     next_ids: [rows]; logprobs: [rows, vocab]; prompt_values: [count] each."""
-    rows = torch.arange(len(next_ids), device=next_ids.device)
-    parts = [next_ids.to(torch.float64), logprobs[rows, next_ids].to(torch.float64)]
+    chosen_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+    parts = [next_ids.to(torch.float64), chosen_lp.to(torch.float64)]
     width = min(max(top_n, default=0), logprobs.shape[1])
     if width:
         values, ids = logprobs.topk(width, dim=-1)
         parts += [ids.flatten().to(torch.float64), values.flatten().to(torch.float64)]
     parts += [v.to(torch.float64) for v in prompt_values]
-    flat = torch.cat(parts).tolist()
+    flat = readback.fetch(torch.cat(parts))
     n = len(next_ids)
     next_list = [int(x) for x in flat[:n]]
     chosen = flat[n:2 * n]
@@ -41,3 +117,8 @@ def to_host(next_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int], pr
         prompt_lps.append(flat[offset:offset + count])
         offset += count
     return next_list, chosen, tops, prompt_lps
+
+
+def unpack_choices(values: list[float]) -> tuple[list[int], list[float]]:
+    """(ids, logprobs) from a fetched [rows, 2] block of (id, logprob) pairs (`greedy_choice`)."""
+    return [int(v) for v in values[0::2]], values[1::2]

@@ -10,6 +10,7 @@ one kept, so the result never depends on how a sort orders equal values.
 
 from __future__ import annotations
 
+import copy
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -181,6 +182,22 @@ def apply_typical_p(scores: Tensor, typical_p: Tensor) -> Tensor:
     return scores.masked_fill(distance > threshold, -math.inf)
 
 
+def greedy_choice(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's argmax and its log-probability, as the chooser picks and reports them for a
+    greedy row without processors: ids [rows] int64, and (id, logprob) pairs [rows, 2] float64,
+    the layout the step reads back in one transfer (engine/readback.py).
+
+    The log-softmax is torch's fused kernel, the chooser's own: the logprobs are the values the
+    full path reports, bit for bit, and a CUDA graph runs this after the forward (no launches of
+    its own); eagerly it is four launches whatever the batch."""
+    scores = logits.to(torch.float32)
+    ids = scores.argmax(dim=-1)
+    picked = torch.empty(ids.shape[0], 2, dtype=torch.float64, device=scores.device)
+    picked[:, 0].copy_(ids)
+    picked[:, 1:].copy_(torch.log_softmax(scores, dim=-1).gather(1, ids[:, None]))
+    return ids, picked
+
+
 def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row drawn from `probs` ([S, V], rows need not be normalised): argmax(p / E).
 
@@ -196,6 +213,17 @@ def exponential_race(probs: Tensor, uniforms: Tensor) -> Tensor:
     """
     noise = uniforms.clamp_(min=torch.finfo(uniforms.dtype).tiny).log_().neg_()  # E: (0, 87.4]
     return (probs / noise).argmax(dim=-1)
+
+
+def _clone_generator(generator: torch.Generator) -> torch.Generator:
+    """A generator continuing from `generator`'s state, independently of it (one call where torch
+    has `clone_state`: decode ahead forks every sampling row's generator each step)."""
+    clone = getattr(generator, "clone_state", None)
+    if clone is not None:
+        return clone()
+    twin = torch.Generator(device=generator.device)
+    twin.set_state(generator.get_state())
+    return twin
 
 
 class HeterogeneousNextTokenChooser:
@@ -285,10 +313,21 @@ class HeterogeneousNextTokenChooser:
             self._max_top_k if nucleus_rows and all(row.top_k > 0 for row in nucleus_rows) else None
         )
         self._sample_rows = [index for index, row in enumerate(params) if row.do_sample]
-        self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device)
+        # Built only when some row samples: torch.tensor(list, device=) is a synchronous copy on
+        # CUDA, and choosers are rebuilt at every filter and decode-ahead fork.
+        self._sample_index = torch.tensor(self._sample_rows, dtype=torch.int64, device=device) \
+            if self._sample_rows else torch.empty(0, dtype=torch.int64, device=device)
 
     def __len__(self) -> int:
         return len(self._params)
+
+    @property
+    def greedy_only(self) -> bool:
+        """Whether every row is greedy without processors or grammar: its tokens and logprobs are
+        then `greedy_choice` of the logits, which a decode graph computes with the forward."""
+        return not self._sample_rows and not self._grammar_rows and all(
+            column is None for column in (self._repetition, self._frequency, self._temperature, self._top_k,
+                                          self._top_p, self._typical_p))
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -353,9 +392,11 @@ class HeterogeneousNextTokenChooser:
             scores = apply_typical_p(scores, self._typical_p)
 
         logprobs = torch.log_softmax(scores, dim=-1)
-        next_ids = scores.argmax(dim=-1)
-        if self._sample_rows:
-            next_ids = next_ids.index_copy(0, self._sample_index, self._draw(logprobs))
+        if not self._sample_rows:
+            return scores.argmax(dim=-1), logprobs
+        if len(self._sample_rows) == batch:  # every row samples: no argmax, no row gathers
+            return self._draw(logprobs), logprobs
+        next_ids = scores.argmax(dim=-1).index_copy(0, self._sample_index, self._draw(logprobs))
         return next_ids, logprobs
 
     def _draw(self, logprobs: Tensor) -> Tensor:
@@ -365,7 +406,9 @@ class HeterogeneousNextTokenChooser:
         its seed and the vocabulary size, never on the rows beside it; only that fill is a
         per-row loop, the rest is batched.
         """
-        probs = logprobs.index_select(0, self._sample_index).exp()  # [S, V]
+        sampling = logprobs if len(self._sample_rows) == len(self._params) else \
+            logprobs.index_select(0, self._sample_index)
+        probs = sampling.exp()  # [S, V]
         uniforms = torch.empty_like(probs)
         for index, row in enumerate(self._sample_rows):
             uniforms[index].uniform_(generator=self._generators[row])
@@ -379,6 +422,10 @@ class HeterogeneousNextTokenChooser:
                 raise ValueError(f"filter index {index!r} out of range for a batch of {size}")
         if len(set(indices)) != len(indices):
             raise ValueError(f"filter indices repeat a row (a generator cannot be shared): {indices}")
+        if indices == list(range(size)):
+            # Every row in place (a decode-ahead fork of a whole batch): the parameter tensors are
+            # read only, so they are shared rather than built again from the host.
+            return copy.copy(self)
         return self._from_parts(
             [self._params[i] for i in indices],
             [self._seeds[i] for i in indices],
@@ -393,15 +440,7 @@ class HeterogeneousNextTokenChooser:
         ahead can be thrown away."""
         forked = self.filter(indices)
         forked._matchers = [None if m is None else m.fork() for m in forked._matchers]
-        generators = []
-        for generator in forked._generators:
-            if generator is None:
-                generators.append(None)
-                continue
-            twin = torch.Generator(device=generator.device)
-            twin.set_state(generator.get_state())
-            generators.append(twin)
-        forked._generators = generators
+        forked._generators = [None if g is None else _clone_generator(g) for g in forked._generators]
         return forked
 
     @classmethod
