@@ -48,6 +48,7 @@ from typing import Union
 import torch
 from loguru import logger
 from text_generation_server.kernels import triton_gemm as tg
+from text_generation_server.kernels import triton_layout
 from text_generation_server.kernels.base import QuantizedWeight
 from text_generation_server.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from text_generation_server.kernels.scratch import SCRATCH, ScratchSpace, typed_view
@@ -236,7 +237,7 @@ class MoeGemmWeight:
         block = torch.arange(kp, device=self.qweight.device) // self.group_rows
         out = torch.zeros(e, self.parts * n, self.in_features, dtype=torch.float32, device=self.qweight.device)
         for i in range(e):
-            codes = tg.unpack_chunks(self.qweight[i], self.bits).float()  # [Kp, parts * part_cols]
+            codes = triton_layout.unpack_chunks(self.qweight[i], self.bits).float()  # [Kp, parts * part_cols]
             z = self.sym_zero if self.zeros is None else self.zeros[i].float()[block]
             w = (codes - z) * self.scales[i].float()[block]
             for p in range(self.parts):
