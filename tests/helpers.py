@@ -381,6 +381,26 @@ def run_to_end(lm, batch, out: dict | None = None) -> dict:
     return out
 
 
+# -- a servicer context for calling the shard service's handlers directly -------------------------------
+class Aborted(Exception):
+    """What `AbortingContext.abort` raises: the status code and details the handler aborted with."""
+
+    def __init__(self, code, details: str):
+        super().__init__(f"{getattr(code, 'name', code)}: {details}")
+        self.code = code
+        self.details = details
+
+
+class AbortingContext:
+    """A gRPC servicer context whose abort raises `Aborted`, for handlers called without a server."""
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+    def set_trailing_metadata(self, metadata):
+        pass
+
+
 # -- a shard service in this process, called as the router's ShardClient calls it -------------------------
 class Context:
     """A gRPC servicer context: abort raises, done callbacks wait for `end()` (the call ending)."""

@@ -146,6 +146,10 @@ def test_a_preferred_kernel_takes_the_layers_it_can_run(monkeypatch):
     # Disabling is stronger than preferring.
     monkeypatch.setenv(DISABLE_ENV, "cpu-int8")
     assert choose_kernel(per_channel_int4)[0] is cpu.CpuInt4PackKernel
+    # A name no kernel has (a typo) is refused, naming it, rather than silently ignored.
+    monkeypatch.setenv(PREFER_ENV, "cpu-int9")
+    with pytest.raises(NoKernelError, match="TGS_PREFER_KERNELS names no kernel of this build: cpu-int9"):
+        choose_kernel(per_channel_int4)
 
 
 def test_preferring_a_lower_kernel_is_logged_with_the_reason(monkeypatch):

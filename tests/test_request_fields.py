@@ -17,6 +17,9 @@ import torch
 
 from text_generation_server.generation import request_fields
 from text_generation_server.generation.request_fields import InvalidField
+from helpers import Aborted
+from helpers import AbortingContext as Context
+
 from text_generation_server.models.loader import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -85,21 +88,6 @@ def test_each_wire_names_the_field_its_way():
 
 
 # -- both doors ------------------------------------------------------------------------------------------
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class Context:
-    async def abort(self, code, details):
-        raise Aborted(code, details)
-
-    def set_trailing_metadata(self, metadata):
-        pass
-
-
 @pytest.fixture(scope="module")
 def lm():
     model = get_model(None)

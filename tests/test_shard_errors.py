@@ -12,26 +12,14 @@ import grpc
 import pytest
 import torch
 
+from helpers import Aborted
+from helpers import AbortingContext as Context
+
 from text_generation_server.models.loader import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.shard.service import TextGenerationService
 
 torch.set_num_threads(1)
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class Context:
-    async def abort(self, code, details):
-        raise Aborted(code, details)
-
-    def set_trailing_metadata(self, metadata):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -295,6 +295,12 @@ def choose_kernel(spec: LinearSpec, table: Mapping[str, Sequence[type[QuantKerne
     family = FAMILY_OF_FORMAT.get(spec.weight_format, "quantized")
     candidates = [k for k in device_kernels if k.family == family]
     disabled = disabled_kernels()
+    tables = TABLES if table is None else table
+    known = {k.name for kernels in tables.values() for k in kernels}
+    unknown = [name for name in preferred_kernels() if name not in known]
+    if unknown:
+        raise NoKernelError(f"{PREFER_ENV} names no kernel of this build: {', '.join(unknown)} "
+                            f"(kernels: {', '.join(sorted(known))})")
     wanted = [(name, f"{name} preferred by {PREFER_ENV}") for name in preferred_kernels()]
     measured = preferences(spec.device_type).get(spec) if table is None else None
     if measured is not None:
