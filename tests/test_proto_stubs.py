@@ -73,6 +73,18 @@ SHARD_EXTRAS = {
     "Generation": {("error", 1001, "string", "optional", None)},
 }
 
+# Ours alone (a TGI router never opens Steps): the state-changing calls over one stream per rank.
+SHARD_OWN_MESSAGES = {
+    "StepCall": {("seq", 1, "uint64", "", None), ("prefill", 2, "PrefillRequest", "", "call"),
+                 ("decode", 3, "DecodeRequest", "", "call"), ("filter_batch", 4, "FilterBatchRequest", "", "call"),
+                 ("clear_cache", 5, "ClearCacheRequest", "", "call")},
+    "StepAnswer": {("seq", 1, "uint64", "", None), ("prefill", 2, "PrefillResponse", "", "answer"),
+                   ("decode", 3, "DecodeResponse", "", "answer"),
+                   ("filter_batch", 4, "FilterBatchResponse", "", "answer"),
+                   ("clear_cache", 5, "ClearCacheResponse", "", "answer"), ("error", 6, "StepError", "", "answer")},
+    "StepError": {("code", 1, "uint32", "", None), ("message", 2, "string", "", None)},
+}
+
 SHARD_RPCS = {
     "Info": ("InfoRequest", "InfoResponse"),
     "ServiceDiscovery": ("ServiceDiscoveryRequest", "ServiceDiscoveryResponse"),
@@ -83,6 +95,7 @@ SHARD_RPCS = {
     "Decode": ("DecodeRequest", "DecodeResponse"),
     "Health": ("HealthRequest", "HealthResponse"),
 }
+SHARD_OWN_STREAMS = {"Steps": ("StepCall", "StepAnswer")}  # client and server streaming
 
 # (name, number, type, label, oneof); label is "" (plain proto3), "optional" or "repeated".
 Field = tuple[str, int, str, str, str | None]
@@ -223,10 +236,12 @@ def test_shard_messages_match_spec() -> None:
     expected, _ = _parse_spec(SHARD_MESSAGES)
     actual = {m.name: m for m in _file_proto(generate_pb2).message_type}
     assert _file_proto(generate_pb2).package == "generate.v3"
-    assert set(actual) == set(expected), "messages differ from the spec table"
+    assert set(actual) == set(expected) | set(SHARD_OWN_MESSAGES), "messages differ from the spec table"
     for name, fields in expected.items():
         want = fields | SHARD_EXTRAS.get(name, set())
         assert _actual_fields(actual[name]) == want, f"generate.v3.{name} differs from the spec"
+    for name, fields in SHARD_OWN_MESSAGES.items():
+        assert _actual_fields(actual[name]) == fields, f"generate.v3.{name} changed"
 
 
 def test_shard_enums_match_spec() -> None:
@@ -378,11 +393,15 @@ def test_shard_service_methods() -> None:
     service = generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"]
     assert service.full_name == "generate.v3.TextGenerationService"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == set(SHARD_RPCS)
+    assert set(methods) == set(SHARD_RPCS) | set(SHARD_OWN_STREAMS)
     for name, (request, response) in SHARD_RPCS.items():
         method = methods[name]
         assert (method.input_type.name, method.output_type.name) == (request, response), name
         assert not method.client_streaming and not method.server_streaming, name
+    for name, (request, response) in SHARD_OWN_STREAMS.items():
+        method = methods[name]
+        assert (method.input_type.name, method.output_type.name) == (request, response), name
+        assert method.client_streaming and method.server_streaming, name
 
 
 def test_client_service_methods() -> None:

@@ -2,18 +2,102 @@
 
 All ranks must run the same sequence of batches (their collectives pair up), so
 every state-changing call goes to every shard and waits for all of them.
+
+With shards of ours (Info's `tgs-steps` metadata) the state-changing calls travel over one
+`Steps` stream per rank, opened once (`open_steps`): a message each way per call instead of a
+unary call's new HTTP/2 stream, headers and trailers, which cost more host time than a decode
+step of a small model. A TGI shard is driven with the unary calls. A failed call raises the
+same `grpc.aio.AioRpcError` either way, so callers cannot tell the two apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 
 import grpc
+from loguru import logger
 
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 
 _OPTIONS = [("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
+STEP_STREAM_ENV = "TGS_STEP_STREAM"  # "0": the unary calls even where a shard serves Steps
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+# ShardClient method name -> the StepCall / StepAnswer field that carries it.
+_STEP_FIELDS = {"Prefill": "prefill", "Decode": "decode", "FilterBatch": "filter_batch", "ClearCache": "clear_cache"}
+
+
+class _StepStream:
+    """One rank's Steps stream: calls written in order, answers matched to them by `seq`.
+
+    A stream that breaks (the rank went away, the channel closed) fails every call waiting on
+    it and every later one with the stream's error; the client opens a new stream for the next
+    call (`broken`)."""
+
+    def __init__(self, stub: pb_grpc.TextGenerationServiceStub, url: str):
+        self.url = url
+        self._call = stub.Steps()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._write_lock = asyncio.Lock()
+        self.broken: grpc.aio.AioRpcError | None = None
+        self._reader = asyncio.create_task(self._read(), name=f"steps-reader {url}")
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                answer = await self._call.read()
+                if answer is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="the shard closed its Steps stream")
+                future = self._pending.pop(answer.seq, None)
+                if future is not None and not future.done():
+                    future.set_result(answer)
+        except BaseException as exc:  # noqa: BLE001: every waiter must learn why, whatever it was
+            error = exc if isinstance(exc, grpc.aio.AioRpcError) else grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, details=f"the Steps stream to {self.url} broke: {exc!r}")
+            self.broken = error
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if not isinstance(exc, grpc.aio.AioRpcError):
+                logger.warning("Steps stream to {} broke: {!r}", self.url, exc)
+
+    async def call(self, seq: int, step: pb.StepCall) -> pb.StepAnswer:
+        if self.broken is not None:
+            raise self.broken
+        future = asyncio.get_running_loop().create_future()
+        self._pending[seq] = future
+        try:
+            async with self._write_lock:
+                await self._call.write(step)
+        except BaseException:
+            self._pending.pop(seq, None)
+            raise
+        return await future
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+        try:
+            await self._reader
+        except BaseException:  # noqa: BLE001: closing; its error was given to the waiters
+            pass
+
+
+def _answer_of(answer: pb.StepAnswer, field: str):
+    """The unary call's response carried by `answer`, or its failure raised as the unary call would."""
+    kind = answer.WhichOneof("answer")
+    if kind == "error":
+        raise grpc.aio.AioRpcError(_STATUS_BY_NUMBER.get(answer.error.code, grpc.StatusCode.UNKNOWN),
+                                   details=answer.error.message)
+    if kind != field:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL,
+                                   details=f"the shard answered a {field} call with {kind or 'nothing'}")
+    return getattr(answer, field)
 
 
 class ShardClient:
@@ -23,6 +107,8 @@ class ShardClient:
         self.urls = urls
         self._channels = [grpc.aio.insecure_channel(u, options=_OPTIONS) for u in urls]
         self._stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self._channels]
+        self._streams: list[_StepStream] | None = None  # open_steps: one Steps stream per rank
+        self._seq = itertools.count()
 
     @classmethod
     async def connect(cls, master_url: str, timeout_s: float = 60.0) -> "ShardClient":
@@ -36,9 +122,29 @@ class ShardClient:
         return cls(list(resp.urls))
 
     async def close(self) -> None:
+        if self._streams is not None:
+            await asyncio.gather(*(s.close() for s in self._streams), return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
 
+    async def open_steps(self) -> bool:
+        """Sends the state-changing calls over Steps streams from now on, when every rank serves
+        them (and TGS_STEP_STREAM is not 0); False: the unary calls stay."""
+        if os.environ.get(STEP_STREAM_ENV, "1") in ("0", "false", "no"):
+            logger.info("shard calls: unary ({}=0)", STEP_STREAM_ENV)
+            return False
+        flags = await self._info_metadata_by_rank("tgs-steps")
+        if not all("1" in values for values in flags):
+            return False
+        self._streams = [_StepStream(stub, url) for stub, url in zip(self._stubs, self.urls)]
+        return True
+
+    @property
+    def streaming(self) -> bool:
+        return self._streams is not None
+
     async def _all(self, method: str, request, timeout: float | None = None):
+        if self._streams is not None and method in _STEP_FIELDS and timeout is None:
+            return await self._all_streamed(method, request)
         calls = [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
@@ -46,19 +152,40 @@ class ShardClient:
                 raise r
         return results
 
+    async def _all_streamed(self, method: str, request):
+        field = _STEP_FIELDS[method]
+        seq = next(self._seq)
+        step = pb.StepCall(seq=seq, **{field: request})
+        for i, stream in enumerate(self._streams):
+            if stream.broken is not None:  # a new stream for this call; the broken one failed its own
+                logger.warning("reopening the Steps stream to {}: {}", stream.url, stream.broken.details())
+                await stream.close()
+                self._streams[i] = _StepStream(self._stubs[i], self.urls[i])
+        answers = await asyncio.gather(*(s.call(seq, step) for s in self._streams), return_exceptions=True)
+        for a in answers:
+            if isinstance(a, BaseException):
+                raise a
+        return [_answer_of(a, field) for a in answers]
+
     async def info(self) -> pb.InfoResponse:
         return (await self._all("Info", pb.InfoRequest()))[0]
 
     async def _info_metadata(self, key: str) -> list[str]:
         """The comma-separated values every rank puts under `key` in Info's trailing metadata."""
-        values: list[str] = []
+        return [v for values in await self._info_metadata_by_rank(key) for v in values]
+
+    async def _info_metadata_by_rank(self, key: str) -> list[list[str]]:
+        """Per rank, the comma-separated values it puts under `key` in Info's trailing metadata."""
+        ranks: list[list[str]] = []
         for stub in self._stubs:
             call = stub.Info(pb.InfoRequest())
             await call
+            values: list[str] = []
             for k, value in (await call.trailing_metadata()) or ():
                 if k == key and value:
                     values.extend(value.split(","))
-        return values
+            ranks.append(values)
+        return ranks
 
     async def kernels(self) -> list[str]:
         """Kernel names every rank reports (trailing metadata of Info; empty from a TGI shard)."""

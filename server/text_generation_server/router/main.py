@@ -136,6 +136,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     try:
         await client.clear_cache()
         info = await client.info()
+        if await client.open_steps():
+            logger.info("shard calls: one Steps stream per rank")
         check_chunking(info, max_input, max_prefill)
         started = time.monotonic()
         try:

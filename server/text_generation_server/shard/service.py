@@ -68,6 +68,7 @@ KERNELS_METADATA = "tgs-kernels"
 ATTENTION_METADATA = "tgs-attention"
 MODEL_IMPL_METADATA = "tgs-model-impl"
 KV_BYTES_METADATA = "tgs-kv-bytes-per-token"  # this rank's KV cache bytes per token (all layers)
+STEPS_METADATA = "tgs-steps"  # "1": the rank serves the Steps stream
 
 
 def model_kernels(model: torch.nn.Module) -> list[str]:
@@ -145,8 +146,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         finally:
             self.busy_since = None
 
-    async def _run(self, context, fn, *args):
-        """Runs `fn` on the model thread; maps failures to gRPC statuses with clear messages.
+    async def _run(self, fn, *args):
+        """Runs `fn` on the model thread; raises its failure as a ShardError with a clear message.
 
         Only the caller's mistakes are INVALID_ARGUMENT (a RequestError: a field, an id, a block)
         or NOT_FOUND (an unknown batch); anything raised inside the model or a kernel is INTERNAL,
@@ -155,19 +156,27 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self._on_model_thread, fn, *args)
-        except ShardError as exc:
-            await context.abort(exc.code, str(exc))
+        except ShardError:
+            raise
         except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except BatchNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise ShardError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except (WarmupError, OutOfBlocksError) as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except Exception as exc:  # a failure inside the model: report it, keep serving
             logger.exception("shard call {} failed", getattr(fn, "__name__", fn))
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            raise ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
 
-    async def _requests(self, context, batch: pb.Batch, refused: dict[int, RequestError] | None = None
+    @staticmethod
+    async def _unary(context, call):
+        """A unary RPC's answer, or its failure as the call's status."""
+        try:
+            return await call
+        except ShardError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def _requests(self, batch: pb.Batch, refused: dict[int, RequestError] | None = None
                         ) -> list[GenerationRequest]:
         """The batch's requests, decoded and tokenized (and their grammars compiled) on a thread of
         their own: the model thread only runs steps, and finds each grammar in the compiler's cache.
@@ -197,7 +206,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, convert)
         except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     # -- the eight RPCs ------------------------------------------------------------
     async def Info(self, request, context):
@@ -220,6 +229,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             (ATTENTION_METADATA, m.attention.name),
             (MODEL_IMPL_METADATA, m.model_impl),
             (KV_BYTES_METADATA, str(m.kv_bytes_per_token)),
+            (STEPS_METADATA, "1"),
         ))
         return info
 
@@ -241,6 +251,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return pb.ServiceDiscoveryResponse(urls=urls)
 
     async def ClearCache(self, request, context):
+        return await self._unary(context, self._clear_cache(request))
+
+    async def _clear_cache(self, request: pb.ClearCacheRequest) -> pb.ClearCacheResponse:
         def clear():
             if request.HasField("id"):
                 self._ahead.pop(request.id, None)
@@ -253,10 +266,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                     self.model.release(batch)
                 self.cache.clear()
 
-        await self._run(context, clear)
+        await self._run(clear)
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
+        return await self._unary(context, self._filter_batch(request))
+
+    async def _filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
         def filt():
             batch = self._pop(request.batch_id)
             ahead = self._ahead.pop(request.batch_id, None)
@@ -274,10 +290,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 self._ahead[kept.batch_id] = ahead
             return pb.FilterBatchResponse(batch=cached_batch_to_pb(kept.info()))
 
-        return await self._run(context, filt)
+        return await self._run(filt)
 
     async def Warmup(self, request, context):
-        requests = await self._requests(context, request.batch)
+        return await self._unary(context, self._warmup(request))
+
+    async def _warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        requests = await self._requests(request.batch)
 
         def warm():
             if self.model.kv_cache is not None and self.cache:
@@ -303,17 +322,20 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 max_supported_total_tokens=supported, max_input_tokens=max_input, max_total_tokens=max_total
             )
 
-        return await self._run(context, warm)
+        return await self._run(warm)
 
     async def Prefill(self, request, context):
+        return await self._unary(context, self._prefill(request))
+
+    async def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         # Our router asks for each refused request to be answered on its own (per_request_errors);
         # a TGI router gets TGI's contract: one refused request fails the call.
         refused: dict[int, RequestError] | None = {} if request.per_request_errors else None
         ids = [r.id for r in request.batch.requests]
         if refused is not None and len(set(ids)) != len(ids):  # one id, two answers: a fault of the batch
             twice = next(i for i in ids if ids.count(i) > 1)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {twice} appears twice in the batch")
-        requests = await self._requests(context, request.batch, refused)
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {twice} appears twice in the batch")
+        requests = await self._requests(request.batch, refused)
 
         def prefill():
             if request.batch.id in self.cache:
@@ -374,12 +396,15 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
                                        timings, concat_ns, refused)
 
-        return await self._run(context, prefill)
+        return (await self._run(prefill))()
 
     def _answers_for(self, request_id: int) -> bool:
         return request_id % self.world_size == self.rank
 
     async def Decode(self, request, context):
+        return await self._unary(context, self._decode(request))
+
+    async def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         def decode():
             if not request.batches:
                 raise RequestError("Decode needs at least one batch")
@@ -410,7 +435,34 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
             return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
 
-        return await self._run(context, decode)
+        return (await self._run(decode))()
+
+    # Steps: StepCall's oneof field -> (its handler, the StepAnswer field of its answer).
+    _STEP_CALLS = {
+        "prefill": "_prefill",
+        "decode": "_decode",
+        "filter_batch": "_filter_batch",
+        "clear_cache": "_clear_cache",
+    }
+
+    async def Steps(self, request_iterator, context):
+        """The state-changing calls over one stream, answered in order (not in TGI: our router's
+        fast path). A failed call answers its status in a StepError and the stream goes on, so one
+        bad request costs what it costs on the unary calls and no more."""
+        async for call in request_iterator:
+            kind = call.WhichOneof("call")
+            try:
+                if kind is None:
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "a StepCall carries no call")
+                answer = pb.StepAnswer(seq=call.seq, **{kind: await getattr(self, self._STEP_CALLS[kind])(
+                    getattr(call, kind))})
+            except ShardError as exc:
+                answer = pb.StepAnswer(seq=call.seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
+            except Exception as exc:  # never lose the stream (and every later call) to one call's fault
+                logger.exception("step call {} failed", kind)
+                answer = pb.StepAnswer(seq=call.seq, error=pb.StepError(
+                    code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}"))
+            yield answer
 
     # -- helpers ---------------------------------------------------------------------
     def _generate(self, batch: Batch):
@@ -480,24 +532,38 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns,
                        refused: dict[int, RequestError] | None = None):
-        """`refused`: the Prefill's requests refused on their own, each answered with its error."""
+        """Caches the step's next batch and queues its step ahead; returns what builds the answer.
+
+        The message is built by the caller, on the event loop's thread, while the model thread
+        already runs the step ahead: converting every row's Generation is host work a decode step
+        need not wait for. `refused`: the Prefill's requests refused on their own, each answered
+        with its error."""
         mine = self._answers_for
-        resp = cls(
-            # TGI's split: each rank answers for the requests with id % world_size == rank, and the
-            # router merges the ranks' answers (every rank still runs every request).
-            generations=[generation_to_pb(g) for g in generations if mine(g.request_id)] +
-                        [pb.Generation(request_id=i, error=str(e)) for i, e in (refused or {}).items() if mine(i)],
-            forward_ns=timings.forward_ns,
-            decode_ns=timings.decode_ns,
-            total_ns=timings.total_ns,
-        )
-        if concat_ns is not None:
-            resp.concat_ns = concat_ns
+        # TGI's split: each rank answers for the requests with id % world_size == rank, and the
+        # router merges the ranks' answers (every rank still runs every request).
+        answered = [g for g in generations if mine(g.request_id)]
+        errors = [(i, str(e)) for i, e in (refused or {}).items() if mine(i)]
+        info = None
         if next_batch is not None:
             self.cache[next_batch.batch_id] = next_batch
-            resp.batch.CopyFrom(cached_batch_to_pb(next_batch.info()))
+            info = next_batch.info()
             self._schedule_ahead(next_batch)
-        return resp
+
+        def message():
+            resp = cls(
+                generations=[generation_to_pb(g) for g in answered] +
+                            [pb.Generation(request_id=i, error=e) for i, e in errors],
+                forward_ns=timings.forward_ns,
+                decode_ns=timings.decode_ns,
+                total_ns=timings.total_ns,
+            )
+            if concat_ns is not None:
+                resp.concat_ns = concat_ns
+            if info is not None:
+                resp.batch.CopyFrom(cached_batch_to_pb(info))
+            return resp
+
+        return message
 
 
 async def serve_shard(

@@ -26,6 +26,44 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
+class StepCall(_message.Message):
+    __slots__ = ("seq", "prefill", "decode", "filter_batch", "clear_cache")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    FILTER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    filter_batch: FilterBatchRequest
+    clear_cache: ClearCacheRequest
+    def __init__(self, seq: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., filter_batch: _Optional[_Union[FilterBatchRequest, _Mapping]] = ..., clear_cache: _Optional[_Union[ClearCacheRequest, _Mapping]] = ...) -> None: ...
+
+class StepAnswer(_message.Message):
+    __slots__ = ("seq", "prefill", "decode", "filter_batch", "clear_cache", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    FILTER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    prefill: PrefillResponse
+    decode: DecodeResponse
+    filter_batch: FilterBatchResponse
+    clear_cache: ClearCacheResponse
+    error: StepError
+    def __init__(self, seq: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., filter_batch: _Optional[_Union[FilterBatchResponse, _Mapping]] = ..., clear_cache: _Optional[_Union[ClearCacheResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -76,6 +76,11 @@ class TextGenerationServiceStub:
                 request_serializer=generate_dot_v3_dot_generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=generate_dot_v3_dot_generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/generate.v3.TextGenerationService/Steps',
+                request_serializer=generate_dot_v3_dot_generate__pb2.StepCall.SerializeToString,
+                response_deserializer=generate_dot_v3_dot_generate__pb2.StepAnswer.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -141,6 +146,17 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Not in TGI (a TGI router never calls it): the state-changing calls above, Prefill,
+        Decode, FilterBatch and ClearCache, over one long-lived stream per router and rank,
+        each answered in order with the same message (or the status the unary call would have
+        failed with). A call on a stream costs a message each way instead of a new HTTP/2 stream
+        with its headers and trailers, which is most of a decode step's host time on a fast model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +199,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=generate_dot_v3_dot_generate__pb2.HealthRequest.FromString,
                     response_serializer=generate_dot_v3_dot_generate__pb2.HealthResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=generate_dot_v3_dot_generate__pb2.StepCall.FromString,
+                    response_serializer=generate_dot_v3_dot_generate__pb2.StepAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +423,33 @@ class TextGenerationService:
             '/generate.v3.TextGenerationService/Health',
             generate_dot_v3_dot_generate__pb2.HealthRequest.SerializeToString,
             generate_dot_v3_dot_generate__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/generate.v3.TextGenerationService/Steps',
+            generate_dot_v3_dot_generate__pb2.StepCall.SerializeToString,
+            generate_dot_v3_dot_generate__pb2.StepAnswer.FromString,
             options,
             channel_credentials,
             insecure,
