@@ -115,6 +115,7 @@ class Scheduler:
         self._steps_without_admission = 0
         self._evictions_seen = 0
         self.admitting = True
+        self._labelled: dict[str, tuple] = {}  # method -> its step metrics (_step_metrics)
         metrics.set_kv_blocks(pool.used, pool.free)
 
     # -- the client-facing side --------------------------------------------------------
@@ -206,6 +207,8 @@ class Scheduler:
 
         With chunking, the request that does not fit the budget whole takes what is left of it
         as its first chunk and closes the batch; without, it waits (unless it comes first)."""
+        if not self.queue:
+            return []  # nothing changes: no gauge to refresh (a decode step's usual case)
         taken: list[Entry] = []
         prefill_tokens = 0
         while self.queue:
@@ -371,13 +374,26 @@ class Scheduler:
         """A successful step, timed as TGI does: inference = call + filtering, filter = after the call."""
         m = self.metrics
         now = time.monotonic()
-        m.batch_inference_duration.labels(method=method).observe(now - start)
-        m.batch_filter_duration.labels(method=method).observe(now - filtering)
-        m.batch_forward_duration.labels(method=method).observe(resp.forward_ns / 1e9)
-        m.batch_decode_duration.labels(method=method).observe(resp.decode_ns / 1e9)
+        inference, filtered, forward, decode, success = self._step_metrics(method)
+        inference.observe(now - start)
+        filtered.observe(now - filtering)
+        forward.observe(resp.forward_ns / 1e9)
+        decode.observe(resp.decode_ns / 1e9)
         if resp.HasField("concat_ns"):  # TGI labels every concatenation "decode", prefill-time ones too
             m.batch_concat_duration.labels(method="decode").observe(resp.concat_ns / 1e9)
-        m.batch_inference_success.labels(method=method).inc()
+        success.inc()
+
+    def _step_metrics(self, method: str) -> tuple:
+        """The step's labelled metrics, looked up once per method (a lookup takes a lock and
+        hashes the labels: host time on every step otherwise)."""
+        found = self._labelled.get(method)
+        if found is None:
+            m = self.metrics
+            found = self._labelled[method] = (
+                m.batch_inference_duration.labels(method=method), m.batch_filter_duration.labels(method=method),
+                m.batch_forward_duration.labels(method=method), m.batch_decode_duration.labels(method=method),
+                m.batch_inference_success.labels(method=method))
+        return found
 
     async def _step_failed(self, method: str, batch_ids: list[int], entries: list[Entry], exc) -> None:
         """A failing step fails its requests; the rest of the server keeps serving."""

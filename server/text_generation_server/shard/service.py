@@ -21,6 +21,10 @@ are those of a plain step: forks copy every piece of state a step advances. Ever
 sees the same RPCs in the same order, so every rank forks and commits alike and the
 collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
 
+Steps (not in TGI): our router sends the four state-changing calls over one stream per rank,
+answered in order with the unary calls' own messages or a StepError carrying the status the
+unary call would have failed with; the calls run exactly as their unary twins do.
+
 Speculation (`serve --speculate N`, Info.speculate): a decode step may give a request several
 tokens, all in its one Generation (tokens.ids, with a logprob, text and is_special each, and one
 top_tokens entry per id), as TGI's shards send them. It goes with decode ahead unchanged: a fork
