@@ -228,6 +228,7 @@ def test_summarize_decode_per_stream_and_aggregate():
     assert s["ttft_ms_p50"] == pytest.approx(55.0)
     assert s["itl_ms_p50"] == pytest.approx(10.0)
     assert s["forward_ms"] == pytest.approx(8.0) and s["step_ms"] == pytest.approx(10.0)
+    assert s["host_gap_ms"] == pytest.approx(2.0)  # 10 ms between tokens, 8 of them the device's forward
     assert s["mean_batch"] == pytest.approx(2.0)
     assert s["short_streams"] == [] and s["error_count"] == 0
 
@@ -237,7 +238,7 @@ def test_summarize_decode_flags_errors_and_short_streams():
     s = gl.summarize_decode(streams, 101, {})
     assert s["short_streams"] == [50]
     assert s["error_count"] == 1 and "out of memory" in s["errors"][0]
-    assert s["forward_ms"] is None and s["mean_batch"] is None
+    assert s["forward_ms"] is None and s["mean_batch"] is None and s["host_gap_ms"] is None
     empty = gl.summarize_decode([gl.Stream(sent=0.0, error="x")], 10, {})
     assert empty["per_stream_tok_s"] is None and empty["aggregate_tok_s"] is None
 

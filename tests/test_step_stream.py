@@ -128,3 +128,17 @@ def test_the_unary_calls_stay_where_the_stream_is_off(lm, tmp_path, monkeypatch,
             service._executor.shutdown(wait=True)
 
     asyncio.run(main())
+
+
+def test_the_device_clock_times_the_forward_on_a_cpu():
+    """On a CPU the device is the host: the forward's wall time, stopped before the readback."""
+    import time
+
+    from text_generation_server.engine.readback import DeviceClock
+
+    clock = DeviceClock(torch.device("cpu"))
+    clock.start()
+    time.sleep(0.002)
+    clock.stop()
+    time.sleep(0.005)  # after stop(): not the forward's
+    assert 2_000_000 <= clock.elapsed_ns() < 5_000_000

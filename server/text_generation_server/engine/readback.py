@@ -14,6 +14,8 @@ one sync of a step, however many requests ask for how much. On a CPU the same co
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -60,6 +62,39 @@ class UploadBuffer:
             self._event.record(torch.cuda.current_stream(self.device))
             self._pending = True
         return self.tensor
+
+
+class DeviceClock:
+    """How long the device worked on a step's forward: what a step costs the accelerator, apart
+    from the host time around it (issue #31's inter-token minus device step).
+
+    On CUDA two timing events are recorded around the forward's launches; they are read after
+    the step's readback has waited on the device, so reading them never waits. On a CPU the
+    device is the host, and the forward's wall time is its time."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = torch.device(device).type == "cuda"
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+        self._t0 = self._t1 = 0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter_ns()
+        if self._cuda:
+            self._start.record()
+
+    def stop(self) -> None:
+        """After the forward's last launch (on CUDA: not its end, which `elapsed_ns` reads later)."""
+        self._t1 = time.perf_counter_ns()
+        if self._cuda:
+            self._end.record()
+
+    def elapsed_ns(self) -> int:
+        """The forward's device time; on CUDA call it once the step's readback has waited."""
+        if self._cuda:
+            return int(self._start.elapsed_time(self._end) * 1e6)
+        return self._t1 - self._t0
 
 
 class Readback:
