@@ -14,21 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from test_shard_errors import lm  # noqa: F401: the embedded model, one KV cache, 1 torch thread
 
-from text_generation_server.models.loader import get_model
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 from text_generation_server.router.client import STEP_STREAM_ENV, ShardClient
 from text_generation_server.shard.service import TextGenerationService
-
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    model = get_model(None)
-    model.allocate_kv_cache(64)
-    return model
 
 
 def request(rid: int, prompt: str = "def add(a, b):", max_new: int = 5) -> pb.Request:
