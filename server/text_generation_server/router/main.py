@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -120,7 +121,7 @@ async def start_http(args: ServeArgs, service: TextGenerationService, health: Ro
                      tls: CertificateStore | None, metrics: Metrics, model_id: str, model_arg: str) -> HttpServer:
     """The HTTP APIs (--http-port) on the gRPC API's core, keys and certificate."""
     ctx = HttpContext(
-        service=service, model_id=model_id, model_names=frozenset({model_id, model_arg}),
+        service=service, model_id=model_id, model_names=frozenset({model_id, model_arg, Path(model_id).name}),
         max_body_bytes=args.max_message_bytes, max_client_batch_size=getattr(args, "max_client_batch_size", 4),
         healthy=lambda: health.status("") == health_pb2.HealthCheckResponse.SERVING,
     )

@@ -96,8 +96,10 @@ class ChatPlan:
 def raw_text(gens: list[spb.Generation]) -> str:
     """The answer with its special tokens (a [TOOL_CALLS] marker may be one), less the final EOS."""
     texts = [t for g in gens for t in g.tokens.texts]
-    last = gens[-1].generated_text if gens and gens[-1].HasField("generated_text") else None
-    if last is not None and last.finish_reason == spb.FINISH_REASON_EOS_TOKEN and texts:
+    last = gens[-1] if gens and gens[-1].HasField("generated_text") else None
+    # A grammar that is complete ends the answer with no EOS token: then the last token is text.
+    if (last is not None and last.generated_text.finish_reason == spb.FINISH_REASON_EOS_TOKEN
+            and last.tokens.is_special and last.tokens.is_special[-1]):
         texts = texts[:-1]
     return "".join(texts)
 

@@ -74,6 +74,7 @@ async def collect(ctx: HttpContext, request: Request, entries: list[Entry]) -> l
         watcher.cancel()
         if not work.done():
             work.cancel()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
         for entry in entries:
             ctx.service.cancel(entry)
 
@@ -115,7 +116,10 @@ def finished(g: spb.Generation) -> bool:
 
 
 def eos_at_end(g: spb.Generation) -> bool:
-    return finished(g) and g.generated_text.finish_reason == spb.FINISH_REASON_EOS_TOKEN
+    """The step's last token is the EOS that ended the answer (a grammar that is complete ends it
+    with no EOS token: then the last token is text)."""
+    return (finished(g) and g.generated_text.finish_reason == spb.FINISH_REASON_EOS_TOKEN
+            and bool(g.tokens.is_special) and g.tokens.is_special[-1])
 
 
 def step_texts(g: spb.Generation) -> tuple[str, str]:

@@ -74,6 +74,9 @@ def parameters(f: Fields, *, chat: bool, max_top_n: int, max_n: int) -> tuple[cp
         p.frequency_penalty = frequency
     stop = f.strings("stop")
     p.stop.extend(stop)
+    ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: benchmarks need answers of a fixed length
+    if ignore_eos is not None:
+        p.ignore_eos_token = ignore_eos
     n = f.integer("n", default=1, minimum=1, maximum=max_n)
     stream = f.boolean("stream", default=False)
     stream_options = f.object("stream_options")

@@ -2,7 +2,7 @@
 loop, over the same core (router/service.py) as the gRPC API.
 
 Behind the same door as gRPC: API keys as `Authorization: Bearer KEY` (the same key set, the
-same tgi_request_unauthenticated metric; /health stays open for probes unless
+same tgs_request_unauthenticated metric; /health stays open for probes unless
 --api-key-protects-health), TLS from --tls-cert-path/--tls-key-path (mutual with
 --tls-client-ca-path), a rotated certificate served to new connections within seconds. CORS as
 TGI's --cors-allow-origin sets it. Errors are shaped per API: OpenAI's under /v1/, TGI's
