@@ -139,6 +139,10 @@ def test_prompt_lists_and_n_within_the_client_batch_limit(server):
     assert done.choices[0].text == done.choices[1].text == grpc_tokens(server, "def a", 5)[0]  # greedy copies
     with pytest.raises(openai.BadRequestError, match="max-client-batch-size"):
         client.completions.create(model="tiny-pycoder-tools", prompt=["a", "b", "c"], n=2, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"400 - max_tokens \(5000\) \+ 2 input tokens exceeds"):
+        client.completions.create(model="tiny-pycoder-tools", prompt="def a", max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="400 - prompt must not be empty"):
+        client.completions.create(model="tiny-pycoder-tools", prompt="", max_tokens=5)
 
 
 def test_chat_equals_grpc_chat_and_streams_deltas_with_usage(server):
@@ -247,6 +251,8 @@ def test_inference_client_works_unchanged_and_equals_grpc(server):
     events = list(client.text_generation("class Stack:", max_new_tokens=10, stream=True, details=True))
     assert [e.token.id for e in events] == ids and events[-1].generated_text == text
     assert events[-1].details.generated_tokens == len(ids)
+    chat = client.chat_completion([{"role": "user", "content": "A stack class"}], max_tokens=8)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
     status, _, body = post(server, "/tokenize", {"inputs": "def x"})
     assert status == 200 and [t["text"] for t in json.loads(body)] == ["def", " x"]
     status, _, body = post(server, "/info", b"", method="GET")

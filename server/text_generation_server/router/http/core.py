@@ -17,6 +17,12 @@ from text_generation_server.router.scheduler import Entry
 from text_generation_server.router.service import Refused, TextGenerationService
 
 
+# What clients put in `model` when they address a server by its URL rather than a model: TGI's
+# documentation's "tgi", huggingface_hub's InferenceClient's "dummy". TGI ignores `model`; these
+# are accepted, any other name not served is 404, as OpenAI and vLLM answer.
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
+
+
 @dataclass
 class HttpContext:
     """The HTTP APIs' view of the server. `model_names`: what a request's `model` may say (the
@@ -32,7 +38,7 @@ class HttpContext:
 
     def check_model(self, model: str | None) -> None:
         """OpenAI's `model`: absent, or a name this server serves (404 otherwise, as OpenAI answers)."""
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and model not in PLACEHOLDER_MODELS:
             raise HttpError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
                             "not_found_error", "model", "model_not_found")
 

@@ -26,7 +26,7 @@ from text_generation_server.router.http.body import Fields, read_json
 from text_generation_server.router.http.core import (
     HttpContext, StopTrimmer, collect, finished, merged, step_texts, submit, trim_stop,
 )
-from text_generation_server.router.http.errors import from_status
+from text_generation_server.router.http.errors import HttpError, from_status
 from text_generation_server.router.scheduler import Entry
 from text_generation_server.router.service import ChatPlan, Refused
 
@@ -83,6 +83,26 @@ def _completion_logprobs(gens: list[spb.Generation], offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+# The core names fields as the client API does; an OpenAI client sent them under these names.
+_OPENAI_NAMES = (("parameters.max_new_tokens", "max_tokens"), ("parameters.grammar.value", "response_format"),
+                 ("parameters.grammar", "response_format"), ("parameters.stop", "stop"),
+                 ("parameters.ignore_eos_token", "ignore_eos"))
+
+
+def openai_error(error: HttpError, chat: bool) -> HttpError:
+    """A refusal of the core, its field named as the OpenAI client sent it."""
+    if error.status != 400:
+        return error
+    message = error.message.replace("; shorten it or set parameters.truncate", "; shorten it")
+    names = _OPENAI_NAMES + (("parameters.top_n_tokens", "top_logprobs" if chat else "logprobs"),
+                             ("inputs", "messages" if chat else "prompt"), ("parameters.", ""))
+    for ours, theirs in names:
+        if message.startswith(ours):
+            message = theirs + message[len(ours):]
+            return HttpError(error.status, message, error.kind, message.split(" ")[0].rstrip(":") or None, error.code)
+    return HttpError(error.status, message, error.kind, error.param, error.code)
+
+
 class OpenAIApi:
     def __init__(self, ctx: HttpContext):
         self.ctx = ctx
@@ -108,12 +128,15 @@ class OpenAIApi:
         return JSONResponse(self._model_card())
 
     # -- submitting --------------------------------------------------------------------------------
-    async def _submit_all(self, calls) -> list:
+    async def _submit_all(self, calls, chat: bool) -> list:
         """Submits every choice; one refused cancels those already queued."""
         done: list = []
         try:
             for call in calls:
-                done.append(await submit(call))
+                try:
+                    done.append(await submit(call))
+                except HttpError as exc:
+                    raise openai_error(exc, chat) from None
         except BaseException:
             for item in done:
                 self.ctx.service.cancel(item[0] if isinstance(item, tuple) else item)
@@ -144,7 +167,7 @@ class OpenAIApi:
             conversation_i = reqs.Conversation(conversation.messages, copy, conversation.tools, conversation.choice,
                                                conversation.function)
             calls.append(self.ctx.service.submit_chat(conversation_i))
-        submitted = await self._submit_all(calls)
+        submitted = await self._submit_all(calls, chat=True)
         entries = [e for e, _ in submitted]
         plans = [p for _, p in submitted]
         model = f.string("model") or self.ctx.model_id
@@ -261,7 +284,7 @@ class OpenAIApi:
             for copy in self._copies(params, opts.n):
                 prompt_of.append(p_index)
                 calls.append(self.ctx.service.submit(cpb.GenerateRequest(inputs=prompt, parameters=copy)))
-        entries = await self._submit_all(calls)
+        entries = await self._submit_all(calls, chat=False)
         model = f.string("model") or self.ctx.model_id
         if opts.stream:
             return StreamingResponse(self._completion_stream(entries, prompts, prompt_of, opts, model),
