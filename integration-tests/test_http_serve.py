@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
 import socket
 import ssl
 import time
+from pathlib import Path
 
 import grpc
 import jsonschema
 import openai
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_until
 from huggingface_hub import InferenceClient
 from pki import Authority
 from serve_client import client_stub, generate, launch_serve, poll_metrics, request, scrape
@@ -57,13 +59,14 @@ def chat_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("http-pki")
-    serving, clients = Authority("serving CA"), Authority("clients CA")
+    serving, clients, following = Authority("serving CA"), Authority("clients CA"), Authority("next CA")
     (folder / "ca.crt").write_bytes(serving.cert)
+    (folder / "next-ca.crt").write_bytes(following.cert)
     (folder / "clients.crt").write_bytes(clients.cert)
     cert, key = serving.issue("http server").write(folder, "server")
     ccert, ckey = clients.issue("client", server=False).write(folder, "client")
     return {"ca": str(folder / "ca.crt"), "clients": str(folder / "clients.crt"), "cert": str(cert), "key": str(key),
-            "client_cert": str(ccert), "client_key": str(ckey)}
+            "client_cert": str(ccert), "client_key": str(ckey), "next": following, "next_ca": str(folder / "next-ca.crt")}
 
 
 @pytest.fixture(scope="module")
@@ -294,20 +297,38 @@ def test_api_key_cors_and_health(server):
     assert scrape(server).value("tgs_request_unauthenticated_total") >= 2
 
 
-def test_tls_serves_http_with_the_grpc_certificates(servers, pki):
-    _, tls = servers
-    context = ssl.create_default_context(cafile=pki["ca"])
+def _https_completion(port: int, ca: str, pki: dict) -> dict:
+    context = ssl.create_default_context(cafile=ca)
     context.load_cert_chain(pki["client_cert"], pki["client_key"])
-    conn = http.client.HTTPSConnection("127.0.0.1", tls.http_port, context=context, timeout=60)
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def a", "max_tokens": 3}),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 3
+    assert resp.status == 200
+    return json.loads(resp.read())
+
+
+def test_tls_serves_http_with_the_grpc_certificates_and_follows_their_rotation(servers, pki, tmp_path):
+    _, tls = servers
+    assert _https_completion(tls.http_port, pki["ca"], pki)["usage"]["completion_tokens"] == 3
     bare = ssl.create_default_context(cafile=pki["ca"])  # no client certificate: refused in the handshake
     with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException)):
         conn = http.client.HTTPSConnection("127.0.0.1", tls.http_port, context=bare, timeout=30)
         conn.request("GET", "/v1/models")
         conn.getresponse().read()
+    rotated = pki["next"].issue("rotated server")
+    for data, target in ((rotated.cert, pki["cert"]), (rotated.key, pki["key"])):
+        staged = tmp_path / Path(target).name
+        staged.write_bytes(data)
+        os.replace(staged, target)  # a whole new file, as secrets are rotated
+
+    def new_certificate_served() -> bool:
+        try:
+            return _https_completion(tls.http_port, pki["next_ca"], pki)["usage"]["completion_tokens"] == 3
+        except (ssl.SSLError, ConnectionError):
+            return False
+
+    assert wait_until(new_certificate_served, 20, interval_s=0.5)
 
 
 def hostile_bodies() -> list[tuple[str, bytes, dict]]:

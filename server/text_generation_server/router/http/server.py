@@ -24,8 +24,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from text_generation_server.router.auth import ApiKeys, _RefusalLog
@@ -60,6 +60,11 @@ async def _starlette_error(request: Request, exc: Exception) -> JSONResponse:
     message = {404: f"no such path: {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
     return error_response(request.url.path, HttpError(exc.status_code, message, kind))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client closed the connection while its body was read: nothing was queued, no one listens."""
+    return Response(status_code=499)
 
 
 async def _server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -108,7 +113,8 @@ def build_app(ctx: HttpContext, keys: ApiKeys | None, metrics: Metrics, *, prote
     return Starlette(
         routes=OpenAIApi(ctx).routes() + TgiApi(ctx).routes(),
         middleware=middleware,
-        exception_handlers={HttpError: _http_error, HTTPException: _starlette_error, Exception: _server_error},
+        exception_handlers={HttpError: _http_error, HTTPException: _starlette_error, ClientDisconnect: _client_gone,
+                            Exception: _server_error},
     )
 
 
