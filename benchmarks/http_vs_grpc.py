@@ -8,7 +8,8 @@ rounds alternate (gRPC, HTTP, gRPC, HTTP, ...) so the machine's drift hits both;
 sends C concurrent requests of --new-tokens tokens (EOS ignored: ignore_eos_token / vLLM's
 ignore_eos) and stamps every streamed token on arrival. Reported per door: the median over
 requests of the mean inter-token time (first to last token), time to first token, and the
-ratio HTTP / gRPC. The HTTP client is a bare asyncio socket reading SSE lines, as light as the
+ratio HTTP / gRPC; and the server's CPU time per token on each door (steadier than wall time on a
+busy machine). The HTTP client is a bare asyncio socket reading SSE lines, as light as the
 gRPC client, so the ratio measures the server side.
 
     python benchmarks/http_vs_grpc.py --model tiny-pycoder --new-tokens 64 --concurrency 1,32 --rounds 3
@@ -104,10 +105,16 @@ async def amain(args: argparse.Namespace) -> int:
             for concurrency in args.concurrency:
                 itl: dict[str, list[float]] = {"gRPC": [], "HTTP": []}
                 ttft: dict[str, list[float]] = {"gRPC": [], "HTTP": []}
+                cpu = {"gRPC": 0.0, "HTTP": 0.0}  # the server's CPU seconds (router and ranks)
+                tokens = {"gRPC": 0, "HTTP": 0}
                 errors: list[str] = []
                 for _ in range(args.rounds):
                     for door in ("gRPC", "HTTP"):
-                        for reply in await one_round(door, server, http_port, concurrency, args.new_tokens, stub):
+                        cpu_before = server.cpu_s()
+                        replies = await one_round(door, server, http_port, concurrency, args.new_tokens, stub)
+                        cpu[door] += server.cpu_s() - cpu_before
+                        tokens[door] += sum(r.tokens for r in replies)
+                        for reply in replies:
                             if reply.error is not None:
                                 errors.append(f"{door}: {reply.error}")
                             elif (value := _itl(reply)) is not None:
@@ -118,9 +125,11 @@ async def amain(args: argparse.Namespace) -> int:
                     return 1
                 med = {d: statistics.median(v) * 1e3 for d, v in itl.items()}
                 first = {d: statistics.median(v) * 1e3 for d, v in ttft.items()}
+                per_token = {d: cpu[d] / max(tokens[d], 1) * 1e3 for d in cpu}
                 rows.append([concurrency, len(itl["gRPC"]), f"{med['gRPC']:.2f}", f"{med['HTTP']:.2f}",
                              ratio(med["HTTP"], med["gRPC"]), f"{first['gRPC']:.1f}", f"{first['HTTP']:.1f}",
-                             ratio(first["HTTP"], first["gRPC"])])
+                             ratio(first["HTTP"], first["gRPC"]), f"{per_token['gRPC']:.2f}", f"{per_token['HTTP']:.2f}",
+                             ratio(per_token["HTTP"], per_token["gRPC"])])
     lines = [
         f"# HTTP (OpenAI SSE) vs gRPC streaming, {now_iso()}",
         "",
@@ -130,7 +139,11 @@ async def amain(args: argparse.Namespace) -> int:
         "alternating; ITL = median over requests of (last - first token) / (tokens - 1)",
         "",
         *md_table(["concurrency", "requests/door", "gRPC ITL ms", "HTTP ITL ms", "HTTP/gRPC ITL", "gRPC TTFT ms",
-                   "HTTP TTFT ms", "HTTP/gRPC TTFT"], rows, align="rrrrrrrr"),
+                   "HTTP TTFT ms", "HTTP/gRPC TTFT", "gRPC server CPU ms/token", "HTTP server CPU ms/token",
+                   "HTTP/gRPC CPU"], rows, align="rrrrrrrrrrr"),
+        "",
+        "Server CPU = user + system seconds of the whole `serve` session (router and ranks) over the door's rounds, "
+        "per streamed token: unlike wall time, barely moved by other jobs on a shared machine.",
         "",
         machine_line(),
         load_line(start=load_start),

@@ -88,6 +88,13 @@ async def collect(ctx: HttpContext, request: Request, entries: list[Entry]) -> l
 async def merged(ctx: HttpContext, entries: list[Entry]) -> AsyncIterator[tuple[int, spb.Generation]]:
     """The generations of several entries as they come, with the entry's index; a failed step
     raises Refused. Leaving early (the client went away) cancels every entry."""
+    if len(entries) == 1:  # the common case: no task and queue between the core and the client
+        try:
+            async for g in ctx.service.events(entries[0]):
+                yield 0, g
+        finally:
+            ctx.service.cancel(entries[0])
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, entry: Entry) -> None:

@@ -308,7 +308,17 @@ class OpenAIApi:
         cid, created = _completion_id("cmpl"), int(time.time())
         usage_field = {"usage": None} if opts.include_usage else {}
 
+        # Every chunk but its text is the same: the JSON around the text is written once.
+        head = sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None, "choices": [{"index": 0, "text": ""}], **usage_field})
+        before, after = head.split(b'"text":""', 1)
+        before = before.rsplit(b'"index":0', 1)[0]
+        after_plain = b',"logprobs":null,"finish_reason":null' + after
+
         def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> bytes:
+            if finish is None and logprobs is None:
+                text_json = json.dumps(text, ensure_ascii=False).encode()
+                return before + b'"index":%d,"text":' % index + text_json + after_plain
             return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                         "system_fingerprint": None, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                                                  "finish_reason": finish}], **usage_field})
