@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -227,6 +228,17 @@ def test_grpc_chat_with_a_forced_tool(server):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     last = list(stub.ChatStream(req, timeout=60))[-1]
     assert [c.name for c in last.tool_calls] == ["get_weather"] and last.tool_calls[0].arguments == call.arguments
+    # auto: the model's own syntax is parsed (the Qwen template's: Hermes <tool_call>); a regex makes
+    # this random model write one.
+    written = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    auto = cpb.ChatRequest(messages=[cpb.Message(role="user", content="1 + 2?")], tools=tools,
+                           parameters=cpb.GenerateParameters(max_new_tokens=100, grammar=cpb.Grammar(
+                               type=cpb.GRAMMAR_TYPE_REGEX, value=re.escape(written))))
+    for resp in (stub.Chat(auto, timeout=60), list(stub.ChatStream(auto, timeout=60))[-1]):
+        assert resp.generated_text == written
+        assert [(c.name, json.loads(c.arguments)) for c in resp.tool_calls] == [("add", {"a": 1, "b": 2})]
+    auto.tool_choice = cpb.TOOL_CHOICE_NONE  # the same text, not read as a call
+    assert list(stub.Chat(auto, timeout=60).tool_calls) == []
     bad = cpb.ChatRequest(messages=[cpb.Message(role="user", content="x")],
                           tools=[cpb.Tool(name="f", parameters='{"type": "object", "properties": {"a": {"type": "nope"}}}')])
     with pytest.raises(grpc.RpcError) as err:
