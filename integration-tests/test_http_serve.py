@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import ssl
+import subprocess
 import time
 from pathlib import Path
 
@@ -274,6 +275,22 @@ def test_inference_client_works_unchanged_and_equals_grpc(server):
     assert status == 200 and json.loads(body)["max_client_batch_size"] == 4
 
 
+def _sse_texts(raw: bytes) -> list[str]:
+    """The text each event carries (OpenAI's chunks, TGI's tokens), in order; [DONE] as itself."""
+    texts = []
+    for event in raw.decode().strip().split("\n\n"):
+        payload = event.removeprefix("data:").strip()
+        if payload == "[DONE]":
+            texts.append(payload)
+            continue
+        data = json.loads(payload)
+        if "token" in data:
+            texts.append(data["token"]["text"])
+        for choice in data.get("choices", []):
+            texts.append(choice.get("text", choice.get("delta", {}).get("content")) or "")
+    return texts
+
+
 def test_sse_framing_as_curl_sees_it(server):
     for path, body, done_marker in (
         ("/v1/completions", {"prompt": "import os", "max_tokens": 4, "stream": True}, True),
@@ -283,6 +300,11 @@ def test_sse_framing_as_curl_sees_it(server):
     ):
         status, headers, raw = post(server, path, body)
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        if shutil.which("curl"):  # and as curl itself reads it: the same events
+            curl = subprocess.run(["curl", "-sN", "--fail-with-body", "-H", f"Authorization: Bearer {KEY}", "-d",
+                                   json.dumps(body), base(server) + path], capture_output=True, timeout=120)
+            assert curl.returncode == 0, curl.stderr
+            assert _sse_texts(curl.stdout) == _sse_texts(raw) and len(_sse_texts(raw)) >= 2
         text = raw.decode()
         assert text.endswith("\n\n")
         events = text[:-2].split("\n\n")
