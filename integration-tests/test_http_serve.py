@@ -79,7 +79,8 @@ def servers(chat_model, pki, tmp_path_factory):
                         "--cors-allow-origin", ORIGIN, "--max-client-batch-size", "4", "--max-message-bytes",
                         "1000000", "--max-total-tokens", "1024", "--max-input-tokens", "800", name="http", client=ClientOptions(api_key=KEY))
     tls = launch_serve(None, sock_dir, log_dir, "--http-port", str(tls_port), "--tls-cert-path", pki["cert"],
-                       "--tls-key-path", pki["key"], "--tls-client-ca-path", pki["clients"], name="http-tls",
+                       "--tls-key-path", pki["key"], "--tls-client-ca-path", pki["clients"],
+                       "--max-concurrent-requests", "2", name="http-tls",
                        client=ClientOptions(ca_path=pki["ca"], cert_path=pki["client_cert"],
                                             key_path=pki["client_key"]))
     main.http_port, tls.http_port = http_port, tls_port  # type: ignore[attr-defined]
@@ -331,15 +332,37 @@ def test_api_key_cors_and_health(server):
     assert scrape(server).value("tgs_request_unauthenticated_total") >= 2
 
 
-def _https_completion(port: int, ca: str, pki: dict) -> dict:
+def _https(port: int, ca: str, pki: dict, path: str = "/v1/completions", body: dict | None = None
+           ) -> http.client.HTTPResponse:
     context = ssl.create_default_context(cafile=ca)
     context.load_cert_chain(pki["client_cert"], pki["client_key"])
     conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def a", "max_tokens": 3}),
+    conn.request("POST", path, body=json.dumps(body or {"prompt": "def a", "max_tokens": 3}),
                  headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    return conn.getresponse()
+
+
+def _https_completion(port: int, ca: str, pki: dict) -> dict:
+    resp = _https(port, ca, pki)
     assert resp.status == 200
     return json.loads(resp.read())
+
+
+def test_at_capacity_is_429_in_each_api_shape(servers, pki):
+    _, tls = servers  # --max-concurrent-requests 2
+    long = {"prompt": "def a", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    streams = [_https(tls.http_port, pki["ca"], pki, body=long) for _ in range(2)]
+    try:
+        assert all(s.status == 200 and s.readline().startswith(b"data: ") for s in streams)
+        busy = _https(tls.http_port, pki["ca"], pki)
+        assert busy.status == 429 and json.loads(busy.read())["error"]["type"] == "rate_limit_error"
+        busy = _https(tls.http_port, pki["ca"], pki, "/generate", {"inputs": "x"})
+        assert busy.status == 429 and json.loads(busy.read())["error_type"] == "overloaded"
+    finally:
+        for s in streams:
+            s.close()
+    # The closed streams' requests are cancelled, and their places free again.
+    assert wait_until(lambda: _https(tls.http_port, pki["ca"], pki).status == 200, 30, interval_s=0.2)
 
 
 def test_tls_serves_http_with_the_grpc_certificates_and_follows_their_rotation(servers, pki, tmp_path):
