@@ -132,11 +132,15 @@ class OpenAIApi:
         """Submits every choice; one refused cancels those already queued."""
         done: list = []
         try:
-            for call in calls:
+            for i, call in enumerate(calls):
                 try:
                     done.append(await submit(call))
                 except HttpError as exc:
                     raise openai_error(exc, chat) from None
+                finally:
+                    if len(done) <= i:  # this one failed: the later ones are never sent
+                        for unsent in calls[i + 1:]:
+                            unsent.close()
         except BaseException:
             for item in done:
                 self.ctx.service.cancel(item[0] if isinstance(item, tuple) else item)
