@@ -172,6 +172,12 @@ def test_chat_equals_grpc_chat_and_streams_deltas_with_usage(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    # n = 2, streamed: two choices interleaved by index, each the greedy answer.
+    chunks = list(client.chat.completions.create(model="tiny-pycoder-tools", messages=messages, max_tokens=16, n=2,
+                                                 stream=True))
+    for index in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        assert text == grpc_resp.generated_text
 
 
 def test_stop_sequences_end_the_text_and_json_mode_parses(server):
