@@ -171,8 +171,8 @@ class ServeArgs:
     )
     # -- network
     hostname: str = setting(
-        "127.0.0.1", "Address of the client gRPC API. HOSTNAME is used only when it holds an address "
-        "(container runtimes set it to a host name).",
+        "127.0.0.1", "Address of the client APIs (gRPC, and HTTP with --http-port). HOSTNAME is used only when it "
+        "holds an address (container runtimes set it to a host name).",
     )
     port: int = setting(50051, "Port of the client gRPC API.", check=_tcp_port)
     metrics_port: int = setting(9000, "Prometheus /metrics port.", tgi="prometheus_port", check=_tcp_port)
@@ -235,8 +235,8 @@ class ServeArgs:
                                     check=_request_limit)
     max_input_chars: int = setting(1_000_000, "Longest prompt in characters, checked before tokenizing.",
                                    check=_at_least_1)
-    max_message_bytes: int = setting(4 * 2**20, "Largest gRPC request accepted, in bytes.", tgi="payload_limit",
-                                     check=_at_least_1)
+    max_message_bytes: int = setting(4 * 2**20, "Largest request accepted (a gRPC message, an HTTP body), in bytes.",
+                                     tgi="payload_limit", check=_at_least_1)
     # -- batching and scheduling. A waiting request joins the running batch (pausing it for a
     # prefill) once it has waited max_waiting_tokens decode steps, or as soon as waiting/running
     # requests exceed waiting_served_ratio (TGI's knobs and defaults).
