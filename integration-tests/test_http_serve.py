@@ -1,6 +1,6 @@
 """The HTTP APIs (serve --http-port) through real `serve` processes and the clients people use.
 
-One server runs a copy of the embedded model that carries a Qwen2.5-style chat template (with
+One server runs a copy of the embedded model that carries Qwen2.5-Coder-1.5B-Instruct's chat template (with
 tools), an API key, a CORS origin and --max-client-batch-size 4; a second one serves over mutual
 TLS. The `openai` package and huggingface_hub's InferenceClient talk to it unchanged; answers
 equal the gRPC API's for the same request, token for token; a raw socket checks the SSE framing as

@@ -1,6 +1,6 @@
 """Tool calling without a server: the chat template with tools against transformers'
-apply_chat_template(tools=...), token for token, on the embedded tokenizer given a Qwen2.5-style
-and a Llama-3.1-style template; each call parser on outputs written here, whole and streamed piece
+apply_chat_template(tools=...), token for token, on the embedded tokenizer given Qwen2.5-Coder-1.5B-Instruct's template
+and a Llama-3.1-style one; each call parser on outputs written here, whole and streamed piece
 by piece; the forced-choice schemas; and deep client JSON refused by name."""
 
 from __future__ import annotations
@@ -22,39 +22,63 @@ from text_generation_server.router.http.core import StopTrimmer, trim_stop
 from text_generation_server.utils import bounded_json
 from text_generation_server.utils.locate import embedded_model_path
 
-# The Qwen2.5 instruct template's structure (system prompt with <tools>, <tool_call> JSON in
-# assistant turns, tool results in a user turn as <tool_response>), written here.
+# Qwen2.5-Coder-1.5B-Instruct's chat template, as its GGUF file carries it (tokenizer.chat_template):
+# tools in the system prompt, <tool_call> JSON in assistant turns, tool results in a user turn.
 QWEN25_TEMPLATE = (
-    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
-    "    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n"
+    '{%- if tools %}\n'
+    "    {{- '<|im_start|>system\\n' }}\n"
     "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    '    {%- else %}\n'
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    '    {%- endif %}\n'
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {%- for tool in tools %}\n'
+    '        {{- "\\n" }}\n'
+    '        {{- tool | tojson }}\n'
+    '    {%- endfor %}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}\\n</tool_call><|im_end|>\\n" }}\n'
+    '{%- else %}\n'
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    '    {%- else %}\n'
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    '    {%- endif %}\n'
+    '{%- endif %}\n'
+    '{%- for message in messages %}\n'
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
-    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
-    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    '        {%- if message.content %}\n'
+    "            {{- '\\n' + message.content }}\n"
+    '        {%- endif %}\n'
+    '        {%- for tool_call in message.tool_calls %}\n'
+    '            {%- if tool_call.function is defined %}\n'
+    '                {%- set tool_call = tool_call.function %}\n'
+    '            {%- endif %}\n'
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+    '            {{- tool_call.name }}\n'
+    '            {{- \'", "arguments": \' }}\n'
+    '            {{- tool_call.arguments | tojson }}\n'
+    "            {{- '}\\n</tool_call>' }}\n"
+    '        {%- endfor %}\n'
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    '        {%- endif %}\n'
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    '        {{- message.content }}\n'
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    '        {%- endif %}\n'
+    '    {%- endif %}\n'
+    '{%- endfor %}\n'
+    '{%- if add_generation_prompt %}\n'
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    '{%- endif %}\n'
 )
 # Llama 3.1's JSON tool calling, in the shape of its template: tools in the first user turn,
 # calls as {"name", "parameters"}, results under the ipython role.
