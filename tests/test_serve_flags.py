@@ -131,6 +131,11 @@ ENV_CASES = {
     "SHARDED": ("false", "num_shard", 1),
     "API_KEY": ("old-key,new-key", "api_keys", ["old-key", "new-key"]),
     "METRICS_HOSTNAME": ("0.0.0.0", "metrics_hostname", "0.0.0.0"),
+    "HTTP_PORT": ("8080", "http_port", 8080),
+    "CORS_ALLOW_ORIGIN": ("https://a.example, https://b.example", "cors_allow_origin",
+                          ["https://a.example", "https://b.example"]),
+    "MAX_CLIENT_BATCH_SIZE": ("8", "max_client_batch_size", 8),
+    "TOOL_CALL_PARSER": ("mistral", "tool_call_parser", "mistral"),
 }
 # Variables naming files that must exist and load (key file, certificates) or that need another
 # flag: tests/test_auth_tls_unit.py::test_every_security_setting_reads_its_variable.
@@ -196,6 +201,10 @@ FLAG_SET = [
     ("--logger-level", ("LOGGER_LEVEL", "LOG_LEVEL"), "INFO", False),
     ("--json-output", "JSON_OUTPUT", False, False),
     ("--shard-only", "SHARD_ONLY", False, False),
+    ("--http-port", "HTTP_PORT", None, False),
+    ("--cors-allow-origin", "CORS_ALLOW_ORIGIN", [], False),
+    ("--max-client-batch-size", "MAX_CLIENT_BATCH_SIZE", 4, False),
+    ("--tool-call-parser", "TOOL_CALL_PARSER", None, False),
     ("--version", None, False, False),
 ]
 

@@ -160,6 +160,7 @@ class ChatTemplate:
     source: str  # where the template came from (a file, or file and key), for messages
     template: jinja2.Template
     special_tokens: dict[str, str]
+    text: str = ""  # the template's source, where the tool-call syntax its model uses is read
 
     @classmethod
     def from_string(cls, text: str, special_tokens: Mapping[str, str] | None = None,
@@ -169,7 +170,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateBroken(f"the chat template in {source} does not compile: {exc} (line {exc.lineno})") \
                 from None
-        return cls(source, template, dict(special_tokens or {}))
+        return cls(source, template, dict(special_tokens or {}), text)
 
     @classmethod
     def load(cls, folder: Path) -> "ChatTemplate":
@@ -208,14 +209,20 @@ class ChatTemplate:
             f"the model has no chat template: looked for {file}, 'chat_template' in {config_path} and {legacy}"
         )
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (dicts with role and content); ChatTemplateError with the
-        template's own message when it refuses them."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt for `messages` (dicts with role and content, and tool_calls / tool_call_id
+        where given); ChatTemplateError with the template's own message when it refuses them.
+        `tools`: JSON-schema tools ({"type": "function", "function": {...}}), handed over as
+        transformers' apply_chat_template(tools=...) hands dict tools: unchanged, or None."""
         try:
-            return self.template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return self.template.render(messages=[dict(m) for m in messages],
+                                        tools=[dict(t) for t in tools] if tools else None, documents=None,
                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, undefined names, sandbox refusals
             raise ChatTemplateError(f"the chat template refused the conversation: {exc}") from None
+        except RecursionError:  # messages nested past what the renderer follows
+            raise ChatTemplateError("the chat template failed on the conversation: it nests too deeply") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
             # A template's own bug on this input (e.g. messages[0] of an odd conversation).
             raise ChatTemplateError(f"the chat template failed on the conversation: {type(exc).__name__}: {exc}") \

@@ -41,6 +41,8 @@ from loguru import logger
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from text_generation_server.utils import bounded_json
+
 # Compiled grammars kept per compiler; a hit skips the parse and lexer setup (milliseconds).
 DEFAULT_CACHE_SIZE = 256
 # mask_bias reads int32 words as bytes in memory order (x86, ARM and CUDA devices are little-endian).
@@ -95,9 +97,9 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.type is GrammarType.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     try:
-        schema = json.loads(spec.value)
-    except json.JSONDecodeError as exc:
-        raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        schema = bounded_json.loads(spec.value, "the JSON schema")
+    except ValueError as exc:  # not JSON, or nested deeper than any schema needs
+        raise GrammarError(str(exc)) from None
     if schema is True:
         schema = {}  # JSON Schema's `true`: any value; llguidance wants an object
     if not isinstance(schema, dict):

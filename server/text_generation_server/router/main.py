@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loguru import logger
 
 from text_generation_server.about import __version__
@@ -19,6 +20,8 @@ from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grp
 from text_generation_server.router.auth import ApiKeyInterceptor, ApiKeys, api_keys
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
+from text_generation_server.router.http.core import HttpContext
+from text_generation_server.router.http.server import HttpServer, build_app
 from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.block_pool import BlockPool
 from text_generation_server.router.scheduler import Scheduler, SchedulerLimits
@@ -114,6 +117,25 @@ async def reload_on_request(reload: asyncio.Event, keys: ApiKeys | None, tls: Ce
             await asyncio.to_thread(tls.refresh, True)
 
 
+async def start_http(args: ServeArgs, service: TextGenerationService, health: RouterHealth, keys: ApiKeys | None,
+                     tls: CertificateStore | None, metrics: Metrics, model_id: str, model_arg: str) -> HttpServer:
+    """The HTTP APIs (--http-port) on the gRPC API's core, keys and certificate."""
+    ctx = HttpContext(
+        service=service, model_id=model_id, model_names=frozenset({model_id, model_arg, Path(model_id).name}),
+        max_body_bytes=args.max_message_bytes, max_client_batch_size=getattr(args, "max_client_batch_size", 4),
+        healthy=lambda: health.status("") == health_pb2.HealthCheckResponse.SERVING,
+    )
+    app = build_app(ctx, keys, metrics, protect_health=args.api_key_protects_health,
+                    cors_allow_origin=getattr(args, "cors_allow_origin", []))
+    try:
+        http = HttpServer(app, args.hostname, args.http_port, tls)
+    except OSError as exc:
+        raise RouterError(str(exc)) from None
+    await http.start()
+    logger.info("serving HTTP (OpenAI /v1/..., TGI /generate ...) on {}://{}:{}", http.scheme, args.hostname, http.port)
+    return http
+
+
 async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event,
                      reload: asyncio.Event | None = None) -> None:
     """Serves the client API over the shards at `shard_urls` until `shutdown` is set, then drains.
@@ -130,6 +152,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
     metrics_server = None
     server = None
+    http_server = None
     scheduler = None
     monitor = None
     reloader = None
@@ -186,11 +209,11 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             ("grpc.max_receive_message_length", args.max_message_bytes),
             ("grpc.max_send_message_length", max(args.max_message_bytes, 64 * 2**20)),
         ])
-        cpb_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics,
-                                  model_folder=checkpoint.folder, eos_token_ids=checkpoint.eos_token_ids,
-                                  grammar_support=not getattr(args, "disable_grammar_support", False)), server
-        )
+        service = TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics,
+                                        model_folder=checkpoint.folder, eos_token_ids=checkpoint.eos_token_ids,
+                                        grammar_support=not getattr(args, "disable_grammar_support", False),
+                                        tool_call_parser=getattr(args, "tool_call_parser", None))
+        cpb_grpc.add_TextGenerationServicer_to_server(service, server)
         health = RouterHealth(["", SERVICE_NAME])
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         enable_reflection(server, [SERVICE_NAME, HEALTH_SERVICE_NAME])
@@ -202,6 +225,9 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         if port == 0:
             raise RouterError(f"cannot listen on {address} (port in use?)")
         await server.start()
+        if getattr(args, "http_port", None) is not None:
+            http_server = await start_http(args, service, health, keys, tls, metrics, checkpoint.model_id,
+                                           str(args.model or checkpoint.folder))
         metrics_host = args.effective_metrics_hostname
         try:
             metrics_server = metrics.serve(args.metrics_port, addr=metrics_host)
@@ -234,6 +260,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             await monitor.stop()
         if scheduler is not None:
             await scheduler.stop()
+        if http_server is not None:
+            await http_server.stop()
         if server is not None:
             await server.stop(grace=1.0)
         if metrics_server is not None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,8 +28,9 @@ from text_generation_server.generation.chat_template import (
     ChatTemplateMissing,
     load_chat_template,
 )
-from text_generation_server.generation import request_fields
-from text_generation_server.generation.grammar import GrammarCompiler
+from text_generation_server.generation import request_fields, tool_calls
+from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
+from text_generation_server.generation.tool_calls import Choice, Tool, ToolCall, ToolCallParser, ToolError
 from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -46,13 +49,105 @@ def _tokens(t: spb.Tokens) -> list[cpb.Token]:
     ]
 
 
+_PROTO_CHOICE = {cpb.TOOL_CHOICE_NONE: Choice.NONE, cpb.TOOL_CHOICE_AUTO: Choice.AUTO,
+                 cpb.TOOL_CHOICE_REQUIRED: Choice.REQUIRED, cpb.TOOL_CHOICE_FUNCTION: Choice.FUNCTION}
+
+
+class Refused(Exception):
+    """A request the server does not run (or stops running), with the gRPC status it answers; the
+    HTTP APIs map the same status to theirs."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Conversation:
+    """A chat request from either door: messages as the template reads them (role, content,
+    tool_calls with parsed arguments, tool_call_id), the tools, and the choice."""
+
+    messages: list[dict[str, Any]]
+    parameters: cpb.GenerateParameters
+    tools: list[Tool] = field(default_factory=list)
+    choice: Choice | None = None
+    function: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How a chat's answer is read: its tool choice, the named tool, and the parser for auto."""
+
+    mode: Choice
+    named: Tool | None
+    parser: ToolCallParser | None
+
+    def calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of the answer's raw text (special tokens included but the final EOS)."""
+        if self.mode in (Choice.REQUIRED, Choice.FUNCTION):
+            found = tool_calls.forced_call(self.mode, self.named, text)
+            return ("" if found else text), found
+        if self.mode is Choice.AUTO and self.parser is not None:
+            return self.parser.parse(text)
+        return text, []
+
+
+def raw_text(gens: list[spb.Generation]) -> str:
+    """The answer with its special tokens (a [TOOL_CALLS] marker may be one), less the final EOS."""
+    texts = [t for g in gens for t in g.tokens.texts]
+    last = gens[-1] if gens and gens[-1].HasField("generated_text") else None
+    # A grammar that is complete ends the answer with no EOS token: then the last token is text.
+    if (last is not None and last.generated_text.finish_reason == spb.FINISH_REASON_EOS_TOKEN
+            and last.tokens.is_special and last.tokens.is_special[-1]):
+        texts = texts[:-1]
+    return "".join(texts)
+
+
+def proto_calls(calls: list[ToolCall]) -> list[cpb.ToolCall]:
+    return [cpb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+
+
+def conversation_of(request: cpb.ChatRequest) -> Conversation:
+    """A ChatRequest as the template and the tool machinery read it; ToolError naming the field."""
+    messages = []
+    for i, m in enumerate(request.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = tool_calls.message_calls([
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls], f"messages[{i}]")
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    tools = []
+    for i, t in enumerate(request.tools):
+        where = f"tools[{i}]"
+        try:
+            parameters = json.loads(t.parameters) if t.parameters else None
+        except (ValueError, RecursionError) as exc:
+            raise ToolError(f"{where}.parameters is not JSON: {str(exc)[:200]}") from None
+        tools.append(tool_calls.tool(t.name, t.description, parameters, where))
+    if request.tool_choice not in (cpb.TOOL_CHOICE_UNSPECIFIED, *_PROTO_CHOICE):
+        raise ToolError(f"tool_choice {request.tool_choice} is not a ToolChoice")
+    return Conversation(messages, request.parameters, tools, _PROTO_CHOICE.get(request.tool_choice),
+                        request.tool_choice_function or None)
+
+
 class TextGenerationService(cpb_grpc.TextGenerationServicer):
+    """The gRPC client API, and the core the HTTP APIs (router/http/) run their requests through:
+    submit / submit_chat / events raise Refused instead of answering a gRPC context, so every door
+    validates, queues and counts a request the same way."""
+
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: Limits, info: cpb.InfoResponse,
                  metrics: Metrics, *, model_folder: Path | None = None, eos_token_ids: Iterable[int] = (),
-                 grammar_support: bool = True):
+                 grammar_support: bool = True, tool_call_parser: str | None = None):
         """model_folder: where the chat template is read from (None: Chat is unavailable).
         eos_token_ids: the tokens that end a grammar's output. grammar_support: False refuses
-        requests with a grammar (--disable-grammar-support)."""
+        requests with a grammar (--disable-grammar-support). tool_call_parser: the syntax of
+        the model's tool calls (--tool-call-parser); None reads it from the template."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
@@ -62,15 +157,19 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         self.chat_unavailable = "the server was started without a model folder to read a chat template from"
         if model_folder is not None:
             self.chat_template, self.chat_unavailable = load_chat_template(model_folder)
+        self.tool_parser: ToolCallParser | None = None
+        if self.chat_template is not None:
+            self.tool_parser = tool_calls.parser_for(self.chat_template.text, tool_call_parser)
+            logger.info("tool calls (tool_choice auto) are read as {}", self.tool_parser.name)
         self.grammar_support = grammar_support
         self._eos_token_ids = set(eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
-    def _grammar_compiler(self, request: cpb.GenerateRequest) -> GrammarCompiler | None:
+    def _compiler(self) -> GrammarCompiler | None:
         """The tokenizer's grammar compiler, built by the first request with a grammar (reading
         a large vocabulary into llguidance takes about a second); None when grammars are off."""
-        if not self.grammar_support or not request.parameters.HasField("grammar"):
+        if not self.grammar_support:
             return None
         with self._grammars_lock:
             if self._grammars is None:
@@ -78,16 +177,19 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
             return self._grammars
 
     def _validate(self, request: cpb.GenerateRequest, add_special_tokens: bool = True):
-        return validate(request, self.tokenizer, self.limits, self._grammar_compiler(request), add_special_tokens)
+        grammars = self._compiler() if request.parameters.HasField("grammar") else None
+        return validate(request, self.tokenizer, self.limits, grammars, add_special_tokens)
 
-    async def _submit(self, request: cpb.GenerateRequest, context, add_special_tokens: bool = True) -> Entry:
+    # -- the core every door uses ---------------------------------------------------------------
+    async def submit(self, request: cpb.GenerateRequest, add_special_tokens: bool = True) -> Entry:
+        """Validates and queues a request; Refused with the status a client gets otherwise."""
         self.metrics.request_count.inc()
         started = time.monotonic()
         try:
             valid = await asyncio.to_thread(self._validate, request, add_special_tokens)
         except ValidationError as exc:
             self.metrics.request_failure.labels(err="validation").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.metrics.request_validation_duration.observe(time.monotonic() - started)
         self.metrics.input_length.observe(valid.input_length)  # per valid request, as TGI's validation does
         self.metrics.max_new_tokens.observe(valid.max_new_tokens)
@@ -96,32 +198,43 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         except StepFailed as exc:
             reason = "overloaded" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "unavailable"
             self.metrics.request_failure.labels(err=reason).inc()
-            await context.abort(exc.code, str(exc))
+            raise Refused(exc.code, str(exc)) from None
         logger.bind(request_id=entry.id).info(
             "request {} queued: {} input tokens, max_new_tokens {}", entry.id, valid.input_length,
             valid.max_new_tokens,
         )
-        # When a client cancels a stream while gRPC is writing to it, gRPC drops the handler's async
-        # generator without closing it, so a `finally` inside would run only when the garbage
-        # collector gets to it: the request would decode to its end and count as a success. The
-        # RPC's done callback runs when the call ends, however it ends.
-        context.add_done_callback(lambda _context: self._client_gone(entry))
         return entry
 
-    def _client_gone(self, entry: Entry) -> None:
-        """The call ended; a request still running has lost its client and is cancelled."""
+    async def submit_chat(self, conversation: Conversation) -> tuple[Entry, ChatPlan]:
+        """The conversation rendered by the chat template (with its tools), then queued as a
+        Generate of that prompt; a forced tool choice sets the answer's grammar."""
+        try:
+            if self.chat_template is None:
+                raise ChatTemplateMissing(self.chat_unavailable)
+            generate, plan = await asyncio.to_thread(self._chat_request, self.chat_template, conversation)
+        except ChatTemplateMissing as exc:  # the server's lack, not the request's fault
+            self._count_refused()
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        except (ValidationError, ChatTemplateError, ToolError) as exc:
+            self._count_refused()
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return await self.submit(generate, add_special_tokens=False), plan
+
+    def cancel(self, entry: Entry) -> None:
+        """The client is gone: a request still running is cancelled."""
         if not entry.done and not entry.cancelled:
             logger.bind(request_id=entry.id).info("request {} cancelled by the client", entry.id)
             self.scheduler.cancel(entry)
 
-    async def _events(self, entry: Entry, context):
-        """Yields the shard generations of one request; cancels it if the client goes away."""
+    async def events(self, entry: Entry):
+        """Yields the shard generations of one request; Refused when a step fails. Cancels the
+        request when the consumer stops early (the client went away)."""
         try:
             while True:
                 event = await entry.events.get()
                 if isinstance(event, StepFailed):
                     logger.bind(request_id=entry.id).warning("request {} failed: {}", entry.id, event)
-                    await context.abort(event.code, str(event))
+                    raise Refused(event.code, str(event))
                 yield event
                 if event.HasField("generated_text"):
                     logger.bind(request_id=entry.id).info(
@@ -129,9 +242,9 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                     )
                     return
         finally:
-            self._client_gone(entry)
+            self.cancel(entry)
 
-    def _details(self, entry: Entry, gens: list[spb.Generation]) -> cpb.Details:
+    def details(self, entry: Entry, gens: list[spb.Generation]) -> cpb.Details:
         last = gens[-1].generated_text
         details = cpb.Details(
             finish_reason=_FINISH.get(last.finish_reason, cpb.FINISH_REASON_UNSPECIFIED),
@@ -155,66 +268,118 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                 details.prefill.append(tok)
         return details
 
-    async def Generate(self, request, context):
-        return await self._generate(await self._submit(request, context), context)
-
-    async def _generate(self, entry: Entry, context) -> cpb.GenerateResponse:
-        gens = [g async for g in self._events(entry, context)]
-        response = cpb.GenerateResponse(generated_text=gens[-1].generated_text.text)
-        if entry.request.details:  # the contract: Details only when asked for
-            response.details.CopyFrom(self._details(entry, gens))
-        return response
-
-    async def GenerateStream(self, request, context):
-        async for msg in self._stream(await self._submit(request, context), context):
-            yield msg
-
-    async def Chat(self, request, context):
-        return await self._generate(await self._submit_chat(request, context), context)
-
-    async def ChatStream(self, request, context):
-        async for msg in self._stream(await self._submit_chat(request, context), context):
-            yield msg
-
-    async def _submit_chat(self, request: cpb.ChatRequest, context) -> Entry:
-        """The conversation rendered by the chat template, then queued as a Generate of that prompt."""
-        try:
-            if self.chat_template is None:
-                raise ChatTemplateMissing(self.chat_unavailable)
-            prompt = await asyncio.to_thread(self._render_chat, self.chat_template, request)
-        except ChatTemplateMissing as exc:  # the server's lack, not the request's fault
-            self._count_refused()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except (ValidationError, ChatTemplateError) as exc:
-            self._count_refused()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        generate = cpb.GenerateRequest(inputs=prompt, parameters=request.parameters)
-        return await self._submit(generate, context, add_special_tokens=False)
-
+    # -- chat ------------------------------------------------------------------------------------
     def _count_refused(self) -> None:
         """A chat refused before it became a Generate counts as a request that failed validation."""
         self.metrics.request_count.inc()
         self.metrics.request_failure.labels(err="validation").inc()
 
-    def _render_chat(self, template: ChatTemplate, request: cpb.ChatRequest) -> str:
-        if not request.messages:
+    def _chat_request(self, template: ChatTemplate, chat: Conversation) -> tuple[cpb.GenerateRequest, ChatPlan]:
+        if not chat.messages:
             raise ValidationError("messages must hold at least one message")
         chars = 0
-        for i, message in enumerate(request.messages):
-            if not message.role:
+        for i, message in enumerate(chat.messages):
+            if not message.get("role"):
                 raise ValidationError(f"messages[{i}].role must not be empty")
-            chars += len(message.content)
+            chars += len(message.get("content") or "")
+        chars += sum(len(json.dumps(t.parameters)) + len(t.description) for t in chat.tools)
         if chars > self.limits.max_input_chars:  # before rendering: the template may repeat them
             raise ValidationError(
-                f"messages have {chars} characters, more than the limit of {self.limits.max_input_chars}")
-        return template.render([{"role": m.role, "content": m.content} for m in request.messages])
+                f"messages and tools have {chars} characters, more than the limit of {self.limits.max_input_chars}")
+        tool_calls.check_unique(chat.tools)
+        mode, named = tool_calls.choice(chat.choice, chat.function, chat.tools)
+        self._check_tool_schemas(chat.tools)
+        prompt = template.render(chat.messages, tools=[t.for_template() for t in chat.tools] or None)
+        parameters = cpb.GenerateParameters()
+        parameters.CopyFrom(chat.parameters)
+        schema = tool_calls.forced_schema(mode, chat.tools, named)
+        if schema is not None:
+            if parameters.HasField("grammar"):
+                raise ToolError(f"parameters.grammar cannot be combined with tool_choice {mode.value!r}, "
+                                "which constrains the answer itself")
+            parameters.grammar.CopyFrom(cpb.Grammar(type=cpb.GRAMMAR_TYPE_JSON, value=json.dumps(schema)))
+        return cpb.GenerateRequest(inputs=prompt, parameters=parameters), ChatPlan(mode, named, self.tool_parser)
 
-    async def _stream(self, entry: Entry, context):
+    def _check_tool_schemas(self, tools: list[Tool]) -> None:
+        """Each tool's schema compiles (llguidance reads it as the grammar of a forced call would),
+        so an invalid one is refused naming the tool, whatever the choice."""
+        compiler = self._compiler() if tools else None
+        if compiler is None:
+            return
+        for i, t in enumerate(tools):
+            try:
+                compiler.compile(GrammarSpec(GrammarType.JSON, json.dumps(t.parameters)))
+            except GrammarError as exc:
+                raise ToolError(f"tools[{i}].function.parameters ({t.name}) is not a usable JSON schema: {exc}") \
+                    from None
+
+    # -- gRPC ------------------------------------------------------------------------------------
+    async def _grpc_submit(self, request: cpb.GenerateRequest, context) -> Entry:
+        try:
+            entry = await self.submit(request)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        self._watch(entry, context)
+        return entry
+
+    async def _grpc_chat(self, request: cpb.ChatRequest, context) -> tuple[Entry, ChatPlan]:
+        try:
+            try:
+                conversation = conversation_of(request)
+            except ToolError as exc:
+                self._count_refused()
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            entry, plan = await self.submit_chat(conversation)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        self._watch(entry, context)
+        return entry, plan
+
+    def _watch(self, entry: Entry, context) -> None:
+        # When a client cancels a stream while gRPC is writing to it, gRPC drops the handler's async
+        # generator without closing it, so a `finally` inside would run only when the garbage
+        # collector gets to it: the request would decode to its end and count as a success. The
+        # RPC's done callback runs when the call ends, however it ends.
+        context.add_done_callback(lambda _context: self.cancel(entry))
+
+    async def _grpc_events(self, entry: Entry, context):
+        try:
+            async for event in self.events(entry):
+                yield event
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def Generate(self, request, context):
+        return await self._generate(await self._grpc_submit(request, context), context)
+
+    async def _generate(self, entry: Entry, context, plan: ChatPlan | None = None) -> cpb.GenerateResponse:
+        gens = [g async for g in self._grpc_events(entry, context)]
+        response = cpb.GenerateResponse(generated_text=gens[-1].generated_text.text)
+        if entry.request.details:  # the contract: Details only when asked for
+            response.details.CopyFrom(self.details(entry, gens))
+        if plan is not None:
+            response.tool_calls.extend(proto_calls(plan.calls(raw_text(gens))[1]))
+        return response
+
+    async def GenerateStream(self, request, context):
+        async for msg in self._stream(await self._grpc_submit(request, context), context):
+            yield msg
+
+    async def Chat(self, request, context):
+        entry, plan = await self._grpc_chat(request, context)
+        return await self._generate(entry, context, plan)
+
+    async def ChatStream(self, request, context):
+        entry, plan = await self._grpc_chat(request, context)
+        async for msg in self._stream(entry, context, plan):
+            yield msg
+
+    async def _stream(self, entry: Entry, context, plan: ChatPlan | None = None):
         """One message per token. A speculative step's Generation carries several tokens (and one
         top_tokens entry per token); each goes out as its own message, the last one of the request
-        with the generated text and details."""
+        with the generated text and details (and a chat's tool calls)."""
         gens: list[spb.Generation] = []
-        async for g in self._events(entry, context):
+        async for g in self._grpc_events(entry, context):
             gens.append(g)
             tokens = _tokens(g.tokens)
             for i, token in enumerate(tokens):
@@ -224,7 +389,9 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
                 if i == len(tokens) - 1 and g.HasField("generated_text"):
                     msg.generated_text = g.generated_text.text
                     if entry.request.details:
-                        msg.details.CopyFrom(self._details(entry, gens))
+                        msg.details.CopyFrom(self.details(entry, gens))
+                    if plan is not None:
+                        msg.tool_calls.extend(proto_calls(plan.calls(raw_text(gens))[1]))
                 yield msg
 
     async def Tokenize(self, request, context):

@@ -39,6 +39,9 @@ DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 # position costs a token of compute.
 MAX_SPECULATE = 8
 
+# --tool-call-parser: the call syntaxes generation/tool_calls.py reads.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
 FLAG = "flag"  # the metadata key of a field's Flag
 AS_SETTING = object()  # Flag.option_default: the command line's default is the setting's
 
@@ -100,6 +103,16 @@ def _tcp_port(option: str, value: int) -> None:
         raise ValueError(f"{option} must be a TCP port (0-65535), got {value}")
 
 
+def _optional_tcp_port(option: str, value: int | None) -> None:
+    if value is not None:
+        _tcp_port(option, value)
+
+
+def parse_origins(values: list[str], where: str) -> list[str]:
+    """--cors-allow-origin values (repeatable) and CORS_ALLOW_ORIGIN, comma-separated."""
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
 def _request_limit(option: str, value: int) -> None:
     if value < 0:
         raise ValueError("--max-stop-sequences and --max-top-n-tokens must be >= 0")
@@ -158,8 +171,8 @@ class ServeArgs:
     )
     # -- network
     hostname: str = setting(
-        "127.0.0.1", "Address of the client gRPC API. HOSTNAME is used only when it holds an address "
-        "(container runtimes set it to a host name).",
+        "127.0.0.1", "Address of the client APIs (gRPC, and HTTP with --http-port). HOSTNAME is used only when it "
+        "holds an address (container runtimes set it to a host name).",
     )
     port: int = setting(50051, "Port of the client gRPC API.", check=_tcp_port)
     metrics_port: int = setting(9000, "Prometheus /metrics port.", tgi="prometheus_port", check=_tcp_port)
@@ -222,8 +235,8 @@ class ServeArgs:
                                     check=_request_limit)
     max_input_chars: int = setting(1_000_000, "Longest prompt in characters, checked before tokenizing.",
                                    check=_at_least_1)
-    max_message_bytes: int = setting(4 * 2**20, "Largest gRPC request accepted, in bytes.", tgi="payload_limit",
-                                     check=_at_least_1)
+    max_message_bytes: int = setting(4 * 2**20, "Largest request accepted (a gRPC message, an HTTP body), in bytes.",
+                                     tgi="payload_limit", check=_at_least_1)
     # -- batching and scheduling. A waiting request joins the running batch (pausing it for a
     # prefill) once it has waited max_waiting_tokens decode steps, or as soon as waiting/running
     # requests exceed waiting_served_ratio (TGI's knobs and defaults).
@@ -299,6 +312,25 @@ class ServeArgs:
     )
     shard_only: bool = setting(
         False, "Run one rank only (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).",
+    )
+    # -- the HTTP APIs (router/http/): OpenAI's and TGI's, beside the gRPC API on the same scheduler,
+    # behind the same API keys and TLS files
+    http_port: int | None = setting(  # None = no HTTP API
+        None, "Also serve OpenAI's (/v1/chat/completions, /v1/completions, /v1/models) and TGI's (/generate, "
+        "/generate_stream, /tokenize, /info, /health) HTTP APIs on this port, at --hostname (default: off).",
+        check=_optional_tcp_port,
+    )
+    cors_allow_origin: list[str] = setting(  # TGI's flag: origins allowed by CORS on the HTTP port
+        [], "Origins browsers may call the HTTP API from (repeatable or comma-separated; '*' for any).",
+        metavar="ORIGIN", parse=parse_origins,
+    )
+    max_client_batch_size: int = setting(  # TGI's flag: prompts x n of one HTTP request
+        4, "Most sequences one HTTP request may ask for: prompts of /v1/completions times n.",
+        check=_at_least_1,
+    )
+    tool_call_parser: str | None = setting(  # None = read from the chat template
+        None, "How the model writes tool calls, for tool_choice auto (default: read from the chat template; "
+        "else hermes).", choices=TOOL_CALL_PARSERS,
     )
     extra: dict = field(default_factory=dict)
 

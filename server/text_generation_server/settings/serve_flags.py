@@ -71,7 +71,6 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("rope_factor", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
     TgiFlag("lora_adapters", "LoRA adapters are not supported by this server", True),
     TgiFlag("otlp_endpoint", "OpenTelemetry export is not supported; use /metrics and --json-output logs", True),
-    TgiFlag("cors_allow_origin", "the client API is gRPC, not HTTP: CORS does not apply", True),
     TgiFlag("watermark_gamma", "watermarking is not supported by this server", True),
     TgiFlag("watermark_delta", "watermarking is not supported by this server", True),
     TgiFlag("tokenizer_config_path", "the chat template is read from the model folder (chat_template.jinja or "
@@ -92,7 +91,6 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
             False, is_flag=True),
     TgiFlag("max_best_of", "ignored: best_of is not part of the API (one sequence per request)", False,
             quiet=("1",)),
-    TgiFlag("max_client_batch_size", "ignored: each client request carries one prompt", False, quiet=("1",)),
     TgiFlag("validation_workers", "ignored: requests are validated on the router's thread pool", False),
     TgiFlag("otlp_service_name", "ignored: no OpenTelemetry export", False),
     TgiFlag("usage_stats", "ignored: this server collects no usage statistics", False, quiet=("off",)),
