@@ -55,6 +55,7 @@ from types import SimpleNamespace
 
 import torch
 
+from text_generation_server.kernels.kv_fp8 import KVScales, as_bytes, is_fp8
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -182,17 +183,23 @@ def _define_kernels() -> SimpleNamespace:
             raise RuntimeError(f"triton {triton.__version__} has no triton.language.standard.{combiner}")
 
     @triton.jit
-    def decode(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    def decode(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
                qk_scale, softcap, window, num_splits, max_blocks,
                stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                stride_bt, stride_ob, stride_oh,
                GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
+               FP8: tl.constexpr):
         # Program (b, kvh, split): query heads kvh*GROUP .. +GROUP of sequence b against this
         # split's share of the positions [lo, hi) it can see.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        v_scale = 1.0
+        if FP8 != 0:  # the head's scales, and the bytes' widening factor (kernels/kv_fp8.py)
+            widen = 256.0 if FP8 == 1 else 1.0
+            qk_scale = qk_scale * tl.load(ks_ptr + kvh) * widen
+            v_scale = tl.load(vs_ptr + kvh) * widen
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, DP)
         offs_n = tl.arange(0, BLOCK_N)
@@ -222,7 +229,13 @@ def _define_kernels() -> SimpleNamespace:
             off = pos % BS
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
+                        mask=kv_mask, other=0)  # [BLOCK_N, DP]
+            if FP8 == 1:  # e4m3fn bytes -> float16 of value / 256
+                k = (((k & 0x80).to(tl.uint16) << 8) | ((k & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
+            elif FP8 == 2:  # e5m2 bytes -> the float16 of the same value
+                k = (k.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            if FP8 != 0:
+                k = k.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -245,13 +258,21 @@ def _define_kernels() -> SimpleNamespace:
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
             v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8 == 1:
+                v = (((v & 0x80).to(tl.uint16) << 8) | ((v & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
+            elif FP8 == 2:
+                v = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            if FP8 != 0:
+                v = v.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if FP8 != 0:
+            acc = acc * v_scale
         if SPLIT:
             row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GP]
             tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -286,13 +307,13 @@ def _define_kernels() -> SimpleNamespace:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
     @triton.jit
-    def prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    def prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, ks_ptr, vs_ptr,
                 qk_scale, softcap, window, max_blocks,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_bt, stride_ot, stride_oh,
                 GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, FP8: tl.constexpr):
         # Program (tile, kvh, b): rows tile*BLOCK_M .. +BLOCK_M of sequence b's (token, head) pairs
         # (row r = token r // GROUP, query head kvh*GROUP + r % GROUP); tiles in reverse order so
         # the longest (last queries, most keys) start first.
@@ -304,6 +325,11 @@ def _define_kernels() -> SimpleNamespace:
         row_lo = tile * BLOCK_M
         if row_lo >= q_len * GROUP:
             return
+        v_scale = 1.0
+        if FP8 != 0:  # the head's scales, and the bytes' widening factor (kernels/kv_fp8.py)
+            widen = 256.0 if FP8 == 1 else 1.0
+            qk_scale = qk_scale * tl.load(ks_ptr + kvh) * widen
+            v_scale = tl.load(vs_ptr + kvh) * widen
         rows = row_lo + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, DP)
         offs_n = tl.arange(0, BLOCK_N)
@@ -336,7 +362,13 @@ def _define_kernels() -> SimpleNamespace:
             off = pos % BS
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
+                        mask=kv_mask, other=0)  # [BLOCK_N, DP]
+            if FP8 == 1:  # e4m3fn bytes -> float16 of value / 256
+                k = (((k & 0x80).to(tl.uint16) << 8) | ((k & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
+            elif FP8 == 2:  # e5m2 bytes -> the float16 of the same value
+                k = (k.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            if FP8 != 0:
+                k = k.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -362,7 +394,13 @@ def _define_kernels() -> SimpleNamespace:
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
             v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8 == 1:
+                v = (((v & 0x80).to(tl.uint16) << 8) | ((v & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
+            elif FP8 == 2:
+                v = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            if FP8 != 0:
+                v = v.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
@@ -370,6 +408,8 @@ def _define_kernels() -> SimpleNamespace:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if FP8 != 0:
+            o = o * v_scale
         tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
@@ -383,7 +423,8 @@ _kernels = LazyKernels(_define_kernels)
 
 def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                  extra: dict[str, torch.Tensor], softcap: float | None = None) -> None:
+                  extra: dict[str, torch.Tensor], softcap: float | None = None,
+                  kv_scales: KVScales | None = None) -> None:
     """Shapes, dtypes, strides and devices every launch needs; raises ValueError naming the problem."""
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be 3-D, got shape {list(q.shape)}")
@@ -392,10 +433,12 @@ def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise ValueError(f"{name}: key_cache and value_cache must both be [num_blocks, block_size, kv_heads, "
                          f"head_dim], got {list(key_cache.shape)} and {list(value_cache.shape)}")
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: cache dtypes {key_cache.dtype}/{value_cache.dtype} must match q's {q.dtype}")
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != q.dtype and not is_fp8(key_cache.dtype)):
+        raise ValueError(f"{name}: cache dtypes {key_cache.dtype}/{value_cache.dtype} must match q's {q.dtype} (or "
+                         "both be fp8)")
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = key_cache.shape[2]
+    _check_scales(name, key_cache.dtype, kv_scales, kv_heads, q.device)
     if key_cache.shape[3] != dim:
         raise ValueError(f"{name}: q head_dim {dim} does not match the cache's {key_cache.shape[3]}")
     if not 1 <= dim <= MAX_HEAD_DIM:
@@ -428,6 +471,31 @@ def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"{name} cannot run on {q.device}: {why}")
 
 
+def _check_scales(name: str, cache_dtype: torch.dtype, kv_scales: KVScales | None, kv_heads: int,
+                  device: torch.device) -> None:
+    """An fp8 cache comes with its layer's scales, one per KV head, on the cache's device."""
+    if not is_fp8(cache_dtype):
+        if kv_scales is not None:
+            raise ValueError(f"{name}: kv_scales given for a {cache_dtype} cache (they are for fp8 caches)")
+        return
+    if kv_scales is None or kv_scales.dtype != cache_dtype:
+        raise ValueError(f"{name}: a {cache_dtype} cache needs kv_scales of that dtype, got "
+                         f"{None if kv_scales is None else kv_scales.dtype}")
+    for which, t in (("key", kv_scales.key), ("value", kv_scales.value)):
+        if t.shape != (kv_heads,) or t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name}: kv_scales.{which} must be contiguous float32 [{kv_heads}] on {device}, got "
+                             f"{list(t.shape)} on {t.device}")
+
+
+def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_scales: KVScales | None, dummy: torch.Tensor):
+    """(key cache, value cache, key scales, value scales, FP8 code) as the kernels take them: an
+    fp8 cache as bytes (kernels/kv_fp8.py), the scales of a 16/32-bit cache unused."""
+    if kv_scales is None:
+        return key_cache, value_cache, dummy, dummy, 0
+    ks, vs, code = kv_scales.kernel_scales()
+    return as_bytes(key_cache), as_bytes(value_cache), ks, vs, code
+
+
 def _check_out(name: str, out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -458,17 +526,19 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  seq_lens: torch.Tensor, scale: float, window: int | None = None, *, num_splits: int = 1,
                  out: torch.Tensor | None = None,
                  workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (the new token's already stored).
 
     q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables int32 [B, max_blocks];
     seq_lens int32 [B], positions in cache including the new token (0: padding row, zeros out).
     window: the query sees the last `window` positions. softcap: scores (after `scale`) become
-    softcap * tanh(scores / softcap) before the softmax (Gemma 2). Returns out [B, H, D] in q's dtype.
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2). An fp8 cache (float8_e4m3fn or
+    float8_e5m2) needs `kv_scales`: its bytes are widened in the kernel and the key scale folded into
+    the scores, the value scale into the output. Returns out [B, H, D] in q's dtype.
     No host sync and a grid of (B, KVH, num_splits): capturable in a CUDA graph with a workspace.
     """
     name = "paged_decode"
-    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {}, softcap)
+    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {}, softcap, kv_scales)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     if seq_lens.shape[0] != batch:
@@ -491,15 +561,16 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     dp = max(16, _pow2(dim))
     block_n, warps, stages = _decode_config(dim, q.dtype)
     kernels = _kernels()
+    k_arg, v_arg, ks, vs, fp8 = _cache_args(key_cache, value_cache, kv_scales, seq_lens)
     kernels.decode[(batch, kv_heads, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, out, m_ws, l_ws, acc_ws,
+        q, k_arg, v_arg, block_tables, seq_lens, out, m_ws, l_ws, acc_ws, ks, vs,
         float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
         NO_WINDOW if window is None else window, num_splits, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GP=max(16, _pow2(group)), D=dim, DP=dp, BS=block_size, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, num_warps=warps, num_stages=stages,
+        DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, FP8=fp8, num_warps=warps, num_stages=stages,
     )
     if split:
         kernels.combine[(batch, heads)](
@@ -531,17 +602,18 @@ def _check_lengths_cpu(name: str, seq_lens: torch.Tensor, capacity: int) -> None
 
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int | None = None, *,
-                  max_q_len: int, out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                  max_q_len: int, out: torch.Tensor | None = None, softcap: float | None = None,
+                  kv_scales: KVScales | None = None) -> torch.Tensor:
     """Causal attention of the new tokens of B sequences (flattened) over their paged K/V.
 
     q [T, H, D]; cu_seqlens_q int32 [B+1] (sequence b's new tokens are q[cu[b]:cu[b+1]], its
     last positions); seq_lens int32 [B] = positions in cache after this step, so the cached
     prefix is seq_lens[b] - q_len_b. max_q_len bounds every q_len (it sizes the grid; rows past
-    it would not be computed). softcap as in `paged_decode`. Returns out [T, H, D] in q's dtype.
+    it would not be computed). softcap and kv_scales as in `paged_decode`. Returns out [T, H, D] in q's dtype.
     """
     name = "paged_prefill"
     _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {"cu_seqlens_q": cu_seqlens_q},
-                  softcap)
+                  softcap, kv_scales)
     batch = block_tables.shape[0]
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -568,15 +640,16 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     group = heads // kv_heads
     block_m, block_n, warps, stages = _prefill_config(max_q_len * group, dim, q.dtype)
     grid = (_cdiv(max_q_len * group, block_m), kv_heads, batch)
+    k_arg, v_arg, ks, vs, fp8 = _cache_args(key_cache, value_cache, kv_scales, seq_lens)
     _kernels().prefill[grid](
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_arg, v_arg, block_tables, cu_seqlens_q, seq_lens, out, ks, vs,
         float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
         NO_WINDOW if window is None else window, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, DP=max(16, _pow2(dim)), BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
     return out

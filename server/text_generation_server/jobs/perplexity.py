@@ -169,7 +169,7 @@ def evaluate(lm, text: str, seqlen: int | None = None, max_tokens: int | None = 
         raise DatasetError(f"the text tokenizes to {len(ids)} token(s): at least 2 are needed to score one")
     per_batch = max(1, batch_tokens // seqlen)
     width = per_batch * seqlen
-    cache = lm.kv_layout.allocate(1, width, lm.dtype, lm.device)
+    cache = lm.new_kv_cache(1, width)
     nll = 0.0
     for start in range(0, len(windows), per_batch):
         nll += windows_nll(lm.model, windows[start:start + per_batch], cache, lm.device)
