@@ -458,10 +458,15 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
     # index_select over the flattened table copies whole blocks; on CPU it is several times
     # faster than advanced indexing (cache[table]).
     index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
-    k = read_cache(key_cache.index_select(0, index), kv_scales, "key", q.dtype)
-    v = read_cache(value_cache.index_select(0, index), kv_scales, "value", q.dtype)
-    k = k.view(batch, length, kv_heads, dim).transpose(1, 2)
-    v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
+    # An fp8 cache's gathered copy is only widened; its scales fold into q (each KV head's query
+    # heads) and the output, as the Triton kernels fold them: no pass of multiplies over the copy.
+    k = key_cache.index_select(0, index).to(q.dtype).view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = value_cache.index_select(0, index).to(q.dtype).view(batch, length, kv_heads, dim).transpose(1, 2)
+    v_fold = None
+    if kv_scales is not None and not kv_scales.unit:
+        group = heads // kv_heads
+        q = (q.float() * kv_scales.key.repeat_interleave(group)[:, None]).to(q.dtype)
+        v_fold = kv_scales.value.repeat_interleave(group)[:, None]
 
     def build_mask() -> torch.Tensor:
         pos = torch.arange(length, device=q.device)
@@ -471,7 +476,8 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
         return mask[:, None, None, :]
 
     mask = meta.memo(("padded_mask", window), build_mask)
-    return sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
+    out = sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
+    return out if v_fold is None else (out.float() * v_fold).to(out.dtype)
 
 
 def padded_latent_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
