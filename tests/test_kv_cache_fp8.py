@@ -449,3 +449,24 @@ def test_decode_graphs_replay_on_an_fp8_cache(llama, monkeypatch, interpret, fla
     assert lm.attention.name == "triton-paged" and lm.kv_cache.dtype == FP8_KV_DTYPES[flag]
     assert_same(scenario(lm), eager)
     assert lm.graphs.stats.replays == {4: 2}
+
+
+def test_the_transformers_fallback_serves_an_fp8_cache_but_not_calibrated_scales(llama, tmp_path):
+    """transformers' modeling code over our cache quantizes and reads it like the native layers;
+    a checkpoint's calibrated scales are not mapped onto its modules, so they are refused by name."""
+    base = get_model(str(llama), dtype="bfloat16", block_size=BS, model_impl="transformers")
+    lm = get_model(str(llama), dtype="bfloat16", block_size=BS, model_impl="transformers", kv_cache_dtype="fp8")
+    assert lm.model_impl == "transformers" and lm.kv_dtype == torch.float8_e4m3fn
+    ids = base.tokenizer.encode(PROMPT).ids
+    want, got = logits_trace(base, ids), logits_trace(lm, ids)
+    assert 0 < float((got - want).norm() / want.norm()) <= FAMILY_BOUND["fp8_e4m3fn"]
+    folder = calibrated(llama, tmp_path / "ct", CT_SCHEME)
+    with pytest.raises(CheckpointError, match="does not read them"):
+        get_model(folder, dtype="float32", model_impl="transformers")
+
+
+def test_get_model_takes_the_flags_spellings():
+    assert resolve_kv_cache_dtype("fp8", None, torch.bfloat16) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("FP8_E4M3", None, torch.bfloat16) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8_e4m3fn, fp8_e5m2"):
+        resolve_kv_cache_dtype("int8", None, torch.bfloat16)

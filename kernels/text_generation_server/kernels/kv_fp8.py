@@ -55,6 +55,32 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
     return (x.float() * scale[:, None]).to(dtype)
 
 
+def check_kernel_scales(name: str, cache_dtype: torch.dtype, kv_scales: "KVScales | None", kv_heads: int,
+                        device: torch.device) -> None:
+    """A kernel launch's rule: an fp8 cache, and only one, comes with its layer's scales, one per KV
+    head, contiguous on the cache's device; raises ValueError naming the launcher."""
+    if not is_fp8(cache_dtype):
+        if kv_scales is not None:
+            raise ValueError(f"{name}: kv_scales given for a {cache_dtype} cache (they are for fp8 caches)")
+        return
+    if kv_scales is None or kv_scales.dtype != cache_dtype:
+        raise ValueError(f"{name}: a {cache_dtype} cache needs kv_scales of that dtype, got "
+                         f"{None if kv_scales is None else kv_scales.dtype}")
+    for which, t in (("key", kv_scales.key), ("value", kv_scales.value)):
+        if t.shape != (kv_heads,) or t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name}: kv_scales.{which} must be contiguous float32 [{kv_heads}] on {device}, got "
+                             f"{list(t.shape)} on {t.device}")
+
+
+def kernel_cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_scales: "KVScales | None",
+                      dummy: torch.Tensor) -> tuple:
+    """(key cache, value cache, key scales, value scales, FP8 code) as the kernels take them: an
+    fp8 cache as bytes, a 16/32-bit cache as it is (its scale pointers unused: `dummy`)."""
+    if kv_scales is None:
+        return key_cache, value_cache, dummy, dummy, 0
+    return as_bytes(key_cache), as_bytes(value_cache), kv_scales.key, kv_scales.value, FP8_FORMATS[kv_scales.dtype]
+
+
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The same storage seen as uint8 (what the Triton kernels load); strides are unchanged."""
     return cache.view(torch.uint8)
@@ -98,8 +124,3 @@ class KVScales:
         forward just stored sees the same numbers as attention over them later (a prompt gets
         the same bits computed whole, in chunks, or after a cached prefix)."""
         return self.dequantize(self.quantize(x, which), which, x.dtype)
-
-    def kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(key, value, FP8 code) as the Triton kernels take them; the kernels fold
-        FP8_WIDEN_FACTOR in themselves."""
-        return self.key, self.value, FP8_FORMATS[self.dtype]

@@ -145,9 +145,9 @@ def _define_kernels() -> SimpleNamespace:
         b = tl.program_id(0)
         g = tl.program_id(1)
         v_scale = 1.0
-        if FP8 != 0:  # the layer's scale and the bytes' widening factor (kernels/kv_fp8.py)
-            v_scale = tl.load(s_ptr) * (256.0 if FP8 == 1 else 1.0)
-            qk_scale = qk_scale * v_scale
+        if FP8 != 0:  # the layer's one scale (keys and values alike), x256 for e4m3fn bytes (kernels/kv_fp8.py)
+            qk_scale = qk_scale * tl.load(s_ptr + 0) * (256.0 if FP8 == 1 else 1.0)
+            v_scale = tl.load(s_ptr + 0) * (256.0 if FP8 == 1 else 1.0)
         heads = g * HB + tl.arange(0, HB)
         h_ok = heads < heads_total
         offs_r = tl.arange(0, RP)
@@ -173,16 +173,12 @@ def _define_kernels() -> SimpleNamespace:
             row = c_ptr + blk[:, None] * stride_cb + (pos % BS)[:, None] * stride_ct
             c = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)  # [BLOCK_N, RP]
             pe = tl.load(row + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)  # [BLOCK_N, PP]
-            if FP8 == 1:  # e4m3fn bytes -> float16 of value / 256
-                c = (((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
-                pe = (((pe & 0x80).to(tl.uint16) << 8) | ((pe & 0x7F).to(tl.uint16) << 7)).to(tl.float16,
-                                                                                                bitcast=True)
-            elif FP8 == 2:  # e5m2 bytes -> the float16 of the same value
-                c = (c.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
-                pe = (pe.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                c = (((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << (6 + FP8)))
+                c = c.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if FP8 != 0:
-                c = c.to(q_ptr.dtype.element_ty)
-                pe = pe.to(q_ptr.dtype.element_ty)
+                pe = (((pe & 0x80).to(tl.uint16) << 8) | ((pe & 0x7F).to(tl.uint16) << (6 + FP8)))
+                pe = pe.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 c32 = c.to(tl.float32)
                 s = tl.dot(q_c, tl.trans(c32), input_precision="ieee") \

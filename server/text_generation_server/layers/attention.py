@@ -11,6 +11,11 @@ One forward covers any mix of sequences: each has `cache_len` tokens already in 
 far) and `q_len` new tokens whose K/V the layer stores before attending. A decode step is the
 case q_len == 1 for every sequence; a plain prefill is cache_len == 0 for every sequence.
 
+An fp8 cache (`serve --kv-cache-dtype`) holds each number as fp8(x / scale) with one scale per
+layer or KV head (`KVCache.scales_of`, kernels/kv_fp8.py); every backend call then gets the
+layer's `kv_scales` and reads keys and values, this forward's new ones included, as the cache
+holds them, so a prompt gets the same numbers computed whole, in chunks or after a cached prefix.
+
 Backends (`attention_backends.py` keeps the ordered registry, `triton-paged` among them) implement `prefill` (any
 q_len, over the flattened new tokens) and `decode` (q_len == 1). This module holds the
 torch backend, which runs everywhere and is the reference for the others.

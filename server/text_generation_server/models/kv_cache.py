@@ -19,16 +19,17 @@ from text_generation_server.quantizers.factory import read_kv_cache_declaration
 from text_generation_server.quantizers.kv_cache import KvCacheDeclaration, load_kv_scales
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
+from text_generation_server.settings.serve_args import parse_kv_cache_dtype
 
 
 def resolve_kv_cache_dtype(flag: str | None, declaration: KvCacheDeclaration | None,
                            model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's dtype for `--kv-cache-dtype flag` (canonical spelling; None or auto: the
-    checkpoint's declaration, else the model's dtype)."""
+    """The cache's dtype for `--kv-cache-dtype flag` (any spelling the flag takes; None or auto:
+    the checkpoint's declaration, else the model's dtype)."""
+    if flag is not None:
+        flag = parse_kv_cache_dtype(flag, "--kv-cache-dtype")
     if flag in (None, "auto"):
         return FP8_KV_DTYPES[declaration.dtype] if declaration is not None else model_dtype
-    if flag not in FP8_KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be auto, {', '.join(FP8_KV_DTYPES)}, got {flag!r}")
     if declaration is not None and declaration.dtype != flag:
         raise CheckpointError(f"--kv-cache-dtype {flag} contradicts the checkpoint: {declaration.source} declares "
                               f"a {declaration.dtype} KV cache (leave the flag at auto, or give {declaration.dtype})")
