@@ -24,6 +24,7 @@ from family_cases import CASES, write_family_checkpoint
 from helpers import ids_request, run_to_end
 from safetensors.torch import load_file, save_file
 
+from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.kernels.kv_fp8 import FP8_KV_DTYPES, KVScales
 from text_generation_server.layers.attention import AttentionMetadata, KVLayout, TorchAttention
 from text_generation_server.models.kv_cache import resolve_kv_cache_dtype
@@ -470,3 +471,49 @@ def test_get_model_takes_the_flags_spellings():
     assert resolve_kv_cache_dtype("FP8_E4M3", None, torch.bfloat16) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8_e4m3fn, fp8_e5m2"):
         resolve_kv_cache_dtype("int8", None, torch.bfloat16)
+
+
+# -- prefix caching and chunked prefill are unchanged ----------------------------------------------------------
+@pytest.mark.parametrize("flag", ["fp8_e4m3fn", "fp8_e5m2"])
+def test_chunks_and_a_cached_prefix_give_the_whole_prefills_tokens(llama, tmp_path, flag):
+    """A prompt's own keys are read as the cache holds them, so the tokens do not depend on how the
+    prompt was split: whole, in chunks of 3, or after 2 or 5 blocks another request computed."""
+    folder = calibrated(llama, tmp_path / "ct", dict(CT_SCHEME, strategy="attn_head"), per_head=True) \
+        if flag == "fp8_e4m3fn" else str(llama)
+    lm = get_model(folder, dtype="float32", block_size=BS, kv_cache_dtype=flag)
+    lm.allocate_kv_cache(256)
+    ids = lm.tokenizer.encode(PROMPT).ids  # 26 tokens
+    want = run_to_end(lm, lm.make_batch(0, [ids_request(0, ids, 12)]))[0]["ids"]
+    lm.max_prefill_tokens = 5
+    chunked = run_to_end(lm, lm.make_batch(1, [ids_request(1, ids, 12, chunk_len=3)]))[1]["ids"]
+    assert chunked == want
+    lm.max_prefill_tokens = None
+    blocks = lm.allocator.allocate(lm.blocks_for(len(ids) + 12))
+    run_to_end(lm, lm.make_batch(2, [ids_request(2, ids[:20] + [7, 8, 9], 2, blocks=blocks)]))
+    for cached_blocks in (2, 5):
+        tail = lm.allocator.allocate(lm.blocks_for(len(ids) + 12) - cached_blocks)
+        req = ids_request(3, ids, 12, blocks=blocks[:cached_blocks] + tail, cache_len=cached_blocks * BS)
+        assert run_to_end(lm, lm.make_batch(3, [req]))[3]["ids"] == want
+        lm.allocator.free(tail)
+
+
+# -- tensor parallel: each rank its heads' scales --------------------------------------------------------------
+def _fp8_rank(pg, folder: str) -> dict:
+    lm = get_model(folder, dtype="float32", process_group=pg, block_size=BS)
+    done = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=8, ignore_eos_token=True)])
+    return {"tokens": list(done[0].token_ids), "key": [s.key.tolist() for s in lm.kv_scales],
+            "value": [s.value.tolist() for s in lm.kv_scales]}
+
+
+def test_two_ranks_keep_their_heads_scales_and_give_one_process_tokens(llama, tmp_path):
+    from helpers import run_ranks
+
+    folder = calibrated(llama, tmp_path / "heads", dict(CT_SCHEME, strategy="attn_head"), per_head=True)
+    (tmp_path / "ranks").mkdir()
+    ranks = run_ranks(_fp8_rank, (folder,), 2, tmp_path / "ranks", 300)
+    one = get_model(folder, dtype="float32", block_size=BS)
+    want = one.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=8, ignore_eos_token=True)])
+    for rank, got in enumerate(ranks):
+        assert got["key"] == [[K_SCALES[layer] * (3 if rank else 1)] for layer in range(2)]
+        assert got["value"] == [[V_SCALES[layer] * (3 if rank else 1)] for layer in range(2)]
+        assert got["tokens"] == list(want[0].token_ids)
