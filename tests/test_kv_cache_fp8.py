@@ -517,3 +517,23 @@ def test_two_ranks_keep_their_heads_scales_and_give_one_process_tokens(llama, tm
         assert got["key"] == [[K_SCALES[layer] * (3 if rank else 1)] for layer in range(2)]
         assert got["value"] == [[V_SCALES[layer] * (3 if rank else 1)] for layer in range(2)]
         assert got["tokens"] == list(want[0].token_ids)
+
+
+@pytest.mark.parametrize("cap,dtype,fp8", [(80, torch.bfloat16, 1), (90, torch.float16, 2), (90, torch.bfloat16, 0)])
+def test_mla_decode_compiles_for_sm80_and_sm90_on_fp8(monkeypatch, cap, dtype, fp8):
+    """The fp8 bytes are widened with integer operations: no fp8 instruction, so sm80 compiles it."""
+    from test_paged_attention import _compile
+
+    from text_generation_server.kernels import mla_decode as mla
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = mla._kernels()
+    d = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    strides = ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh"]
+    ptrs = {"q_ptr": d, "c_ptr": "*u8" if fp8 else d, "bt_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": d,
+            "s_ptr": "*fp32"}
+    sig = {**ptrs, "qk_scale": "fp32", **{a: "i32" for a in ["heads_total", "max_blocks"] + strides}}
+    block_n, warps, stages = mla._config(512, dtype)
+    const = dict(HB=16, R=512, RP=512, P=64, PP=64, BS=64, BLOCK_N=block_n, DOT_F32=False, FP8=fp8)
+    compiled = _compile(kernels.decode, cap, sig, const, list(ptrs) + strides, num_warps=warps, num_stages=stages)
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 99 * 1024
