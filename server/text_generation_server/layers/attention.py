@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.kernels.kv_fp8 import KVScales, is_fp8
+from text_generation_server.kernels.kv_fp8 import KVScales, is_fp8, widen
 
 
 @dataclass(frozen=True)
@@ -465,13 +465,16 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
     index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
     # An fp8 cache's gathered copy is only widened; its scales fold into q (each KV head's query
     # heads) and the output, as the Triton kernels fold them: no pass of multiplies over the copy.
-    k = key_cache.index_select(0, index).to(q.dtype).view(batch, length, kv_heads, dim).transpose(1, 2)
-    v = value_cache.index_select(0, index).to(q.dtype).view(batch, length, kv_heads, dim).transpose(1, 2)
+    k, v = key_cache.index_select(0, index), value_cache.index_select(0, index)
     v_fold = None
-    if kv_scales is not None and not kv_scales.unit:
-        group = heads // kv_heads
-        q = (q.float() * kv_scales.key.repeat_interleave(group)[:, None]).to(q.dtype)
-        v_fold = kv_scales.value.repeat_interleave(group)[:, None]
+    if kv_scales is not None:
+        (k, factor), (v, _) = widen(k, q.dtype), widen(v, q.dtype)  # the widened copy / factor
+        if factor != 1.0 or not kv_scales.unit:
+            group = heads // kv_heads
+            q = (q.float() * (kv_scales.key * factor).repeat_interleave(group)[:, None]).to(q.dtype)
+            v_fold = (kv_scales.value * factor).repeat_interleave(group)[:, None]
+    k = k.view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
 
     def build_mask() -> torch.Tensor:
         pos = torch.arange(length, device=q.device)
