@@ -10,7 +10,10 @@
   (cut per tensor-parallel rank), ModelOpt's kv_cache_quant_algo, other declarations refused by
   name, a flag contradicting the checkpoint refused naming both;
 - warmup: at the same memory budget an fp8 cache holds 2x the tokens of a bfloat16 one (4x
-  float32), and Info's max_batch_total_tokens says so.
+  float32), and Info's max_batch_total_tokens says so;
+- CUDA graphs (emulated capture) replay over an fp8 cache; chunked prefill and a cached prefix give
+  the whole prefill's tokens; two gloo ranks keep their KV heads' scales and give one process's
+  tokens; the kernels' fp8 paths compile for sm80 and sm90.
 """
 
 from __future__ import annotations
