@@ -608,25 +608,29 @@ def _exp2_and_softcap_reads(ttir: str) -> tuple[int, int]:
     return ttir.count("math.exp2"), len(re.findall(r"%softcap\b", ttir)) - 1
 
 
-@pytest.mark.parametrize("cap,dtype,dim,softcap", [(90, torch.float16, 128, False), (80, torch.bfloat16, 80, False),
-                                                   (80, torch.float32, 256, False), (90, torch.bfloat16, 256, True),
-                                                   (80, torch.float16, 128, True)])
-def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, softcap, monkeypatch):
+@pytest.mark.parametrize("cap,dtype,dim,softcap,fp8", [
+    (90, torch.float16, 128, False, 0), (80, torch.bfloat16, 80, False, 0), (80, torch.float32, 256, False, 0),
+    (90, torch.bfloat16, 256, True, 0), (80, torch.float16, 128, True, 0),
+    (80, torch.bfloat16, 128, False, 1), (90, torch.float16, 128, True, 2), (90, torch.bfloat16, 64, False, 1)])
+def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, softcap, fp8, monkeypatch):
     """Also: without a cap (SOFTCAP False) the kernels never read the softcap argument and hold just
-    the online softmax's two exp2 ops, as before soft-capping existed; with one, a third (tanh)."""
+    the online softmax's two exp2 ops, as before soft-capping existed; with one, a third (tanh).
+    An fp8 cache (FP8 1: e4m3fn, 2: e5m2) compiles on sm80 too (its bytes are widened with integer
+    ops, no fp8 conversion instruction) and still arrives in 16-byte loads."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernels = pa._kernels()
     d = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    c = "*u8" if fp8 else d
     dp = pa._pow2(dim)
     strides = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
                "stride_vh", "stride_bt", "stride_ob", "stride_oh"]
-    ptrs = {"q_ptr": d, "k_ptr": d, "v_ptr": d, "bt_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": d,
-            "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    ptrs = {"q_ptr": d, "k_ptr": c, "v_ptr": c, "bt_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": d,
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     sig = {**ptrs, "qk_scale": "fp32", "softcap": "fp32",
            **{a: "i32" for a in ["window", "num_splits", "max_blocks"] + strides}}
     block_n, warps, stages = pa._decode_config(dim, dtype)
     const = dict(GROUP=4, GP=16, D=dim, DP=dp, BS=16, BLOCK_N=block_n, SPLIT=True, DOT_F32=dtype == torch.float32,
-                 SOFTCAP=softcap)
+                 SOFTCAP=softcap, FP8=fp8)
     compiled = _compile(kernels.decode, cap, sig, const, list(ptrs) + strides, num_warps=warps, num_stages=stages)
     assert _wide_loads(compiled.asm["ptx"])
     exp2, reads = _exp2_and_softcap_reads(compiled.asm["ttir"])
@@ -640,12 +644,12 @@ def test_kernels_compile_for_sm80_and_sm90(cap, dtype, dim, softcap, monkeypatch
 
     strides = ["stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
                "stride_vh", "stride_bt", "stride_ot", "stride_oh"]
-    ptrs = {"q_ptr": d, "k_ptr": d, "v_ptr": d, "bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32",
-            "out_ptr": d}
+    ptrs = {"q_ptr": d, "k_ptr": c, "v_ptr": c, "bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32",
+            "out_ptr": d, "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     sig = {**ptrs, "qk_scale": "fp32", "softcap": "fp32", **{a: "i32" for a in ["window", "max_blocks"] + strides}}
     block_m, block_n, warps, stages = pa._prefill_config(8192, dim, dtype)
     const = dict(GROUP=4, D=dim, DP=dp, BS=16, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=cap == 80,
-                 DOT_F32=dtype == torch.float32, SOFTCAP=softcap)
+                 DOT_F32=dtype == torch.float32, SOFTCAP=softcap, FP8=fp8)
     compiled = _compile(kernels.prefill, cap, sig, const, list(ptrs) + strides, num_warps=warps, num_stages=stages)
     exp2, reads = _exp2_and_softcap_reads(compiled.asm["ttir"])
     assert (exp2, reads > 0) == ((3, True) if softcap else (2, False))

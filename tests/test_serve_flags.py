@@ -112,6 +112,7 @@ ENV_CASES = {
     "BLOCK_SIZE": ("32", "block_size", 32),
     "MEMORY_FRACTION": ("0.5", "memory_fraction", 0.5),
     "CUDA_MEMORY_FRACTION": ("0.8", "cuda_memory_fraction", 0.8),
+    "KV_CACHE_DTYPE": ("fp8", "kv_cache_dtype", "fp8_e4m3fn"),
     "PREFIX_CACHING": ("0", "prefix_caching", False),
     "USE_PREFIX_CACHING": ("false", "prefix_caching", False),
     "CUDA_GRAPHS": ("1,2,4", "cuda_graphs", [1, 2, 4]),
@@ -188,6 +189,7 @@ FLAG_SET = [
     ("--block-size", "BLOCK_SIZE", 16, False),
     ("--memory-fraction", "MEMORY_FRACTION", None, False),
     ("--cuda-memory-fraction", "CUDA_MEMORY_FRACTION", 1.0, False),
+    ("--kv-cache-dtype", "KV_CACHE_DTYPE", "auto", False),
     ("--prefix-caching/--no-prefix-caching", "PREFIX_CACHING", True, False),
     ("--use-prefix-caching/--no-use-prefix-caching", "USE_PREFIX_CACHING", None, True),
     ("--cuda-graphs", "CUDA_GRAPHS", None, False),
@@ -569,3 +571,20 @@ def test_plain_logs_keep_their_format(capsys, restore_logging):
     err = capsys.readouterr().err
     assert " | INFO     | launcher | test_serve_flags:" in err and err.rstrip().endswith("- hello")
     assert not err.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("auto", "auto"), ("fp8_e4m3fn", "fp8_e4m3fn"), ("fp8_e5m2", "fp8_e5m2"), ("FP8_E5M2", "fp8_e5m2"),
+    ("fp8", "fp8_e4m3fn"), ("fp8_e4m3", "fp8_e4m3fn"),  # vLLM's spellings
+])
+def test_kv_cache_dtype_takes_tgis_names_and_vllms(serve, given, expected):
+    assert ok(serve("--kv-cache-dtype", given)).kv_cache_dtype == expected
+    assert ok(serve()).kv_cache_dtype == "auto"
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices(serve):
+    run = serve("--kv-cache-dtype", "int8")
+    assert run.code == 2 and run.args is None
+    assert "--kv-cache-dtype" in run.output and "fp8_e4m3fn" in run.output and "'int8'" in run.output
+    run = serve(KV_CACHE_DTYPE="fp4")
+    assert run.code == 2 and "KV_CACHE_DTYPE" in run.output and "'fp4'" in run.output

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
+from text_generation_server.kernels.kv_fp8 import FP8_FORMATS, KVScales, as_bytes, is_fp8
 from text_generation_server.kernels.paged_attention import paged_attention_available
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
@@ -57,12 +58,15 @@ def _config(rp: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, value_dim: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, value_dim: int, *, out: torch.Tensor | None = None,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
     """Absorbed MLA decode of one new token per sequence (its latent already stored).
 
     q [B, H, W] (latent-space query, then the rotary part); latent_cache [blocks, block_size, 1, W];
     block_tables int32 [B, max_blocks]; seq_lens int32 [B], positions including the new token (0:
-    a padding row, zeros out); value_dim R: values are the latents' first R numbers.
+    a padding row, zeros out); value_dim R: values are the latents' first R numbers. An fp8 cache
+    needs `kv_scales` ([1] each; keys and values are the same latents, so the key scale serves both):
+    its bytes are widened in the kernel, the scale folded into the scores and the output.
     Returns out [B, H, R] in q's dtype.
     """
     name = "mla_decode"
@@ -74,9 +78,14 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.
         raise ValueError(f"{name}: q width {width} does not match the cache's {latent_cache.shape[3]}")
     if not 0 < value_dim < width or width > MAX_LATENT_DIM:
         raise ValueError(f"{name}: need 0 < value_dim ({value_dim}) < width ({width}) <= {MAX_LATENT_DIM}")
-    if q.dtype not in _DTYPES or latent_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: q and cache must share a dtype of float16/bfloat16/float32, got {q.dtype} and "
-                         f"{latent_cache.dtype}")
+    if q.dtype not in _DTYPES or (latent_cache.dtype != q.dtype and not is_fp8(latent_cache.dtype)):
+        raise ValueError(f"{name}: q and cache must share a dtype of float16/bfloat16/float32 (or the cache be fp8), "
+                         f"got {q.dtype} and {latent_cache.dtype}")
+    if is_fp8(latent_cache.dtype) != (kv_scales is not None) or (
+            kv_scales is not None and (kv_scales.dtype != latent_cache.dtype or kv_scales.key.shape != (1,)
+                                       or kv_scales.key.device != q.device)):
+        raise ValueError(f"{name}: an fp8 cache, and only one, takes kv_scales of its dtype with one [1] scale on "
+                         f"{q.device}; got a {latent_cache.dtype} cache and {kv_scales}")
     if q.stride(-1) != 1 or latent_cache.stride(-1) != 1:
         raise ValueError(f"{name}: q and latent_cache need unit stride along the width, got {q.stride()} and "
                          f"{latent_cache.stride()}")
@@ -107,13 +116,16 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.
     rope = width - value_dim
     rp, pp = max(16, _pow2(value_dim)), max(16, _pow2(rope))
     block_n, warps, stages = _config(rp, q.dtype)
+    cache, scales, fp8 = latent_cache, seq_lens, 0  # seq_lens: an unused pointer without fp8
+    if kv_scales is not None:
+        cache, scales, fp8 = as_bytes(latent_cache), kv_scales.key, FP8_FORMATS[kv_scales.dtype]
     _kernels().decode[(batch, -(-heads // HEADS))](
-        q, latent_cache, block_tables, seq_lens, out,
+        q, cache, block_tables, seq_lens, out, scales,
         float(scale) * 1.4426950408889634, heads, block_tables.shape[1],
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         HB=HEADS, R=value_dim, RP=rp, P=rope, PP=pp, BS=block_size, BLOCK_N=block_n,
-        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting()),
+        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting()), FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
     return out
@@ -125,13 +137,17 @@ def _define_kernels() -> SimpleNamespace:
             raise RuntimeError(f"triton {triton.__version__} has no triton.language.standard.{combiner}")
 
     @triton.jit
-    def decode(q_ptr, c_ptr, bt_ptr, lens_ptr, out_ptr, qk_scale, heads_total, max_blocks,
+    def decode(q_ptr, c_ptr, bt_ptr, lens_ptr, out_ptr, s_ptr, qk_scale, heads_total, max_blocks,
                stride_qb, stride_qh, stride_cb, stride_ct, stride_bt, stride_ob, stride_oh,
                HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-               BS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+               BS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr):
         # Program (b, g): query heads g*HB .. +HB of sequence b against all its positions.
         b = tl.program_id(0)
         g = tl.program_id(1)
+        v_scale = 1.0
+        if FP8 != 0:  # the layer's one scale (keys and values alike), x256 for e4m3fn bytes (kernels/kv_fp8.py)
+            qk_scale = qk_scale * tl.load(s_ptr + 0) * (256.0 if FP8 == 1 else 1.0)
+            v_scale = tl.load(s_ptr + 0) * (256.0 if FP8 == 1 else 1.0)
         heads = g * HB + tl.arange(0, HB)
         h_ok = heads < heads_total
         offs_r = tl.arange(0, RP)
@@ -155,8 +171,14 @@ def _define_kernels() -> SimpleNamespace:
             n_ok = pos < hi
             blk = tl.load(bt_ptr + b * stride_bt + pos // BS, mask=n_ok, other=0).to(tl.int64)
             row = c_ptr + blk[:, None] * stride_cb + (pos % BS)[:, None] * stride_ct
-            c = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, RP]
-            pe = tl.load(row + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_N, PP]
+            c = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)  # [BLOCK_N, RP]
+            pe = tl.load(row + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)  # [BLOCK_N, PP]
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                c = (((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << (6 + FP8)))
+                c = c.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
+            if FP8 != 0:
+                pe = (((pe & 0x80).to(tl.uint16) << 8) | ((pe & 0x7F).to(tl.uint16) << (6 + FP8)))
+                pe = pe.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 c32 = c.to(tl.float32)
                 s = tl.dot(q_c, tl.trans(c32), input_precision="ieee") \
@@ -176,6 +198,8 @@ def _define_kernels() -> SimpleNamespace:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0: acc is 0, so zeros
+        if FP8 != 0:
+            o = o * v_scale
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
 

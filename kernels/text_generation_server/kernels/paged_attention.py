@@ -37,7 +37,9 @@ no tanh (libdevice's is per backend), so it is built from builtins: for |x| >= 1
 tanh(x) = 1 - 2 / (2^(2x log2(e)) + 1), which saturates to +-1 (exp2 going to 0 or inf), never
 NaN; near 0 that form cancels (an absolute error of ~2^-24, times softcap: with Gemma 2's cap of
 50 about 20x fp32's usual error), so for |x| < 1/4 an odd Taylor polynomial to x^9 takes over.
-Either way tanh is within 2e-7 of the exact value.
+Either way tanh is within 2e-7 of the exact value. An fp8 cache (`kv_scales=`; constexpr FP8) is
+loaded as bytes and widened in registers (kernels/kv_fp8.py); the KV head's key scale multiplies
+qk_scale (soft-capping sees true scores), its value scale the output.
 
 Like kernels/triton_gemm.py, the module imports without Triton, and the @triton.jit functions
 are defined on first use for the current TRITON_INTERPRET setting, so tests run them on CPU
@@ -55,6 +57,8 @@ from types import SimpleNamespace
 
 import torch
 
+from text_generation_server.kernels import kv_fp8
+from text_generation_server.kernels import paged_attention_args as args
 from text_generation_server.kernels.triton_support import LazyKernels, interpreting, tl, triton
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -182,17 +186,22 @@ def _define_kernels() -> SimpleNamespace:
             raise RuntimeError(f"triton {triton.__version__} has no triton.language.standard.{combiner}")
 
     @triton.jit
-    def decode(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    def decode(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
                qk_scale, softcap, window, num_splits, max_blocks,
                stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                stride_bt, stride_ob, stride_oh,
                GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
+               FP8: tl.constexpr):
         # Program (b, kvh, split): query heads kvh*GROUP .. +GROUP of sequence b against this
         # split's share of the positions [lo, hi) it can see.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        v_scale = 1.0
+        if FP8 != 0:  # the KV head's scales, times 256 for e4m3fn's widened bytes (kernels/kv_fp8.py)
+            qk_scale = qk_scale * tl.load(ks_ptr + kvh) * (256.0 if FP8 == 1 else 1.0)
+            v_scale = tl.load(vs_ptr + kvh) * (256.0 if FP8 == 1 else 1.0)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, DP)
         offs_n = tl.arange(0, BLOCK_N)
@@ -222,7 +231,10 @@ def _define_kernels() -> SimpleNamespace:
             off = pos % BS
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
+                        mask=kv_mask, other=0)  # [BLOCK_N, DP]
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                k = (((k & 0x80).to(tl.uint16) << 8) | ((k & 0x7F).to(tl.uint16) << (6 + FP8)))
+                k = k.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -245,13 +257,17 @@ def _define_kernels() -> SimpleNamespace:
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
             v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                v = (((v & 0x80).to(tl.uint16) << 8) | ((v & 0x7F).to(tl.uint16) << (6 + FP8)))
+                v = v.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        acc = acc * v_scale  # an fp8 cache's value scale (1.0 otherwise), partials too: the combine is linear
         if SPLIT:
             row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GP]
             tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -286,13 +302,13 @@ def _define_kernels() -> SimpleNamespace:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
     @triton.jit
-    def prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    def prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, ks_ptr, vs_ptr,
                 qk_scale, softcap, window, max_blocks,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_bt, stride_ot, stride_oh,
                 GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, FP8: tl.constexpr):
         # Program (tile, kvh, b): rows tile*BLOCK_M .. +BLOCK_M of sequence b's (token, head) pairs
         # (row r = token r // GROUP, query head kvh*GROUP + r % GROUP); tiles in reverse order so
         # the longest (last queries, most keys) start first.
@@ -304,6 +320,10 @@ def _define_kernels() -> SimpleNamespace:
         row_lo = tile * BLOCK_M
         if row_lo >= q_len * GROUP:
             return
+        v_scale = 1.0
+        if FP8 != 0:  # the KV head's scales, times 256 for e4m3fn's widened bytes (kernels/kv_fp8.py)
+            qk_scale = qk_scale * tl.load(ks_ptr + kvh) * (256.0 if FP8 == 1 else 1.0)
+            v_scale = tl.load(vs_ptr + kvh) * (256.0 if FP8 == 1 else 1.0)
         rows = row_lo + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, DP)
         offs_n = tl.arange(0, BLOCK_N)
@@ -336,7 +356,10 @@ def _define_kernels() -> SimpleNamespace:
             off = pos % BS
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, DP]
+                        mask=kv_mask, other=0)  # [BLOCK_N, DP]
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                k = (((k & 0x80).to(tl.uint16) << 8) | ((k & 0x7F).to(tl.uint16) << (6 + FP8)))
+                k = k.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -362,14 +385,17 @@ def _define_kernels() -> SimpleNamespace:
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
             v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8 != 0:  # bytes -> float16 (e4m3fn: value / 256, kernels/kv_fp8.py) -> q's dtype
+                v = (((v & 0x80).to(tl.uint16) << 8) | ((v & 0x7F).to(tl.uint16) << (6 + FP8)))
+                v = v.to(tl.float16, bitcast=True).to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # v_scale: an fp8 cache's (else 1.0)
         tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
@@ -383,7 +409,8 @@ _kernels = LazyKernels(_define_kernels)
 
 def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                  extra: dict[str, torch.Tensor], softcap: float | None = None) -> None:
+                  extra: dict[str, torch.Tensor], softcap: float | None = None,
+                  kv_scales: kv_fp8.KVScales | None = None) -> None:
     """Shapes, dtypes, strides and devices every launch needs; raises ValueError naming the problem."""
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be 3-D, got shape {list(q.shape)}")
@@ -392,10 +419,11 @@ def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise ValueError(f"{name}: key_cache and value_cache must both be [num_blocks, block_size, kv_heads, "
                          f"head_dim], got {list(key_cache.shape)} and {list(value_cache.shape)}")
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: cache dtypes {key_cache.dtype}/{value_cache.dtype} must match q's {q.dtype}")
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != q.dtype and not kv_fp8.is_fp8(key_cache.dtype)):
+        raise ValueError(f"{name}: cache dtypes {key_cache.dtype}/{value_cache.dtype} must match q's {q.dtype} or be fp8")
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = key_cache.shape[2]
+    kv_fp8.check_kernel_scales(name, key_cache.dtype, kv_scales, kv_heads, q.device)
     if key_cache.shape[3] != dim:
         raise ValueError(f"{name}: q head_dim {dim} does not match the cache's {key_cache.shape[3]}")
     if not 1 <= dim <= MAX_HEAD_DIM:
@@ -428,15 +456,6 @@ def _check_common(name: str, q: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"{name} cannot run on {q.device}: {why}")
 
 
-def _check_out(name: str, out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must be {q.dtype} {list(q.shape)} on {q.device} with unit stride along "
-                         f"head_dim, got {out.dtype} {list(out.shape)} on {out.device} strides {out.stride()}")
-    return out
-
-
 def _dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
@@ -458,48 +477,50 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  seq_lens: torch.Tensor, scale: float, window: int | None = None, *, num_splits: int = 1,
                  out: torch.Tensor | None = None,
                  workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, kv_scales: kv_fp8.KVScales | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (the new token's already stored).
 
     q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables int32 [B, max_blocks];
     seq_lens int32 [B], positions in cache including the new token (0: padding row, zeros out).
     window: the query sees the last `window` positions. softcap: scores (after `scale`) become
-    softcap * tanh(scores / softcap) before the softmax (Gemma 2). Returns out [B, H, D] in q's dtype.
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2). An fp8 cache needs its `kv_scales`
+    (module docstring). Returns out [B, H, D] in q's dtype.
     No host sync and a grid of (B, KVH, num_splits): capturable in a CUDA graph with a workspace.
     """
     name = "paged_decode"
-    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {}, softcap)
+    _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {}, softcap, kv_scales)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"{name}: q has {batch} rows but block_tables/seq_lens have {seq_lens.shape[0]}")
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{name}: num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    out = _check_out(name, out, q)
+    out = args.check_out(name, out, q)
     if q.device.type == "cpu":
-        _check_lengths_cpu(name, seq_lens, block_tables.shape[1] * block_size)
+        args.check_lengths_cpu(name, seq_lens, block_tables.shape[1] * block_size)
     if batch == 0:
         return out
     split = num_splits > 1
     if split:
         if workspace is None:
             workspace = decode_workspace(batch, heads, dim, num_splits, q.device)
-        m_ws, l_ws, acc_ws = _check_workspace(name, workspace, batch * heads * num_splits, dim, q.device)
+        m_ws, l_ws, acc_ws = args.check_workspace(name, workspace, batch * heads * num_splits, dim, q.device)
     else:
         m_ws = l_ws = acc_ws = out  # unused (SPLIT is a compile-time False)
     group = heads // kv_heads
     dp = max(16, _pow2(dim))
     block_n, warps, stages = _decode_config(dim, q.dtype)
     kernels = _kernels()
+    k_arg, v_arg, ks, vs, fp8 = kv_fp8.kernel_cache_args(key_cache, value_cache, kv_scales, seq_lens)
     kernels.decode[(batch, kv_heads, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, out, m_ws, l_ws, acc_ws,
+        q, k_arg, v_arg, block_tables, seq_lens, out, m_ws, l_ws, acc_ws, ks, vs,
         float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
         NO_WINDOW if window is None else window, num_splits, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GP=max(16, _pow2(group)), D=dim, DP=dp, BS=block_size, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, num_warps=warps, num_stages=stages,
+        DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, FP8=fp8, num_warps=warps, num_stages=stages,
     )
     if split:
         kernels.combine[(batch, heads)](
@@ -509,39 +530,20 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     return out
 
 
-def _check_workspace(name: str, workspace, rows: int, dim: int, device: torch.device):
-    if not isinstance(workspace, (tuple, list)) or len(workspace) != 3:
-        raise ValueError(f"{name}: workspace must be the 3 tensors decode_workspace returns")
-    needs = (rows, rows, rows * dim)
-    views = []
-    for i, (t, need) in enumerate(zip(workspace, needs)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device != device or t.numel() < need:
-            raise ValueError(f"{name}: workspace[{i}] must be contiguous float32 on {device} with at least {need} "
-                             f"elements, got {t.dtype} {list(t.shape)} on {t.device}")
-        views.append(t.view(-1)[:need])
-    return views
-
-
-def _check_lengths_cpu(name: str, seq_lens: torch.Tensor, capacity: int) -> None:
-    """CPU tensors only (the interpreter): bounds the GPU path cannot check without a host sync."""
-    if seq_lens.numel() and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > capacity):
-        raise ValueError(f"{name}: seq_lens must lie in 0..{capacity} (block_tables columns x block_size), "
-                         f"got {seq_lens.tolist()}")
-
-
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int | None = None, *,
-                  max_q_len: int, out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                  max_q_len: int, out: torch.Tensor | None = None, softcap: float | None = None,
+                  kv_scales: kv_fp8.KVScales | None = None) -> torch.Tensor:
     """Causal attention of the new tokens of B sequences (flattened) over their paged K/V.
 
     q [T, H, D]; cu_seqlens_q int32 [B+1] (sequence b's new tokens are q[cu[b]:cu[b+1]], its
     last positions); seq_lens int32 [B] = positions in cache after this step, so the cached
     prefix is seq_lens[b] - q_len_b. max_q_len bounds every q_len (it sizes the grid; rows past
-    it would not be computed). softcap as in `paged_decode`. Returns out [T, H, D] in q's dtype.
+    it would not be computed). softcap and kv_scales as in `paged_decode`. Returns out [T, H, D] in q's dtype.
     """
     name = "paged_prefill"
     _check_common(name, q, key_cache, value_cache, block_tables, seq_lens, window, {"cu_seqlens_q": cu_seqlens_q},
-                  softcap)
+                  softcap, kv_scales)
     batch = block_tables.shape[0]
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -552,9 +554,9 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         raise ValueError(f"{name}: max_q_len must be a non-negative int, got {max_q_len!r}")
     if batch > MAX_GRID_Z:
         raise ValueError(f"{name}: {batch} sequences in one launch, at most {MAX_GRID_Z} (CUDA's grid z limit)")
-    out = _check_out(name, out, q)
+    out = args.check_out(name, out, q)
     if q.device.type == "cpu":
-        _check_lengths_cpu(name, seq_lens, block_tables.shape[1] * block_size)
+        args.check_lengths_cpu(name, seq_lens, block_tables.shape[1] * block_size)
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(batch)]
         if cu[0] != 0 or cu[-1] != tokens or min(q_lens, default=0) < 0 or max(q_lens, default=0) > max_q_len:
@@ -568,15 +570,16 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     group = heads // kv_heads
     block_m, block_n, warps, stages = _prefill_config(max_q_len * group, dim, q.dtype)
     grid = (_cdiv(max_q_len * group, block_m), kv_heads, batch)
+    k_arg, v_arg, ks, vs, fp8 = kv_fp8.kernel_cache_args(key_cache, value_cache, kv_scales, seq_lens)
     _kernels().prefill[grid](
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_arg, v_arg, block_tables, cu_seqlens_q, seq_lens, out, ks, vs,
         float(scale) * 1.4426950408889634, 1.0 if softcap is None else float(softcap),
         NO_WINDOW if window is None else window, block_tables.shape[1],
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, DP=max(16, _pow2(dim)), BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap is not None, FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
     return out

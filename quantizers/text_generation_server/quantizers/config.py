@@ -359,6 +359,9 @@ class CompressedTensorsConfig(QuantizerConfig):
         if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
             raise keys.unsupported("sparsity_config.format", sparsity.get("format"), "compressed-tensors", "dense")
         groups = data.get("config_groups")
+        if not groups and data.get("kv_cache_scheme") is not None:
+            # Only the KV cache is quantized (quantizers/kv_cache.py reads its scheme): dense weights.
+            return cls(source=source, schemes=(), modules_to_not_convert=keys.names("ignore"))
         if not isinstance(groups, dict) or not groups:
             raise CheckpointError(f"{keys.where('config_groups')} must be a non-empty object")
         schemes = []

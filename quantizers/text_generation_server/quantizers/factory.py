@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, marlin
+from text_generation_server.quantizers import kv_cache as kv_cache_format
 from text_generation_server.quantizers.awq import AWQLoader
 from text_generation_server.quantizers.checkpoint import read_json
 from text_generation_server.quantizers.compressed_tensors import CompressedTensorsLoader
@@ -216,3 +217,9 @@ def get_loader(config: QuantizerConfig | None) -> WeightsLoader:
     if factory is None:
         raise ValueError(f"no loader is registered for {type(config).__name__}")
     return SelectiveLoader(config, factory(config))
+
+
+def read_kv_cache_declaration(folder: str | Path) -> kv_cache_format.KvCacheDeclaration | None:
+    """How the checkpoint quantized its KV cache (quantizers/kv_cache.py), beside its weights'
+    format: None where it declares nothing; other tools' declarations refused by name."""
+    return kv_cache_format.read_kv_cache_declaration(folder)

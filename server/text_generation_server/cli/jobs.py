@@ -95,6 +95,9 @@ def perplexity(
     quantize_flag: Optional[str] = typer.Option(
         None, "--quantize", help="Quantization method; must agree with the checkpoint (default: from the checkpoint)."
     ),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype", help="As serve's: auto, fp8_e4m3fn or fp8_e5m2 (aliases fp8, fp8_e4m3)."
+    ),
     json_output: bool = typer.Option(False, "--json", help='Print {"perplexity": ..., "tokens": ...} as JSON.'),
     logger_level: str = typer.Option("WARNING", "--logger-level", help=LEVEL_HELP),
 ) -> None:
@@ -102,9 +105,12 @@ def perplexity(
     setup_logging(logger_level)
     from text_generation_server.jobs.perplexity import perplexity as run_perplexity
 
+    from text_generation_server.settings.serve_args import parse_kv_cache_dtype
+
     try:
         result = run_perplexity(model, dataset, seqlen=seqlen, max_tokens=max_tokens, dtype=dtype,
-                                quantize=quantize_flag)
+                                quantize=quantize_flag,
+                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype"))
     except ValueError as exc:
         fail(str(exc))
     if json_output:

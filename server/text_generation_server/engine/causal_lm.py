@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from text_generation_server.generation.sampling import greedy_choice
 from text_generation_server.generation.speculation import MAX_SPECULATE, Run, ngram_proposals, speculation_limit
 from text_generation_server.generation.stopping import FinishReason
+from text_generation_server.kernels.kv_fp8 import KVScales
 from text_generation_server.layers.attention import AttentionMetadata, AttentionSpec, KVCache, KVLayout
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
@@ -61,11 +62,15 @@ class CausalLM:
         max_batch_size: int | None = None,
         graph_capturer: GraphCapturer | None = None,
         model_impl: str = "native",
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: list[KVScales] | None = None,
     ):
         """cuda_graphs: decode batch sizes warmup captures as CUDA graphs (empty: none); on CPU
         they are ignored unless `graph_capturer` is given (tests emulate graphs through it).
         max_batch_size: the most requests a decode step can hold (the router's limit), which
-        warmup measures; None: derived from the other limits (`decode_batch_limit`)."""
+        warmup measures; None: derived from the other limits (`decode_batch_limit`).
+        kv_dtype: the KV cache's dtype (None: the model's; an fp8 one with `kv_scales`, one per
+        layer, or 1.0 everywhere without)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if any(b < 1 for b in cuda_graphs):
@@ -79,6 +84,8 @@ class CausalLM:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        self.kv_scales = kv_scales
         self.process_group = process_group
         self.builder = BatchBuilder(tokenizer, eos_token_ids, self.config.vocab_size, self.config.max_context,
                                     block_size, device, self.config.context_name)
@@ -109,12 +116,13 @@ class CausalLM:
             softcap=model.attention_softcap, sinks=getattr(model, "attention_sinks", False),
             device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
             latent_dim=layout.head_dim if layout.latent else 0,
+            kv_dtype=self.kv_dtype if self.kv_dtype != dtype else None,
         )
         self.attention, rejected = choose_attention_backend(spec, attention_backend)
         if process_group.rank == 0:
             log_choice(self.attention, rejected)
             logger.info("KV cache: {} bytes per token ({}, {})", self.kv_bytes_per_token, layout.describe(),
-                        str(dtype).removeprefix("torch."))
+                        str(self.kv_dtype).removeprefix("torch."))
         self.max_batch_size = max_batch_size
         self.graph_buckets = sorted(set(cuda_graphs))
         self._graph_capturer = graph_capturer
@@ -137,15 +145,22 @@ class CausalLM:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_layout.bytes_per_token(self.dtype)
+        """What warmup sizes the cache by: in the cache's dtype (an fp8 cache holds twice a 16-bit
+        one's tokens in the same bytes)."""
+        return self.kv_layout.bytes_per_token(self.kv_dtype)
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        return self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> KVCache:
+        """A cache of this model's layout, dtype and scales (warmup's, and tools' own)."""
+        return self.kv_layout.allocate(num_blocks, block_size or self.block_size, self.kv_dtype, self.device,
+                                       self.kv_scales)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.drop_kv_cache()  # free the old pool (and the graphs that point into it) first
-        self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = self.new_kv_cache(num_blocks)
         self.builder.allocator = BlockAllocator(num_blocks)
         logger.debug("KV cache: {} blocks of {} tokens", num_blocks, self.block_size)
 

@@ -169,7 +169,7 @@ def evaluate(lm, text: str, seqlen: int | None = None, max_tokens: int | None = 
         raise DatasetError(f"the text tokenizes to {len(ids)} token(s): at least 2 are needed to score one")
     per_batch = max(1, batch_tokens // seqlen)
     width = per_batch * seqlen
-    cache = lm.kv_layout.allocate(1, width, lm.dtype, lm.device)
+    cache = lm.new_kv_cache(1, width)
     nll = 0.0
     for start in range(0, len(windows), per_batch):
         nll += windows_nll(lm.model, windows[start:start + per_batch], cache, lm.device)
@@ -185,6 +185,7 @@ def perplexity(
     max_tokens: int | None = None,
     dtype: str | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> PerplexityResult:
     """Loads `model` (a folder or the embedded id) and measures it on `dataset`.
 
@@ -194,7 +195,7 @@ def perplexity(
     from text_generation_server.models.loader import get_model
 
     text = read_text_dataset(dataset) if dataset is not None else default_text("heldout")
-    lm = get_model(model, dtype=dtype, quantize=quantize)
+    lm = get_model(model, dtype=dtype, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
     result = evaluate(lm, text, seqlen=seqlen, max_tokens=max_tokens)
     logger.info("{}: perplexity {:.4f} over {} tokens ({} windows of up to {})", lm.model_id, result.perplexity,
                 result.tokens, result.windows, result.seqlen)

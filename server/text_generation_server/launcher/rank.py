@@ -152,7 +152,8 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
                           attention_backend=args.effective_attention_backend,
                           cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
-                          model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head)
+                          model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head,
+                          kv_cache_dtype=args.kv_cache_dtype)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch
 

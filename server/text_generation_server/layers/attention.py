@@ -11,6 +11,11 @@ One forward covers any mix of sequences: each has `cache_len` tokens already in 
 far) and `q_len` new tokens whose K/V the layer stores before attending. A decode step is the
 case q_len == 1 for every sequence; a plain prefill is cache_len == 0 for every sequence.
 
+An fp8 cache (`serve --kv-cache-dtype`) holds each number as fp8(x / scale) with one scale per
+layer or KV head (`KVCache.scales_of`, kernels/kv_fp8.py); every backend call then gets the
+layer's `kv_scales` and reads keys and values, this forward's new ones included, as the cache
+holds them, so a prompt gets the same numbers computed whole, in chunks or after a cached prefix.
+
 Backends (`attention_backends.py` keeps the ordered registry, `triton-paged` among them) implement `prefill` (any
 q_len, over the flattened new tokens) and `decode` (q_len == 1). This module holds the
 torch backend, which runs everywhere and is the reference for the others.
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from text_generation_server.kernels.kv_fp8 import KVScales, is_fp8, widen
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,11 @@ class KVLayout:
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return block_size * self.bytes_per_token(dtype)
 
-    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 scales: "list[KVScales] | None" = None) -> "KVCache":
+        """dtype: the cache's (an fp8 dtype: `scales` gives each layer's, default all 1.0)."""
         return KVCache(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, dtype, device,
-                       latent=self.latent)
+                       latent=self.latent, scales=scales)
 
     def describe(self) -> str:
         if self.latent:
@@ -67,7 +76,12 @@ class KVLayout:
 
 
 class KVCache:
-    """Per-layer key and value block pools (latent: one pool per layer, `values` all None)."""
+    """Per-layer key and value block pools (latent: one pool per layer, `values` all None).
+
+    An fp8 cache (dtype float8_e4m3fn or float8_e5m2) keeps one `KVScales` per layer: `store`
+    quantizes with them and every backend reads through them (`scales_of(layer)`, None for a
+    16/32-bit cache, which holds values in the model's dtype).
+    """
 
     def __init__(
         self,
@@ -79,12 +93,22 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         latent: bool = False,
+        scales: list[KVScales] | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of size >= 1 (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.latent = latent
+        self.dtype = dtype
+        self.scales: list[KVScales | None] = [None] * num_layers
+        if is_fp8(dtype):
+            self.scales = list(scales) if scales is not None else [KVScales.ones(dtype, kv_heads, device)] * num_layers
+            if len(self.scales) != num_layers or any(s.dtype != dtype or s.key.shape != (kv_heads,) for s in self.scales):
+                raise ValueError(f"an fp8 KV cache needs one {dtype} KVScales of [{kv_heads}] per layer "
+                                 f"({num_layers})")
+        elif scales is not None:
+            raise ValueError(f"KV scales are for fp8 caches, not {dtype}")
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values: list[torch.Tensor | None] = (
@@ -94,18 +118,29 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
+    def scales_of(self, layer: int) -> KVScales | None:
+        return self.scales[layer]
+
     def store(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: [tokens, kv_heads, head_dim]; slots: [tokens]
         k = self.keys[layer]
         v = self.values[layer]
         if v is None:
             raise ValueError("a latent KV cache has no value pool: multi-head latent attention calls store_latent")
+        scales = self.scales[layer]
+        if scales is not None:  # fp8 as bytes: torch has no index_copy_ for fp8 on every device
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+            key, value = scales.quantize(key, "key").view(torch.uint8), scales.quantize(value, "value").view(torch.uint8)
         k.view(-1, k.shape[2], k.shape[3]).index_copy_(0, slots, key.to(k.dtype))
         v.view(-1, v.shape[2], v.shape[3]).index_copy_(0, slots, value.to(v.dtype))
 
     def store_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         # latent: [tokens, width]; slots: [tokens]
         pool = self.keys[layer]
+        scales = self.scales[layer]
+        if scales is not None:  # as bytes, like `store`
+            pool = pool.view(torch.uint8)
+            latent = scales.quantize(latent.unsqueeze(1), "key").squeeze(1).view(torch.uint8)
         pool.view(-1, pool.shape[3]).index_copy_(0, slots, latent.to(pool.dtype))
 
 
@@ -178,6 +213,7 @@ class AttentionSpec:
     softcap: bool = False  # attention logit soft-capping (Gemma 2)
     sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
     latent_dim: int = 0  # multi-head latent attention: the cached latent's width (0: per-head K/V)
+    kv_dtype: torch.dtype | None = None  # the KV cache's, where it is not `dtype` (an fp8 cache)
 
 
 class AttentionBackend:
@@ -198,8 +234,12 @@ class AttentionBackend:
         raise NotImplementedError
 
     def prefill(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-                window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (the new tokens, already stored) -> [T, H, D].
+
+        kv_scales: the layer's, when the cache is fp8 (`KVCache.scales_of`): every key and value
+        attended over, this forward's new ones included, is read as the cache holds it.
 
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
         sinks: [H] float32 logits, one per head, that join every softmax's denominator and
@@ -207,17 +247,18 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-               window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         """q: [B, H, D] -> [B, H, D]."""
         raise NotImplementedError
 
     def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      value_dim: int) -> torch.Tensor:
+                      value_dim: int, kv_scales: KVScales | None = None) -> torch.Tensor:
         """Multi-head latent attention's absorbed decode: q [B, H, W] (each head's query already
         in latent space, then its rotary part) against the paged latents [blocks, block_size, 1, W];
         values are the latents' first `value_dim` numbers. -> [B, H, value_dim]. The torch form
         here is the reference; backends with a kernel for it override."""
-        return padded_latent_decode(q, latent_cache, meta, scale, value_dim)
+        return padded_latent_decode(q, latent_cache, meta, scale, value_dim, kv_scales)
 
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
         """Memory a decode step may take beyond its activations, given the KV cache size
@@ -242,6 +283,11 @@ def _blocks_of(block_tables: torch.Tensor, row: int, length: int, block_size: in
 def _gather_sequence(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     # cache: [num_blocks, bs, KVH, D] -> [length, KVH, D]
     return cache.index_select(0, blocks).view(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def read_cache(x: torch.Tensor, kv_scales: KVScales | None, which: str, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries [..., KVH, D] in the model's dtype: an fp8 cache's dequantized."""
+    return x if kv_scales is None else kv_scales.dequantize(x, which, dtype)
 
 
 def _band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -345,8 +391,11 @@ class TorchAttention(AttentionBackend):
     def can_implement(cls, spec: AttentionSpec) -> tuple[bool, str]:
         return True, ""
 
-    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None,
+                kv_scales=None):
         lens = meta.prefill_lens
+        if kv_scales is not None:  # the new tokens as the cache holds them
+            k, v = kv_scales.roundtrip(k, "key"), kv_scales.roundtrip(v, "value")
         caches = meta.cache_lens if meta.has_prefix else None
         out = torch.empty_like(q)
         bs = key_cache.shape[1]
@@ -357,8 +406,9 @@ class TorchAttention(AttentionBackend):
             i for i, n in enumerate(lens) if n == 1 and caches is not None and caches[i] > 0])
         if len(single) > 1:
             sub, tokens = meta.memo("single_meta", lambda: rows_as_decode(meta, single, starts, q.device))
+            kv = {} if kv_scales is None else {"kv_scales": kv_scales}  # subclasses' decode may predate fp8
             out.index_copy_(0, tokens, self.decode(q.index_select(0, tokens), key_cache, value_cache, sub, scale,
-                                                   window, softcap, sinks))
+                                                   window, softcap, sinks, **kv))
         done = set(single) if len(single) > 1 else set()
         for row, n in enumerate(lens):
             if row in done:
@@ -367,21 +417,25 @@ class TorchAttention(AttentionBackend):
             cached = caches[row] if caches is not None else 0
             if cached:
                 blocks = _blocks_of(meta.block_tables, row, cached + n, bs)
-                ks = _gather_sequence(key_cache, blocks, cached + n)
-                vs = _gather_sequence(value_cache, blocks, cached + n)
+                ks = read_cache(_gather_sequence(key_cache, blocks, cached + n), kv_scales, "key", q.dtype)
+                vs = read_cache(_gather_sequence(value_cache, blocks, cached + n), kv_scales, "value", q.dtype)
             else:
                 ks, vs = k[start:stop], v[start:stop]
             out[start:stop] = sequence_attention(q[start:stop], ks, vs, cached, scale, window, softcap, sinks)
         return out
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None, kv_scales=None):
         if q.device.type == "cuda" and softcap is None and sinks is None:
-            return blockwise_decode(q, key_cache, value_cache, meta, scale, window)
-        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks)
+            return blockwise_decode(q, key_cache, value_cache, meta, scale, window, kv_scales)
+        return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks, kv_scales)
 
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
-        # One layer's K and V of every live token gathered at once, and its scores.
-        return 2 * kv_cache_bytes // max(num_layers, 1)
+        # One layer's K and V of every live token gathered at once, and its scores; an fp8 cache's
+        # gathered copy is dequantized too, to the model's dtype (spec.kv_dtype's 1 byte -> dtype's).
+        widen = 1
+        if self.spec is not None and self.spec.kv_dtype is not None and is_fp8(self.spec.kv_dtype):
+            widen = 1 + self.spec.dtype.itemsize
+        return 2 * widen * kv_cache_bytes // max(num_layers, 1)
 
 
 def rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], device: torch.device):
@@ -398,7 +452,8 @@ def rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], 
 
 
 def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                  softcap: float | None = None, sinks: torch.Tensor | None = None):
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  kv_scales: KVScales | None = None):
     # q: [B, H, D]; caches: [blocks, block_size, KVH, D] -> [B, H, D]
     batch, heads, dim = q.shape
     kv_heads = key_cache.shape[2]
@@ -408,8 +463,18 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
     # index_select over the flattened table copies whole blocks; on CPU it is several times
     # faster than advanced indexing (cache[table]).
     index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
-    k = key_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
-    v = value_cache.index_select(0, index).view(batch, length, kv_heads, dim).transpose(1, 2)
+    # An fp8 cache's gathered copy is only widened; its scales fold into q (each KV head's query
+    # heads) and the output, as the Triton kernels fold them: no pass of multiplies over the copy.
+    k, v = key_cache.index_select(0, index), value_cache.index_select(0, index)
+    v_fold = None
+    if kv_scales is not None:
+        (k, factor), (v, _) = widen(k, q.dtype), widen(v, q.dtype)  # the widened copy / factor
+        if factor != 1.0 or not kv_scales.unit:
+            group = heads // kv_heads
+            q = (q.float() * (kv_scales.key * factor).repeat_interleave(group)[:, None]).to(q.dtype)
+            v_fold = (kv_scales.value * factor).repeat_interleave(group)[:, None]
+    k = k.view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
 
     def build_mask() -> torch.Tensor:
         pos = torch.arange(length, device=q.device)
@@ -419,11 +484,12 @@ def padded_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: flo
         return mask[:, None, None, :]
 
     mask = meta.memo(("padded_mask", window), build_mask)
-    return sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
+    out = sdpa(q.unsqueeze(2), k, v, mask, scale, softcap, sinks=sinks).squeeze(2)
+    return out if v_fold is None else (out.float() * v_fold).to(out.dtype)
 
 
 def padded_latent_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         value_dim: int) -> torch.Tensor:
+                         value_dim: int, kv_scales: KVScales | None = None) -> torch.Tensor:
     """`AttentionBackend.latent_decode` in torch: every sequence's latents gathered, padded to
     the longest, and one SDPA with a single shared KV "head" (values a view of the latents)."""
     # q: [B, H, W]; latent_cache: [blocks, block_size, 1, W] -> [B, H, value_dim]
@@ -432,7 +498,7 @@ def padded_latent_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     blocks_needed = (meta.max_seq_len + bs - 1) // bs
     length = blocks_needed * bs
     index = meta.memo("padded_index", lambda: meta.block_tables[:, :blocks_needed].reshape(-1))
-    latents = latent_cache.index_select(0, index).view(batch, 1, length, width)
+    latents = read_cache(latent_cache.index_select(0, index), kv_scales, "key", q.dtype).view(batch, 1, length, width)
 
     def build_mask() -> torch.Tensor:
         pos = torch.arange(length, device=q.device)
@@ -456,14 +522,15 @@ def _block_layout(meta: AttentionMetadata, block_size: int, device: torch.device
     return block_ids, rows, index_in_row
 
 
-def blockwise_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None):
+def blockwise_decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                     kv_scales: KVScales | None = None):
     # q: [B, H, D] -> [B, H, D]; reads each sequence's blocks once, no padding to the longest.
     batch, heads, dim = q.shape
     bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
     block_ids, rows, index_in_row = meta.memo(("block_layout", bs), lambda: _block_layout(meta, bs, q.device))
-    keys = key_cache.index_select(0, block_ids)  # [NB, bs, KVH, D]
-    values = value_cache.index_select(0, block_ids)
+    keys = read_cache(key_cache.index_select(0, block_ids), kv_scales, "key", torch.float32)  # [NB, bs, KVH, D]
+    values = read_cache(value_cache.index_select(0, block_ids), kv_scales, "value", torch.float32)
     qb = q.view(batch, kv_heads, group, dim).index_select(0, rows).float()  # [NB, KVH, G, D]
     scores = torch.einsum("nkgd,nbkd->nkgb", qb, keys.float()) * scale  # [NB, KVH, G, bs]
 

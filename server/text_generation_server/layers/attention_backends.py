@@ -4,6 +4,7 @@ run a model (`can_implement(spec) -> (ok, reason)`), like the quantized-kernel r
 CUDA: `triton-paged` (Triton kernels reading K/V straight from the block tables: decode split
 along the sequence, varlen prefill over the flattened batch; graph-safe) before `torch-sdpa`.
 CPU: `torch-sdpa`; `triton-paged` runs there only under TRITON_INTERPRET=1 (tests).
+Both read and write an fp8 KV cache (`KVCache.scales_of`, passed to every call as kv_scales).
 `--attention-backend NAME` (TGS_ATTENTION_BACKEND) asks for one by name; when it cannot run,
 startup fails with its reason rather than silently taking another.
 
@@ -130,7 +131,8 @@ class TritonPagedAttention(AttentionBackend):
     def _int32(self, meta: AttentionMetadata, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return meta.memo(key, lambda: tensor if tensor.dtype == torch.int32 else tensor.to(torch.int32))
 
-    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+    def prefill(self, q, k, v, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None,
+                kv_scales=None):
         if sinks is not None:
             raise ValueError("triton-paged has no attention sinks: choose torch-sdpa for this model")
         if meta.block_tables is None:
@@ -142,10 +144,10 @@ class TritonPagedAttention(AttentionBackend):
         tables = self._int32(meta, "tables32", meta.block_tables)
         return self._kernels.paged_prefill(
             q, key_cache, value_cache, meta.cu_seqlens_q(q.device), seq_lens, tables, scale, window,
-            max_q_len=max(meta.prefill_lens), softcap=softcap,
+            max_q_len=max(meta.prefill_lens), softcap=softcap, kv_scales=kv_scales,
         )
 
-    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None):
+    def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None, kv_scales=None):
         if sinks is not None:
             raise ValueError("triton-paged has no attention sinks: choose torch-sdpa for this model")
         tables = self._int32(meta, "tables32", meta.block_tables)
@@ -154,16 +156,16 @@ class TritonPagedAttention(AttentionBackend):
         workspace = meta.memo("decode_workspace", lambda: self._shared_workspace(q.shape[0], splits, q.device))
         return self._kernels.paged_decode(
             q, key_cache, value_cache, tables, seq_lens, scale, window, num_splits=splits, workspace=workspace,
-            softcap=softcap,
+            softcap=softcap, kv_scales=kv_scales,
         )
 
-    def latent_decode(self, q, latent_cache, meta, scale, value_dim):
+    def latent_decode(self, q, latent_cache, meta, scale, value_dim, kv_scales=None):
         """kernels/mla_decode.py: the paged latents read in place, a head group per program."""
         from text_generation_server.kernels.mla_decode import mla_decode
 
         tables = self._int32(meta, "tables32", meta.block_tables)
         seq_lens = self._int32(meta, "seq_lens32", meta.seq_lens)
-        return mla_decode(q, latent_cache, tables, seq_lens, scale, value_dim)
+        return mla_decode(q, latent_cache, tables, seq_lens, scale, value_dim, kv_scales=kv_scales)
 
 
 # Ordered, preferred first, per device type.

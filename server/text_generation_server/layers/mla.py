@@ -36,6 +36,7 @@ from text_generation_server.layers.attention import (
     DEFAULT_BACKEND,
     AttentionMetadata,
     KVCache,
+    read_cache,
     rows_as_decode,
     sequence_attention,
 )
@@ -99,6 +100,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
         self.rotary = rotary
         self.heads = opts.heads // world
         self.kv_heads = 1  # one latent per token, whatever the heads (the engine sizes the cache from it)
+        # An fp8 cache's scales (models/kv_cache.py): one per layer, the latent's.
+        self.kv_prefix, self.kv_heads_total, self.kv_head_ids = prefix, 1, (0,)
         self.latent_dim = opts.latent_dim
         self.scale = opts.scale
         r, dn, dv = opts.kv_lora_rank, opts.qk_nope_head_dim, opts.v_head_dim
@@ -185,20 +188,23 @@ class MultiHeadLatentAttention(torch.nn.Module):
         cache.store_latent(self.layer_id, meta.slots, latent)
         backend = meta.backend or DEFAULT_BACKEND
         pool = cache.keys[self.layer_id]
+        kv_scales = cache.scales_of(self.layer_id)
         if meta.is_prefill:
-            out = self._prefill(q_nope, q_pe, latent, pool, meta, backend)
+            out = self._prefill(q_nope, q_pe, latent, pool, meta, backend, kv_scales)
         else:
-            out = self._decode(q_nope, q_pe, pool, meta, backend)
+            out = self._decode(q_nope, q_pe, pool, meta, backend, kv_scales)
         return self.o_proj(out.reshape(tokens, self.heads * self.opts.v_head_dim))
 
-    def _decode(self, q_nope, q_pe, pool, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, pool, meta: AttentionMetadata, backend, kv_scales=None) -> torch.Tensor:
         query = self.absorbed_query(q_nope, q_pe)
-        return self.values_out(backend.latent_decode(query, pool, meta, self.scale, self.opts.kv_lora_rank))
+        kv = {} if kv_scales is None else {"kv_scales": kv_scales}  # only for fp8: older backends keep their signature
+        return self.values_out(backend.latent_decode(query, pool, meta, self.scale, self.opts.kv_lora_rank, **kv))
 
-    def _prefill(self, q_nope, q_pe, latent, pool, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, latent, pool, meta: AttentionMetadata, backend, kv_scales=None) -> torch.Tensor:
         """Per sequence: its latents (cached prefix gathered from the blocks) expanded per head and
         causal attention over them; one-token rows over a cache (decodes mixed into the step)
-        together through the absorbed decode."""
+        together through the absorbed decode. An fp8 cache's latents are read as it holds them,
+        this step's new ones included."""
         lens = meta.prefill_lens
         assert lens is not None, "a prefill step has prefill_lens"
         caches = meta.cache_lens if meta.has_prefix else None
@@ -209,10 +215,12 @@ class MultiHeadLatentAttention(torch.nn.Module):
         if len(single) > 1:
             sub, tokens = meta.memo("single_meta", lambda: rows_as_decode(meta, single, starts, q_nope.device))
             out.index_copy_(0, tokens, self._decode(q_nope.index_select(0, tokens), q_pe.index_select(0, tokens),
-                                                    pool, sub, backend))
+                                                    pool, sub, backend, kv_scales))
         done = set(single) if len(single) > 1 else set()
         q = torch.cat([q_nope, q_pe], dim=-1)
         bs = pool.shape[1]
+        if kv_scales is not None:
+            latent = kv_scales.roundtrip(latent.unsqueeze(1), "key").squeeze(1)
         for row, n in enumerate(lens):
             if row in done:
                 continue
@@ -221,7 +229,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
             if cached:
                 assert meta.block_tables is not None, "a cached prefix is read through the block tables"
                 blocks = meta.block_tables[row, : (cached + n + bs - 1) // bs]
-                seq_latent = pool.index_select(0, blocks).view(-1, self.latent_dim)[: cached + n]
+                seq_latent = read_cache(pool.index_select(0, blocks), kv_scales, "key", q.dtype)
+                seq_latent = seq_latent.view(-1, self.latent_dim)[: cached + n]
             else:
                 seq_latent = latent[start:stop]
             k, v = self.expand(seq_latent)

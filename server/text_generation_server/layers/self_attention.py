@@ -115,6 +115,12 @@ class SelfAttention(torch.nn.Module):
         self.rotary = rotary
         self.heads = opts.heads // world
         self.kv_heads = 1 if self.replicated else opts.kv_heads // world
+        # Where an fp8 KV cache's scales are stored, and which of the layer's KV heads this rank
+        # caches (models/kv_cache.py reads them).
+        self.kv_prefix = prefix
+        self.kv_heads_total = opts.kv_heads
+        first = rank // (world // opts.kv_heads) if self.replicated else rank * self.kv_heads
+        self.kv_head_ids = tuple(range(first, first + self.kv_heads))
         self.head_dim = opts.head_dim
         self.window = opts.window
         self.scale = opts.scale
@@ -248,12 +254,14 @@ class SelfAttention(torch.nn.Module):
         cache.store(self.layer_id, meta.slots, k, v)
         backend = meta.backend or DEFAULT_BACKEND
         key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
+        # Passed only for an fp8 cache: backends written before it keep their signature.
+        kv = {} if (kv_scales := cache.scales_of(self.layer_id)) is None else {"kv_scales": kv_scales}
         if meta.is_prefill:
             out = backend.prefill(q, k, v, key_cache, value_cache, meta, self.scale, self.window,
-                                  softcap=self.softcap, sinks=self.sinks)
+                                  softcap=self.softcap, sinks=self.sinks, **kv)
         else:
             out = backend.decode(q, key_cache, value_cache, meta, self.scale, self.window, softcap=self.softcap,
-                                 sinks=self.sinks)
+                                 sinks=self.sinks, **kv)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
 
     def linear_stages(self) -> list[list[str]]:

@@ -10,9 +10,12 @@ from loguru import logger
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.cuda_graphs import GraphCapturer
 from text_generation_server.engine.standin import from_environment as standin_from_environment
+from text_generation_server.kernels.kv_fp8 import is_fp8
+from text_generation_server.layers.attention import KVLayout
+from text_generation_server.models.kv_cache import layer_scales, resolve_kv_cache_dtype
 from text_generation_server.models.registry import read_model_config
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
-from text_generation_server.quantizers.factory import get_loader, read_quantization_config
+from text_generation_server.quantizers.factory import get_loader, read_kv_cache_declaration, read_quantization_config
 from text_generation_server.quantizers.sources import safetensors_files
 from text_generation_server.quantizers.weights import Weights
 from text_generation_server.utils.locate import open_checkpoint
@@ -65,6 +68,7 @@ def get_model(
     graph_capturer: GraphCapturer | None = None,
     model_impl: str = "auto",
     quantize_lm_head: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> CausalLM:
     """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
 
@@ -72,7 +76,8 @@ def get_model(
     max_batch_size: the most requests a decode step will hold (what warmup measures);
     graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation);
     model_impl: "auto", "native" or "transformers" (see `registry.model_impl`);
-    quantize_lm_head: "int8" runs a dense head as per-row int8 (`--quantize-lm-head`).
+    quantize_lm_head: "int8" runs a dense head as per-row int8 (`--quantize-lm-head`);
+    kv_cache_dtype: `--kv-cache-dtype` (auto, fp8_e4m3fn, fp8_e5m2; models/kv_cache.py).
     """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
@@ -82,6 +87,8 @@ def get_model(
     torch_dtype = resolve_dtype(dtype, device, checkpoint.config)
     # Read once: every linear is then built by the loader this config selects. The
     # embedding and the head read their tensors directly, so they stay unquantized.
+    kv_declaration = read_kv_cache_declaration(checkpoint.folder)  # first: a KV format we cannot read is named
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, kv_declaration, torch_dtype)
     qconfig = read_quantization_config(checkpoint.folder, quantize)
     if qconfig is not None and process_group.rank == 0:
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
@@ -100,6 +107,11 @@ def get_model(
         quantize_head(net, quantize_lm_head, torch_dtype, process_group.rank == 0)
     # Benchmarks only: canned logits in place of the forward, behind two env vars (engine/standin.py).
     net = standin_from_environment(net, checkpoint.tokenizer, checkpoint.eos_token_ids, device, process_group.rank)
+    kv_scales = None
+    if is_fp8(kv_dtype):
+        layout = getattr(net, "kv_layout", None) or KVLayout(config.num_hidden_layers, net.local_kv_heads,
+                                                             config.head_dim)
+        kv_scales = layer_scales(net, weights, kv_declaration, layout, kv_dtype, device, process_group.rank == 0)
     if process_group.rank == 0:
         logger.info(
             "loaded {} ({}, {} implementation, {} layers, hidden {}) as {} on {} with {} shard(s)",
@@ -121,5 +133,7 @@ def get_model(
         max_batch_size=max_batch_size,
         graph_capturer=graph_capturer,
         model_impl=impl,
+        kv_dtype=kv_dtype,
+        kv_scales=kv_scales,
     )
 

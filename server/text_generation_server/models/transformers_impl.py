@@ -106,10 +106,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # gpt-oss passes its attention sinks as s_aux (one logit per head of this rank).
     sinks = kwargs.get("s_aux")
     sinks = None if sinks is None else sinks.float()
+    # Passed only for an fp8 cache: backends written before it keep their signature.
+    kv = {} if (kv_scales := cache.scales_of(layer)) is None else {"kv_scales": kv_scales}
     if meta.is_prefill:
-        out = backend.prefill(q, k, v, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks)
+        out = backend.prefill(q, k, v, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks,
+                              **kv)
     else:
-        out = backend.decode(q, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks)
+        out = backend.decode(q, key_cache, value_cache, meta, scale, window, softcap=softcap, sinks=sinks,
+                             **kv)
     return out.unsqueeze(0), None
 
 

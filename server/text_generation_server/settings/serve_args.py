@@ -42,6 +42,22 @@ MAX_SPECULATE = 8
 # --tool-call-parser: the call syntaxes generation/tool_calls.py reads.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
+# --kv-cache-dtype (TGI's flag): auto keeps the checkpoint's declared KV dtype, else the model's;
+# the fp8 formats halve a 16-bit cache's bytes per token. vLLM's spellings are accepted as aliases.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3fn", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn"}
+
+
+def parse_kv_cache_dtype(text: str, where: str) -> str:
+    """A --kv-cache-dtype value in its canonical spelling (aliases and case folded)."""
+    value = text.strip().lower()
+    value = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if value not in KV_CACHE_DTYPES:
+        spelled = ", ".join(KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES))
+        raise ValueError(f"{where} must be one of {spelled}, got {text!r}")
+    return value
+
+
 FLAG = "flag"  # the metadata key of a field's Flag
 AS_SETTING = object()  # Flag.option_default: the command line's default is the setting's
 
@@ -273,6 +289,12 @@ class ServeArgs:
     cuda_memory_fraction: float = setting(  # cap on each rank's CUDA allocations, as a share of total GPU memory
         1.0, "TGI's cap on each rank's CUDA memory, as a share of the GPU's total; the KV cache takes "
         "--memory-fraction of what is free inside it.", check=_share,
+    )
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache dtype: auto (the checkpoint's declared KV dtype, else the model's), fp8_e4m3fn or "
+        "fp8_e5m2 (aliases fp8, fp8_e4m3): twice a 16-bit cache's tokens in the same memory. Scales come from "
+        "the checkpoint (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo), else 1.0.",
+        choices=KV_CACHE_DTYPES, parse=parse_kv_cache_dtype,
     )
     prefix_caching: bool = setting(
         True, "Reuse the KV cache of prompt prefixes seen before (USE_PREFIX_CACHING is read too).",

@@ -66,7 +66,6 @@ class TgiFlag:
 
 TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("revision", "models are local folders; there is no hub revision to pick", True),
-    TgiFlag("kv_cache_dtype", "the KV cache is kept in the model's dtype; fp8 KV caches are not supported", True),
     TgiFlag("rope_scaling", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
     TgiFlag("rope_factor", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
     TgiFlag("lora_adapters", "LoRA adapters are not supported by this server", True),
