@@ -90,16 +90,16 @@ def test_int8_gemv_is_exact_in_float32(native):
     for rows in range(1, 9):
         x = torch.randn(rows, 320, generator=gen)
         ref = x.double() @ (q.double() * s.double()[:, None]).t()
-        got = native.int8_gemv(x, q, s)
+        got = native.int8_gemv(x, q, s, cpu_native.PREFETCH_BYTES)
         assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
 def test_int8_gemv_rejects_what_it_cannot_run(native):
     q = torch.zeros(8, 32, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        native.int8_gemv(torch.zeros(9, 32), q, torch.ones(8))
+        native.int8_gemv(torch.zeros(9, 32), q, torch.ones(8), 0)
     with pytest.raises(RuntimeError, match="x must be"):
-        native.int8_gemv(torch.zeros(1, 16), q, torch.ones(8))
+        native.int8_gemv(torch.zeros(1, 16), q, torch.ones(8), 0)
 
 
 @pytest.mark.parametrize("rows", [1, 63, 64, 130])
@@ -193,7 +193,7 @@ def test_bf16_matrix_vector_product_matches_float_arithmetic(native, rows, k, n)
     g = torch.Generator().manual_seed(rows + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    got = native.bf16_gemv(x.float(), w)
+    got = native.bf16_gemv(x.float(), w, cpu_native.PREFETCH_BYTES)
     want = x.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5  # float32 sums of exact products

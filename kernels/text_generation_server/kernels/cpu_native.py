@@ -53,9 +53,32 @@ INT8_DEQUANT_MIN_ROWS = 32
 BF16_GEMV_MAX_ROWS = 2
 # int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes. The bound
 # was moved to 64 when prompts still followed it (d05298c: a 32-row chunk and a shorter cached
-# remainder took differently rounded paths); prompts now take one path whatever their chunking, and
-# decode batches keep 64 until a measurement says otherwise (kernels/select.py).
+# remainder took differently rounded paths); prompts now take one path whatever their chunking (the
+# native kernel, `int4pack_mm`), and decode batches keep 64 until a measurement says otherwise
+# (kernels/cpu_tuning.py).
 INT4_DEQUANT_MIN_ROWS = 64
+# Bytes the matrix-vector kernels prefetch ahead of their reads (0: none), unless this machine
+# measured another distance (kernels/cpu_tuning.py). 16 KiB won on the 2-core Sapphire Rapids VM.
+PREFETCH_BYTES = 16384
+# int4 read in place (`int4pack_mm`): rows sharing one pass over a 64-output block, and blocks per
+# thread task. Neither changes a bit of the result (the kernel's lanes are outputs, each summed in
+# one fixed order), so a measurement may pick them per layer shape and phase freely.
+INT4_ROWS_PER_PASS = 4
+INT4_BLOCK_GRAIN = 4
+# Its names, each (rows per pass, prefetch bytes, blocks per task); 0 or -1: the constants above.
+# Measurements choose among them per layer shape and row bucket (kernels/cpu_tuning.py).
+INT4_NATIVE = "native"
+INT4_NATIVE_VARIANTS: dict[str, tuple[int, int, int]] = {
+    INT4_NATIVE: (0, -1, 0),
+    "native-r1": (1, -1, 0),
+    "native-r2": (2, -1, 0),
+    "native-r6": (6, -1, 0),
+    "native-pf0": (0, 0, 0),
+    "native-pf64k": (0, 65536, 0),
+    "native-g1": (0, -1, 1),
+}
+# The row bucket whose measured native name the prompt path takes (kernels/cpu.py): prompt-sized.
+INT4_PROMPT_BUCKET = 64
 # Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
 # K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
 DEQUANT_ROWS = 1024
@@ -118,11 +141,13 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
-            logger.info("native CPU kernels ready: prompts through dequantized bf16 GEMMs (int8, int4); decode "
-                        "batches: int8 matrix-vector products up to {} rows (K up to {}), bf16 ones up to {} rows, "
-                        "int8 and int4 layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops "
-                        "otherwise", INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
-                        INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
+            logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
+                        "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
+                        "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
+                        "to {} rows (K up to {}), bf16 ones up to {} rows, int8 layers through dequantized bf16 "
+                        "GEMMs from {} rows; torch's ops otherwise (each a default this machine's measurements "
+                        "may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS, INT8_GEMV_MAX_ROWS,
+                        INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, INT8_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason
@@ -158,7 +183,7 @@ def int8_variants(rows: int, k: int) -> tuple[str, ...]:
 def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums."""
-    return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
+    return module.int8_gemv(x.float().contiguous(), weight, scales, PREFETCH_BYTES).to(out_dtype)
 
 
 def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -189,7 +214,7 @@ def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (M <= BF16_GEMV_MAX_ROWS)."""
-    y = module.bf16_gemv(x.float().contiguous(), weight)
+    y = module.bf16_gemv(x.float().contiguous(), weight, PREFETCH_BYTES)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -201,9 +226,9 @@ def int4_dequant_fits(n: int) -> bool:
 
 
 def int4_variant(rows: int) -> str:
-    """The static decode choice for an int4 layer that can dequantize: "dequant" from
-    INT4_DEQUANT_MIN_ROWS rows, torch's op ("op") below."""
-    return "dequant" if rows >= INT4_DEQUANT_MIN_ROWS else "op"
+    """The static decode choice for an int4 layer the native kernels can run: "dequant" from
+    INT4_DEQUANT_MIN_ROWS rows, the packed bytes read in place (INT4_NATIVE) below."""
+    return "dequant" if rows >= INT4_DEQUANT_MIN_ROWS else INT4_NATIVE
 
 
 def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
@@ -221,3 +246,16 @@ def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tens
     parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]
     return torch.cat(parts, dim=1)[:rows]
+
+
+def int4pack_mm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor, group_size: int, rows_per_pass: int = 0, prefetch: int = -1,
+                block_grain: int = 0) -> torch.Tensor:
+    """x [M, Kp] @ W^T for torch's CPU int4 layout, the packed bytes read in place (float32 [M, N]).
+
+    W = q * scales + offsets per group (float32 [Kp / group_size, N]); each weight byte comes from
+    memory once for all M rows, and a row's result has the same bits whatever M, the rows per pass,
+    the prefetch distance or the thread split (the defaults: this module's constants)."""
+    return module.int4pack_mm(x.float().contiguous(), packed, scales, offsets, group_size,
+                              rows_per_pass or INT4_ROWS_PER_PASS, PREFETCH_BYTES if prefetch < 0 else prefetch,
+                              block_grain or INT4_BLOCK_GRAIN)

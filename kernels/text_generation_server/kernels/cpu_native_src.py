@@ -82,9 +82,7 @@ inline void store_bf16(uint16_t* dst, vf v) {
 // Prefetched into L2 (locality 2), not with the non-temporal hint (locality 0): prefetchnta held a
 // cold 8960 x 1536 matrix-vector product to 6.6 GB/s on one Sapphire Rapids core, against 12-13
 // GB/s with prefetcht1 16 KiB ahead (19-23 GB/s on two cores, about this VM's DRAM stream rate).
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 16384
-#endif
+// How far ahead is each call's argument (cpu_native.PREFETCH_BYTES, or what this machine measured).
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
@@ -93,18 +91,20 @@ inline void store_bf16(uint16_t* dst, vf v) {
 // y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
 // (then s is null: no scale).
 template <int M, int NB, typename T>
-inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n) {
+inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
+                      int64_t prefetch) {
   vf acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
   int64_t k = 0;
   // One core alone cannot keep enough reads in flight to stream at memory speed: prefetch the
-  // weights PREFETCH_BYTES ahead, every cache line of the step (past a row's end: the next rows).
+  // weights `prefetch` bytes ahead, every cache line of the step (past a row's end: the next rows).
   for (; k + 64 <= K; k += 64) {
-    for (int b = 0; b < NB; ++b)
-      for (int line = 0; line < int(64 * sizeof(T)); line += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + PREFETCH_BYTES + line, 0,
-                           PREFETCH_LOCALITY);
+    if (prefetch)
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < int(64 * sizeof(T)); line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+                             PREFETCH_LOCALITY);
     for (int64_t kk = k; kk < k + 64; kk += 16) {
       vf wv[NB];
       for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
@@ -131,26 +131,27 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
 }
 
 template <int M, int NB, typename T>
-void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N) {
+void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB>(x, w, s, y, K, N, i * NB);
+    for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB>(x, w, s, y, K, N, i * NB, prefetch);
   });
-  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n);
+  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
 }
 
 // Row counts 1..8 to their tile shapes (one accumulator per row and output in registers).
 template <typename T>
-void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N) {
+void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                   int64_t pf) {
   switch (M) {
-    case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N); break;  // two independent FMA chains
-    case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N); break;
-    case 3: gemv_impl<3, 2>(xp, wp, sp, yp, K, N); break;
-    case 4: gemv_impl<4, 2>(xp, wp, sp, yp, K, N); break;
-    case 5: gemv_impl<5, 2>(xp, wp, sp, yp, K, N); break;
-    case 6: gemv_impl<6, 2>(xp, wp, sp, yp, K, N); break;
-    case 7: gemv_impl<7, 1>(xp, wp, sp, yp, K, N); break;
-    default: gemv_impl<8, 1>(xp, wp, sp, yp, K, N); break;
+    case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N, pf); break;  // two independent FMA chains
+    case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N, pf); break;
+    case 3: gemv_impl<3, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 4: gemv_impl<4, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 5: gemv_impl<5, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 6: gemv_impl<6, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 7: gemv_impl<7, 1>(xp, wp, sp, yp, K, N, pf); break;
+    default: gemv_impl<8, 1>(xp, wp, sp, yp, K, N, pf); break;
   }
 }
 
@@ -160,9 +161,124 @@ void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, got ", x.size(0));
 }
 
+// ---- int4, torch's CPU layout read in place: y[m, n] = sum_k x[m, k] * ((q[k, n] - 8) * s + z) ---------------
+// One fused multiply-add, in a fixed form, whatever the instruction set: a row's bits must not depend
+// on the compiler's choice to contract a multiply and an add in one instantiation and not another.
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  __m512 ma, mb, mc; std::memcpy(&ma, &a, 64); std::memcpy(&mb, &b, 64); std::memcpy(&mc, &c, 64);
+  __m512 r = _mm512_fmadd_ps(ma, mb, mc); vf out; std::memcpy(&out, &r, 64); return out;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a0, a1, b0, b1, c0, c1;
+  std::memcpy(&a0, &a, 32); std::memcpy(&a1, reinterpret_cast<const char*>(&a) + 32, 32);
+  std::memcpy(&b0, &b, 32); std::memcpy(&b1, reinterpret_cast<const char*>(&b) + 32, 32);
+  std::memcpy(&c0, &c, 32); std::memcpy(&c1, reinterpret_cast<const char*>(&c) + 32, 32);
+  return from_m256(_mm256_fmadd_ps(a0, b0, c0), _mm256_fmadd_ps(a1, b1, c1));
+#else
+  vf r;
+  for (int j = 0; j < 16; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
+  return r;
+#endif
+}
+inline vf splat(float v) { return vf{} + v; }
+
+// R rows (m0..m0+R) of one 64-output block nb. Lanes are outputs: per group g each output sums
+// x[m, k] * q[k, n] over the group's k in order (q as 0..15), then adds s * that + c * (the row's sum
+// of x over the group), c = z - 8 s, into y. Every output of every row gets the same operations in
+// the same order whatever R is, whatever M is and however the blocks are split between threads.
+template <int R>
+inline void int4_block(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
+                       float* y, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t m0,
+                       int64_t prefetch) {
+  const uint8_t* src = packed + nb * K * 32;
+  const int64_t n0 = nb * 64;
+  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, 64 * sizeof(float));
+  for (int64_t g = 0; g < G; ++g) {
+    vf t[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) t[r][j] = vf{};
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const uint8_t* p = src + k * 32;
+      if (prefetch && !(k & 1)) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      vu8 b0 = load_u8(p), b1 = load_u8(p + 16);
+      vf w[4] = {to_f(vu8(b0 & (uint8_t)15)), to_f(vu8(b1 & (uint8_t)15)), to_f(vu8(b0 >> 4)), to_f(vu8(b1 >> 4))};
+      for (int r = 0; r < R; ++r) {
+        vf xv = splat(x[(m0 + r) * K + k]);
+        for (int j = 0; j < 4; ++j) t[r][j] = fmadd(xv, w[j], t[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      vf sum = splat(xs[(m0 + r) * G + g]);
+      for (int j = 0; j < 4; ++j) {
+        // vector j: the low nibbles of bytes 0-15 (outputs 0-15), of bytes 16-31 (16-31), then the high ones
+        const int64_t col = n0 + 16 * j;
+        float* out = y + (m0 + r) * N + col;
+        vf acc = load_f(out);
+        acc = fmadd(t[r][j], load_f(s + g * N + col), acc);
+        acc = fmadd(sum, load_f(c + g * N + col), acc);
+        std::memcpy(out, &acc, 64);
+      }
+    }
+  }
+}
+
+template <int R>
+void int4_pass(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t prefetch) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) int4_block<R>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
+  for (; m < M; ++m) int4_block<1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
+}
+
 }  // namespace
 
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+// x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), reading the packed
+// weights where they lie: each 64-output block's bytes come from memory once for all M rows (the
+// later row passes find them in cache). s, c float32 [K / gs, N]: W = q * s + c, c = z - 8 s.
+// rows_per_pass: rows sharing one pass over a block (1, 2, 4 or 6); prefetch: bytes read ahead
+// (0: none); block_grain: blocks per thread task. None of them changes a single bit of the result.
+torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
+                          int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(N % 64 == 0, "N must be a multiple of 64, got ", N);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(gs > 0 && K % gs == 0, "group size ", gs, " must divide K=", K);
+  const int64_t G = K / gs, M = x.size(0);
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
+              c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  // The rows' sums over each group, in k order.
+  auto xs_t = torch::empty({M, G}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* xs = xs_t.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) acc += xp[m * K + k];
+      xs[m * G + g] = acc;
+    }
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 64, block_grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      switch (rows_per_pass) {
+        case 1: int4_pass<1>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        case 2: int4_pass<2>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        case 6: int4_pass<6>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        default: int4_pass<4>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_x(x, K);
@@ -172,19 +288,20 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  gemv_dispatch<int8_t>(M, xp, wp, sp, yp, K, N);
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  gemv_dispatch<int8_t>(M, xp, wp, sp, yp, K, N, prefetch);
   return y;
 }
 
 // x [M, K] float32 (1 to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
-torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w) {
+torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
               "w must be contiguous bfloat16 [N, K]");
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_x(x, K);
   auto y = torch::empty({M, N}, x.options());
   gemv_dispatch<uint16_t>(M, x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                          nullptr, y.data_ptr<float>(), K, N);
+                          nullptr, y.data_ptr<float>(), K, N, prefetch);
   return y;
 }
 
@@ -243,4 +360,4 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
 }
 """
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t"]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", "int4pack_mm"]
