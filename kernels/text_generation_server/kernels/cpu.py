@@ -266,7 +266,8 @@ class Int8Linear(torch.nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
-    # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel, "op" torch's
+    # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel (at one of the
+    # prefetch distances of cpu_native.INT8_GEMV_VARIANTS: the same bits under each name), "op" torch's
     # _weight_int8pack_mm, "dequant" the dequantized bf16 GEMM.
     def _native_ok(self) -> bool:
         return self.native is not None and self.compute_dtype == torch.bfloat16
@@ -282,8 +283,9 @@ class Int8Linear(torch.nn.Module):
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
-        if variant == "gemv":
-            return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+        prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
+        if prefetch is not None:
+            return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)
         if variant == "dequant":
             return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
         return torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)

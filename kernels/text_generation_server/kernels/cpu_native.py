@@ -165,6 +165,11 @@ def reset() -> None:
         _state.clear()
 
 
+# The int8 (and bf16) matrix-vector kernel's names: prefetch distances in bytes (-1: PREFETCH_BYTES).
+# The distance changes no bit of the result, only how fast the weights stream on this machine.
+INT8_GEMV_VARIANTS: dict[str, int] = {"gemv": -1, "gemv-pf0": 0, "gemv-pf4k": 4096, "gemv-pf64k": 65536}
+
+
 def int8_variant(rows: int, k: int) -> str:
     """The static decode choice for an int8 layer of inner size `k` (native extension present,
     bfloat16 compute): "gemv" up to INT8_GEMV_MAX_ROWS rows, "dequant" from INT8_DEQUANT_MIN_ROWS,
@@ -176,14 +181,16 @@ def int8_variant(rows: int, k: int) -> str:
 
 def int8_variants(rows: int, k: int) -> tuple[str, ...]:
     """Every int8 variant that can run `rows` rows of inner size `k` (native extension present)."""
-    gemv = ("gemv",) if 0 < rows <= INT8_GEMV_MAX_ROWS and k <= INT8_GEMV_MAX_K else ()
+    gemv = tuple(INT8_GEMV_VARIANTS) if 0 < rows <= INT8_GEMV_MAX_ROWS and k <= INT8_GEMV_MAX_K else ()
     return gemv + ("op", "dequant")
 
 
 def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums."""
-    return module.int8_gemv(x.float().contiguous(), weight, scales, PREFETCH_BYTES).to(out_dtype)
+              out_dtype: torch.dtype, prefetch: int = -1) -> torch.Tensor:
+    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums
+    (weights prefetched `prefetch` bytes ahead; -1: PREFETCH_BYTES)."""
+    distance = PREFETCH_BYTES if prefetch < 0 else prefetch
+    return module.int8_gemv(x.float().contiguous(), weight, scales, distance).to(out_dtype)
 
 
 def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
