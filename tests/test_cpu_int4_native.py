@@ -21,6 +21,9 @@ torch.set_num_threads(2)
 
 @pytest.fixture
 def native():
+    if cpu_native.int4_block() is None:
+        pytest.skip("torch's int4 layout at this CPU capability is not one the native kernels read "
+                    "(test_the_layout_probe_follows_torchs_capability_and_unknown_layouts_keep_torchs_op covers it)")
     module = cpu_native.native()
     if module is None:  # test_cpu_native's build test fails on such a machine and says why
         pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
@@ -68,9 +71,9 @@ def test_the_kernel_is_exact_in_float32(native):
     module, _ = packed_case(384, 192, 64, seed=1)
     g = module.group_size
     s, c = module.scales_f32.double(), module.offsets_f32.double()
-    q = module.packed  # decode the layout independently: block b, row k, byte j -> outputs 64b+j, 64b+32+j
-    n, kp = q.shape[0], q.shape[1] * 2
-    blocks = q.reshape(n // 64, kp, 32)
+    q = module.packed  # decode the layout independently: block b, row k, byte j -> outputs Bb+j, Bb+B/2+j
+    n, kp, block = q.shape[0], q.shape[1] * 2, cpu_native.int4_block()
+    blocks = q.reshape(n // block, kp, block // 2)
     lo, hi = (blocks & 15).double(), (blocks >> 4).double()
     codes = torch.cat([lo, hi], dim=2).permute(1, 0, 2).reshape(kp, n)  # [K, N]
     weight = codes * s.repeat_interleave(g, 0) + c.repeat_interleave(g, 0)
@@ -130,14 +133,17 @@ def test_measured_names_choose_the_prompt_variant_without_changing_a_bit(native)
 def test_the_kernel_rejects_what_it_cannot_run(native):
     module, _ = packed_case(256, 128, 64, seed=5)
     args = (module.packed, module.scales_f32, module.offsets_f32)
+    block = cpu_native.int4_block()
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
-        native.int4pack_mm(torch.zeros(2, 128), *args, 64, 4, 0, 1)
+        native.int4pack_mm(torch.zeros(2, 128), *args, 64, block, 4, 0, 1)
     with pytest.raises(RuntimeError, match="group size 48 must divide"):
-        native.int4pack_mm(torch.zeros(2, 256), *args, 48, 4, 0, 1)
+        native.int4pack_mm(torch.zeros(2, 256), *args, 48, block, 4, 0, 1)
     with pytest.raises(RuntimeError, match="s and c must be"):
-        native.int4pack_mm(torch.zeros(2, 256), *args, 128, 4, 0, 1)
+        native.int4pack_mm(torch.zeros(2, 256), *args, 128, block, 4, 0, 1)
     with pytest.raises(RuntimeError, match="prefetch must be"):
-        native.int4pack_mm(torch.zeros(2, 256), *args, 64, 4, -1, 1)
+        native.int4pack_mm(torch.zeros(2, 256), *args, 64, block, 4, -1, 1)
+    with pytest.raises(RuntimeError, match="block must be 64 or 32"):
+        native.int4pack_mm(torch.zeros(2, 256), *args, 64, 16, 4, 0, 1)
 
 
 def test_layers_the_kernel_cannot_run_keep_torchs_paths(native):
@@ -177,3 +183,17 @@ def test_a_cached_prefix_and_chunks_give_the_tokens_of_a_whole_prefill(native, t
     chunked = run_to_end(lm, lm.make_batch(2, [request(chunk_len=8)]))[1]
     assert chunked["ids"] == whole["ids"]
     torch.testing.assert_close(torch.tensor(chunked["lps"]), torch.tensor(whole["lps"]), atol=3e-2, rtol=0)
+
+
+def test_the_layout_probe_follows_torchs_capability_and_unknown_layouts_keep_torchs_op(monkeypatch):
+    """torch packs int4 by the CPU capability it runs at (64-row blocks at AVX-512, 32 at AVX2, rows
+    interleaved without AVX2): the probe says which, and a layout it cannot read leaves the layer on
+    torch's op, exact."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert cpu_native.int4_block() == {"AVX512": 64, "AVX2": 32}.get(capability)
+    monkeypatch.setitem(cpu_native._state, "int4_block", None)
+    w = make_weight(256, 128, 4, 64, False, False, seed=6)
+    module = cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
+    assert module.variants(1) == ("op",) and module.prompt_variant() == "op"
+    with forward_phase(prefill=True):
+        assert rel_err(w, module, torch.bfloat16, None, lead=(3,)) < BOUND[torch.bfloat16]

@@ -31,6 +31,13 @@ from text_generation_server.kernels.phase import pad_prompt_rows
 
 ENV = "TGS_CPU_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# TGS_CPU_ISA=avx2 (serve --cpu-isa avx2): compiled without AVX-512 (GCC's -mno-avx512f turns off
+# every AVX-512 extension with it), as on an AVX2-only machine; torch and oneDNN follow only if
+# ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 were set before torch was imported (the
+# launcher starts ranks so). The source picks its AVX-512, AVX2 or generic code at compile time from
+# the flags, so the same source serves every x86-64 and aarch64 CPU.
+ISA_ENV = "TGS_CPU_ISA"
+AVX2_CFLAGS = ("-mno-avx512f",)
 # torch ships its own libgomp.so.1; the extension links against the same soname, so at run time
 # it shares torch's OpenMP runtime (one thread pool, torch.set_num_threads applies) rather than
 # bringing a second one whose idle threads would spin against torch's.
@@ -97,9 +104,36 @@ def cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def isa() -> str:
+    """"avx2" when TGS_CPU_ISA asks for it on an x86-64 CPU, else "native"."""
+    asked = os.environ.get(ISA_ENV, "native").strip().lower()
+    return "avx2" if asked == "avx2" and platform.machine().lower() in ("x86_64", "amd64") else "native"
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags for this process's instruction set (`isa`)."""
+    return CFLAGS + (AVX2_CFLAGS if isa() == "avx2" else ())
+
+
+def _check_torch_isa() -> None:
+    """Warns when our kernels are forced to AVX2 but torch's were not (their variables came too late)."""
+    asked = os.environ.get(ISA_ENV, "native").strip().lower()
+    if asked not in ("", "native", "avx2"):
+        logger.warning("{}={} is not native or avx2: the native instruction set is used", ISA_ENV, asked)
+    elif asked == "avx2" and isa() != "avx2":
+        logger.warning("{}=avx2 ignored: this CPU ({}) is not x86-64", ISA_ENV, platform.machine())
+    elif isa() == "avx2":
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability.upper() not in ("AVX2", "DEFAULT", "NO AVX") or os.environ.get("ONEDNN_MAX_CPU_ISA") != "AVX2":
+            logger.warning("{}=avx2: our kernels are compiled for AVX2, but torch's run {} (oneDNN max ISA {}): "
+                           "set ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 before torch is imported "
+                           "(serve --cpu-isa avx2 starts its ranks so)", ISA_ENV, capability,
+                           os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
+
+
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, cpu_signature()):
+    for part in (SOURCE, " ".join(cflags() + LDFLAGS), torch.__version__, cpu_signature()):
         digest.update(part.encode())
     return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
 
@@ -134,9 +168,12 @@ def native() -> Extension | None:
                 from torch.utils.cpp_extension import load_inline
 
                 name = _build_name()
-                logger.info("native CPU kernels: loading {} (built once per machine, about a minute)", name)
+                _check_torch_isa()
+                logger.info("native CPU kernels: loading {} for the {} instruction set (built once per machine, "
+                            "about a minute)", name, "AVX2" if isa() == "avx2" else "native")
                 module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
-                                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False))
+                                               extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
+                                               verbose=False))
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
@@ -227,9 +264,36 @@ def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: to
     return y.to(x.dtype)
 
 
+def int4_block() -> int | None:
+    """Outputs per block of torch's packed int4 layout in this process: 64 (torch at AVX-512), 32
+    (AVX2), None for a layout the native kernels do not read (no AVX2: torch interleaves rows in
+    a byte). torch chooses the layout by the CPU capability it runs at (ATEN_CPU_CAPABILITY), so it
+    is found out once, by packing a probe weight, not assumed from the CPU."""
+    with _lock:
+        if "int4_block" not in _state:
+            n, k = 128, 64
+            codes = (torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 + 3) % 16
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+            found = None
+            for block in (64, 32):
+                if packed.shape != (n, k // 2):
+                    break
+                parts = packed.reshape(n // block, k, block // 2)
+                decoded = torch.cat([parts & 15, parts >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
+                if torch.equal(decoded.t().to(torch.int32), codes):
+                    found = block
+                    break
+            if found is None:
+                logger.info("native CPU kernels: torch's int4 layout at CPU capability {} is not one they read; "
+                            "int4 layers keep torch's op", torch.backends.cpu.get_cpu_capability())
+            _state["int4_block"] = found
+        return _state["int4_block"]  # type: ignore[return-value]
+
+
 def int4_dequant_fits(n: int) -> bool:
-    """Whether int4 layers of `n` output features can run the dequantized GEMM (whole 64-row blocks)."""
-    return n % 64 == 0
+    """Whether int4 layers of `n` output features can run the native kernels (whole layout blocks)."""
+    block = int4_block()
+    return block is not None and n % block == 0
 
 
 def int4_variant(rows: int) -> str:
@@ -240,8 +304,8 @@ def int4_variant(rows: int) -> str:
 
 def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                           group_size: int) -> torch.Tensor:
-    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, through DEQUANT_ROWS-row blocks dequantized
-    to bfloat16 (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py).
+    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout (`int4_block`), through DEQUANT_ROWS-row
+    blocks dequantized to bfloat16 (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py).
 
     W = (q - 8) * scale + zero, scales_and_zeros [Kp / group_size, N, 2] as torch's op takes them."""
     rows = x.shape[0]
@@ -249,8 +313,9 @@ def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tens
     n = packed.shape[0]
     sz = scales_and_zeros.float()
     scales, zeros = sz[..., 0].contiguous(), sz[..., 1].contiguous()
-    blocks, step = n // 64, DEQUANT_ROWS // 64
-    parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
+    block = int4_block()
+    blocks, step = n // block, DEQUANT_ROWS // block
+    parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, block, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]
     return torch.cat(parts, dim=1)[:rows]
 
@@ -263,6 +328,6 @@ def int4pack_mm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales
     W = q * scales + offsets per group (float32 [Kp / group_size, N]); each weight byte comes from
     memory once for all M rows, and a row's result has the same bits whatever M, the rows per pass,
     the prefetch distance or the thread split (the defaults: this module's constants)."""
-    return module.int4pack_mm(x.float().contiguous(), packed, scales, offsets, group_size,
+    return module.int4pack_mm(x.float().contiguous(), packed, scales, offsets, group_size, int4_block() or 64,
                               rows_per_pass or INT4_ROWS_PER_PASS, PREFETCH_BYTES if prefetch < 0 else prefetch,
                               block_grain or INT4_BLOCK_GRAIN)

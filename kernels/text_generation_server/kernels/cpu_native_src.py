@@ -182,36 +182,42 @@ inline vf fmadd(vf a, vf b, vf c) {
 }
 inline vf splat(float v) { return vf{} + v; }
 
-// R rows (m0..m0+R) of one 64-output block nb. Lanes are outputs: per group g each output sums
-// x[m, k] * q[k, n] over the group's k in order (q as 0..15), then adds s * that + c * (the row's sum
-// of x over the group), c = z - 8 s, into y. Every output of every row gets the same operations in
-// the same order whatever R is, whatever M is and however the blocks are split between threads.
-template <int R>
+// R rows (m0..m0+R) of one B-output block nb (B = 64 or 32: torch's layouts, see int4pack_dequant_t).
+// Lanes are outputs: per group g each output sums x[m, k] * q[k, n] over the group's k in order (q as
+// 0..15), then adds s * that + c * (the row's sum of x over the group), c = z - 8 s, into y. Every
+// output of every row gets the same operations in the same order whatever R is, whatever M is and
+// however the blocks are split between threads.
+template <int B, int R>
 inline void int4_block(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
                        float* y, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t m0,
                        int64_t prefetch) {
-  const uint8_t* src = packed + nb * K * 32;
-  const int64_t n0 = nb * 64;
-  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, 64 * sizeof(float));
+  constexpr int H = B / 32;  // 16-byte chunks per input row k
+  constexpr int V = B / 16;  // 16-output vectors: the low nibbles of each chunk, then the high ones
+  const uint8_t* src = packed + nb * K * (B / 2);
+  const int64_t n0 = nb * B;
+  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
   for (int64_t g = 0; g < G; ++g) {
-    vf t[R][4];
+    vf t[R][V];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) t[r][j] = vf{};
+      for (int j = 0; j < V; ++j) t[r][j] = vf{};
     for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-      const uint8_t* p = src + k * 32;
-      if (prefetch && !(k & 1)) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-      vu8 b0 = load_u8(p), b1 = load_u8(p + 16);
-      vf w[4] = {to_f(vu8(b0 & (uint8_t)15)), to_f(vu8(b1 & (uint8_t)15)), to_f(vu8(b0 >> 4)), to_f(vu8(b1 >> 4))};
+      const uint8_t* p = src + k * (B / 2);
+      if (prefetch && !(k & (64 / (B / 2) - 1))) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      vf w[V];
+      for (int h = 0; h < H; ++h) {
+        vu8 bytes = load_u8(p + 16 * h);
+        w[h] = to_f(vu8(bytes & (uint8_t)15));
+        w[H + h] = to_f(vu8(bytes >> 4));
+      }
       for (int r = 0; r < R; ++r) {
         vf xv = splat(x[(m0 + r) * K + k]);
-        for (int j = 0; j < 4; ++j) t[r][j] = fmadd(xv, w[j], t[r][j]);
+        for (int j = 0; j < V; ++j) t[r][j] = fmadd(xv, w[j], t[r][j]);
       }
     }
     for (int r = 0; r < R; ++r) {
       vf sum = splat(xs[(m0 + r) * G + g]);
-      for (int j = 0; j < 4; ++j) {
-        // vector j: the low nibbles of bytes 0-15 (outputs 0-15), of bytes 16-31 (16-31), then the high ones
-        const int64_t col = n0 + 16 * j;
+      for (int j = 0; j < V; ++j) {
+        const int64_t col = n0 + 16 * j;  // vector j holds outputs 16j..16j+15 of the block
         float* out = y + (m0 + r) * N + col;
         vf acc = load_f(out);
         acc = fmadd(t[r][j], load_f(s + g * N + col), acc);
@@ -222,26 +228,48 @@ inline void int4_block(const float* x, const float* xs, const uint8_t* packed, c
   }
 }
 
-template <int R>
+template <int B, int R>
 void int4_pass(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c, float* y,
                int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t prefetch) {
   int64_t m = 0;
-  for (; m + R <= M; m += R) int4_block<R>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
-  for (; m < M; ++m) int4_block<1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
+  for (; m + R <= M; m += R) int4_block<B, R>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
+  for (; m < M; ++m) int4_block<B, 1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
+}
+
+template <int B>
+void int4_blocks(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
+                 const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t prefetch,
+                 int64_t block_grain) {
+  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      switch (rows_per_pass) {
+        case 1: int4_pass<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        case 2: int4_pass<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        case 6: int4_pass<B, 6>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+        default: int4_pass<B, 4>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
+      }
+    }
+  });
+}
+
+void check_block(int64_t block, int64_t N) {
+  TORCH_CHECK(block == 64 || block == 32, "block must be 64 or 32 (torch's AVX-512 or AVX2 layout), got ", block);
+  TORCH_CHECK(N % block == 0, "N must be a multiple of ", block, ", got ", N);
 }
 
 }  // namespace
 
 // x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), reading the packed
-// weights where they lie: each 64-output block's bytes come from memory once for all M rows (the
-// later row passes find them in cache). s, c float32 [K / gs, N]: W = q * s + c, c = z - 8 s.
-// rows_per_pass: rows sharing one pass over a block (1, 2, 4 or 6); prefetch: bytes read ahead
-// (0: none); block_grain: blocks per thread task. None of them changes a single bit of the result.
+// weights where they lie: each block's bytes come from memory once for all M rows (the later row
+// passes find them in cache). s, c float32 [K / gs, N]: W = q * s + c, c = z - 8 s. block: outputs per
+// block of the layout (64 or 32); rows_per_pass: rows sharing one pass over a block (1, 2, 4 or 6);
+// prefetch: bytes read ahead (0: none); block_grain: blocks per thread task. None of the last three
+// changes a single bit of the result.
 torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
-                          int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+                          int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(N % 64 == 0, "N must be a multiple of 64, got ", N);
+  check_block(block, N);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(gs > 0 && K % gs == 0, "group size ", gs, " must divide K=", K);
@@ -262,19 +290,12 @@ torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       xs[m * G + g] = acc;
     }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 64, block_grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      switch (rows_per_pass) {
-        case 1: int4_pass<1>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        case 2: int4_pass<2>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        case 6: int4_pass<6>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        default: int4_pass<4>(xp, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-      }
-    }
-  });
+  if (block == 64)
+    int4_blocks<64>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
+                    N, G, gs, prefetch, block_grain);
+  else
+    int4_blocks<32>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
+                    N, G, gs, prefetch, block_grain);
   return y;
 }
 
@@ -322,18 +343,21 @@ torch::Tensor int8_dequant(torch::Tensor w, torch::Tensor s, int64_t n0, int64_t
   return out;
 }
 
-// torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu, read off its output): rows in
-// blocks of 64; for block nb and input row k, 32 bytes at ((nb * K) + k) * 32, byte j holding
-// row nb * 64 + j in its low nibble and row nb * 64 + 32 + j in its high one.
-// Out: W^T of row blocks nb0..nb1 as bfloat16 [K, (nb1 - nb0) * 64], W = (q - 8) * s + z with
+// torch's CPU int4 layouts (_convert_weight_to_int4pack_for_cpu, read off its output; they depend on
+// the CPU capability torch runs at): rows in blocks of B (64 under AVX-512, 32 under AVX2); for block
+// nb and input row k, B / 2 bytes at ((nb * K) + k) * B / 2, byte j holding row nb * B + j in its low
+// nibble and row nb * B + B / 2 + j in its high one. (Without AVX2 torch interleaves rows 2j, 2j + 1
+// in a byte: not read here, cpu_native.int4_block finds out which layout this process has.)
+// Out: W^T of row blocks nb0..nb1 as bfloat16 [K, (nb1 - nb0) * B], W = (q - 8) * s + z with
 // s, z float32 [K / gs, N].
-torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::Tensor z, int64_t gs, int64_t nb0,
-                                 int64_t nb1) {
+torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::Tensor z, int64_t gs, int64_t block,
+                                 int64_t nb0, int64_t nb1) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(N % 64 == 0 && 0 <= nb0 && nb0 < nb1 && nb1 * 64 <= N, "bad row blocks");
+  check_block(block, N);
+  TORCH_CHECK(0 <= nb0 && nb0 < nb1 && nb1 * block <= N, "bad row blocks");
   TORCH_CHECK(gs > 0 && K % gs == 0 && s.numel() == (K / gs) * N && z.numel() == s.numel(), "bad scales");
-  const int64_t width = (nb1 - nb0) * 64;
+  const int64_t width = (nb1 - nb0) * block, half = block / 2;
   auto out = torch::empty({K, width}, packed.options().dtype(torch::kBFloat16));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
@@ -343,15 +367,15 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t g = k / gs;
       for (int64_t nb = nb0; nb < nb1; ++nb) {
-        const uint8_t* src = pp + (nb * K + k) * 32;
-        uint16_t* dst = op + k * width + (nb - nb0) * 64;
-        for (int h = 0; h < 2; ++h) {
+        const uint8_t* src = pp + (nb * K + k) * half;
+        uint16_t* dst = op + k * width + (nb - nb0) * block;
+        for (int64_t h = 0; h < half / 16; ++h) {
           vu8 bytes = load_u8(src + 16 * h);
-          const int64_t lo_n = nb * 64 + 16 * h, hi_n = lo_n + 32;
+          const int64_t lo_n = nb * block + 16 * h, hi_n = lo_n + half;
           vf lo = (to_f(vu8(bytes & (uint8_t)15)) - 8.f) * load_f(sp + g * N + lo_n) + load_f(zp + g * N + lo_n);
           vf hi = (to_f(vu8(bytes >> 4)) - 8.f) * load_f(sp + g * N + hi_n) + load_f(zp + g * N + hi_n);
           store_bf16(dst + 16 * h, lo);
-          store_bf16(dst + 32 + 16 * h, hi);
+          store_bf16(dst + half + 16 * h, hi);
         }
       }
     }

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.settings.serve_flags import (
+    CPU_ISA_ENV,
+    CPU_ISAS,
     CUSTOM_KERNELS,
     api_keys_given,
     parse_bool,
@@ -286,6 +288,10 @@ class ServeArgs:
     )
     allow_dense_fallback: bool = setting(  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
         False, "Let quantized layers with no CUDA kernel run dequantized (more memory) instead of failing.",
+    )
+    cpu_isa: str = setting(  # the ranks start with serve_flags.cpu_isa_environment(cpu_isa)
+        "native", "Instruction set of the CPU kernels: native (the best this CPU has) or avx2 (ours, torch's "
+        "and oneDNN's AVX2 variants, as on an AVX2-only machine).", choices=CPU_ISAS, env=(CPU_ISA_ENV,),
     )
     disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
         False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",
