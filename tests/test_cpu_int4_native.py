@@ -136,7 +136,7 @@ def test_the_kernel_rejects_what_it_cannot_run(native):
     block = cpu_native.int4_block()
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
         native.int4pack_mm(torch.zeros(2, 128), *args, 64, block, 4, 0, 1)
-    with pytest.raises(RuntimeError, match="group size 48 must divide"):
+    with pytest.raises(RuntimeError, match="group size 48 must be even and divide"):
         native.int4pack_mm(torch.zeros(2, 256), *args, 48, block, 4, 0, 1)
     with pytest.raises(RuntimeError, match="s and c must be"):
         native.int4pack_mm(torch.zeros(2, 256), *args, 128, block, 4, 0, 1)

@@ -1,6 +1,6 @@
 """The AVX2 switch (serve --cpu-isa avx2, TGS_CPU_ISA=avx2): the ranks start with torch's and oneDNN's
 variables set before they import torch, our kernels are compiled without AVX-512 under their own
-build name, and the AVX2 build computes what the native one does (the int4 kernel to the bit)."""
+build name, and the AVX2 build computes what the native one does."""
 
 from __future__ import annotations
 
@@ -101,5 +101,6 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     got = json.loads(line[0].removeprefix("RESULT"))
     assert got["capability"] == "AVX2"  # torch's kernels followed the switch
     assert got["built"], got["reason"]
-    assert torch.equal(torch.tensor(got["int4"]), want4)  # one fused multiply-add per step, in one order
+    # float sums either way (AVX-512-BF16 builds take two products per instruction): within rounding
+    torch.testing.assert_close(torch.tensor(got["int4"]), want4, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(torch.tensor(got["int8"]), want8, rtol=1e-5, atol=1e-5)

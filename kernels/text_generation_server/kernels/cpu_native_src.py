@@ -15,8 +15,10 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -182,49 +184,99 @@ inline vf fmadd(vf a, vf b, vf c) {
 }
 inline vf splat(float v) { return vf{} + v; }
 
-// R rows (m0..m0+R) of one B-output block nb (B = 64 or 32: torch's layouts, see int4pack_dequant_t).
-// Lanes are outputs: per group g each output sums x[m, k] * q[k, n] over the group's k in order (q as
-// 0..15), then adds s * that + c * (the row's sum of x over the group), c = z - 8 s, into y. Every
-// output of every row gets the same operations in the same order whatever R is, whatever M is and
-// however the blocks are split between threads.
+// One step of the int4 products: KSTEP input rows of 16 outputs. With AVX512-BF16, two rows through
+// vdpbf16ps: the codes as exact bfloat16 pairs, x's two values as a bfloat16 pair (x is bfloat16 data:
+// the layers' compute dtype), twice the products per instruction of a float FMA. Elsewhere one row
+// through a float FMA. Either way one fixed instruction per step and output, in k order.
+#if defined(__AVX512BF16__)
+constexpr int KSTEP = 2;
+typedef __m512i wstep;  // 16 outputs x (row k, row k + 1) as bfloat16 pairs
+typedef __m512i xstep;  // (x[k], x[k + 1]) as a bfloat16 pair in every lane
+// bfloat16 bits of the codes 0..15, indexed by code (the upper 16 entries unused).
+alignas(64) static const uint16_t BF16_OF_CODE[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+inline uint32_t bf16_bits(float v) {
+  uint32_t u; std::memcpy(&u, &v, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+inline wstep codes_step(vu8 a, vu8 b) {  // 16 codes of row k, then of row k + 1
+  __m128i ia, ib; std::memcpy(&ia, &a, 16); std::memcpy(&ib, &b, 16);
+  __m512i pair = _mm512_or_si512(_mm512_cvtepu8_epi32(ia), _mm512_slli_epi32(_mm512_cvtepu8_epi32(ib), 16));
+  return _mm512_permutexvar_epi16(pair, _mm512_load_si512(BF16_OF_CODE));
+}
+inline xstep x_step(const float* row, int64_t k) {
+  return _mm512_set1_epi32(int(bf16_bits(row[k]) | (bf16_bits(row[k + 1]) << 16)));
+}
+inline vf step_acc(vf t, wstep w, xstep x) {
+  __m512 mt; std::memcpy(&mt, &t, 64);
+  __m512 r = _mm512_dpbf16_ps(mt, (__m512bh)x, (__m512bh)w);
+  vf out; std::memcpy(&out, &r, 64); return out;
+}
+#else
+constexpr int KSTEP = 1;
+typedef vf wstep;
+typedef vf xstep;
+inline wstep codes_step(vu8 a, vu8) { return to_f(a); }
+inline xstep x_step(const float* row, int64_t k) { return splat(row[k]); }
+inline vf step_acc(vf t, wstep w, xstep x) { return fmadd(x, w, t); }
+#endif
+
+// The V = B / 16 code vectors of one step at input row k of a B-output block whose rows lie `stride`
+// bytes apart: the low nibbles of each 16-byte chunk (outputs 16h..16h+15), then the high ones.
+template <int B>
+inline void load_step(const uint8_t* p, int64_t stride, wstep* w) {
+  constexpr int H = B / 32;
+  for (int h = 0; h < H; ++h) {
+    vu8 a = load_u8(p + 16 * h), b = KSTEP == 2 ? load_u8(p + stride + 16 * h) : a;
+    w[h] = codes_step(vu8(a & (uint8_t)15), vu8(b & (uint8_t)15));
+    w[H + h] = codes_step(vu8(a >> 4), vu8(b >> 4));
+  }
+}
+
+// y[m, block] += s * t + c * xs for a group g, t the row's group sums of x * q (vector j: outputs 16j..).
+template <int B>
+inline void add_group(float* y, const vf* t, const float* s, const float* c, float xs, int64_t N, int64_t G,
+                      int64_t g, int64_t n0) {
+  vf sum = splat(xs);
+  for (int j = 0; j < B / 16; ++j) {
+    const int64_t col = n0 + 16 * j;
+    vf acc = load_f(y + col);
+    acc = fmadd(t[j], load_f(s + g * N + col), acc);
+    acc = fmadd(sum, load_f(c + g * N + col), acc);
+    std::memcpy(y + col, &acc, 64);
+  }
+}
+
+// R rows (m0..m0+R) of one B-output block nb (B = 64 or 32: torch's layouts, see int4pack_dequant_t),
+// the codes unpacked on the fly. Lanes are outputs: per group g each output sums x[m, k] * q[k, n]
+// over the group's k in order, one step at a time (q as 0..15), then adds s * that + c * (the row's
+// sum of x over the group), c = z - 8 s, into y. Every output of every row gets the same operations
+// in the same order whatever R is, whatever M is and however the blocks are split between threads.
 template <int B, int R>
 inline void int4_block(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
                        float* y, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t m0,
                        int64_t prefetch) {
-  constexpr int H = B / 32;  // 16-byte chunks per input row k
-  constexpr int V = B / 16;  // 16-output vectors: the low nibbles of each chunk, then the high ones
-  const uint8_t* src = packed + nb * K * (B / 2);
+  constexpr int V = B / 16;
+  const int64_t stride = B / 2;
+  const uint8_t* src = packed + nb * K * stride;
   const int64_t n0 = nb * B;
   for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
   for (int64_t g = 0; g < G; ++g) {
     vf t[R][V];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < V; ++j) t[r][j] = vf{};
-    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-      const uint8_t* p = src + k * (B / 2);
-      if (prefetch && !(k & (64 / (B / 2) - 1))) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-      vf w[V];
-      for (int h = 0; h < H; ++h) {
-        vu8 bytes = load_u8(p + 16 * h);
-        w[h] = to_f(vu8(bytes & (uint8_t)15));
-        w[H + h] = to_f(vu8(bytes >> 4));
-      }
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += KSTEP) {
+      const uint8_t* p = src + k * stride;
+      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      wstep w[V];
+      load_step<B>(p, stride, w);
       for (int r = 0; r < R; ++r) {
-        vf xv = splat(x[(m0 + r) * K + k]);
-        for (int j = 0; j < V; ++j) t[r][j] = fmadd(xv, w[j], t[r][j]);
+        xstep xv = x_step(x + (m0 + r) * K, k);
+        for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      vf sum = splat(xs[(m0 + r) * G + g]);
-      for (int j = 0; j < V; ++j) {
-        const int64_t col = n0 + 16 * j;  // vector j holds outputs 16j..16j+15 of the block
-        float* out = y + (m0 + r) * N + col;
-        vf acc = load_f(out);
-        acc = fmadd(t[r][j], load_f(s + g * N + col), acc);
-        acc = fmadd(sum, load_f(c + g * N + col), acc);
-        std::memcpy(out, &acc, 64);
-      }
-    }
+    for (int r = 0; r < R; ++r) add_group<B>(y + (m0 + r) * N, t[r], s, c, xs[(m0 + r) * G + g], N, G, g, n0);
   }
 }
 
@@ -236,18 +288,83 @@ void int4_pass(const float* x, const float* xs, const uint8_t* packed, const flo
   for (; m < M; ++m) int4_block<B, 1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
 }
 
+// More rows than one pass takes (prompts): block nb's codes are unpacked once per KS input rows into
+// `wq` and every row pass reads them there, so the unpacking is not repeated per pass. `T` [M, B]
+// carries each row's group sums across the KS-row slices: every output still gets the same
+// instructions in the same order as in int4_block (the same bits).
+constexpr int64_t KS = 64;
+
+template <int B, int R>
+inline void int4_slice_rows(const float* x, const wstep* wq, float* T, int64_t K, int64_t k0, int64_t k1,
+                            int64_t m0) {
+  constexpr int V = B / 16;
+  vf t[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) t[r][j] = load_f(T + (m0 + r) * B + 16 * j);
+  for (int64_t k = k0; k < k1; k += KSTEP) {
+    const wstep* w = wq + ((k - k0) / KSTEP) * V;
+    for (int r = 0; r < R; ++r) {
+      xstep xv = x_step(x + (m0 + r) * K, k);
+      for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) std::memcpy(T + (m0 + r) * B + 16 * j, &t[r][j], 64);
+}
+
+template <int B, int R>
+void int4_block_unpacked(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
+                         float* y, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb,
+                         int64_t prefetch, wstep* wq, float* T) {
+  constexpr int V = B / 16;
+  const int64_t stride = B / 2;
+  const uint8_t* src = packed + nb * K * stride;
+  const int64_t n0 = nb * B;
+  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, B * sizeof(float));
+  for (int64_t g = 0; g < G; ++g) {
+    std::memset(T, 0, M * B * sizeof(float));
+    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += KS) {
+      const int64_t k1 = std::min(k0 + KS, (g + 1) * gs);
+      for (int64_t k = k0; k < k1; k += KSTEP) {
+        const uint8_t* p = src + k * stride;
+        if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+        load_step<B>(p, stride, wq + ((k - k0) / KSTEP) * V);
+      }
+      int64_t m = 0;
+      for (; m + R <= M; m += R) int4_slice_rows<B, R>(x, wq, T, K, k0, k1, m);
+      for (; m < M; ++m) int4_slice_rows<B, 1>(x, wq, T, K, k0, k1, m);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      vf t[V];
+      for (int j = 0; j < V; ++j) t[j] = load_f(T + m * B + 16 * j);
+      add_group<B>(y + m * N, t, s, c, xs[m * G + g], N, G, g, n0);
+    }
+  }
+}
+
+template <int B, int R>
+void int4_rows(const float* x, const float* xs, const uint8_t* pp, const float* sp, const float* cp, float* yp,
+               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
+  if (M <= R) {  // one pass: unpack on the fly
+    for (int64_t nb = b0; nb < b1; ++nb) int4_pass<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch);
+    return;
+  }
+  std::vector<wstep> wq((KS / KSTEP) * (B / 16));
+  std::vector<float> T(M * B);
+  for (int64_t nb = b0; nb < b1; ++nb)
+    int4_block_unpacked<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch, wq.data(), T.data());
+}
+
 template <int B>
 void int4_blocks(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
                  const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t prefetch,
                  int64_t block_grain) {
   at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      switch (rows_per_pass) {
-        case 1: int4_pass<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        case 2: int4_pass<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        case 6: int4_pass<B, 6>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-        default: int4_pass<B, 4>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch); break;
-      }
+    switch (rows_per_pass) {
+      case 1: int4_rows<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
+      case 2: int4_rows<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
+      case 6: int4_rows<B, 6>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
+      default: int4_rows<B, 4>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
     }
   });
 }
@@ -272,7 +389,7 @@ torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   check_block(block, N);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(gs > 0 && K % gs == 0, "group size ", gs, " must divide K=", K);
+  TORCH_CHECK(gs > 0 && K % gs == 0 && gs % 2 == 0, "group size ", gs, " must be even and divide K=", K);
   const int64_t G = K / gs, M = x.size(0);
   TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
               c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
