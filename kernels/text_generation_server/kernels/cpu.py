@@ -125,8 +125,14 @@ class Int4PackLinear(torch.nn.Module):
         return (self.native is not None and self.compute_dtype == torch.bfloat16
                 and cpu_native.int4_dequant_fits(self.out_features))
 
+    def _reads_in_place(self) -> bool:
+        return self._dequantizes() and cpu_native.int4_native_ok(self.native)
+
     def variants(self, rows: int) -> tuple[str, ...]:
-        return (*cpu_native.INT4_NATIVE_VARIANTS, "op", "dequant") if self._dequantizes() else ("op",)
+        if not self._dequantizes():
+            return ("op",)
+        native = tuple(cpu_native.INT4_NATIVE_VARIANTS) if self._reads_in_place() else ()
+        return (*native, "op", "dequant")
 
     def prompt_variant(self) -> str:
         # Every prompt row count takes the native kernel: its rows have the same bits whatever the
@@ -135,11 +141,13 @@ class Int4PackLinear(torch.nn.Module):
         # what this machine measured for prompt-sized inputs; the bits are the same under each.
         if not self._dequantizes():
             return "op"
+        if not self._reads_in_place():
+            return "dequant"  # a build whose int4 kernel is slow: the dequantized GEMM, as before it
         chosen = self.measured.get(cpu_native.INT4_PROMPT_BUCKET, "")
         return chosen if chosen in cpu_native.INT4_NATIVE_VARIANTS else cpu_native.INT4_NATIVE
 
     def static_variant(self, rows: int) -> str:
-        return cpu_native.int4_variant(rows) if self._dequantizes() else "op"
+        return cpu_native.int4_variant(rows, self._reads_in_place()) if self._dequantizes() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype

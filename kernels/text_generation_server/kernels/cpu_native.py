@@ -178,6 +178,10 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
+            _state["int4_native"] = bool(module.int4_native_isa())
+            if not _state["int4_native"]:
+                logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "
+                            "batches and the dequantized GEMM for prompts (int4_native_isa in the source says why)")
             logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
                         "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
                         "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
@@ -297,10 +301,23 @@ def int4_dequant_fits(n: int) -> bool:
     return block is not None and n % block == 0
 
 
-def int4_variant(rows: int) -> str:
+def int4_native_ok(module: Extension | None) -> bool:
+    """Whether `module` (the extension, or a test's wrapper of it) runs the int4 kernel at speed:
+    built with AVX-512 (`int4_native_isa` in the source says why not elsewhere)."""
+    if module is None:
+        return False
+    if "int4_native" not in _state:  # read when the extension loads (native()); a reset() forgets it
+        _state["int4_native"] = bool(module.int4_native_isa())
+    return bool(_state["int4_native"])
+
+
+def int4_variant(rows: int, native_kernel: bool = True) -> str:
     """The static decode choice for an int4 layer the native kernels can run: "dequant" from
-    INT4_DEQUANT_MIN_ROWS rows, the packed bytes read in place (INT4_NATIVE) below."""
-    return "dequant" if rows >= INT4_DEQUANT_MIN_ROWS else INT4_NATIVE
+    INT4_DEQUANT_MIN_ROWS rows, below it the packed bytes read in place (INT4_NATIVE), or torch's
+    op ("op") where this build's int4 kernel is slow (`int4_native_ok`)."""
+    if rows >= INT4_DEQUANT_MIN_ROWS:
+        return "dequant"
+    return INT4_NATIVE if native_kernel else "op"
 
 
 def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
