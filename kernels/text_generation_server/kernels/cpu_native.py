@@ -332,6 +332,8 @@ def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tens
     sz = scales_and_zeros.float()
     scales, zeros = sz[..., 0].contiguous(), sz[..., 1].contiguous()
     block = int4_block()
+    if block is None:
+        raise ValueError("torch's int4 layout in this process is not one the native kernels read (int4_block)")
     blocks, step = n // block, DEQUANT_ROWS // block
     parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, block, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]

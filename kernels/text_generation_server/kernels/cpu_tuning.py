@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from loguru import logger
@@ -51,15 +52,16 @@ def tuning_enabled() -> bool:
     return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _tuned_layers(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """Shape key -> the model's CPU layers of that shape whose kernel offers measured variants."""
-    groups: dict[str, list[torch.nn.Module]] = {}
+def _tuned_layers(model: torch.nn.Module) -> dict[str, list[tuple[LinearSpec, Any]]]:
+    """Shape key -> (spec, layer) for the model's CPU layers of that shape whose kernel offers
+    measured variants (phase.RowVariantLayer)."""
+    groups: dict[str, list[tuple[LinearSpec, Any]]] = {}
     for module in model.modules():
         spec = getattr(module, "linear_spec", None)
         if (isinstance(spec, LinearSpec) and spec.device_type == "cpu"
                 and getattr(module, "kernel_name", None) in TUNED_KERNELS
                 and isinstance(getattr(module, "measured", None), dict)):
-            groups.setdefault(shape_key(spec), []).append(module)
+            groups.setdefault(shape_key(spec), []).append((spec, module))
     return groups
 
 
@@ -71,8 +73,8 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
     result: dict[str, dict[int, str]] = {}
     enabled = tuning_enabled()
     with torch.inference_mode():
-        for key, layers in _tuned_layers(model).items():
-            spec = layers[0].linear_spec
+        for key, found in _tuned_layers(model).items():
+            spec, layers = found[0][0], [layer for _, layer in found]
             store = prefs or preferences("cpu")
             known = {b: c for b, c in store.row_choices(spec).items() if b in buckets}
             missing = [b for b in buckets if b not in known] if enabled else []
