@@ -27,6 +27,7 @@ from serve_client import CORPUS, client_stub, generate, launch_serve, poll_metri
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.models.loader import get_model
+from text_generation_server.settings.serve_args import LM_HEAD_AUTO
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
@@ -87,7 +88,7 @@ def servers(request, tmp_path_factory):
 def reference(servers):
     """Greedy answers of prompts generated alone in this process: no prefix cache, no chunks."""
     torch.set_num_threads(1)
-    return Reference(get_model(servers.model))
+    return Reference(get_model(servers.model, quantize_lm_head=LM_HEAD_AUTO))  # serve's default head
 
 
 class Reference:
