@@ -232,3 +232,17 @@ def test_bf16_layers_keep_torchs_gemm_when_native_kernels_are_off(fresh_native, 
     layer = DenseLinear(w, None)
     x = torch.randn(1, 16).bfloat16()
     assert layer.native is None and torch.equal(layer(x), torch.nn.functional.linear(x, w))
+
+
+def test_layers_take_no_rows(native):
+    """A head asked for no logits (a prompt chunk that does not end its prompt) gets zero rows: every
+    CPU layer returns an empty result in both phases (the int8 matrix-vector kernel refuses 0 rows)."""
+    from text_generation_server.kernels.phase import forward_phase
+
+    for w in (make_weight(128, 64, 8, 128, True, False, seed=3), make_weight(128, 64, 4, 64, False, False, seed=3)):
+        kernel = cpu.CpuInt8Kernel if w.bits == 8 else cpu.CpuInt4PackKernel
+        module = kernel.build(w, None, torch.bfloat16)
+        for prefill in (False, True):
+            with forward_phase(prefill):
+                y = module(torch.zeros(0, 128, dtype=torch.bfloat16))
+            assert y.shape == (0, 64) and y.dtype == torch.bfloat16

@@ -216,7 +216,8 @@ def int8_variant(rows: int, k: int) -> str:
     bfloat16 compute): "gemv" up to INT8_GEMV_MAX_ROWS rows, "dequant" from INT8_DEQUANT_MIN_ROWS,
     torch's op ("op") in between and wherever the matrix-vector kernel cannot run."""
     if rows <= INT8_GEMV_MAX_ROWS:
-        return "gemv" if k <= INT8_GEMV_MAX_K else "op"
+        # no rows (a head asked for no logits: a prompt chunk that does not end its prompt): torch's op
+        return "gemv" if 0 < rows and k <= INT8_GEMV_MAX_K else "op"
     return "dequant" if rows >= INT8_DEQUANT_MIN_ROWS else "op"
 
 
