@@ -104,7 +104,10 @@ def test_each_shape_is_measured_once_and_every_layer_takes_the_winners(native):
     prefs = preferences("cpu")
     data = json.loads(prefs.path.read_text())
     assert data["choices"][int4_key]["rows<=1"]["choice"] == "native-r2"
-    assert set(data["choices"][int4_key]["rows<=1"]["ms"]) >= {"native", "native-r2", "op", "dequant"}
+    assert set(data["choices"][int4_key]["rows<=1"]["ms"]) == {*cpu_native.INT4_NATIVE_VARIANTS, "op"}
+    # Not worth timing (a first start stays short): the dequantized GEMM at decode sizes, the native
+    # kernel's names but two at the prompt bucket.
+    assert set(data["choices"][int4_key]["rows<=64"]["ms"]) == {"native", "native-r6", "op", "dequant"}
     select._PREFERENCES.clear()
     again = model()
     assert again[0].measured == chosen[int4_key]  # build_linear reads the file
@@ -158,7 +161,7 @@ def test_warmups_kernel_timing_tunes_cpu_layers(native, monkeypatch):
     m = model(seed=11)
     seen = []
     real = cpu_tuning.tune_rows
-    monkeypatch.setattr(cpu_tuning, "tune_rows", lambda module, spec, rows, timer, store:
-                        seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store))
+    monkeypatch.setattr(cpu_tuning, "tune_rows", lambda module, spec, rows, timer, store, skip:
+                        seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store, skip))
     result = tune_kernels(m, [])  # on a CPU warmup passes no CUDA graph sizes
     assert len(seen) == 3 and result[shape_key(m[0].linear_spec)][1] == "native-r2"

@@ -77,11 +77,9 @@ INT4_BLOCK_GRAIN = 4
 INT4_NATIVE = "native"
 INT4_NATIVE_VARIANTS: dict[str, tuple[int, int, int]] = {
     INT4_NATIVE: (0, -1, 0),
-    "native-r1": (1, -1, 0),
     "native-r2": (2, -1, 0),
     "native-r6": (6, -1, 0),
     "native-pf0": (0, 0, 0),
-    "native-pf64k": (0, 65536, 0),
     "native-g1": (0, -1, 1),
 }
 # The row bucket whose measured native name the prompt path takes (kernels/cpu.py): prompt-sized.
@@ -208,7 +206,7 @@ def reset() -> None:
 
 # The int8 (and bf16) matrix-vector kernel's names: prefetch distances in bytes (-1: PREFETCH_BYTES).
 # The distance changes no bit of the result, only how fast the weights stream on this machine.
-INT8_GEMV_VARIANTS: dict[str, int] = {"gemv": -1, "gemv-pf0": 0, "gemv-pf4k": 4096, "gemv-pf64k": 65536}
+INT8_GEMV_VARIANTS: dict[str, int] = {"gemv": -1, "gemv-pf0": 0, "gemv-pf64k": 65536}
 
 
 def int8_variant(rows: int, k: int) -> str:

@@ -35,7 +35,7 @@ from loguru import logger
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec
 from text_generation_server.kernels.phase import row_bucket
-from text_generation_server.kernels.select import Preferences, Timer, preferences, shape_key, tune_rows
+from text_generation_server.kernels.select import Preferences, Timer, preferences, shape_key, tune_rows, wall_timer
 
 TUNING_ENV = "TGS_CPU_TUNING"
 # Decode batch sizes measured (rows 3, 5-7 share the buckets of 4 and 8), and the prompt bucket.
@@ -45,6 +45,29 @@ TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
 # have one native variant, up to 2 rows, measured in BENCHMARKS.md; not timed per machine).
 TUNED_KERNELS = ("cpu-int4pack", "cpu-int8")
 FALLBACK = "op"  # torch's weight-only op: where a failed measurement leaves a bucket
+# Shapes whose weights take more than this many bytes (a vocabulary-sized head) are measured at the
+# decode buckets only: at 64 rows each of their variants costs tenths of a second a call.
+LARGE_BYTES = 64 * 2**20
+REPEAT = 3  # timed calls per variant (after one warm-up call and one checked against the static choice)
+
+
+def not_worth_timing(bucket: int, variant: str) -> bool:
+    """Variants a bucket leaves untimed, to keep a first start short: the dequantized GEMM for decode
+    batches of up to 8 rows (it dequantizes the whole layer per call: 10-30x slower there), and at
+    the prompt bucket the native kernel's names but its default and its 6-row passes (the names give
+    the same bits; at 64 rows each costs tens of milliseconds a call)."""
+    if bucket <= max(DECODE_ROWS):
+        return variant == "dequant"
+    return variant in cpu_native.INT4_NATIVE_VARIANTS and variant not in (cpu_native.INT4_NATIVE, "native-r6")
+
+
+def cpu_timer(fn) -> float:
+    """select.wall_timer with fewer calls: a first start measures every layer shape once."""
+    return wall_timer(fn, repeat=REPEAT)
+
+
+def _weight_bytes(layer: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
 
 
 def tuning_enabled() -> bool:
@@ -77,11 +100,14 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
             spec, layers = found[0][0], [layer for _, layer in found]
             store = prefs or preferences("cpu")
             known = {b: c for b, c in store.row_choices(spec).items() if b in buckets}
-            missing = [b for b in buckets if b not in known] if enabled else []
+            large = _weight_bytes(layers[0]) > LARGE_BYTES
+            missing = [b for b in buckets if b not in known and not (large and b > max(DECODE_ROWS))] \
+                if enabled else []
             failed: list[int] = []
+            cached = bool(known)
             if missing:
                 try:
-                    measured = tune_rows(layers[0], spec, missing, timer, store)
+                    measured = tune_rows(layers[0], spec, missing, timer or cpu_timer, store, not_worth_timing)
                 except Exception as exc:  # noqa: BLE001 - a measurement must never take a server down
                     logger.warning("CPU kernels for {}: not measured ({}: {})", key, type(exc).__name__, exc)
                     measured = {}
@@ -93,8 +119,8 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
             for layer in layers:
                 layer.measured.update(known)
             if known:
-                source = ("measured" if missing and len(missing) == len(buckets) else
-                          "from this machine's kernel cache" if not missing else "measured and from the cache")
+                source = ("from this machine's kernel cache" if not missing else
+                          "measured" if not cached else "measured and from the cache")
                 logger.info("CPU kernels for {} ({} layer{}, {}): {}; prompts {}{}", key, len(layers),
                             "" if len(layers) == 1 else "s", source,
                             ", ".join(f"rows<={b} {name}" for b, name in sorted(known.items())),
