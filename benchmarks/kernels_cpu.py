@@ -9,6 +9,10 @@ the same interleaved rounds, so the ratios share the machine's state.
 Formats (--formats picks a subset; fp32 and bf16 dense always run):
   int4-sym, int4-asym, int4-act   4-bit g128 codes through build_linear (cpu-int4pack)
   int8                            8-bit per-channel codes through build_linear (cpu-int8)
+  int4-prompt                     int4-sym inside a prefill forward: the prompt path at every batch
+                                  (the native kernel reading the packed codes, kernels/cpu.py)
+  int4-dequant                    the same with the dequantized bf16 GEMM forced as the prompt path
+                                  (what int4 prompts ran before the native kernel)
   int4-torch, int8-torch          int4-sym and int8 with the native CPU kernels detached
                                   (kernels/cpu_native.py): torch's weight-only ops at every batch
   marlin4, marlin8                symmetric 4/8-bit g128 with cpu-int4pack, cpu-int8 and
@@ -63,6 +67,7 @@ import torch.nn.functional as F
 from bench_common import command_line, cpu_model, md_table, ratio  # benchmarks/ is on sys.path here
 from text_generation_server.kernels.base import QuantizedWeight, dequantize
 from text_generation_server.kernels.fp8 import Fp8Weight, dequantize_fp8
+from text_generation_server.kernels.phase import forward_phase
 from text_generation_server.kernels.select import DISABLE_ENV, build_linear
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
 from text_generation_server.quantizers.exl2 import Exl2Weight
@@ -183,6 +188,33 @@ def exl2_format(widths: tuple[int, ...], rows: int = 32) -> Callable[[int, int],
     return build
 
 
+class Prefill(torch.nn.Module):
+    """A layer called inside a prefill forward (kernels/phase.py): its prompt path at every batch,
+    as prompts of that many rows (a chat turn after a cached prefix, a short prompt) run it."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.kernel_name = getattr(inner, "kernel_name", "?")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with forward_phase(prefill=True):
+            return self.inner(x)
+
+
+def prompt_path(build: Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]], variant: str | None = None
+                ) -> Callable[[int, int], tuple[torch.nn.Module, torch.Tensor]]:
+    """`build`'s module on its prompt path; `variant`: that variant forced as the prompt path (the
+    dequantized GEMM int4 prompts took before the native kernel: the baseline it is measured against)."""
+    def wrapped(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+        module, truth = build(k, n)
+        if variant is not None:
+            module.prompt_variant = lambda: variant
+            module.kernel_name = f"{module.kernel_name} ({variant})"
+        return Prefill(module), truth
+    return wrapped
+
+
 @dataclass(frozen=True)
 class Format:
     key: str
@@ -195,6 +227,9 @@ FORMATS = [
     Format("int4-asym", "int4 g128 asym", int_format(4, 128, False, False)),
     Format("int4-act", "int4 g128 act-order", int_format(4, 128, False, True)),
     Format("int4-torch", "int4 g128 sym, torch op only*", int_format(4, 128, True, False, torch_ops_only=True)),
+    Format("int4-prompt", "int4 g128 sym, prompt path", prompt_path(int_format(4, 128, True, False))),
+    Format("int4-dequant", "int4 g128 sym, prompt path dequantized*",
+           prompt_path(int_format(4, 128, True, False), "dequant")),
     Format("int8", "int8 per-channel", int_format(8, None, True, False)),
     Format("int8-torch", "int8 per-channel, torch op only*", int_format(8, None, True, False, torch_ops_only=True)),
     Format("marlin4", "marlin 4-bit g128 sym*", int_format(4, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),

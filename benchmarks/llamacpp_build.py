@@ -178,25 +178,28 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def isa_cmake_flags(flags: set[str], amx: bool = False) -> list[str]:
+def isa_cmake_flags(flags: set[str], amx: bool = False, avx2: bool = False) -> list[str]:
     """ggml's instruction-set options for a CPU with these /proc/cpuinfo flags: each x86 extension
-    on when the CPU has it, AMX only when `amx`; GGML_NATIVE where the flags say nothing of x86."""
+    on when the CPU has it, AMX only when `amx`; GGML_NATIVE where the flags say nothing of x86.
+    `avx2`: as on an AVX2-only machine, every AVX-512 extension (and AMX) off."""
     if "sse4_2" not in flags:
         return ["-DGGML_NATIVE=ON"]
+    if avx2:
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
     out = ["-DGGML_NATIVE=OFF"]
     out += [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in X86_ISA]
     out += [f"-D{option}={'ON' if amx and flag in flags else 'OFF'}" for flag, option in AMX_ISA]
     return out
 
 
-def cmake_flags(amx: bool = False, flags: set[str] | None = None) -> list[str]:
+def cmake_flags(amx: bool = False, flags: set[str] | None = None, avx2: bool = False) -> list[str]:
     """Every cmake flag of the build on this CPU."""
-    return [*CMAKE_FLAGS, *isa_cmake_flags(cpu_flags() if flags is None else flags, amx)]
+    return [*CMAKE_FLAGS, *isa_cmake_flags(cpu_flags() if flags is None else flags, amx, avx2)]
 
 
-def build_stamp(amx: bool = False) -> dict:
+def build_stamp(amx: bool = False, avx2: bool = False) -> dict:
     """What a build depends on, beyond its sources: compared with the stamp of a cached build."""
-    return {"flags": cmake_flags(amx), "targets": list(TARGETS), "machine": os.uname().machine}
+    return {"flags": cmake_flags(amx, avx2=avx2), "targets": list(TARGETS), "machine": os.uname().machine}
 
 
 def stamp_matches(path: Path, expected: Mapping) -> bool:
@@ -209,15 +212,16 @@ def stamp_matches(path: Path, expected: Mapping) -> bool:
 
 
 def ensure_llamacpp(version: str = LLAMA_CPP_VERSION, jobs: int = 2, skip_build: bool = False,
-                    root: Path | None = None, amx: bool = False) -> LlamaCpp:
+                    root: Path | None = None, amx: bool = False, avx2: bool = False) -> LlamaCpp:
     """The cached llama.cpp build, downloading and building it first when missing.
 
     `skip_build`: use the cache as it is (RuntimeError naming what is missing), for a machine
-    where the build was made earlier or by hand."""
+    where the build was made earlier or by hand. `avx2`: the build with AVX-512 off, in its own
+    folder (build-avx2) beside the native one, so both stay cached."""
     base = llamacpp_dir(version, root)
-    llama = LlamaCpp(version, base / "src", base / "build")
-    stamp = base / BUILD_STAMP
-    expected = build_stamp(amx)
+    llama = LlamaCpp(version, base / "src", base / ("build-avx2" if avx2 else "build"))
+    stamp = base / (f"avx2-{BUILD_STAMP}" if avx2 else BUILD_STAMP)
+    expected = build_stamp(amx, avx2)
     have_bins = all(llama.bin(t).is_file() for t in TARGETS)
     if skip_build:
         missing = [str(llama.bin(t)) for t in TARGETS if not llama.bin(t).is_file()]

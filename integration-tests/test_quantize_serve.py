@@ -18,6 +18,7 @@ from serve_client import client_stub, generate, request
 
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.models.loader import get_model
+from text_generation_server.settings.serve_args import LM_HEAD_AUTO
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.shard.service import model_kernels
 
@@ -46,7 +47,7 @@ def test_quantized_checkpoint_serves(tiny_model, tmp_path, start_serve):
     assert "quantization: gptq" in server.log()
     info = client_stub(server).Info(cpb.InfoRequest(), timeout=10)
 
-    lm = get_model(str(out))
+    lm = get_model(str(out), quantize_lm_head=LM_HEAD_AUTO)  # serve's default head for it
     # Which kernels the layers run on reaches clients (8-row groups: the reference kernel here).
     assert list(info.kernels) == model_kernels(lm.model) and "dense" not in info.kernels, list(info.kernels)
     local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
@@ -65,7 +66,7 @@ def test_quantize_on_load_serves_sharded(tiny_model, start_serve, method):
     info = stub.Info(cpb.InfoRequest(), timeout=10)
     assert info.num_shard == 2 and info.quantize, info
 
-    lm = get_model(str(tiny_model), quantize=method)
+    lm = get_model(str(tiny_model), quantize=method, quantize_lm_head=LM_HEAD_AUTO)
     local = lm.generate([GenerationRequest(id=0, inputs=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
     assert served.token_ids == local.token_ids
     assert list(info.kernels) == model_kernels(lm.model), list(info.kernels)

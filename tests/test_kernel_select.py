@@ -349,10 +349,15 @@ def test_decode_rows_still_take_the_fast_paths(native):
     layers = cpu_layers()
     assert choose_variant(layers["cpu-int8"], 1) == "gemv" and choose_variant(layers["cpu-int8"], 20) == "op"
     assert choose_variant(layers["cpu-int8"], 32) == "dequant"
-    assert choose_variant(layers["cpu-int4pack"], 8) == "op" and choose_variant(layers["cpu-int4pack"], 64) == "dequant"
+    in_place = cpu_native.int4_native_ok(native)  # the int4 kernel runs on AVX-512 builds
+    assert choose_variant(layers["cpu-int4pack"], 8) == ("native" if in_place else "op")
+    assert choose_variant(layers["cpu-int4pack"], 64) == "dequant"
     assert choose_variant(layers["dense"], 2) == "gemv" and choose_variant(layers["dense"], 3) == "gemm"
     with forward_phase(prefill=True):
-        assert {choose_variant(layers[n], r) for n in ("cpu-int8", "cpu-int4pack") for r in (1, 8, 45)} == {"dequant"}
+        assert {choose_variant(layers["cpu-int8"], r) for r in (1, 8, 45)} == {"dequant"}
+        # int4 prompts read the packed codes in place at every row count (row-invariant: kernels/cpu.py)
+        assert {choose_variant(layers["cpu-int4pack"], r) for r in (1, 8, 45, 300)} == {
+            "native" if in_place else "dequant"}
         assert {choose_variant(layers["dense"], r) for r in (1, 2, 45)} == {"padded-gemm"}
     assert PROMPT_MIN_ROWS >= 12  # torch's float32 GEMM changes path below 12 rows (kernels/phase.py)
 

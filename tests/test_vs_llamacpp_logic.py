@@ -7,6 +7,7 @@ out of the GGUF part assembly, so they are checked here in a few milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import sys
@@ -256,12 +257,29 @@ def test_ours_server_args():
     assert args[args.index("--quantize") + 1] == "eetq" and args[args.index("--max-batch-size") + 1] == "32"
     assert int(args[args.index("--max-input-tokens") + 1]) >= 512
     assert "--quantize" not in vl.ours_server_args("bf16", vl.FULL)
-    assert "--quantize-lm-head" not in args
+    assert "--quantize-lm-head" not in vl.ours_server_args("bf16", vl.FULL)  # dense: a dense head already
     int8_head8 = vl.ours_server_args("int8-head8", vl.FULL)
     assert int8_head8[int8_head8.index("--quantize") + 1] == "eetq"
     assert int8_head8[int8_head8.index("--quantize-lm-head") + 1] == "int8"
     int4_head8 = vl.ours_server_args("int4-head8", vl.FULL)
     assert "--quantize" not in int4_head8 and int4_head8[int4_head8.index("--quantize-lm-head") + 1] == "int8"
+    # The matched pairings keep the head bf16 (serve's default for quantized models is an int8 head).
+    for weights in ("int8", "int4"):
+        matched = vl.ours_server_args(weights, vl.FULL)
+        assert matched[matched.index("--quantize-lm-head") + 1] == "none"
+    assert "--cpu-isa" not in int4_head8
+    avx2 = vl.ours_server_args("int4", dataclasses.replace(vl.QUICK, avx2=True))
+    assert avx2[avx2.index("--cpu-isa") + 1] == "avx2"
+
+
+def test_the_avx2_build_turns_every_avx512_extension_off():
+    flags = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"}
+    native = lb.isa_cmake_flags(flags)
+    assert "-DGGML_AVX512=ON" in native and "-DGGML_AVX512_BF16=ON" in native
+    avx2 = lb.isa_cmake_flags(flags, amx=True, avx2=True)
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_FMA=ON" in avx2
+    assert not [f for f in avx2 if ("AVX512" in f or "AMX" in f) and f.endswith("=ON")]
+    assert lb.build_stamp(avx2=True) != lb.build_stamp()
 
 
 def test_unique_prompts_differ_from_the_first_token():

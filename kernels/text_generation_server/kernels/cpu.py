@@ -106,26 +106,55 @@ class Int4PackLinear(torch.nn.Module):
         self.in_features = packed.shape[1] * 2 if in_features is None else in_features
         self.padded = packed.shape[1] * 2 != self.in_features
         self.out_features = packed.shape[0]
-        # Prompts (and large decode batches): row blocks dequantized to bf16 for torch's GEMM (cpu_native.py).
         self.native = cpu_native.native()
-        self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/select.py)
+        self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/cpu_tuning.py)
+        # For the native kernel reading the packed bytes in place (cpu_native.int4pack_mm): the
+        # scales and offsets (W = q * s + c, c = z - 8 s) in float32 [Kp/g, N], 8 bytes per group and
+        # output (an eighth more than the packed codes at g=128).
+        self.register_buffer("scales_f32", None)
+        self.register_buffer("offsets_f32", None)
+        if self._dequantizes():
+            sz = scales_and_zeros.float()
+            self.scales_f32 = sz[..., 0].contiguous()
+            self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
 
-    # The ways to compute (kernels/phase.py): "op" torch's int4 op, "dequant" the dequantized bf16 GEMM.
+    # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
+    # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row
+    # blocks dequantized to bf16 for torch's GEMM.
     def _dequantizes(self) -> bool:
         return (self.native is not None and self.compute_dtype == torch.bfloat16
                 and cpu_native.int4_dequant_fits(self.out_features))
 
+    def _reads_in_place(self) -> bool:
+        return self._dequantizes() and cpu_native.int4_native_ok(self.native)
+
     def variants(self, rows: int) -> tuple[str, ...]:
-        return ("op", "dequant") if self._dequantizes() else ("op",)
+        if not self._dequantizes():
+            return ("op",)
+        native = tuple(cpu_native.INT4_NATIVE_VARIANTS) if self._reads_in_place() else ()
+        return (*native, "op", "dequant")
 
     def prompt_variant(self) -> str:
-        return "dequant" if self._dequantizes() else "op"
+        # Every prompt row count takes the native kernel: its rows have the same bits whatever the
+        # rows beside them, so short prompts (a chat turn after a cached prefix) read the weights
+        # once instead of dequantizing all of them. Which of its names (rows per pass, prefetch) is
+        # what this machine measured for prompt-sized inputs; the bits are the same under each.
+        if not self._dequantizes():
+            return "op"
+        if not self._reads_in_place():
+            return "dequant"  # a build whose int4 kernel is slow: the dequantized GEMM, as before it
+        chosen = self.measured.get(cpu_native.INT4_PROMPT_BUCKET, "")
+        return chosen if chosen in cpu_native.INT4_NATIVE_VARIANTS else cpu_native.INT4_NATIVE
 
     def static_variant(self, rows: int) -> str:
-        return cpu_native.int4_variant(rows) if self._dequantizes() else "op"
+        return cpu_native.int4_variant(rows, self._reads_in_place()) if self._dequantizes() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
+        params = cpu_native.INT4_NATIVE_VARIANTS.get(variant)
+        if params is not None:
+            return cpu_native.int4pack_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                          self.group_size, *params).to(self.compute_dtype)
         if variant == "dequant":
             return cpu_native.int4pack_dequant_gemm(self.native, x, self.packed, self.scales_and_zeros,
                                                     self.group_size)
@@ -245,7 +274,8 @@ class Int8Linear(torch.nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
-    # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel, "op" torch's
+    # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel (at one of the
+    # prefetch distances of cpu_native.INT8_GEMV_VARIANTS: the same bits under each name), "op" torch's
     # _weight_int8pack_mm, "dequant" the dequantized bf16 GEMM.
     def _native_ok(self) -> bool:
         return self.native is not None and self.compute_dtype == torch.bfloat16
@@ -261,8 +291,9 @@ class Int8Linear(torch.nn.Module):
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
-        if variant == "gemv":
-            return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+        prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
+        if prefetch is not None:
+            return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)
         if variant == "dequant":
             return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
         return torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)

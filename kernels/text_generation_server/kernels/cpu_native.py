@@ -31,6 +31,13 @@ from text_generation_server.kernels.phase import pad_prompt_rows
 
 ENV = "TGS_CPU_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# TGS_CPU_ISA=avx2 (serve --cpu-isa avx2): compiled without AVX-512 (GCC's -mno-avx512f turns off
+# every AVX-512 extension with it), as on an AVX2-only machine; torch and oneDNN follow only if
+# ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 were set before torch was imported (the
+# launcher starts ranks so). The source picks its AVX-512, AVX2 or generic code at compile time from
+# the flags, so the same source serves every x86-64 and aarch64 CPU.
+ISA_ENV = "TGS_CPU_ISA"
+AVX2_CFLAGS = ("-mno-avx512f",)
 # torch ships its own libgomp.so.1; the extension links against the same soname, so at run time
 # it shares torch's OpenMP runtime (one thread pool, torch.set_num_threads applies) rather than
 # bringing a second one whose idle threads would spin against torch's.
@@ -53,9 +60,30 @@ INT8_DEQUANT_MIN_ROWS = 32
 BF16_GEMV_MAX_ROWS = 2
 # int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes. The bound
 # was moved to 64 when prompts still followed it (d05298c: a 32-row chunk and a shorter cached
-# remainder took differently rounded paths); prompts now take one path whatever their chunking, and
-# decode batches keep 64 until a measurement says otherwise (kernels/select.py).
+# remainder took differently rounded paths); prompts now take one path whatever their chunking (the
+# native kernel, `int4pack_mm`), and decode batches keep 64 until a measurement says otherwise
+# (kernels/cpu_tuning.py).
 INT4_DEQUANT_MIN_ROWS = 64
+# Bytes the matrix-vector kernels prefetch ahead of their reads (0: none), unless this machine
+# measured another distance (kernels/cpu_tuning.py). 16 KiB won on the 2-core Sapphire Rapids VM.
+PREFETCH_BYTES = 16384
+# int4 read in place (`int4pack_mm`): rows sharing one pass over a 64-output block, and blocks per
+# thread task. Neither changes a bit of the result (the kernel's lanes are outputs, each summed in
+# one fixed order), so a measurement may pick them per layer shape and phase freely.
+INT4_ROWS_PER_PASS = 4
+INT4_BLOCK_GRAIN = 4
+# Its names, each (rows per pass, prefetch bytes, blocks per task); 0 or -1: the constants above.
+# Measurements choose among them per layer shape and row bucket (kernels/cpu_tuning.py).
+INT4_NATIVE = "native"
+INT4_NATIVE_VARIANTS: dict[str, tuple[int, int, int]] = {
+    INT4_NATIVE: (0, -1, 0),
+    "native-r2": (2, -1, 0),
+    "native-r6": (6, -1, 0),
+    "native-pf0": (0, 0, 0),
+    "native-g1": (0, -1, 1),
+}
+# The row bucket whose measured native name the prompt path takes (kernels/cpu.py): prompt-sized.
+INT4_PROMPT_BUCKET = 64
 # Weight rows dequantized at a time: bounds the scratch at DEQUANT_ROWS x K bfloat16 (3 MiB at
 # K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
 DEQUANT_ROWS = 1024
@@ -74,9 +102,36 @@ def cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def isa() -> str:
+    """"avx2" when TGS_CPU_ISA asks for it on an x86-64 CPU, else "native"."""
+    asked = os.environ.get(ISA_ENV, "native").strip().lower()
+    return "avx2" if asked == "avx2" and platform.machine().lower() in ("x86_64", "amd64") else "native"
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags for this process's instruction set (`isa`)."""
+    return CFLAGS + (AVX2_CFLAGS if isa() == "avx2" else ())
+
+
+def _check_torch_isa() -> None:
+    """Warns when our kernels are forced to AVX2 but torch's were not (their variables came too late)."""
+    asked = os.environ.get(ISA_ENV, "native").strip().lower()
+    if asked not in ("", "native", "avx2"):
+        logger.warning("{}={} is not native or avx2: the native instruction set is used", ISA_ENV, asked)
+    elif asked == "avx2" and isa() != "avx2":
+        logger.warning("{}=avx2 ignored: this CPU ({}) is not x86-64", ISA_ENV, platform.machine())
+    elif isa() == "avx2":
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability.upper() not in ("AVX2", "DEFAULT", "NO AVX") or os.environ.get("ONEDNN_MAX_CPU_ISA") != "AVX2":
+            logger.warning("{}=avx2: our kernels are compiled for AVX2, but torch's run {} (oneDNN max ISA {}): "
+                           "set ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 before torch is imported "
+                           "(serve --cpu-isa avx2 starts its ranks so)", ISA_ENV, capability,
+                           os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
+
+
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, cpu_signature()):
+    for part in (SOURCE, " ".join(cflags() + LDFLAGS), torch.__version__, cpu_signature()):
         digest.update(part.encode())
     return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
 
@@ -111,18 +166,27 @@ def native() -> Extension | None:
                 from torch.utils.cpp_extension import load_inline
 
                 name = _build_name()
-                logger.info("native CPU kernels: loading {} (built once per machine, about a minute)", name)
+                _check_torch_isa()
+                logger.info("native CPU kernels: loading {} for the {} instruction set (built once per machine, "
+                            "about a minute)", name, "AVX2" if isa() == "avx2" else "native")
                 module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
-                                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False))
+                                               extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
+                                               verbose=False))
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
-            logger.info("native CPU kernels ready: prompts through dequantized bf16 GEMMs (int8, int4); decode "
-                        "batches: int8 matrix-vector products up to {} rows (K up to {}), bf16 ones up to {} rows, "
-                        "int8 and int4 layers through dequantized bf16 GEMMs from {} and {} rows; torch's ops "
-                        "otherwise", INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
-                        INT8_DEQUANT_MIN_ROWS, INT4_DEQUANT_MIN_ROWS)
+            _state["int4_native"] = bool(module.int4_native_isa())
+            if not _state["int4_native"]:
+                logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "
+                            "batches and the dequantized GEMM for prompts (int4_native_isa in the source says why)")
+            logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
+                        "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
+                        "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
+                        "to {} rows (K up to {}), bf16 ones up to {} rows, int8 layers through dequantized bf16 "
+                        "GEMMs from {} rows; torch's ops otherwise (each a default this machine's measurements "
+                        "may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS, INT8_GEMV_MAX_ROWS,
+                        INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, INT8_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason
@@ -140,25 +204,33 @@ def reset() -> None:
         _state.clear()
 
 
+# The int8 (and bf16) matrix-vector kernel's names: prefetch distances in bytes (-1: PREFETCH_BYTES).
+# The distance changes no bit of the result, only how fast the weights stream on this machine.
+INT8_GEMV_VARIANTS: dict[str, int] = {"gemv": -1, "gemv-pf0": 0, "gemv-pf64k": 65536}
+
+
 def int8_variant(rows: int, k: int) -> str:
     """The static decode choice for an int8 layer of inner size `k` (native extension present,
     bfloat16 compute): "gemv" up to INT8_GEMV_MAX_ROWS rows, "dequant" from INT8_DEQUANT_MIN_ROWS,
     torch's op ("op") in between and wherever the matrix-vector kernel cannot run."""
     if rows <= INT8_GEMV_MAX_ROWS:
-        return "gemv" if k <= INT8_GEMV_MAX_K else "op"
+        # no rows (a head asked for no logits: a prompt chunk that does not end its prompt): torch's op
+        return "gemv" if 0 < rows and k <= INT8_GEMV_MAX_K else "op"
     return "dequant" if rows >= INT8_DEQUANT_MIN_ROWS else "op"
 
 
 def int8_variants(rows: int, k: int) -> tuple[str, ...]:
     """Every int8 variant that can run `rows` rows of inner size `k` (native extension present)."""
-    gemv = ("gemv",) if 0 < rows <= INT8_GEMV_MAX_ROWS and k <= INT8_GEMV_MAX_K else ()
+    gemv = tuple(INT8_GEMV_VARIANTS) if 0 < rows <= INT8_GEMV_MAX_ROWS and k <= INT8_GEMV_MAX_K else ()
     return gemv + ("op", "dequant")
 
 
 def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums."""
-    return module.int8_gemv(x.float().contiguous(), weight, scales).to(out_dtype)
+              out_dtype: torch.dtype, prefetch: int = -1) -> torch.Tensor:
+    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums
+    (weights prefetched `prefetch` bytes ahead; -1: PREFETCH_BYTES)."""
+    distance = PREFETCH_BYTES if prefetch < 0 else prefetch
+    return module.int8_gemv(x.float().contiguous(), weight, scales, distance).to(out_dtype)
 
 
 def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -189,27 +261,68 @@ def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (M <= BF16_GEMV_MAX_ROWS)."""
-    y = module.bf16_gemv(x.float().contiguous(), weight)
+    y = module.bf16_gemv(x.float().contiguous(), weight, PREFETCH_BYTES)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
 
 
+def int4_block() -> int | None:
+    """Outputs per block of torch's packed int4 layout in this process: 64 (torch at AVX-512), 32
+    (AVX2), None for a layout the native kernels do not read (no AVX2: torch interleaves rows in
+    a byte). torch chooses the layout by the CPU capability it runs at (ATEN_CPU_CAPABILITY), so it
+    is found out once, by packing a probe weight, not assumed from the CPU."""
+    with _lock:
+        if "int4_block" not in _state:
+            n, k = 128, 64
+            # Codes that differ from row to row and from column to column: any other layout misreads them.
+            codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+            found = None
+            for block in (64, 32):
+                if packed.shape != (n, k // 2):
+                    break
+                parts = packed.reshape(n // block, k, block // 2)
+                decoded = torch.cat([parts & 15, parts >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
+                if torch.equal(decoded.t().to(torch.int32), codes):
+                    found = block
+                    break
+            if found is None:
+                logger.info("native CPU kernels: torch's int4 layout at CPU capability {} is not one they read; "
+                            "int4 layers keep torch's op", torch.backends.cpu.get_cpu_capability())
+            _state["int4_block"] = found
+        return _state["int4_block"]  # type: ignore[return-value]
+
+
 def int4_dequant_fits(n: int) -> bool:
-    """Whether int4 layers of `n` output features can run the dequantized GEMM (whole 64-row blocks)."""
-    return n % 64 == 0
+    """Whether int4 layers of `n` output features can run the native kernels (whole layout blocks)."""
+    block = int4_block()
+    return block is not None and n % block == 0
 
 
-def int4_variant(rows: int) -> str:
-    """The static decode choice for an int4 layer that can dequantize: "dequant" from
-    INT4_DEQUANT_MIN_ROWS rows, torch's op ("op") below."""
-    return "dequant" if rows >= INT4_DEQUANT_MIN_ROWS else "op"
+def int4_native_ok(module: Extension | None) -> bool:
+    """Whether `module` (the extension, or a test's wrapper of it) runs the int4 kernel at speed:
+    built with AVX-512 (`int4_native_isa` in the source says why not elsewhere)."""
+    if module is None:
+        return False
+    if "int4_native" not in _state:  # read when the extension loads (native()); a reset() forgets it
+        _state["int4_native"] = bool(module.int4_native_isa())
+    return bool(_state["int4_native"])
+
+
+def int4_variant(rows: int, native_kernel: bool = True) -> str:
+    """The static decode choice for an int4 layer the native kernels can run: "dequant" from
+    INT4_DEQUANT_MIN_ROWS rows, below it the packed bytes read in place (INT4_NATIVE), or torch's
+    op ("op") where this build's int4 kernel is slow (`int4_native_ok`)."""
+    if rows >= INT4_DEQUANT_MIN_ROWS:
+        return "dequant"
+    return INT4_NATIVE if native_kernel else "op"
 
 
 def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                           group_size: int) -> torch.Tensor:
-    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout, through DEQUANT_ROWS-row blocks dequantized
-    to bfloat16 (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py).
+    """x [M, Kp] bfloat16 @ W^T for torch's CPU int4 layout (`int4_block`), through DEQUANT_ROWS-row
+    blocks dequantized to bfloat16 (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py).
 
     W = (q - 8) * scale + zero, scales_and_zeros [Kp / group_size, N, 2] as torch's op takes them."""
     rows = x.shape[0]
@@ -217,7 +330,23 @@ def int4pack_dequant_gemm(module: Extension, x: torch.Tensor, packed: torch.Tens
     n = packed.shape[0]
     sz = scales_and_zeros.float()
     scales, zeros = sz[..., 0].contiguous(), sz[..., 1].contiguous()
-    blocks, step = n // 64, DEQUANT_ROWS // 64
-    parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, b0, min(blocks, b0 + step))
+    block = int4_block()
+    if block is None:
+        raise ValueError("torch's int4 layout in this process is not one the native kernels read (int4_block)")
+    blocks, step = n // block, DEQUANT_ROWS // block
+    parts = [x @ module.int4pack_dequant_t(packed, scales, zeros, group_size, block, b0, min(blocks, b0 + step))
              for b0 in range(0, blocks, step)]
     return torch.cat(parts, dim=1)[:rows]
+
+
+def int4pack_mm(module: Extension, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor, group_size: int, rows_per_pass: int = 0, prefetch: int = -1,
+                block_grain: int = 0) -> torch.Tensor:
+    """x [M, Kp] @ W^T for torch's CPU int4 layout, the packed bytes read in place (float32 [M, N]).
+
+    W = q * scales + offsets per group (float32 [Kp / group_size, N]); each weight byte comes from
+    memory once for all M rows, and a row's result has the same bits whatever M, the rows per pass,
+    the prefetch distance or the thread split (the defaults: this module's constants)."""
+    return module.int4pack_mm(x.float().contiguous(), packed, scales, offsets, group_size, int4_block() or 64,
+                              rows_per_pass or INT4_ROWS_PER_PASS, PREFETCH_BYTES if prefetch < 0 else prefetch,
+                              block_grain or INT4_BLOCK_GRAIN)

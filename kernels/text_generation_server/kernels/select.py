@@ -244,9 +244,10 @@ def measure(candidates: Mapping[str, Callable[[], torch.Tensor]], timer: Timer |
 
 
 def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], timer: Timer | None = None,
-              prefs: Preferences | None = None) -> dict[int, str]:
+              prefs: Preferences | None = None, skip: Callable[[int, str], bool] | None = None) -> dict[int, str]:
     """Measures a built module's variants (kernels/phase.py) for decode batches of each row count in
-    `rows`, keeps the winner per row bucket in the module and in the preferences, and returns them."""
+    `rows`, keeps the winner per row bucket in the module and in the preferences, and returns them.
+    `skip(bucket, variant)`: variants not worth timing there (the static choice is always timed)."""
     measured = getattr(module, "measured", None)
     if not isinstance(measured, dict):
         return {}
@@ -272,7 +273,8 @@ def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], ti
                     measured[bucket] = saved
 
         static = module.static_variant(bucket)  # type: ignore[operator]
-        names = [static] + [v for v in module.variants(bucket) if v != static]  # type: ignore[operator]
+        names = [static] + [v for v in module.variants(bucket)  # type: ignore[operator]
+                            if v != static and not (skip is not None and skip(bucket, v))]
         choice, timings = measure({v: (lambda v=v: forced(v)) for v in names}, timer,
                                   f"{shape_key(spec)} {_bucket_key(bucket, scope)}")
         if choice is not None:

@@ -19,8 +19,9 @@ before it captures the CUDA graphs, calls `tune_kernels` with the graphs' batch 
    stays, said in the log); if it won none, its copy is dropped. Prompts always run the first
    kernel (kernels/phase.py: one path whatever the row count). One log line per shape says which
    kernel runs each bucket and what became of the copies.
-Nothing is paired on CPU (TIMED_PAIRS["cpu"] is empty), so there nothing changes; tests pair two
-stand-in kernels there and inject the timings.
+Nothing is paired on CPU (TIMED_PAIRS["cpu"] is empty); there each layer's own variants (native
+kernels, torch's ops, dequantized GEMMs) are timed per shape and row bucket instead, first
+(kernels/cpu_tuning.py). Tests pair two stand-in kernels on CPU and inject the timings.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantKernel
+from text_generation_server.kernels.cpu_tuning import tune_cpu_layers
 from text_generation_server.kernels.dispatch import KernelDispatch, held_bytes
 from text_generation_server.kernels.phase import row_bucket
 from text_generation_server.kernels.select import (
@@ -179,8 +181,9 @@ def tune_kernels(model: torch.nn.Module, rows: Sequence[int], timer: Timer | Non
     free (warmup: the KV cache for max_total_tokens). For tests: `timer` (select.Timer), `memory`
     (a device's free and total bytes; None from it: no guard), `pairs` (table.TIMED_PAIRS), `prefs`.
     Never raises for a kernel's sake: a shape whose timing or copies fail keeps the table's choice."""
+    # CPU layers: each shape's variants timed at the CPU's own buckets (kernels/cpu_tuning.py).
+    result: dict[str, dict[int, str]] = tune_cpu_layers(model, prefs=prefs)
     buckets = sorted({row_bucket(r) for r in rows if r > 0})
-    result: dict[str, dict[int, str]] = {}
     if not buckets:
         return result
     on_cuda = False

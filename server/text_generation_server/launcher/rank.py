@@ -25,8 +25,13 @@ from loguru import logger
 
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
-from text_generation_server.settings.serve_args import ServeArgs
-from text_generation_server.settings.serve_flags import ALLOW_DENSE_FALLBACK_ENV, DISABLE_KERNELS_ENV, disabled_kernels_value
+from text_generation_server.settings.serve_args import LM_HEAD_AUTO, ServeArgs
+from text_generation_server.settings.serve_flags import (
+    ALLOW_DENSE_FALLBACK_ENV,
+    DISABLE_KERNELS_ENV,
+    cpu_isa_environment,
+    disabled_kernels_value,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +85,9 @@ def rank_environment(args: ServeArgs, environ: dict[str, str] | os._Environ = os
         changes[ALLOW_DENSE_FALLBACK_ENV] = "1"
     if args.disable_custom_kernels:
         changes[DISABLE_KERNELS_ENV] = disabled_kernels_value(environ.get(DISABLE_KERNELS_ENV))
+    # Also in the environment the launcher starts ranks with (torch reads its variables at import);
+    # set here too for a rank started by hand (--shard-only), where the kernels warn if torch's came late.
+    changes.update(cpu_isa_environment(args.cpu_isa))
     return changes
 
 
@@ -152,7 +160,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
                           attention_backend=args.effective_attention_backend,
                           cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
-                          model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head,
+                          model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head or LM_HEAD_AUTO,
                           kv_cache_dtype=args.kv_cache_dtype)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch

@@ -44,6 +44,28 @@ def quantize_head(net: torch.nn.Module, method: str, dtype: torch.dtype, log: bo
                     dense.numel() * dense.element_size() / 2**20, str(dense.dtype).removeprefix("torch."))
 
 
+def head_quantization(asked: str | None, qconfig: object | None, device: torch.device) -> tuple[str | None, str]:
+    """The lm_head's method (None: as the checkpoint stores it) and why, from --quantize-lm-head
+    (None and "none": as stored; "auto", what `serve` asks when the flag is not given: the default).
+
+    The default: int8 on the CPU for a checkpoint quantized to 8 bits or fewer. Decode there is bound by
+    the bytes it reads, and a small model's head is a quarter or more of them: left in bf16 beside
+    4-bit layers it costs as much as all of them (llama.cpp's default quantizations keep the head at
+    Q6_K/Q8_0 for the same reason). Dense checkpoints keep their head dense; on CUDA the default
+    stays the checkpoint's, where the head's bytes weigh less against the launch-bound step."""
+    from text_generation_server.settings.serve_args import LM_HEAD_AUTO, LM_HEAD_NONE
+
+    if asked is None or asked == LM_HEAD_NONE:
+        return None, "--quantize-lm-head none"
+    if asked != LM_HEAD_AUTO:
+        return asked, f"--quantize-lm-head {asked}"
+    bits = getattr(qconfig, "bits", 8)
+    if qconfig is None or device.type != "cpu" or not isinstance(bits, int) or bits > 8:
+        return None, "default"
+    return "int8", (f"default for a {qconfig.describe()} checkpoint on the CPU; --quantize-lm-head none "  # type: ignore[attr-defined]
+                    "(QUANTIZE_LM_HEAD=none) keeps it as stored")
+
+
 def resolve_dtype(name: str | None, device: torch.device, config: dict) -> torch.dtype:
     """The compute dtype: as asked, else float32 on CPU and the checkpoint's half type on CUDA."""
     if name is not None:
@@ -76,7 +98,8 @@ def get_model(
     max_batch_size: the most requests a decode step will hold (what warmup measures);
     graph_capturer: how graphs are recorded (default: CUDA graphs; tests pass an emulation);
     model_impl: "auto", "native" or "transformers" (see `registry.model_impl`);
-    quantize_lm_head: "int8" runs a dense head as per-row int8 (`--quantize-lm-head`);
+    quantize_lm_head: "int8" runs a dense head as per-row int8, None or "none" keeps it as stored, "auto"
+    is serve's default (`head_quantization`: int8 on the CPU for quantized checkpoints);
     kv_cache_dtype: `--kv-cache-dtype` (auto, fp8_e4m3fn, fp8_e5m2; models/kv_cache.py).
     """
     device = device or torch.device("cpu")
@@ -103,8 +126,11 @@ def get_model(
         family.prepare(config, weights)
         net = family.build(config, weights).eval()
         impl = "native"
-    if quantize_lm_head is not None:
-        quantize_head(net, quantize_lm_head, torch_dtype, process_group.rank == 0)
+    head_method, head_why = head_quantization(quantize_lm_head, qconfig, device)
+    if head_method is not None:
+        if process_group.rank == 0:
+            logger.info("lm_head: {} ({})", head_method, head_why)
+        quantize_head(net, head_method, torch_dtype, process_group.rank == 0)
     # Benchmarks only: canned logits in place of the forward, behind two env vars (engine/standin.py).
     net = standin_from_environment(net, checkpoint.tokenizer, checkpoint.eos_token_ids, device, process_group.rank)
     kv_scales = None

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.settings.serve_flags import (
+    CPU_ISA_ENV,
+    CPU_ISAS,
     CUSTOM_KERNELS,
     api_keys_given,
     parse_bool,
@@ -32,6 +34,12 @@ PORTABLE_ATTENTION_BACKEND = "torch-sdpa"
 MODEL_IMPLS = ("auto", "native", "transformers")
 # --quantize-lm-head: how a dense lm_head may be run instead (models.quantize_head).
 LM_HEAD_QUANTIZATIONS = ("int8",)
+# ... and the flag's values: one of those, or "none" (the head as the checkpoint stores it). Not given:
+# int8 on the CPU for a checkpoint quantized to 8 bits or fewer, as the checkpoint stores it otherwise
+# (models.loader.head_quantization).
+LM_HEAD_NONE = "none"
+LM_HEAD_CHOICES = (*LM_HEAD_QUANTIZATIONS, LM_HEAD_NONE)
+LM_HEAD_AUTO = "auto"  # what `serve` asks the loader for when the flag is not given
 # Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 # --speculate: the most n-gram tokens a request proposes per step (generation/speculation.py).
@@ -235,7 +243,9 @@ class ServeArgs:
     )
     quantize_lm_head: str | None = setting(  # "int8": a dense lm_head runs as per-row int8
         None, "Run a dense lm_head as per-row int8 (the head is a small model's largest matrix and decode "
-        "reads it every step). Default: as the checkpoint stores it.", choices=LM_HEAD_QUANTIZATIONS,
+        "reads it every step); none keeps it as the checkpoint stores it. Default: int8 on the CPU for a "
+        "checkpoint quantized to 8 bits or fewer (as llama.cpp keeps its head at 6-8 bits), none otherwise.",
+        choices=LM_HEAD_CHOICES,
     )
     # -- request limits
     max_input_tokens: int | None = setting(
@@ -313,6 +323,10 @@ class ServeArgs:
     )
     allow_dense_fallback: bool = setting(  # quantized layers may run dequantized on CUDA (TGS_ALLOW_DENSE_FALLBACK)
         False, "Let quantized layers with no CUDA kernel run dequantized (more memory) instead of failing.",
+    )
+    cpu_isa: str = setting(  # the ranks start with serve_flags.cpu_isa_environment(cpu_isa)
+        "native", "Instruction set of the CPU kernels: native (the best this CPU has) or avx2 (ours, torch's "
+        "and oneDNN's AVX2 variants, as on an AVX2-only machine).", choices=CPU_ISAS, env=(CPU_ISA_ENV,),
     )
     disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
         False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",

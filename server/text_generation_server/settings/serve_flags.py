@@ -32,6 +32,18 @@ from typing import Callable
 CUSTOM_KERNELS = ("triton-gemm",)
 DISABLE_KERNELS_ENV = "TGS_DISABLE_KERNELS"
 ALLOW_DENSE_FALLBACK_ENV = "TGS_ALLOW_DENSE_FALLBACK"
+# --cpu-isa: the instruction set the CPU kernels may use. "avx2" forces the AVX2 variants of ours
+# (kernels/cpu_native.py reads CPU_ISA_ENV) and of torch's and oneDNN's, whose variables must be in
+# a process's environment before it imports torch: the launcher starts the ranks with them.
+CPU_ISAS = ("native", "avx2")
+CPU_ISA_ENV = "TGS_CPU_ISA"
+
+
+def cpu_isa_environment(isa: str) -> dict[str, str]:
+    """The variables a rank process starts with for `--cpu-isa isa` ({} for native)."""
+    if isa != "avx2":
+        return {}
+    return {CPU_ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 # TGI's level names (tracing's, lower case) and loguru's, to loguru's. tracing's "off" has no
 # loguru twin: CRITICAL, the quietest level, is the nearest.

@@ -1,0 +1,106 @@
+"""The AVX2 switch (serve --cpu-isa avx2, TGS_CPU_ISA=avx2): the ranks start with torch's and oneDNN's
+variables set before they import torch, our kernels are compiled without AVX-512 under their own
+build name, and the AVX2 build computes what the native one does."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from text_generation_server.kernels import cpu_native
+from text_generation_server.launcher import rank, shard_procs
+from text_generation_server.settings.serve_args import ServeArgs
+from text_generation_server.settings.serve_flags import CPU_ISA_ENV, cpu_isa_environment
+
+AVX2_ENV = {CPU_ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_the_switch_and_what_the_ranks_start_with(monkeypatch):
+    assert CPU_ISA_ENV == cpu_native.ISA_ENV
+    ServeArgs(cpu_isa="avx2").validate()
+    with pytest.raises(ValueError, match="--cpu-isa must be one of native, avx2"):
+        ServeArgs(cpu_isa="avx512").validate()
+    assert cpu_isa_environment("native") == {} and cpu_isa_environment("avx2") == AVX2_ENV
+    assert rank.rank_environment(ServeArgs(cpu_isa="avx2"), {}) == AVX2_ENV
+    started: list[dict] = []
+
+    class Popen:
+        def __init__(self, cmd, env, stdin):
+            started.append(env)
+            self.pid = 1
+
+    monkeypatch.setattr(shard_procs.subprocess, "Popen", Popen)
+    shard_procs.ShardProcesses(ServeArgs(cpu_isa="avx2", num_shard=2), 29500)._spawn("{}")
+    assert len(started) == 2 and all(env.items() >= AVX2_ENV.items() for env in started)
+    started.clear()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    shard_procs.ShardProcesses(ServeArgs(num_shard=1), 29500)._spawn("{}")
+    assert "ATEN_CPU_CAPABILITY" not in started[0]
+
+
+def test_avx2_flags_and_build_name(monkeypatch):
+    native_name = cpu_native._build_name()
+    monkeypatch.setenv(cpu_native.ISA_ENV, "avx2")
+    if X86:
+        assert cpu_native.isa() == "avx2" and "-mno-avx512f" in cpu_native.cflags()
+        assert cpu_native._build_name() != native_name
+    else:
+        assert cpu_native.isa() == "native" and cpu_native._build_name() == native_name
+    monkeypatch.setenv(cpu_native.ISA_ENV, "native")
+    assert cpu_native.cflags() == cpu_native.CFLAGS
+
+
+CHILD = r"""
+import json, sys, torch
+from text_generation_server.kernels import cpu_native
+sys.path.insert(0, "tests")
+from test_cpu_isa import case
+module = cpu_native.native()
+x, packed, s, c, gs, q8, s8 = case()
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "built": module is not None,
+       "reason": cpu_native.unavailable_reason()}
+if module is not None:
+    out["int4"] = cpu_native.int4pack_mm(module, x, packed, s, c, gs).tolist()
+    out["int8"] = cpu_native.int8_gemv(module, x[:3], q8, s8, torch.float32).tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def case():
+    """One int4 and one int8 product's inputs, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    k, n, gs = 256, 128, 64
+    packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32), 2)
+    s = torch.rand(k // gs, n, generator=g) * 0.1
+    c = torch.randn(k // gs, n, generator=g) * 0.1
+    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s8 = torch.rand(n, generator=g)
+    x = torch.randn(5, k, generator=g).bfloat16()
+    return x, packed, s, c, gs, q8, s8
+
+
+@pytest.mark.skipif(not X86, reason="the AVX2 switch applies to x86-64 CPUs only (tested above: ignored elsewhere)")
+def test_the_avx2_build_computes_what_the_native_one_does():
+    module = cpu_native.native()
+    if module is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    x, packed, s, c, gs, q8, s8 = case()
+    want4 = cpu_native.int4pack_mm(module, x, packed, s, c, gs)
+    want8 = cpu_native.int8_gemv(module, x[:3], q8, s8, torch.float32)
+    env = dict(os.environ) | AVX2_ENV
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    got = json.loads(line[0].removeprefix("RESULT"))
+    assert got["capability"] == "AVX2"  # torch's kernels followed the switch
+    assert got["built"], got["reason"]
+    # float sums either way (AVX-512-BF16 builds take two products per instruction): within rounding
+    torch.testing.assert_close(torch.tensor(got["int4"]), want4, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(got["int8"]), want8, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,167 @@
+"""The CPU chooser (kernels/cpu_tuning.py) with stand-in timings, never the clock: per layer shape and
+row bucket the fastest variant that computes the same, put into every layer of the shape, kept in
+the machine's preferences and read back instead of measuring; prompts keep one path; a failed
+measurement leaves torch's op; TGS_CPU_TUNING=0 measures nothing; warmup's tune_kernels runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import make_weight
+from loguru import logger
+
+from text_generation_server.kernels import cpu_native, select
+from text_generation_server.kernels.cpu_tuning import TUNING_ENV, tune_cpu_layers
+from text_generation_server.kernels.phase import choose_variant, forward_phase
+from text_generation_server.kernels.select import build_linear, preferences, shape_key
+from text_generation_server.kernels.tuning import tune_kernels
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(select.CACHE_ENV, str(tmp_path / "kernel-cache"))
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    select._PREFERENCES.clear()
+    yield
+    select._PREFERENCES.clear()
+
+
+@pytest.fixture
+def native():
+    module = cpu_native.native()
+    if module is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    if not cpu_native.int4_native_ok(module):
+        pytest.skip("the stand-in timings name the int4 kernel's variants, used on AVX-512 builds only")
+    return module
+
+
+RAN: list[str] = []  # the variant of every layer call, in order
+
+
+def watched(module: torch.nn.Module, fail: str | None = None) -> torch.nn.Module:
+    run = module.run
+
+    def recorded(x, variant):
+        RAN.append(variant)
+        if variant == fail:
+            raise RuntimeError(f"{variant} cannot run here")
+        return run(x, variant)
+
+    module.run = recorded
+    return module
+
+
+def model(seed: int = 0, fail: str | None = None) -> torch.nn.Module:
+    """Two int4 layers of one shape, one of another, and an int8 layer."""
+    int4 = lambda k, n, s: watched(build_linear(make_weight(k, n, 4, 64, False, False, seed=s), None,
+                                                torch.bfloat16, "cpu"), fail)
+    return torch.nn.ModuleList([
+        int4(256, 128, seed), int4(256, 128, seed + 1), int4(128, 256, seed + 2),
+        watched(build_linear(make_weight(128, 64, 8, 128, True, False, seed=seed + 3), None, torch.bfloat16, "cpu"),
+                fail),
+    ])
+
+
+def stand_in_timer(seconds, calls: list[int] | None = None):
+    """Seconds by the variant the measured call ran and its row count (`seconds(variant, rows)`)."""
+
+    def timer(fn):
+        RAN.clear()
+        y = fn()
+        if calls is not None:
+            calls.append(1)
+        return seconds(RAN[-1], y.shape[0])
+    return timer
+
+
+def int4_seconds(variant: str, rows: int) -> float:
+    # Stand-ins: native-r2 fastest at 1-2 rows, torch's op at 4-8, dequantized at 64 (r6 second there).
+    table = {"native-r2": 1.0 if rows <= 2 else 5.0, "op": 0.5 if 4 <= rows <= 8 else 9.0,
+             "dequant": 0.1 if rows >= 64 else 9.0, "native-r6": 0.2 if rows >= 64 else 6.0}
+    return table.get(variant, 3.0)
+
+
+def test_each_shape_is_measured_once_and_every_layer_takes_the_winners(native):
+    m = model()
+    calls: list[int] = []
+    chosen = tune_cpu_layers(m, timer=stand_in_timer(int4_seconds, calls))
+    int4_key = shape_key(m[0].linear_spec)
+    assert chosen[int4_key] == {1: "native-r2", 2: "native-r2", 4: "op", 8: "op", 64: "dequant"}
+    assert m[0].measured == m[1].measured == chosen[int4_key]
+    assert shape_key(m[2].linear_spec) in chosen and shape_key(m[3].linear_spec) in chosen
+    per_shape = len(calls)
+    # Decode follows the buckets; prompts stay on the native kernel, under the fastest native name.
+    assert choose_variant(m[1], 1) == "native-r2" and choose_variant(m[1], 3) == "op"
+    assert choose_variant(m[1], 40) == "dequant"
+    with forward_phase(prefill=True):
+        assert m[1].prompt_variant() == cpu_native.INT4_NATIVE  # "dequant" won bucket 64: not a native name
+    # The file holds what was measured; a new process (layers built anew) reads it and times nothing.
+    prefs = preferences("cpu")
+    data = json.loads(prefs.path.read_text())
+    assert data["choices"][int4_key]["rows<=1"]["choice"] == "native-r2"
+    assert set(data["choices"][int4_key]["rows<=1"]["ms"]) == {*cpu_native.INT4_NATIVE_VARIANTS, "op"}
+    # Not worth timing (a first start stays short): the dequantized GEMM at decode sizes, the native
+    # kernel's names but two at the prompt bucket.
+    assert set(data["choices"][int4_key]["rows<=64"]["ms"]) == {"native", "native-r6", "op", "dequant"}
+    select._PREFERENCES.clear()
+    again = model()
+    assert again[0].measured == chosen[int4_key]  # build_linear reads the file
+    calls.clear()
+    assert tune_cpu_layers(again, timer=stand_in_timer(int4_seconds, calls)) == chosen and calls == []
+    assert per_shape > 0
+
+
+def test_a_native_name_measured_for_prompts_is_the_prompt_path(native):
+    m = model(seed=5)
+    seconds = lambda variant, rows: 0.1 if variant == "native-r6" else 1.0
+    tune_cpu_layers(m, timer=stand_in_timer(seconds))
+    assert m[0].measured[cpu_native.INT4_PROMPT_BUCKET] == "native-r6"
+    with forward_phase(prefill=True):
+        assert choose_variant(m[0], 3) == choose_variant(m[0], 300) == "native-r6"
+    assert m[3].prompt_variant() == "dequant"  # int8 prompts keep their one path
+
+
+def test_a_failed_measurement_leaves_torchs_op(native):
+    m = model(seed=7, fail=cpu_native.INT4_NATIVE)  # the int4 static choice raises under 64 rows
+    lines: list[str] = []
+    sink = logger.add(lambda msg: lines.append(str(msg)), level="WARNING")
+    try:
+        chosen = tune_cpu_layers(m, timer=stand_in_timer(lambda v, r: 1.0))
+    finally:
+        logger.remove(sink)
+    key = shape_key(m[0].linear_spec)
+    assert {chosen[key][b] for b in (1, 2, 4, 8)} == {"op"}
+    assert any("failed" in line for line in lines)
+    x = torch.randn(2, 256).bfloat16()
+    RAN.clear()
+    with forward_phase(prefill=False):
+        m[0](x)
+    assert RAN == ["op"]
+    assert preferences("cpu").row_choices(m[0].linear_spec).get(1) is None  # nothing recorded: measured again
+
+
+def test_switched_off_nothing_is_measured(native, monkeypatch):
+    monkeypatch.setenv(TUNING_ENV, "0")
+    m = model(seed=9)
+    calls: list[int] = []
+    assert tune_cpu_layers(m, timer=stand_in_timer(int4_seconds, calls)) == {
+        shape_key(layer.linear_spec): {} for layer in m}
+    assert calls == [] and m[0].measured == {}
+    assert choose_variant(m[0], 1) == cpu_native.INT4_NATIVE  # the static thresholds
+
+
+def test_warmups_kernel_timing_tunes_cpu_layers(native, monkeypatch):
+    import text_generation_server.kernels.cpu_tuning as cpu_tuning
+
+    m = model(seed=11)
+    seen = []
+    real = cpu_tuning.tune_rows
+    monkeypatch.setattr(cpu_tuning, "tune_rows", lambda module, spec, rows, timer, store, skip:
+                        seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store, skip))
+    result = tune_kernels(m, [])  # on a CPU warmup passes no CUDA graph sizes
+    assert len(seen) == 3 and result[shape_key(m[0].linear_spec)][1] == "native-r2"
