@@ -32,6 +32,7 @@ from text_generation_server.engine.warmup_probe import (
 )
 from text_generation_server.kernels.tuning import tune_kernels
 from text_generation_server.layers.attention import AttentionBackend
+from text_generation_server.utils.progress import finish_startup, startup_phase
 
 
 class WarmupTarget(Protocol):
@@ -133,6 +134,7 @@ def run_warmup(
                 for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("warmup needs at least one request")
+    startup_phase("warmup")
     lm.drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
     decode_rows, decode_why = decode_batch_limit(
         max_batch_size or lm.max_batch_size, lm.graph_buckets, max_batch_total_tokens, lm.block_size,
@@ -244,6 +246,7 @@ def run_warmup(
     resident.settle(lm.model, kv_bytes if lm.device.type == "cpu" else 0)
     timings["releasing memory"] = time.monotonic() - started
     logger.info("warmup phases: {}", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timings.items()))
+    finish_startup(f"ready, {usable} tokens of KV cache")
     return usable
 
 

@@ -51,6 +51,12 @@ class PeakTracker(TorchDispatchMode):
     frees inside itself without a tensor (a few per-thread tiles).
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's handler to keep torch.compile out of it, importing torch._dynamo on
+        # the first op: 3-4 s of a CPU start, for a mode that never runs under compile.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
