@@ -96,3 +96,22 @@ def test_tensors_are_counted_once_each():
     assert counted.keys() == ["a", "b"] and counted.describe("a") == "file"
     assert progress.status().startswith("startup: loading weights 2/2 tensors")
     progress.close()
+
+
+# -- the launcher starts its ranks before importing torch -------------------------------------------
+def test_the_launcher_knows_the_dtypes_without_importing_the_models():
+    from text_generation_server.launcher.supervisor import DTYPE_NAMES
+    from text_generation_server.models.loader import DTYPES
+
+    assert set(DTYPE_NAMES) == set(DTYPES)
+
+
+def test_without_a_gpu_driver_the_device_is_the_cpu(tmp_path, monkeypatch):
+    from text_generation_server.launcher import supervisor
+    from text_generation_server.settings.serve_args import ServeArgs
+
+    assert supervisor.no_gpu_driver([str(tmp_path / "nvidia0")])
+    (tmp_path / "nvidia0").touch()
+    assert not supervisor.no_gpu_driver([str(tmp_path / "nvidia0")])
+    monkeypatch.setattr(supervisor, "no_gpu_driver", lambda: True)
+    assert supervisor.pick_device(ServeArgs()) == "cpu"
