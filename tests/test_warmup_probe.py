@@ -154,12 +154,16 @@ def test_the_estimate_bounds_the_largest_forwards_measured(monkeypatch):
             lm.release(next_batch)
         return tracker.peak
 
-    estimate = estimate_activations(lm.builder.tokenize, router_batch(max_prefill, max_input), rows, run_prefill, run_decode)
+    at_once = lm.PROMPT_LOGIT_ELEMENTS // lm.config.vocab_size
+    assert at_once > max_prefill  # the embedded model's 4k vocabulary: every row at once
+    estimate = estimate_activations(lm.builder.tokenize, router_batch(max_prefill, max_input), rows, run_prefill,
+                                    run_decode, at_once)
     assert [n for n, _ in estimate.prefill_points] == [32, 64, 128]
+    assert estimate.prompt_logprob_bytes > 0
     assert [r for r, _ in estimate.decode_points] == [1, 4, 16]
     prefill = run_prefill(router_batch(max_prefill, max_input))
     decode = run_decode(rows)
-    # Measured on torch 2.13: 1.05x and 1.001x; an estimate below the real peak would let the KV
+    # Measured on torch 2.13: 1.2x and 1.001x; an estimate below the real peak would let the KV
     # cache crowd out the largest prefill.
     assert prefill <= estimate.prefill_bytes <= 1.5 * prefill
     assert decode <= estimate.decode_bytes <= 1.5 * decode
@@ -185,10 +189,10 @@ def test_a_cpu_warmup_past_the_probes_runs_only_small_forwards(monkeypatch):
         supported = lm.warmup(router_batch(1024, 512), 512, 1024, 1024, 0.1)
     finally:
         logger.remove(sink)
-    assert sizes == [("prefill", 32), ("prefill", 64), ("prefill", 128), ("decode", 1), ("decode", 4),
-                     ("decode", 16)]
+    assert sizes == [("prefill", 32), ("prefill", 64), ("prefill", 128), ("prefill", 32), ("decode", 1),
+                     ("decode", 4), ("decode", 16)]
     line = next(x for x in lines if x.startswith("warmup: activation peak estimated"))
-    assert "for the prefill of 1024 tokens" in line and "for a decode step of 64 rows (max_batch_size)" in line
+    assert "for the prefill of 1024 tokens (" in line and "MiB of it prompt logprobs)" in line and "for a decode step of 64 rows (max_batch_size)" in line
     assert "MiB activation peak (estimated)" in line
     assert f"= {supported} tokens at {lm.kv_bytes_per_token} bytes per token" in line
     assert any(x.startswith("warmup phases: ") and "probe forwards" in x for x in lines)
@@ -246,3 +250,24 @@ def test_a_warmed_up_rank_holds_weights_cache_and_a_margin(tmp_path):
     assert figures["tokens"] == 65536
     bound = 1.15 * (figures["weights"] + figures["kv"]) + RESIDENT_MARGIN_MIB * MIB
     assert figures["rss"] <= bound, figures
+
+
+def test_prompt_logprobs_count_only_the_rows_computed_at_once():
+    body = {32: 1000, 64: 2000, 128: 4000}
+    calls = []
+
+    def run_prefill(requests):
+        (request,) = requests
+        calls.append((request.truncate, request.prefill_logprobs))
+        return body[request.truncate] + (request.prefill_logprobs and 500 * request.truncate)
+
+    batch = [GenerationRequest(id=0, inputs="", input_ids=list(range(1, 513)), prefill_logprobs=True)] * 2
+    estimate = estimate_activations(lambda r: r.input_ids, batch, 8, run_prefill, lambda rows: 10 * rows,
+                                    logit_rows_at_once=100)
+    assert calls == [(32, False), (64, False), (128, False), (32, True)]
+    assert estimate.prompt_logprob_bytes == 500 * 100  # not 500 x 1024
+    unbounded = estimate_activations(lambda r: r.input_ids, batch, 8, run_prefill, lambda rows: 10 * rows)
+    assert unbounded.prompt_logprob_bytes == 500 * 1024
+    plain = [GenerationRequest(id=0, inputs="", input_ids=list(range(1, 513)))]
+    assert estimate_activations(lambda r: r.input_ids, plain, 8, run_prefill, lambda rows: 10 * rows
+                                ).prompt_logprob_bytes == 0

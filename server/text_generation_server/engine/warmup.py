@@ -234,8 +234,8 @@ def run_warmup(
         forwards = (f"prefill of {prefill_tokens} tokens {prefill_timings.forward_ns / 1e6:.1f} ms; decode of "
                     f"{decode_rows} requests ({decode_why}) {decode_timings.forward_ns / 1e6:.1f} ms ({decode_path})")
     else:
-        forwards = (f"{estimate.describe(prefill_tokens, decode_rows)} ({decode_why}); largest probe prefill "
-                    f"{prefill_timings.forward_ns / 1e6:.1f} ms, decode {decode_timings.forward_ns / 1e6:.1f} ms "
+        forwards = (f"{estimate.describe(prefill_tokens, decode_rows)} ({decode_why}); probe prefills "
+                    f"{prefill_timings.forward_ns / 1e6:.1f} ms, decode steps {decode_timings.forward_ns / 1e6:.1f} ms "
                     f"({decode_path})")
     logger.info(
         "warmup: {}; {}; KV cache {} blocks x {} tokens = {} tokens at {} bytes per token, {:.1f} MiB ({}{})",
@@ -277,29 +277,31 @@ def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int
            ) -> tuple[ActivationEstimate, Batch, StepTimings, StepTimings]:
     """2-4 on a CPU: the probe prefills and decode steps over a temporary cache, measured."""
     last: dict[str, object] = {}
+    spent = {"prefill": StepTimings(0, 0, 0), "decode": StepTimings(0, 0, 0)}
+
+    def run(batch: Batch, kind: str) -> int:
+        with PeakTracker() as tracker:
+            _, next_batch, timings = lm.generate_token(batch)
+        if next_batch is not None:
+            lm.release(next_batch)
+        spent[kind] = spent[kind] + timings
+        return tracker.peak
 
     def run_prefill(probe: list[GenerationRequest]) -> int:
-        batch = lm.make_batch(0, probe)
-        with PeakTracker() as tracker:
-            _, next_batch, last["prefill"] = lm.generate_token(batch)
-        if next_batch is not None:
-            lm.release(next_batch)
-        last["batch"] = batch
-        return tracker.peak
+        last["batch"] = batch = lm.make_batch(0, probe)
+        return run(batch, "prefill")
 
     def run_decode(rows: int) -> int:
-        batch = _decode_batch(lm, rows, last["batch"].states[0].prompt_ids[0])
-        with PeakTracker() as tracker:
-            _, next_batch, last["decode"] = lm.generate_token(batch)
-        if next_batch is not None:
-            lm.release(next_batch)
-        return tracker.peak
+        return run(_decode_batch(lm, rows, last["batch"].states[0].prompt_ids[0]), "decode")
 
     longest = max(len(lm.builder.tokenize(r)) for r in requests)
     with _phase(lm, "a probe forward does not fit in memory", "; lower --max-batch-prefill-tokens"):
         lm.allocate_kv_cache(1 + max(lm.blocks_for(min(longest, PREFILL_PROBE_TOKENS[-1]) + 1), lm.blocks_for(2)))
-        estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode)
-    return estimate, last["batch"], last["prefill"], last["decode"]
+        # Prompt logprobs are computed a bounded number of rows at a time (CausalLM.PROMPT_LOGIT_ELEMENTS).
+        elements = getattr(lm, "PROMPT_LOGIT_ELEMENTS", None)
+        at_once = max(1, elements // max(lm.config.vocab_size, 1)) if elements else None
+        estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode, at_once)
+    return estimate, last["batch"], spent["prefill"], spent["decode"]
 
 
 @contextmanager

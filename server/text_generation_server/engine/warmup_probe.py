@@ -7,14 +7,16 @@ keeps what they took, and the graphs need them anyway). On a CPU the largest pre
 costly part of a start (a 4k-token prefill of a 1.5B model: 35 s on two cores) and teaches
 nothing the small ones do not: a forward's memory is a fixed part, a part per token (hidden
 states, the MLP's intermediate, a row of logits per prompt-logprob row) and, in attention, a
-part per token and per token of its sequence. So the CPU warmup runs three prefills of a few
-dozen tokens and three decode steps of a few rows, measures each one's peak of live tensor
+part per token and per token of its sequence. So the CPU warmup runs three or four prefills of a
+few dozen tokens and three decode steps of a few rows, measures each one's peak of live tensor
 bytes exactly (`PeakTracker`), and fits:
 
 - prefill(n) = a + b n + c n^2 over one sequence of n tokens, then for the warmup batch (k
   prompts, N tokens in all, the longest L) a + b N + c N L + (k - 1) d: the quadratic part of a
   prompt of length l is at most c l L, whichever way attention splits the batch, and each prompt
   beyond the first costs at most a decode row's d;
+- prompt logprobs, where the batch asks for them (the router's warmup batch does): their cost
+  per row, from one more small prefill with them, times the rows of logits computed at once;
 - decode(r) = e + d r over the rows of a step whose sequences hold one block (the attention
   backend states what a long context adds: `decode_transient_bytes`, sized with the cache).
 
@@ -162,6 +164,7 @@ class ActivationEstimate:
     decode_bytes: int
     prefill_points: tuple[tuple[int, int], ...]
     decode_points: tuple[tuple[int, int], ...]
+    prompt_logprob_bytes: int = 0  # of prefill_bytes: the prompt logprobs' logits
 
     @property
     def peak_bytes(self) -> int:
@@ -171,15 +174,18 @@ class ActivationEstimate:
         mib = 2**20
         probes = "/".join(str(n) for n, _ in self.prefill_points)
         rows = "/".join(str(r) for r, _ in self.decode_points)
+        logprobs = (f" ({self.prompt_logprob_bytes / mib:.1f} MiB of it prompt logprobs)"
+                    if self.prompt_logprob_bytes else "")
         return (f"activation peak estimated from prefills of {probes} tokens and decode steps of {rows} rows: "
-                f"{self.prefill_bytes / mib:.1f} MiB for the prefill of {prefill_tokens} tokens, "
+                f"{self.prefill_bytes / mib:.1f} MiB for the prefill of {prefill_tokens} tokens{logprobs}, "
                 f"{self.decode_bytes / mib:.1f} MiB for a decode step of {decode_rows} rows")
 
 
-def probe_request(request: GenerationRequest, tokens: int) -> GenerationRequest:
-    """The warmup request cut to its last `tokens` prompt tokens (same sampling and logprob flags)."""
+def probe_request(request: GenerationRequest, tokens: int, logprobs: bool) -> GenerationRequest:
+    """The warmup request cut to its last `tokens` prompt tokens (same sampling and top-n tokens),
+    with or without prompt logprobs."""
     return dataclasses.replace(request, id=0, truncate=tokens, blocks=[], slots=[], cache_len=0, chunk_len=None,
-                               max_new_tokens=1)
+                               max_new_tokens=1, prefill_logprobs=logprobs)
 
 
 def estimate_activations(
@@ -188,18 +194,33 @@ def estimate_activations(
     decode_rows: int,
     run_prefill: Callable[[list[GenerationRequest]], int],
     run_decode: Callable[[int], int],
+    logit_rows_at_once: int | None = None,
 ) -> ActivationEstimate:
     """Runs the probe forwards through `run_prefill` (requests -> measured peak) and `run_decode`
     (rows -> measured peak), then scales them to the warmup batch (its prompts as `tokenize`,
-    the batch builder's, cuts them) and `decode_rows`."""
+    the batch builder's, cuts them) and `decode_rows`.
+
+    Prompt logprobs (the router's warmup batch asks for them) cost a vocabulary-wide row of logits
+    per prompt token, computed `logit_rows_at_once` rows at a time (None: all at once): the probes
+    measure the model without them, and one more prefill of the smallest size with them gives
+    their cost per row, counted for at most that many rows.
+    """
     lengths = [len(tokenize(r)) for r in requests]
     longest = max(lengths)
+    source = requests[lengths.index(longest)]
+    logprob_tokens = sum(n for n, r in zip(lengths, requests) if r.prefill_logprobs)
     prefill_points = []
     for n in PREFILL_PROBE_TOKENS:
         n = min(n, longest)
         if prefill_points and n <= prefill_points[-1][0]:
             break
-        prefill_points.append((n, run_prefill([probe_request(requests[lengths.index(longest)], n)])))
+        prefill_points.append((n, run_prefill([probe_request(source, n, logprobs=False)])))
+    logprobs = 0
+    if logprob_tokens:
+        n, without = prefill_points[0]
+        per_row = max(run_prefill([probe_request(source, n, logprobs=True)]) - without, 0) / n
+        rows = logprob_tokens if logit_rows_at_once is None else min(logprob_tokens, logit_rows_at_once)
+        logprobs = int(per_row * rows)
     decode_points = []
     for rows in DECODE_PROBE_ROWS:
         rows = min(rows, decode_rows)
@@ -207,7 +228,7 @@ def estimate_activations(
             break
         decode_points.append((rows, run_decode(rows)))
     fixed, per_row = fit_decode(decode_points)
-    prefill = fit_prefill(prefill_points).batch(sum(lengths), longest, len(lengths), per_row)
+    prefill = fit_prefill(prefill_points).batch(sum(lengths), longest, len(lengths), per_row) + logprobs
     decode = int(fixed + per_row * decode_rows)
     return ActivationEstimate(max(prefill, max(p for _, p in prefill_points)), decode, tuple(prefill_points),
-                              tuple(decode_points))
+                              tuple(decode_points), logprobs)
