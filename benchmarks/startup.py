@@ -12,6 +12,7 @@ serving within 3 s on the embedded model and 10 s on a 1.5B bf16 model, resident
     python benchmarks/startup.py                                  # the embedded model
     python benchmarks/startup.py --write-qwen 1.5b /tmp/q15       # + a random Qwen2.5-1.5B-shaped bf16 folder
     python benchmarks/startup.py --model /path/to/folder --dtype bfloat16
+    python benchmarks/startup.py --compare-tree /tmp/base     # + another checkout's code, side by side
     python benchmarks/startup.py --llama-server ./llama-server --gguf model.gguf   # + llama-server's start
 
 The random folder has the real model's shapes and tensor names (and the embedded model's
@@ -46,6 +47,9 @@ QWEN_SHAPES = {
                  num_key_value_heads=2),
 }
 RESIDENT = re.compile(r"weights (\d+) MiB \+ KV cache (\d+) MiB")
+PHASE = re.compile(r"startup: (.+?)(?:: \d+ \w+)? in ([\d.]+) s")
+WARMUP_PHASES = re.compile(r"warmup phases: (.*)")
+KV_MIB = re.compile(r"bytes per token, ([\d.]+) MiB")  # the warmup line, in every version
 
 
 def write_qwen(folder: Path, shape: str) -> Path:
@@ -149,18 +153,32 @@ async def request_latencies(server: StartedServer, new_tokens: int, warm: int = 
     return times[0], statistics.median(times[1:])
 
 
-def one_start(model: str, extra: list[str], new_tokens: int, timeout_s: float) -> dict:
+def tree_env(tree: str | None) -> dict[str, str]:
+    """The environment that runs another checkout's code (its three source folders first on the path)."""
+    if tree is None:
+        return {}
+    portions = [str(Path(tree) / part) for part in ("kernels", "quantizers", "server")]
+    return {"PYTHONPATH": os.pathsep.join([*portions, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def one_start(model: str, extra: list[str], new_tokens: int, timeout_s: float, tree: str | None = None) -> dict:
     started = time.monotonic()
-    with StartedServer(model, extra, startup_timeout_s=timeout_s) as server:
+    with StartedServer(model, extra, startup_timeout_s=timeout_s, env=tree_env(tree)) as server:
         ready = asyncio.run(wait_serving(server, started, timeout_s))
         procs = session_processes(server.proc.pid)
         ranks = {pid: rss_mib(pid) for pid, cmd in procs.items() if "--shard-only" in cmd}
         launcher = sum(rss_mib(pid) for pid in procs if pid not in ranks)
         log = server.log_path.read_text(errors="replace")
         weights_kv = [(int(w), int(k)) for w, k in RESIDENT.findall(log)]
+        kv = [float(k) for k in KV_MIB.findall(log)]
+        phases = {name: float(sec) for name, sec in PHASE.findall(log)}
+        for line in WARMUP_PHASES.findall(log)[-1:]:
+            for part in line.split(", "):
+                name, _, sec = part.rpartition(" ")[0].rpartition(" ")
+                phases[f"warmup: {name}"] = float(sec)
         first, warm = asyncio.run(request_latencies(server, new_tokens))
-    return dict(ready=ready, ranks=list(ranks.values()), launcher=launcher, weights_kv=weights_kv, first=first,
-                warm=warm)
+    return dict(ready=ready, ranks=list(ranks.values()), launcher=launcher, weights_kv=weights_kv,
+                kv=kv[-1] if kv else 0, first=first, warm=warm, phases=phases)
 
 
 def llama_server_start(binary: str, gguf: str, timeout_s: float) -> tuple[float, float]:
@@ -194,6 +212,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--serve-args", default="", help="extra serve flags for every model")
+    parser.add_argument("--compare-tree", help="another checkout (e.g. `git archive <commit> | tar -x -C DIR`) "
+                        "whose code is started the same way, row by row beside this tree's")
     parser.add_argument("--llama-server", help="a llama-server binary, to time on --gguf")
     parser.add_argument("--gguf", help="the GGUF llama-server loads (the same weights as the folder)")
     args = parser.parse_args()
@@ -204,24 +224,39 @@ def main() -> None:
         folders.append(str(write_qwen(Path(args.write_qwen[1]), args.write_qwen[0])))
     models += [(f, ["--dtype", args.dtype]) for f in folders]
     extra = args.serve_args.split()
-    rows = []
+    trees: list[tuple[str, str | None]] = [("this tree", None)]
+    if args.compare_tree:
+        trees.append((f"{args.compare_tree} (compared)", args.compare_tree))
+    rows, phase_rows = [], []
     for model, flags in models:
-        runs = [one_start(model, [*flags, *extra], args.new_tokens, args.timeout) for _ in range(args.starts)]
-        ready = statistics.median(r["ready"] for r in runs)
-        rank = statistics.median(max(r["ranks"]) for r in runs)
-        weights, kv = runs[-1]["weights_kv"][0] if runs[-1]["weights_kv"] else (0, 0)
-        bound = 1.15 * (weights + kv) + 300
-        first = statistics.median(r["first"] for r in runs)
-        warm = statistics.median(r["warm"] for r in runs)
-        rows.append([Path(model).name, f"{ready:.2f}", " / ".join(f"{r['ready']:.2f}" for r in runs),
-                     f"{rank:.0f}", f"{weights} + {kv}", f"{rank / (weights + kv):.2f}" if weights + kv else "n/a",
-                     f"{bound:.0f}", "yes" if rank <= bound else "NO", f"{statistics.median(r['launcher'] for r in runs):.0f}",
-                     f"{first * 1e3:.0f}", f"{warm * 1e3:.0f}", f"{first / warm:.2f}"])
+        weights = 0
+        for label, tree in trees:
+            runs = [one_start(model, [*flags, *extra], args.new_tokens, args.timeout, tree) for _ in range(args.starts)]
+            ready = statistics.median(r["ready"] for r in runs)
+            rank = statistics.median(max(r["ranks"]) for r in runs)
+            weights = runs[-1]["weights_kv"][0][0] if runs[-1]["weights_kv"] else weights  # the model's, either tree
+            kv = statistics.median(r["kv"] for r in runs)
+            bound = 1.15 * (weights + kv) + 300
+            first = statistics.median(r["first"] for r in runs)
+            warm = statistics.median(r["warm"] for r in runs)
+            if tree is None:
+                names = list(dict.fromkeys(n for r in runs for n in r["phases"]))
+                phase_rows += [[Path(model).name, name,
+                                f"{statistics.median(r['phases'].get(name, 0.0) for r in runs):.2f}"] for name in names]
+            rows.append([Path(model).name, label, f"{ready:.2f}", " / ".join(f"{r['ready']:.2f}" for r in runs),
+                         f"{rank:.0f}", f"{weights} + {kv:.0f}",
+                         f"{rank / (weights + kv):.2f}" if weights + kv else "n/a",
+                         f"{bound:.0f}", "yes" if rank <= bound else "NO",
+                         f"{statistics.median(r['launcher'] for r in runs):.0f}", f"{first * 1e3:.0f}",
+                         f"{warm * 1e3:.0f}", f"{first / warm:.2f}"])
     print(f"# startup ({now_iso()})\n\n`{command_line(script='benchmarks/startup.py')}`\n\n{machine_line()}\n")
     print("\n".join(md_table(
-        ["model", "serve -> SERVING s (median)", "each start s", "rank RSS MiB", "weights + KV MiB",
+        ["model", "code", "serve -> SERVING s (median)", "each start s", "rank RSS MiB", "weights + KV MiB",
          "RSS / (W+KV)", "1.15x(W+KV)+300", "within", "launcher RSS MiB", "first request ms",
          "warm request ms", "first / warm"], rows)))
+    if phase_rows:
+        print("\nWhere this tree's start goes (rank 0's log, medians; warmup's own phases inside `warmup`):\n")
+        print("\n".join(md_table(["model", "phase", "s"], phase_rows)))
     if args.llama_server and args.gguf:
         starts = [llama_server_start(args.llama_server, args.gguf, args.timeout) for _ in range(args.starts)]
         print(f"\nllama-server on {args.gguf}: /health after {statistics.median(s for s, _ in starts):.2f} s "

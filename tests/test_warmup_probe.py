@@ -163,8 +163,8 @@ def test_the_estimate_bounds_the_largest_forwards_measured(monkeypatch):
     assert [r for r, _ in estimate.decode_points] == [1, 4, 16]
     prefill = run_prefill(router_batch(max_prefill, max_input))
     decode = run_decode(rows)
-    # Measured on torch 2.13: 1.2x and 1.001x; an estimate below the real peak would let the KV
-    # cache crowd out the largest prefill.
+    # Measured on torch 2.13: 1.02x and 1.001x (1.035x and 1.00003x on a Qwen2.5-0.5B-shaped bf16
+    # model); an estimate below the real peak would let the KV cache crowd out the largest prefill.
     assert prefill <= estimate.prefill_bytes <= 1.5 * prefill
     assert decode <= estimate.decode_bytes <= 1.5 * decode
 
@@ -192,7 +192,8 @@ def test_a_cpu_warmup_past_the_probes_runs_only_small_forwards(monkeypatch):
     assert sizes == [("prefill", 32), ("prefill", 64), ("prefill", 128), ("prefill", 32), ("decode", 1),
                      ("decode", 4), ("decode", 16)]
     line = next(x for x in lines if x.startswith("warmup: activation peak estimated"))
-    assert "for the prefill of 1024 tokens (" in line and "MiB of it prompt logprobs)" in line and "for a decode step of 64 rows (max_batch_size)" in line
+    assert "for the prefill of 1024 tokens (" in line and "MiB of it prompt logprobs)" in line
+    assert "for a decode step of 64 rows (max_batch_size)" in line
     assert "MiB activation peak (estimated)" in line
     assert f"= {supported} tokens at {lm.kv_bytes_per_token} bytes per token" in line
     assert any(x.startswith("warmup phases: ") and "probe forwards" in x for x in lines)

@@ -105,7 +105,8 @@ def _mappings(suffixes: tuple[str, ...], maps: Path = Path("/proc/self/maps")) -
 
 def _used_spans() -> list[tuple[int, int]]:
     """The bytes every live CPU tensor covers, merged."""
-    spans = sorted(s for s in (_span(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)) if s is not None)
+    tensors = (o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    spans = sorted(s for s in map(_span, tensors) if s is not None)
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -194,17 +195,22 @@ def trim_heap() -> bool:
     return bool(trim(0))
 
 
-def settle(model: torch.nn.Module, kv_bytes: int) -> ResidentMemory:
+def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device) -> ResidentMemory:
     """After warmup: lets go of what is neither weights nor cache, and logs what stays."""
     before = read_resident()
     released = release_checkpoint_pages()
     trim_heap()
     after = read_resident()
+    let_go = (f"{max(before.rss - after.rss, 0) / MIB:.0f} MiB let go (checkpoint pages no tensor uses: "
+              f"{released / MIB:.0f} MiB of address range; freed heap)")
+    if not after.rss:
+        return after
+    if device.type != "cpu":
+        logger.info("host memory after warmup: {} (weights and KV cache are on {}); {}", after.describe(), device,
+                    let_go)
+        return after
     weights = weight_bytes(model)
-    if after.rss:
-        other = after.rss - weights - kv_bytes
-        logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB + {:.0f} MiB other "
-                    "(the interpreter, libraries, buffers); {:.0f} MiB let go (checkpoint pages no tensor uses: "
-                    "{:.0f} MiB of address range; freed heap)", after.describe(), weights / MIB, kv_bytes / MIB,
-                    other / MIB, max(before.rss - after.rss, 0) / MIB, released / MIB)
+    logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB + {:.0f} MiB other "
+                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, kv_bytes / MIB,
+                (after.rss - weights - kv_bytes) / MIB, let_go)
     return after

@@ -243,7 +243,7 @@ def run_warmup(
         kv_bytes / mib, figures, capped,
     )
     started = time.monotonic()
-    resident.settle(lm.model, kv_bytes if lm.device.type == "cpu" else 0)
+    resident.settle(lm.model, kv_bytes, lm.device)
     timings["releasing memory"] = time.monotonic() - started
     logger.info("warmup phases: {}", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timings.items()))
     finish_startup(f"ready, {usable} tokens of KV cache")
