@@ -115,3 +115,18 @@ def test_without_a_gpu_driver_the_device_is_the_cpu(tmp_path, monkeypatch):
     assert not supervisor.no_gpu_driver([str(tmp_path / "nvidia0")])
     monkeypatch.setattr(supervisor, "no_gpu_driver", lambda: True)
     assert supervisor.pick_device(ServeArgs()) == "cpu"
+
+
+def test_the_native_kernels_are_built_as_a_phase_only_where_layers_use_them(tmp_path):
+    import json
+
+    from text_generation_server.launcher.rank import needs_native_kernels
+    from text_generation_server.settings.serve_args import ServeArgs
+
+    assert not needs_native_kernels(ServeArgs())  # the embedded model in float32: torch's ops
+    assert needs_native_kernels(ServeArgs(dtype="bfloat16"))
+    assert needs_native_kernels(ServeArgs(quantize="eetq"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    assert needs_native_kernels(ServeArgs(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text("{}")
+    assert not needs_native_kernels(ServeArgs(model=str(tmp_path)))
