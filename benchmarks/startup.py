@@ -161,7 +161,8 @@ def tree_env(tree: str | None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([*portions, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
-def one_start(model: str, extra: list[str], new_tokens: int, timeout_s: float, tree: str | None = None) -> dict:
+def one_start(model: str, extra: list[str], new_tokens: int, timeout_s: float, tree: str | None = None,
+              warm: int = 3) -> dict:
     started = time.monotonic()
     with StartedServer(model, extra, startup_timeout_s=timeout_s, env=tree_env(tree)) as server:
         ready = asyncio.run(wait_serving(server, started, timeout_s))
@@ -176,9 +177,9 @@ def one_start(model: str, extra: list[str], new_tokens: int, timeout_s: float, t
             for part in line.split(", "):
                 name, _, sec = part.rpartition(" ")[0].rpartition(" ")
                 phases[f"warmup: {name}"] = float(sec)
-        first, warm = asyncio.run(request_latencies(server, new_tokens))
+        first, warm_s = asyncio.run(request_latencies(server, new_tokens, warm))
     return dict(ready=ready, ranks=list(ranks.values()), launcher=launcher, weights_kv=weights_kv,
-                kv=kv[-1] if kv else 0, first=first, warm=warm, phases=phases)
+                kv=kv[-1] if kv else 0, first=first, warm=warm_s, phases=phases)
 
 
 def llama_server_start(binary: str, gguf: str, timeout_s: float) -> tuple[float, float]:
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="--dtype for the folders given (default bfloat16)")
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--warm", type=int, default=3, help="warm requests after the first (their median)")
+    parser.add_argument("--skip-embedded", action="store_true", help="only the folders given")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--serve-args", default="", help="extra serve flags for every model")
     parser.add_argument("--compare-tree", help="another checkout (e.g. `git archive <commit> | tar -x -C DIR`) "
@@ -218,7 +221,7 @@ def main() -> None:
     parser.add_argument("--gguf", help="the GGUF llama-server loads (the same weights as the folder)")
     args = parser.parse_args()
 
-    models = [("tiny-pycoder", [])]
+    models = [] if args.skip_embedded else [("tiny-pycoder", [])]
     folders = list(args.model)
     if args.write_qwen:
         folders.append(str(write_qwen(Path(args.write_qwen[1]), args.write_qwen[0])))
@@ -231,7 +234,8 @@ def main() -> None:
     for model, flags in models:
         weights = 0
         for label, tree in trees:
-            runs = [one_start(model, [*flags, *extra], args.new_tokens, args.timeout, tree) for _ in range(args.starts)]
+            runs = [one_start(model, [*flags, *extra], args.new_tokens, args.timeout, tree, args.warm)
+                    for _ in range(args.starts)]
             ready = statistics.median(r["ready"] for r in runs)
             rank = statistics.median(max(r["ranks"]) for r in runs)
             weights = runs[-1]["weights_kv"][0][0] if runs[-1]["weights_kv"] else weights  # the model's, either tree
