@@ -90,7 +90,7 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
 
 def _mappings(suffixes: tuple[str, ...], maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
     """The address ranges where files named with one of `suffixes` are mapped into this process."""
-    ranges = []
+    ranges: list[tuple[int, int]] = []
     try:
         lines = maps.read_text().splitlines()
     except OSError:

@@ -165,7 +165,7 @@ def run_warmup(
     estimate = None
     if probes_suffice(lm.device, buckets, max_prefill_tokens, decode_rows):
         # 2-4 on a CPU: small forwards, measured and scaled (engine/warmup_probe.py).
-        estimate, batch, prefill_timings, decode_timings = _probe(lm, requests, decode_rows, max_prefill_tokens)
+        estimate, batch, prefill_timings, decode_timings = _probe(lm, requests, decode_rows)
         prefill_tokens = sum(len(lm.builder.tokenize(r)) for r in requests)
         timings["probe forwards"] = time.monotonic() - started
     else:
@@ -273,10 +273,10 @@ def _full_prefill(lm: WarmupTarget, requests: list[GenerationRequest], max_prefi
     return batch, prefill_tokens, prefill_timings
 
 
-def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int, max_prefill_tokens: int
+def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int
            ) -> tuple[ActivationEstimate, Batch, StepTimings, StepTimings]:
     """2-4 on a CPU: the probe prefills and decode steps over a temporary cache, measured."""
-    last: dict[str, object] = {}
+    last: dict[str, Batch] = {}
     spent = {"prefill": StepTimings(0, 0, 0), "decode": StepTimings(0, 0, 0)}
 
     def run(batch: Batch, kind: str) -> int:

@@ -209,7 +209,7 @@ def estimate_activations(
     longest = max(lengths)
     source = requests[lengths.index(longest)]
     logprob_tokens = sum(n for n, r in zip(lengths, requests) if r.prefill_logprobs)
-    prefill_points = []
+    prefill_points: list[tuple[int, int]] = []
     for n in PREFILL_PROBE_TOKENS:
         n = min(n, longest)
         if prefill_points and n <= prefill_points[-1][0]:
@@ -221,7 +221,7 @@ def estimate_activations(
         per_row = max(run_prefill([probe_request(source, n, logprobs=True)]) - without, 0) / n
         rows = logprob_tokens if logit_rows_at_once is None else min(logprob_tokens, logit_rows_at_once)
         logprobs = int(per_row * rows)
-    decode_points = []
+    decode_points: list[tuple[int, int]] = []
     for rows in DECODE_PROBE_ROWS:
         rows = min(rows, decode_rows)
         if decode_points and rows <= decode_points[-1][0]:

@@ -196,6 +196,7 @@ class _Launch:
 
     async def _serve(self, shards: ShardProcesses) -> int:
         urls = [f"unix://{shard_socket(self.args.uds_path, r)}" for r in range(self.args.num_shard)]
+        assert self.run_router is not None  # imported by run() once the ranks started
         router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown, self.reload), name="router")
         drain_deadline: float | None = None
         while not router.done():
