@@ -174,9 +174,11 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
                 logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
                             weight_bytes / 2**20, os.cpu_count())
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
+        finish_startup()
         logger.error("cannot start: {}", exc)
         return 2
     if stop_requested.is_set():
+        finish_startup()
         return 0
     memory_fraction = args.memory_fraction or (0.9 if device.type == "cuda" else 0.1)
     if rank == 0:
