@@ -116,6 +116,7 @@ class KVCachePlan:
     transient_bytes: int  # the attention backend's decode transient at this cache size
     budget_bytes: int  # (available - margin - transient) x memory_fraction
     capped_by_max_batch_total_tokens: bool
+    activation_bytes: int = 0  # the largest forwards' estimated peak, where warmup did not run them (CPU)
 
     def usable_tokens(self, block_size: int) -> int:
         return max(self.num_blocks - 1, 0) * block_size
@@ -129,10 +130,15 @@ def plan_kv_cache(
     memory_fraction: float,
     transient_bytes: Callable[[int], int] = lambda kv_bytes: 0,
     max_batch_total_tokens: int | None = None,
+    activation_bytes: int = 0,
 ) -> KVCachePlan:
     """The largest block count n with n x bytes_per_block <= memory_fraction x (available -
-    margin - transient(n x bytes_per_block)), at most max_batch_total_tokens' worth plus the
-    reserved block 0.
+    margin - activations - transient(n x bytes_per_block)), at most max_batch_total_tokens' worth
+    plus the reserved block 0.
+
+    `activation_bytes` is the estimated peak of the largest prefill and decode where warmup
+    scaled small forwards instead of running those (a CPU: engine/warmup_probe.py); where it ran
+    them, their memory is already out of the reading.
 
     `reading` is taken after warmup's forwards, so what they needed (activation peak, kernel
     scratch, the CUDA graph pool) is already out of its available bytes. `transient_bytes`
@@ -143,7 +149,9 @@ def plan_kv_cache(
         raise ValueError(f"bytes_per_block and block_size must be >= 1, got {bytes_per_block}, {block_size}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
-    available = reading.available_bytes
+    if activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes}")
+    available = reading.available_bytes - activation_bytes
     margin = reading.margin_bytes
 
     def fits(n: int) -> bool:
@@ -166,7 +174,7 @@ def plan_kv_cache(
             blocks, capped = cap, True
     transient = transient_bytes(blocks * bytes_per_block)
     budget = max(int(memory_fraction * (available - margin - transient)), 0)
-    return KVCachePlan(blocks, available, margin, transient, budget, capped)
+    return KVCachePlan(blocks, reading.available_bytes, margin, transient, budget, capped, activation_bytes)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -1,4 +1,5 @@
-"""Warmup: the largest forwards the limits allow run first, then the KV cache gets what is left.
+"""Warmup: the largest forwards the limits allow run first (on a CPU: small ones, measured and
+scaled), then the KV cache gets what is left.
 
 Nothing is measured twice and nothing measured is given away: the memory the prefill and the
 largest decode took stays reserved in the CUDA caching allocator (no empty_cache), the CUDA
@@ -9,6 +10,7 @@ after a stated margin and the attention backend's decode transient.
 from __future__ import annotations
 
 import dataclasses
+import time
 from contextlib import contextmanager
 from typing import Any, Protocol, Sequence
 
@@ -19,10 +21,18 @@ from text_generation_server.engine.batch import Batch
 from text_generation_server.engine.batch_builder import BatchBuilder
 from text_generation_server.engine.cuda_graphs import DecodeGraphs
 from text_generation_server.engine.types import Generation, GenerationRequest, StepTimings
-from text_generation_server.engine import memory
+from text_generation_server.engine import memory, resident
 from text_generation_server.engine.memory import is_out_of_memory
+from text_generation_server.engine.warmup_probe import (
+    DECODE_PROBE_ROWS,
+    PREFILL_PROBE_TOKENS,
+    ActivationEstimate,
+    PeakTracker,
+    estimate_activations,
+)
 from text_generation_server.kernels.tuning import tune_kernels
 from text_generation_server.layers.attention import AttentionBackend
+from text_generation_server.utils.progress import finish_startup, startup_phase
 
 
 class WarmupTarget(Protocol):
@@ -98,7 +108,15 @@ def run_warmup(
        KV blocks = (available - margin - decode transient) x memory_fraction / block bytes
        (`engine.memory.plan_kv_cache`; margin max(256 MiB, 2% of the device) on CUDA, none
        on CPU), at most max_batch_total_tokens' worth;
-    7. the KV cache allocated and the graphs captured again against it.
+    7. the KV cache allocated and the graphs captured again against it;
+    8. what is neither weights nor cache let go (engine/resident.py: checkpoint pages no tensor
+       uses, the C allocator's freed heap), and the rank's resident memory logged.
+    On a CPU without graphs, steps 3-4 are small forwards instead when the limits are larger
+    (`probes_suffice`): prefills of a few dozen tokens and decode steps of a few rows run every
+    kernel path, their peaks are measured and scaled to the largest prefill and decode
+    (engine/warmup_probe.py), and that estimate is kept out of the KV cache's share in step 6;
+    the largest prefill would take tens of seconds there and teach nothing more. Each phase's
+    time is logged.
     After a successful warmup, no request within the limits needs memory that was not
     either measured here or kept free by the margin.
     """
@@ -116,6 +134,7 @@ def run_warmup(
                 for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("warmup needs at least one request")
+    startup_phase("warmup")
     lm.drop_kv_cache()  # a previous warmup's cache would crowd out the scratch sized next
     decode_rows, decode_why = decode_batch_limit(
         max_batch_size or lm.max_batch_size, lm.graph_buckets, max_batch_total_tokens, lm.block_size,
@@ -125,7 +144,10 @@ def run_warmup(
     buckets = [] if graphs_off else graph_buckets_within(lm.graph_buckets, decode_rows)
     # 0: where two kernels can run a layer, the faster per graph batch size (kernels/tuning.py), before
     # the scratch is sized and the graphs capture; on CPU no layer has two.
+    started = time.monotonic()
     tune_kernels(lm.model, buckets, keep_free_bytes=max_total_tokens * lm.kv_bytes_per_token)
+    tuned_s = time.monotonic() - started
+    started = time.monotonic()
     limits = f"max_batch_prefill_tokens={max_prefill_tokens}, max_input_tokens={max_input_tokens}"
     scratch_bytes = 0
     with _phase(lm, f"the kernels' scratch space for {limits} does not fit in memory",
@@ -138,48 +160,58 @@ def run_warmup(
     scratch_note = f" with {scratch_bytes / 2**20:.1f} MiB of kernel scratch reserved" if scratch_bytes else ""
     lm.attention.reserve_decode(max([decode_rows, *buckets]), max_total_tokens, lm.device)
 
-    # 2-3: the largest prefill, over a temporary cache.
-    after_prefill = f"after the prefill of max_batch_prefill_tokens={max_prefill_tokens}"
-    with _phase(lm, f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} "
-                            "does not fit in memory", "; lower --max-batch-prefill-tokens"):
-        prompt_blocks = sum(lm.blocks_for(len(lm.builder.tokenize(r)) + 1) for r in requests)
-        lm.allocate_kv_cache(1 + max(prompt_blocks, lm.blocks_for(2)))
-        batch = lm.make_batch(0, requests)
-        prefill_tokens = sum(s.input_length for s in batch.states)
-        _, next_batch, prefill_timings = lm.generate_token(batch)
-        if next_batch is not None:
-            lm.release(next_batch)
-    # 4: graphs, then a decode step at the largest batch.
+    timings: dict[str, float] = {"kernel tuning": tuned_s, "kernel scratch": time.monotonic() - started}
+    started = time.monotonic()
+    estimate = None
+    if probes_suffice(lm.device, buckets, max_prefill_tokens, decode_rows):
+        # 2-4 on a CPU: small forwards, measured and scaled (engine/warmup_probe.py).
+        estimate, batch, prefill_timings, decode_timings = _probe(lm, requests, decode_rows)
+        prefill_tokens = sum(len(lm.builder.tokenize(r)) for r in requests)
+        timings["probe forwards"] = time.monotonic() - started
+    else:
+        batch, prefill_tokens, prefill_timings = _full_prefill(lm, requests, max_prefill_tokens, scratch_note)
+        timings["prefill"] = time.monotonic() - started
+        started = time.monotonic()
     graph_bytes = 0
-    if buckets:
-        with _phase(lm, f"capturing CUDA graphs for batch sizes {buckets} does not fit in memory "
-                                f"{after_prefill}",
-                                "; lower --cuda-graphs (0 turns them off) or --max-batch-prefill-tokens"):
-            graph_bytes = lm.capture_decode_graphs(max_total_tokens, buckets)
-    with _phase(lm, f"a decode step at the largest batch, {decode_rows} requests ({decode_why}), does "
-                            f"not fit in memory {after_prefill}",
-                            "; lower --max-batch-size or --max-batch-prefill-tokens"):
-        decode_batch = _decode_batch(lm, decode_rows, batch.states[0].prompt_ids[0])
-        _, next_batch, decode_timings = lm.generate_token(decode_batch)
-        if next_batch is not None:
-            lm.release(next_batch)
+    after_prefill = f"after the prefill of max_batch_prefill_tokens={max_prefill_tokens}"
+    if estimate is None:
+        # 4: graphs, then a decode step at the largest batch.
+        if buckets:
+            with _phase(lm, f"capturing CUDA graphs for batch sizes {buckets} does not fit in memory "
+                                    f"{after_prefill}",
+                                    "; lower --cuda-graphs (0 turns them off) or --max-batch-prefill-tokens"):
+                graph_bytes = lm.capture_decode_graphs(max_total_tokens, buckets)
+            timings["graph capture"] = time.monotonic() - started
+            started = time.monotonic()
+        with _phase(lm, f"a decode step at the largest batch, {decode_rows} requests ({decode_why}), does "
+                                f"not fit in memory {after_prefill}",
+                                "; lower --max-batch-size or --max-batch-prefill-tokens"):
+            decode_batch = _decode_batch(lm, decode_rows, batch.states[0].prompt_ids[0])
+            _, next_batch, decode_timings = lm.generate_token(decode_batch)
+            if next_batch is not None:
+                lm.release(next_batch)
+        timings["decode"] = time.monotonic() - started
     decode_path = "eager"
     if lm.graphs is not None and sum(lm.graphs.stats.replays.values()):
         decode_path = f"graph {next(b for b in lm.graphs.buckets if b >= decode_rows)}"
+    started = time.monotonic()
 
     # 5-6: drop the temporary cache (the allocator keeps what the forwards used), size the real one.
     lm.drop_kv_cache()
     reading = memory.read_memory(lm.device)
     layers = lm.config.num_hidden_layers
+    activations = estimate.peak_bytes if estimate is not None else 0
     plan = memory.plan_kv_cache(
         reading, bytes_per_block=lm.kv_bytes_per_block, block_size=lm.block_size,
         memory_fraction=memory_fraction, max_batch_total_tokens=max_batch_total_tokens,
         transient_bytes=lambda kv_bytes: lm.attention.decode_transient_bytes(kv_bytes, layers),
+        activation_bytes=activations,
     )
     usable = plan.usable_tokens(lm.block_size)
     mib = 2**20
-    figures = (f"{reading.available_bytes / mib:.1f} MiB available - {plan.margin_bytes / mib:.1f} MiB margin - "
-               f"{plan.transient_bytes / mib:.1f} MiB decode transient, x {memory_fraction}")
+    estimated = f" - {activations / mib:.1f} MiB activation peak (estimated)" if estimate is not None else ""
+    figures = (f"{reading.available_bytes / mib:.1f} MiB available - {plan.margin_bytes / mib:.1f} MiB margin"
+               f"{estimated} - {plan.transient_bytes / mib:.1f} MiB decode transient, x {memory_fraction}")
     if usable < max_total_tokens:
         raise WarmupError(
             f"the KV cache fits {usable} tokens ({figures}), fewer than max_total_tokens {max_total_tokens}; "
@@ -193,17 +225,84 @@ def run_warmup(
         if buckets:
             lm.capture_decode_graphs(max_total_tokens, buckets)
     lm.max_prefill_tokens = max_prefill_tokens
+    timings["KV cache"] = time.monotonic() - started
     graphs_note = (f"CUDA graphs {buckets} ({graph_bytes / mib:.1f} MiB)" if buckets
                    else f"CUDA graphs off ({graphs_off or 'no bucket within the largest batch'})")
     capped = ", capped by max_batch_total_tokens" if plan.capped_by_max_batch_total_tokens else ""
+    kv_bytes = plan.num_blocks * lm.kv_bytes_per_block
+    if estimate is None:
+        forwards = (f"prefill of {prefill_tokens} tokens {prefill_timings.forward_ns / 1e6:.1f} ms; decode of "
+                    f"{decode_rows} requests ({decode_why}) {decode_timings.forward_ns / 1e6:.1f} ms ({decode_path})")
+    else:
+        forwards = (f"{estimate.describe(prefill_tokens, decode_rows)} ({decode_why}); probe prefills "
+                    f"{prefill_timings.forward_ns / 1e6:.1f} ms, decode steps {decode_timings.forward_ns / 1e6:.1f} ms "
+                    f"({decode_path})")
     logger.info(
-        "warmup: prefill of {} tokens {:.1f} ms; decode of {} requests ({}) {:.1f} ms ({}); {}; KV cache {} blocks "
-        "x {} tokens = {} tokens at {} bytes per token, {:.1f} MiB ({}{})",
-        prefill_tokens, prefill_timings.forward_ns / 1e6, decode_rows, decode_why, decode_timings.forward_ns / 1e6,
-        decode_path, graphs_note, plan.num_blocks, lm.block_size, usable, lm.kv_bytes_per_token,
-        plan.num_blocks * lm.kv_bytes_per_block / mib, figures, capped,
+        "warmup: {}; {}; KV cache {} blocks x {} tokens = {} tokens at {} bytes per token, {:.1f} MiB ({}{})",
+        forwards, graphs_note, plan.num_blocks, lm.block_size, usable, lm.kv_bytes_per_token,
+        kv_bytes / mib, figures, capped,
     )
+    started = time.monotonic()
+    resident.settle(lm.model, kv_bytes, lm.device)
+    timings["releasing memory"] = time.monotonic() - started
+    logger.info("warmup phases: {}", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timings.items()))
+    finish_startup(f"ready, {usable} tokens of KV cache")
     return usable
+
+
+def probes_suffice(device: torch.device, buckets: Sequence[int], max_prefill_tokens: int, decode_rows: int) -> bool:
+    """Whether warmup measures small forwards and scales them (engine/warmup_probe.py) instead of
+    running the largest ones: on a CPU (no allocator to keep their memory, no graph to capture),
+    when the largest forwards are larger than the probes."""
+    return device.type == "cpu" and not buckets and (
+        max_prefill_tokens > PREFILL_PROBE_TOKENS[-1] or decode_rows > DECODE_PROBE_ROWS[-1])
+
+
+def _full_prefill(lm: WarmupTarget, requests: list[GenerationRequest], max_prefill_tokens: int,
+                  scratch_note: str) -> tuple[Batch, int, StepTimings]:
+    """2-3: the warmup batch's prefill, over a temporary cache just large enough."""
+    with _phase(lm, f"a forward pass over max_batch_prefill_tokens={max_prefill_tokens}{scratch_note} "
+                            "does not fit in memory", "; lower --max-batch-prefill-tokens"):
+        prompt_blocks = sum(lm.blocks_for(len(lm.builder.tokenize(r)) + 1) for r in requests)
+        lm.allocate_kv_cache(1 + max(prompt_blocks, lm.blocks_for(2)))
+        batch = lm.make_batch(0, requests)
+        prefill_tokens = sum(s.input_length for s in batch.states)
+        _, next_batch, prefill_timings = lm.generate_token(batch)
+        if next_batch is not None:
+            lm.release(next_batch)
+    return batch, prefill_tokens, prefill_timings
+
+
+def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int
+           ) -> tuple[ActivationEstimate, Batch, StepTimings, StepTimings]:
+    """2-4 on a CPU: the probe prefills and decode steps over a temporary cache, measured."""
+    last: dict[str, Batch] = {}
+    spent = {"prefill": StepTimings(0, 0, 0), "decode": StepTimings(0, 0, 0)}
+
+    def run(batch: Batch, kind: str) -> int:
+        with PeakTracker() as tracker:
+            _, next_batch, timings = lm.generate_token(batch)
+        if next_batch is not None:
+            lm.release(next_batch)
+        spent[kind] = spent[kind] + timings
+        return tracker.peak
+
+    def run_prefill(probe: list[GenerationRequest]) -> int:
+        last["batch"] = batch = lm.make_batch(0, probe)
+        return run(batch, "prefill")
+
+    def run_decode(rows: int) -> int:
+        return run(_decode_batch(lm, rows, last["batch"].states[0].prompt_ids[0]), "decode")
+
+    longest = max(len(lm.builder.tokenize(r)) for r in requests)
+    with _phase(lm, "a probe forward does not fit in memory", "; lower --max-batch-prefill-tokens"):
+        lm.allocate_kv_cache(1 + max(lm.blocks_for(min(longest, PREFILL_PROBE_TOKENS[-1]) + 1), lm.blocks_for(2)))
+        # Prompt logprobs are computed a bounded number of rows at a time (CausalLM.PROMPT_LOGIT_ELEMENTS).
+        elements = getattr(lm, "PROMPT_LOGIT_ELEMENTS", None)
+        at_once = max(1, elements // max(lm.config.vocab_size, 1)) if elements else None
+        estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode, at_once)
+    return estimate, last["batch"], spent["prefill"], spent["decode"]
+
 
 @contextmanager
 def _phase(lm: WarmupTarget, failure: str, advice: str):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 from loguru import logger
 
 from text_generation_server.utils.logging_setup import configure_logging
+from text_generation_server.utils.progress import StartupProgress, finish_startup, startup_phase
 from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
 from text_generation_server.settings.serve_args import LM_HEAD_AUTO, ServeArgs
 from text_generation_server.settings.serve_flags import (
@@ -153,7 +154,16 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         from text_generation_server.models.loader import get_model
         from text_generation_server.quantizers.dist import initialize_process_group
 
+        if rank == 0:
+            startup = StartupProgress(live=False if args.json_output else None)
+            startup.__enter__()  # ended by warmup (finish_startup) or when the rank stops
+            startup.phase("connecting the ranks")
         process_group = initialize_process_group(rank, world_size, device)
+        if device.type == "cpu" and needs_native_kernels(args):
+            startup_phase("building native CPU kernels (cached per machine)")
+            from text_generation_server.kernels import cpu_native
+
+            cpu_native.native()
         # The router never batches more than --max-batch-size requests, nor holds more than
         # --max-concurrent-requests at once: warmup measures a decode step at that size.
         batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
@@ -173,9 +183,11 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
                 logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
                             weight_bytes / 2**20, os.cpu_count())
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
+        finish_startup()
         logger.error("cannot start: {}", exc)
         return 2
     if stop_requested.is_set():
+        finish_startup()
         return 0
     memory_fraction = args.memory_fraction or (0.9 if device.type == "cuda" else 0.1)
     if rank == 0:
@@ -204,8 +216,30 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
                           prefix_caching=args.prefix_caching, stall_timeout_s=args.rank_stall_timeout_s,
                           speculate=args.speculate)
 
-    asyncio.run(serve())
+    startup_phase("waiting for the router's warmup")
+    try:
+        asyncio.run(serve())
+    finally:
+        finish_startup()
     return 0
+
+
+def needs_native_kernels(args: ServeArgs) -> bool:
+    """Whether a CPU rank's layers will use the native CPU kernels (bfloat16 or quantized weights),
+    so their build (a minute once per machine, under a second cached) is a phase of its own
+    rather than a silent part of loading the weights."""
+    import json
+
+    from text_generation_server.utils.locate import resolve_model
+
+    if args.dtype == "bfloat16" or args.quantize:
+        return True
+    try:
+        _, folder = resolve_model(args.model)
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "quantization_config" in config or (folder / "quantize_config.json").exists()
 
 
 def _shard_device(args: ServeArgs, local_rank: int):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import time
 from typing import Awaitable, Callable, Sequence
@@ -44,8 +45,19 @@ EXIT_INTERRUPTED = 130  # forced exit on a second signal, as shells report SIGIN
 
 
 # -- checks before any rank starts -------------------------------------------------------------
+# Where a GPU driver leaves its device files; without any, `serve` runs on the CPU, known
+# without importing torch (seconds the ranks then spend importing it alongside the launcher).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_driver(paths: Sequence[str] = GPU_DEVICE_FILES) -> bool:
+    return not any(os.path.exists(p) for p in paths)
+
+
 def pick_device(args: ServeArgs) -> str:
     """args.device, else cuda when available; checks there is one GPU per rank."""
+    if args.device == "cpu" or (args.device is None and no_gpu_driver()):
+        return "cpu"
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,11 +78,14 @@ def check_model(model: str | None) -> None:
         raise ValueError(f"the embedded model '{EMBEDDED_MODEL_ID}' is not installed (expected {folder})")
 
 
-def check_dtype(dtype: str | None) -> None:
-    from text_generation_server.models.loader import DTYPES
+# models.loader.DTYPES' names (a test keeps them equal): importing it here would import torch and
+# every model before any rank starts.
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype '{dtype}' is not supported (choose from {', '.join(DTYPES)})")
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"--dtype '{dtype}' is not supported (choose from {', '.join(DTYPE_NAMES)})")
 
 
 # -- launch ----------------------------------------------------------------------------------
@@ -91,23 +106,28 @@ def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence
     except ValueError as exc:  # CheckpointError is a ValueError
         logger.error("{}", exc)
         return 2
-    try:
-        from text_generation_server.router.main import run_router
-    except ImportError as exc:
-        logger.error("the router cannot be imported: {}", exc)
-        return 1
-    return asyncio.run(_Launch(args, run_router, startup_timeout_s).run())
+    return asyncio.run(_Launch(args, import_router, startup_timeout_s).run())
 
 
 RunRouter = Callable[[ServeArgs, list[str], asyncio.Event, asyncio.Event], Awaitable[None]]
 
 
+def import_router() -> RunRouter:
+    """The router's entry point, imported once the ranks are starting: it imports torch and the
+    model registry, seconds of a CPU start that then overlap the ranks' own imports."""
+    from text_generation_server.router.main import run_router
+
+    return run_router
+
+
 class _Launch:
     """One launch: the ranks, the router task, and the signals that end them."""
 
-    def __init__(self, args: ServeArgs, run_router: RunRouter, startup_timeout_s: float):
+    def __init__(self, args: ServeArgs, router: Callable[[], RunRouter], startup_timeout_s: float):
+        """`router` gives the router's entry point (imported after the ranks start)."""
         self.args = args
-        self.run_router = run_router
+        self.router = router
+        self.run_router: RunRouter | None = None
         self.startup_timeout_s = startup_timeout_s
         self.shutdown = asyncio.Event()  # first signal: drain
         self.forced = asyncio.Event()  # second signal: leave now
@@ -138,6 +158,11 @@ class _Launch:
             logger.info("starting {} rank(s) on {} for {}", self.args.num_shard, self.args.device,
                         self.args.model or "the embedded model")
             shards.start()
+            try:
+                self.run_router = self.router()
+            except ImportError as exc:
+                logger.error("the router cannot be imported: {}", exc)
+                return 1
             code = await self._wait_ready(shards)
             if code is None:
                 code = await self._serve(shards)
@@ -171,6 +196,7 @@ class _Launch:
 
     async def _serve(self, shards: ShardProcesses) -> int:
         urls = [f"unix://{shard_socket(self.args.uds_path, r)}" for r in range(self.args.num_shard)]
+        assert self.run_router is not None  # imported by run() once the ranks started
         router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown, self.reload), name="router")
         drain_deadline: float | None = None
         while not router.done():

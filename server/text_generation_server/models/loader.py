@@ -19,6 +19,7 @@ from text_generation_server.quantizers.factory import get_loader, read_kv_cache_
 from text_generation_server.quantizers.sources import safetensors_files
 from text_generation_server.quantizers.weights import Weights
 from text_generation_server.utils.locate import open_checkpoint
+from text_generation_server.utils.progress import CountingSource, current_startup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -117,6 +118,10 @@ def get_model(
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
     weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
                       loader=get_loader(qconfig))
+    progress = current_startup()
+    if progress is not None:  # the live "loading weights n/N tensors" of `serve` (utils/progress.py)
+        weights.source = CountingSource(weights.source, progress)
+        progress.phase("loading weights", total=len(weights.tensor_names()), unit="tensors")
     if family is None:
         from text_generation_server.models import transformers_impl
 

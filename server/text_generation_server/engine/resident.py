@@ -1,0 +1,216 @@
+"""A rank's resident memory: what it holds beyond weights and KV cache, and letting that go.
+
+Measured on a 0.5B bfloat16 model on CPU (BENCHMARKS.md, "Startup and resident memory"), the
+rank held, after warmup, two things that are neither weights nor cache:
+- checkpoint pages no tensor uses. Weights load zero-copy from the safetensors file's private
+  mapping, but fused layers (q/k/v, gate/up) are concatenated copies: the file pages of their
+  sources stay resident in the mapping (read once while copying, never again), so those weights
+  count twice. `release_checkpoint_pages` drops every page of a checkpoint mapping that no live
+  tensor's bytes cover (madvise(MADV_DONTNEED); a page is dropped only while it is still the
+  file's, never a privately written one, so nothing can be lost: it would be read back from the
+  file if anything touched it);
+- freed activations the C allocator keeps: glibc serves allocations under its (adaptive, up to
+  32 MiB) mmap threshold from heaps it returns to the system only when asked; `trim_heap` asks
+  (malloc_trim), once warmup's forwards are done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+MIB = 2**20
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+_PAGEMAP_PRESENT = 1 << 63
+_PAGEMAP_FILE = 1 << 61  # the page is the file's (or shared); a privately written one is anonymous
+
+
+@dataclass(frozen=True)
+class ResidentMemory:
+    """A process's resident set as /proc/self/status reports it (bytes; 0 where unknown)."""
+
+    rss: int
+    anon: int
+    file: int
+    peak: int
+
+    def describe(self) -> str:
+        return (f"{self.rss / MIB:.0f} MiB resident ({self.anon / MIB:.0f} MiB anonymous, {self.file / MIB:.0f} MiB "
+                f"file-backed; peak {self.peak / MIB:.0f} MiB)")
+
+
+def read_resident(status: Path = Path("/proc/self/status")) -> ResidentMemory:
+    """This process's resident memory now (zeros where the system has no /proc)."""
+    fields = {}
+    try:
+        for line in status.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return ResidentMemory(fields.get("VmRSS", 0), fields.get("RssAnon", 0),
+                          fields.get("RssFile", 0) + fields.get("RssShmem", 0), fields.get("VmHWM", 0))
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes [start, end) a CPU tensor's elements occupy."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.is_sparse or tensor.is_quantized:
+        return None
+    try:
+        start = tensor.data_ptr()
+    except RuntimeError:
+        return None
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    return start, start + extent * tensor.element_size()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers at their served dtype, each storage once (a tied
+    embedding and head count once)."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        span = _span(tensor) if tensor.device.type == "cpu" else (tensor.data_ptr(), tensor.data_ptr() +
+                                                                  tensor.numel() * tensor.element_size())
+        if span is not None:
+            seen[span[0]] = max(seen.get(span[0], 0), span[1] - span[0])
+    return sum(seen.values())
+
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def _mappings(suffixes: tuple[str, ...], maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
+    """The address ranges where files named with one of `suffixes` are mapped into this process."""
+    ranges: list[tuple[int, int]] = []
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return ranges
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].endswith(suffixes):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def _used_spans() -> list[tuple[int, int]]:
+    """The bytes every live CPU tensor covers, merged."""
+    tensors = (o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    spans = sorted(s for s in map(_span, tensors) if s is not None)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _gaps(start: int, end: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Whole pages of [start, end) that no span in `used` touches."""
+    gaps, cursor = [], start
+    for s, e in used:
+        if e <= start or s >= end:
+            continue
+        if s > cursor:
+            gaps.append((cursor, s))
+        cursor = max(cursor, e)
+    if cursor < end:
+        gaps.append((cursor, end))
+    out = []
+    for s, e in gaps:
+        s = -(-s // _PAGE) * _PAGE
+        e = e // _PAGE * _PAGE
+        if e > s:
+            out.append((s, e))
+    return out
+
+
+def _file_page_runs(start: int, end: int, pagemap) -> list[tuple[int, int]]:
+    """Runs of [start, end) whose pages are absent or still the file's (never privately written)."""
+    first = start // _PAGE
+    count = (end - start) // _PAGE
+    pagemap.seek(first * 8)
+    data = pagemap.read(count * 8)
+    if len(data) != count * 8:
+        return []
+    runs, run_start = [], None
+    for i, (entry,) in enumerate(struct.iter_unpack("<Q", data)):
+        ok = not entry & _PAGEMAP_PRESENT or entry & _PAGEMAP_FILE
+        if ok and run_start is None:
+            run_start = i
+        elif not ok and run_start is not None:
+            runs.append((start + run_start * _PAGE, start + i * _PAGE))
+            run_start = None
+    if run_start is not None:
+        runs.append((start + run_start * _PAGE, end))
+    return runs
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def release_checkpoint_pages(suffixes: tuple[str, ...] = CHECKPOINT_SUFFIXES) -> int:
+    """Drops the resident pages of mapped checkpoint files (named with `suffixes`) that no live
+    tensor covers; returns the bytes of address range advised (0 where /proc or madvise is missing)."""
+    libc = _libc()
+    ranges = _mappings(suffixes)
+    if libc is None or not ranges:
+        return 0
+    used = _used_spans()
+    released = 0
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            for start, end in ranges:
+                for gap_start, gap_end in _gaps(start, end, used):
+                    for s, e in _file_page_runs(gap_start, gap_end, pagemap):
+                        if libc.madvise(ctypes.c_void_p(s), ctypes.c_size_t(e - s), _MADV_DONTNEED) == 0:
+                            released += e - s
+    except OSError as exc:
+        logger.debug("checkpoint pages kept: {}", exc)
+    return released
+
+
+def trim_heap() -> bool:
+    """Returns the C allocator's free heap memory to the system (glibc's malloc_trim)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    gc.collect()
+    return bool(trim(0))
+
+
+def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device) -> ResidentMemory:
+    """After warmup: lets go of what is neither weights nor cache, and logs what stays."""
+    before = read_resident()
+    released = release_checkpoint_pages()
+    trim_heap()
+    after = read_resident()
+    let_go = (f"{max(before.rss - after.rss, 0) / MIB:.0f} MiB let go (checkpoint pages no tensor uses: "
+              f"{released / MIB:.0f} MiB of address range; freed heap)")
+    if not after.rss:
+        return after
+    if device.type != "cpu":
+        logger.info("host memory after warmup: {} (weights and KV cache are on {}); {}", after.describe(), device,
+                    let_go)
+        return after
+    weights = weight_bytes(model)
+    logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB + {:.0f} MiB other "
+                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, kv_bytes / MIB,
+                (after.rss - weights - kv_bytes) / MIB, let_go)
+    return after
