@@ -12,8 +12,7 @@ from text_generation_server.engine.cuda_graphs import GraphCapturer
 from text_generation_server.engine.standin import from_environment as standin_from_environment
 from text_generation_server.models.registry import read_model_config
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
-from text_generation_server.quantizers.factory import get_loader, read_quantization_config
-from text_generation_server.quantizers.sources import safetensors_files
+from text_generation_server.quantizers.factory import get_loader, read_quantization_config, tensor_source
 from text_generation_server.quantizers.weights import Weights
 from text_generation_server.utils.locate import open_checkpoint
 
@@ -85,7 +84,7 @@ def get_model(
     qconfig = read_quantization_config(checkpoint.folder, quantize)
     if qconfig is not None and process_group.rank == 0:
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
-    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
+    weights = Weights(tensor_source(checkpoint.folder), device, torch_dtype, process_group,
                       loader=get_loader(qconfig))
     if family is None:
         from text_generation_server.models import transformers_impl
