@@ -13,6 +13,7 @@ Architectures outside `ARCHITECTURES` are refused by name.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -200,12 +201,32 @@ def read_checkpoint(model_id: str, files: list[Path]) -> tuple[Checkpoint, GGUFF
     """The non-weight parts of a GGUF model (folder: the first file), and the open file."""
     file = open_gguf(files)
     _, config = model_config(file)
-    backend, template = tokenizer(file)
-    if template:
-        config["chat_template"] = template
+    backend, _ = tokenizer(file)
     checkpoint = Checkpoint(model_id=model_id, folder=files[0], config=config, tokenizer=backend,
                             eos_token_ids=eos_ids(file, int(config["vocab_size"])))
     return checkpoint, file
+
+
+def side_files(files: list[Path]) -> dict[str, str]:
+    """The files a Hugging Face folder keeps beside its weights, made from the GGUF's metadata
+    (what `convert` and `quantize` write): config.json, tokenizer.json, tokenizer_config.json,
+    generation_config.json."""
+    file = open_gguf(files)
+    _, config = model_config(file)
+    backend, template = tokenizer(file)
+    vocab = int(config["vocab_size"])
+    eos = sorted(eos_ids(file, vocab))
+    tokens = file.get("tokenizer.ggml.tokens") or []
+    names = {key: tokens[int(file.get(f"tokenizer.ggml.{key}_id"))] for key in ("bos_token", "eos_token")
+             if file.get(f"tokenizer.ggml.{key}_id") is not None and int(file.get(f"tokenizer.ggml.{key}_id")) < len(tokens)}
+    tokenizer_config = {**names, **({"chat_template": template} if template else {})}
+    generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+    if "bos_token_id" in config:
+        generation["bos_token_id"] = config["bos_token_id"]
+    return {"config.json": json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n",
+            "tokenizer.json": backend.to_str(),
+            "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
+            "generation_config.json": json.dumps(generation, indent=2) + "\n"}
 
 
 def open_source(files: list[Path]) -> GGUFSource:
