@@ -41,10 +41,18 @@ def byte_tokens() -> list[str]:
 MERGES = ["Ġ t", "h e", "i n", "Ġt he", "r e", "o n", "e r", "Ġ a"]
 
 
-def vocabulary() -> tuple[list[str], list[int]]:
-    tokens = byte_tokens() + ["".join(m.split()) for m in MERGES] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+def vocabulary(size: int = 0) -> tuple[list[str], list[int]]:
+    """Byte tokens, a few merges and three control tokens, padded with unused ones up to `size`;
+    eos is always the third token from the end."""
+    tokens = byte_tokens() + ["".join(m.split()) for m in MERGES]
+    tokens += [f"<unused{i}>" for i in range(max(0, size - len(tokens) - 3))]
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [1] * (len(tokens) - 3) + [3, 3, 3]
     return tokens, types
+
+
+# Phi3Config's default pad_token_id (32000) must be inside the vocabulary for transformers to build it.
+ARCH_VOCAB = {"phi3": 32064}
 
 
 def k_quant_bytes(rng: np.random.Generator, qtype, rows: int, cols: int) -> np.ndarray:
@@ -84,7 +92,10 @@ def random_weights(rng: np.random.Generator, arch: str, vocab: int) -> dict[str,
             for n in ("q", "k", "v"):
                 rows = out[p + f"self_attn.{n}_proj.weight"].shape[0]
                 out[p + f"self_attn.{n}_proj.bias"] = rng.normal(0, 0.1, rows)
-        if arch == "qwen3":
+        if arch == "gemma3":
+            out[p + "pre_feedforward_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
+            out[p + "post_feedforward_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
+        if arch in ("qwen3", "gemma3"):
             out[p + "self_attn.q_norm.weight"] = 1 + rng.normal(0, 0.1, head_dim)
             out[p + "self_attn.k_norm.weight"] = 1 + rng.normal(0, 0.1, head_dim)
     return {k: v.astype(np.float32) for k, v in out.items()}
@@ -97,11 +108,32 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.down_proj": "ffn_down"}
 
 
-def gguf_name(hf: str) -> str:
+_ARCH_NAMES = {"gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"},
+               "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+
+
+def fuse_phi3(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Phi-3 stores q, k, v as one qkv_proj and gate, up as one gate_up_proj."""
+    out = {}
+    for name, w in weights.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            name, w = name.replace("q_proj", "qkv_proj"), np.concatenate(
+                [w, weights[name.replace("q_proj", "k_proj")], weights[name.replace("q_proj", "v_proj")]])
+        elif ".gate_proj." in name:
+            name, w = name.replace("gate_proj", "gate_up_proj"), np.concatenate(
+                [w, weights[name.replace("gate_proj", "up_proj")]])
+        out[name] = w
+    return out
+
+
+def gguf_name(hf: str, arch: str = "qwen2") -> str:
     if hf.startswith("model.layers."):
         _, _, layer, rest = hf.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+        return f"blk.{layer}.{_ARCH_NAMES.get(arch, {}).get(module) or _GGUF_NAMES[module]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
 
@@ -112,7 +144,7 @@ def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_t
     norms and biases F32, the embedding F16. With `split_max_tensors`, split files (the writer names
     them path-0000i-of-0000n.gguf); the first is returned."""
     rng = np.random.default_rng(seed)
-    tokens, types = vocabulary()
+    tokens, types = vocabulary(ARCH_VOCAB.get(arch, 0))
     d = {**DIMS, **ARCH_DIMS.get(arch, {})}
     head_dim = d["hidden"] // d["heads"]
     weights = random_weights(rng, arch, len(tokens))
@@ -128,7 +160,7 @@ def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_t
     writer.add_head_count_kv(d["kv_heads"])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "llama":
@@ -141,10 +173,16 @@ def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_t
     writer.add_eos_token_id(len(tokens) - 3)
     writer.add_bos_token_id(len(tokens) - 3)
     writer.add_add_bos_token(False)
+    if arch == "gemma3":
+        writer.add_sliding_window(64)
+    if arch == "phi3":
+        weights = fuse_phi3(weights)
     for hf, w in weights.items():
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             w = _permute(w, d["heads"] if ".q_proj." in hf else d["kv_heads"])
-        name_ = gguf_name(hf)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w + 1  # llama.cpp stores Gemma's 1 + w
+        name_ = gguf_name(hf, arch)
         if w.ndim == 1:
             writer.add_tensor(name_, w)
         elif hf in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -35,6 +35,8 @@ CASES = [("qwen2", t, None) for t in QUANT_TYPES] + [
     ("llama", T.Q8_0, None),
     ("qwen3", T.Q5_K, None),
     ("qwen2", T.Q4_K, T.Q6_K),
+    ("phi3", T.Q4_K, None),  # fused qkv and gate_up tensors
+    ("gemma3", T.Q8_0, None),  # norms stored as 1 + w, q/k norms, post norms
 ]
 TOKENS = 8
 
