@@ -124,8 +124,12 @@ class _Rows:
     dense: torch.Tensor | None = None
 
     @property
-    def rows(self) -> int:
-        return (self.decoded.codes if self.decoded is not None else self.dense).shape[0]
+    def matrix(self) -> torch.Tensor:
+        """The [rows, K] values or codes, for shapes."""
+        if self.decoded is not None:
+            return self.decoded.codes
+        assert self.dense is not None
+        return self.dense
 
 
 class GGUFLoader(WeightsLoader):
@@ -139,7 +143,7 @@ class GGUFLoader(WeightsLoader):
 
     def _read(self, weights: Weights, name: str, rows: torch.Tensor | None) -> _Rows:
         source = _source(weights)
-        key = weights._resolve(name)
+        key = weights._resolve(name) or name  # raises, naming the tensor, when it is missing
         fmt = source.format_of(key)
         if fmt is None:
             return _Rows(key, None, dense=source.dense_rows(key, rows))
@@ -157,15 +161,15 @@ class GGUFLoader(WeightsLoader):
         return built[0] if len(built) == 1 else SplitWeight(built)
 
     def _merged(self, weights: Weights, parts: list[_Rows], label: str):
-        ks = {(p.decoded.codes if p.decoded is not None else p.dense).shape[1] for p in parts}
+        ks = {p.matrix.shape[1] for p in parts}
         if len(ks) > 1:
             raise CheckpointError(f"tensors {', '.join(repr(p.name) for p in parts)} fused along the output "
                                   f"dimension disagree in their input features ({sorted(ks)})")
         fmt = parts[0].fmt
         if fmt is None:
-            dense = torch.cat([p.dense for p in parts]).to(device=weights.device, dtype=weights.dtype)
+            dense = torch.cat([p.matrix for p in parts]).to(device=weights.device, dtype=weights.dtype)
             return UnquantizedWeight(dense)
-        codes, scales, zeros = _canonical(fmt, [p.decoded for p in parts])
+        codes, scales, zeros = _canonical(fmt, [p.decoded for p in parts if p.decoded is not None])
         k = codes.shape[1]
         device = weights.device
         return GGUFWeight(qweight=codes.t().contiguous().to(device), scales=scales.t().contiguous().to(device),
@@ -215,8 +219,8 @@ class GGUFLoader(WeightsLoader):
                                       "shards")
             share = k // world
             cols = slice(rank * share, (rank + 1) * share)
-            if part.fmt is None:
-                part.dense = part.dense[:, cols]
+            if part.fmt is None or part.decoded is None:
+                part.dense = part.matrix[:, cols]
             else:
                 group = part.fmt.group
                 if share % group:
@@ -235,7 +239,7 @@ def _canonical(fmt: BlockFormat, parts: list[Decoded]) -> tuple[torch.Tensor, to
     pieces = [p.canonical_zeros() for p in parts]
     codes = torch.cat([c for c, _, _ in pieces])
     scales = torch.cat([s for _, s, _ in pieces]).float()
-    zeros = None if fmt.symmetric else torch.cat([z for _, _, z in pieces]).float()
+    zeros = None if fmt.symmetric else torch.cat([z for _, _, z in pieces if z is not None]).float()
     return codes, scales, zeros
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -122,7 +123,7 @@ def model_config(file: GGUFFile) -> tuple[str, dict]:
     return arch, config
 
 
-def _unpermute(heads: int) -> "callable":
+def _unpermute(heads: int) -> Callable[[int], torch.Tensor]:
     """HF row -> stored row for llama.cpp's q/k layout: stored rows are (head, pair, dim) where
     HF's are (head, half, dim) (transformers' _reverse_permute_weights)."""
     def order(rows: int) -> torch.Tensor:
@@ -140,7 +141,10 @@ def tensor_views(file: GGUFFile, arch: str, config: dict) -> dict[str, TensorVie
     skipped = []
     for stored in file.tensors:
         match = _TENSOR.match(stored)
-        base = match and (names.get(match["base"]) if match["layer"] is not None else _GLOBAL_NAMES.get(match["base"]))
+        if match is None:
+            skipped.append(stored)
+            continue
+        base = names.get(match["base"]) if match["layer"] is not None else _GLOBAL_NAMES.get(match["base"])
         if not base:
             skipped.append(stored)
             continue

@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ def gguf_files(path: Path) -> list[Path] | None:
         found = sorted(path.glob("*.gguf"))
         if not found:
             return None
-        firsts = [p for p in found if not _SPLIT.match(p.name) or _SPLIT.match(p.name)["index"] == "00001"]
+        firsts = [p for p in found if (m := _SPLIT.match(p.name)) is None or m["index"] == "00001"]
         if len(firsts) != 1:
             raise CheckpointError(f"{path} holds several GGUF models ({', '.join(p.name for p in firsts)}): "
                                   "name the file to serve")
@@ -72,7 +73,7 @@ def _checked_reader(path: Path):
     """A GGUFReader that, before mapping each tensor, checks its type and that its bytes are in the file."""
     gguf = _gguf()
 
-    class CheckedReader(gguf.GGUFReader):
+    class CheckedReader(gguf.GGUFReader):  # type: ignore[name-defined]
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
             for field in fields:
@@ -127,7 +128,7 @@ class GGUFFile:
                 self.metadata[key] = field.contents()
             except (ValueError, IndexError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"{self.files[0]}: metadata key '{key}' cannot be read: {exc}") from exc
-        self.tensors = {}
+        self.tensors: dict[str, Any] = {}  # gguf ReaderTensor by name
         self.where: dict[str, Path] = {}
         for path, reader in zip(self.files, self.readers):
             for tensor in reader.tensors:
