@@ -173,6 +173,17 @@ def test_mistral_named_llama_is_mistral(tmp_path):
     assert open_checkpoint(str(path)).config["model_type"] == "mistral"
 
 
+def test_rope_scaling_keys_become_rope_scaling(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "llama", T.Q8_0, rope_scaling=("linear", 2.0))
+    config = open_checkpoint(str(path)).config
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 128}
+    assert config["rope_theta"] == 10000.0 and config["head_dim"] == 64
+    lm = get_model(str(path), dtype="float32")
+    assert greedy(lm)  # the family reads it (layers/rotary.py)
+    with pytest.raises(CheckpointError, match="rope.scaling.type' = 'longrope' is not supported"):
+        open_checkpoint(str(write_gguf(tmp_path / "n.gguf", "llama", T.Q8_0, rope_scaling=("longrope", 2.0))))
+
+
 def test_unsupported_architecture_and_type_are_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
