@@ -37,8 +37,7 @@ def write_side_files(files: list[Path], folder: Path) -> None:
         (folder / name).write_text(text)
 
 
-def convert_gguf(path: Path, output: Path, max_shard_bytes: int, dtype: str = "float32",
-                 overwrite: bool = False) -> list[Path]:
+def convert_gguf(path: Path, output: Path, max_shard_bytes: int, dtype: str = "float32") -> list[Path]:
     """Writes the dense folder; returns its weight files."""
     files = gguf_files(Path(path))
     if files is None:
@@ -46,8 +45,8 @@ def convert_gguf(path: Path, output: Path, max_shard_bytes: int, dtype: str = "f
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     output = Path(output).expanduser().resolve()
-    if output.exists() and not (output.is_dir() and overwrite):
-        raise CheckpointError(f"{output} already exists (pass --overwrite to replace it)")
+    if output.exists():
+        raise CheckpointError(f"{output} already exists: remove it or name another --output")
     source = open_source(files)
     with Staging(output) as staging:
         writer = ShardWriter(staging, max_shard_bytes)
