@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--types", default=",".join(t.name for t in TYPES), help="ggml types to run")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         table = []
-        for qtype in TYPES:
+        for qtype in [T[name] for name in args.types.split(",")]:
             for shape, (k, n) in SHAPES.items():
                 w = weight(qtype, k, n, dtype)
                 chosen = build_linear(w, None, dtype, "cpu")

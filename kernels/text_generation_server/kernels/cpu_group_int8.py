@@ -4,8 +4,9 @@
 Q8_0 (32-column groups), Q6_K (16) and the 5-bit formats (Q5_0, Q5_1, Q5_K: 32) fit neither, and
 would otherwise fall to the reference kernel's dense copy (4 bytes a weight in float32). This
 kernel keeps one int8 code a weight plus a float32 scale and offset per group, and in each
-forward dequantizes blocks of output rows into a small buffer of the activation dtype that stays
-in cache, each followed by its dense product:
+forward dequantizes blocks of output rows into one small float32 buffer that stays in cache (the
+int8 x float32 product written in one pass), each followed by its float32 product (activations
+upcast, the output cast back):
 
     W[n, k] = s[n, g] * (q[n, k] - z[n, g]) = s[n, g] * q8[n, k] + c[n, g],
     q8 = q - 2^(bits-1) (fits int8 for any width up to 8), c = s * (2^(bits-1) - z), g = k // group.
@@ -43,28 +44,30 @@ class GroupInt8Linear(torch.nn.Module):
         self.act_dtype = act_dtype
         self.out_features, groups, group = codes.shape
         self.in_features = groups * group
-        per_row = self.in_features * torch.empty((), dtype=act_dtype).element_size()
-        self.block = max(16, BLOCK_BYTES // per_row // 16 * 16)
+        self.block = max(16, BLOCK_BYTES // (self.in_features * 4) // 16 * 16)
 
-    def dequantized(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of W in the activation dtype."""
-        w = self.codes[start:stop].float() * self.scales[start:stop]
+    def dequantized(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of W in float32 (into `out` [rows, G, group] when given)."""
+        w = torch.mul(self.codes[start:stop], self.scales[start:stop], out=out)  # int8 x float32 in one pass
         if self.offsets is not None:
-            w = w + self.offsets[start:stop]
-        return w.reshape(stop - start, self.in_features).to(self.act_dtype)
+            w.add_(self.offsets[start:stop])
+        return w.view(stop - start, self.in_features)
 
     def _product(self, x: torch.Tensor, prompt: bool) -> torch.Tensor:
+        # x: [M, K] float32 -> [M, N] float32; one block buffer reused: each block is dequantized
+        # in one pass and multiplied while it is in cache.
         out = x.new_empty(x.shape[0], self.out_features)
+        buffer = torch.empty(self.block, *self.codes.shape[1:], dtype=torch.float32)
         for start in range(0, self.out_features, self.block):
             stop = min(self.out_features, start + self.block)
-            w = self.dequantized(start, stop)
+            w = self.dequantized(start, stop, buffer[:stop - start])
             out[:, start:stop] = prompt_linear(x, w, None) if prompt else torch.nn.functional.linear(x, w)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
-        y = by_phase(flat, lambda t: self._product(t, True), lambda t: self._product(t, False))
+        flat = x.reshape(-1, self.in_features).float()
+        y = by_phase(flat, lambda t: self._product(t, True), lambda t: self._product(t, False)).to(self.act_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
