@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, marlin
+from text_generation_server.quantizers import bitsandbytes, eetq, exl2, fp8, gguf, marlin
 from text_generation_server.quantizers import kv_cache as kv_cache_format
 from text_generation_server.quantizers.awq import AWQLoader
 from text_generation_server.quantizers.checkpoint import read_json
@@ -33,12 +33,19 @@ from text_generation_server.quantizers.config import (
     QuantizerConfig,
 )
 from text_generation_server.quantizers.gptq import GPTQLoader
-from text_generation_server.quantizers.sources import CheckpointError, SafetensorsSource, safetensors_files
+from text_generation_server.quantizers.gguf_arch import open_source as open_gguf_source
+from text_generation_server.quantizers.gguf_file import gguf_files
+from text_generation_server.quantizers.sources import (
+    CheckpointError,
+    SafetensorsSource,
+    TensorSource,
+    safetensors_files,
+)
 from text_generation_server.quantizers.weights import DefaultWeightsLoader, Weights, WeightsLoader
 
 # Formats in their own modules: each exports CONFIGS (method and flag names -> config type)
 # and LOADERS (config type -> loader factory). A new format is added here and nowhere else.
-_FORMAT_MODULES = (marlin, exl2, fp8, bitsandbytes, eetq)
+_FORMAT_MODULES = (marlin, exl2, fp8, bitsandbytes, eetq, gguf)
 
 # How each method's name (a checkpoint's quant_method, or a `--quantize` flag) maps to its
 # config type: the one place method strings are looked up.
@@ -116,6 +123,12 @@ def read_quantization_config(folder: str | Path, quantize: str | None) -> Quanti
     """The checkpoint's quantization, checked against `--quantize`; None for a dense checkpoint."""
     folder = Path(folder)
     wanted = method_of_flag(quantize) if quantize is not None else None
+    gguf_config = gguf.read_config(folder)
+    if gguf_config is not None:
+        if wanted not in (None, "gguf"):
+            raise CheckpointError(f"--quantize {quantize}: {folder} is a GGUF model, whose tensors keep their own "
+                                  "llama.cpp types; serve it without --quantize, or `quantize` it first")
+        return gguf_config
     found = _find_config(folder)
     if found is None:
         legacy = _legacy_weights(folder) if wanted in (None, "gptq") else None
@@ -149,6 +162,14 @@ def read_quantization_config(folder: str | Path, quantize: str | None) -> Quanti
     if legacy is not None:
         config.check_tensors(legacy)
     return config
+
+
+def tensor_source(path: str | Path) -> TensorSource:
+    """Where a model's tensors come from: its GGUF file(s), else its safetensors files."""
+    files = gguf_files(Path(path))
+    if files is not None:
+        return open_gguf_source(files)
+    return SafetensorsSource(safetensors_files(Path(path)))
 
 
 class SelectiveLoader(WeightsLoader):

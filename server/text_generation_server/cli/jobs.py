@@ -14,17 +14,26 @@ from text_generation_server.cli.common import LEVEL_HELP, SHARD_SIZE_HELP, fail,
 
 
 def convert(
-    model_dir: Path = typer.Argument(..., help="Folder with pytorch_model*.bin / *.pt files."),
-    output: Optional[Path] = typer.Option(None, "--output", help="Where to write (default: in place)."),
+    model_dir: Path = typer.Argument(..., help="Folder with pytorch_model*.bin / *.pt files, or a .gguf file "
+                                     "(or a folder holding one) to dequantize."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Where to write (default: in place; for a GGUF, "
+                                          "a MODEL-safetensors folder beside the file)."),
     max_shard_size_mb: int = typer.Option(2000, "--max-shard-size-mb", min=1, help=SHARD_SIZE_HELP),
+    dtype: str = typer.Option("float32", "--dtype", help="GGUF only: the dense dtype (float32, bfloat16, float16)."),
     logger_level: str = typer.Option("INFO", "--logger-level", help=LEVEL_HELP),
 ) -> None:
-    """Convert pickle weights to safetensors: the only command that unpickles, with weights_only=True."""
+    """Convert pickle weights to safetensors (the only command that unpickles, with weights_only=True), or a
+    GGUF file to a dense safetensors folder."""
     setup_logging(logger_level)
     from text_generation_server.jobs.convert import convert_folder
+    from text_generation_server.jobs.gguf_export import convert_gguf, default_output, is_gguf
 
     try:
-        written = convert_folder(model_dir, output or model_dir, max_shard_size_mb * 1024 * 1024)
+        if is_gguf(model_dir):
+            written = convert_gguf(model_dir, output or default_output(model_dir), max_shard_size_mb * 1024 * 1024,
+                                   dtype)
+        else:
+            written = convert_folder(model_dir, output or model_dir, max_shard_size_mb * 1024 * 1024)
     except ValueError as exc:
         fail(str(exc))
     for path in written:
@@ -32,7 +41,8 @@ def convert(
 
 
 def quantize(
-    model: str = typer.Argument(..., metavar="MODEL", help=f"Dense checkpoint folder, or '{EMBEDDED_MODEL_ID}'."),
+    model: str = typer.Argument(..., metavar="MODEL", help=f"Dense checkpoint folder, a .gguf file (read "
+                                f"dequantized), or '{EMBEDDED_MODEL_ID}'."),
     output_dir: Path = typer.Argument(..., metavar="OUTPUT_DIR", help="Where to write the GPTQ checkpoint."),
     bits: int = typer.Option(4, "--bits", help="2, 3, 4 or 8."),
     groupsize: int = typer.Option(128, "--groupsize", help="Input rows per scale group; -1 for per-channel."),

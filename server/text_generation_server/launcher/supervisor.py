@@ -73,8 +73,8 @@ def check_model(model: str | None) -> None:
     from text_generation_server.about import EMBEDDED_MODEL_ID
     from text_generation_server.utils.locate import resolve_model
 
-    _, folder = resolve_model(model)  # raises CheckpointError for a missing folder
-    if not folder.is_dir():
+    _, folder = resolve_model(model)  # raises CheckpointError for a missing folder or file
+    if not folder.exists():
         raise ValueError(f"the embedded model '{EMBEDDED_MODEL_ID}' is not installed (expected {folder})")
 
 

@@ -15,8 +15,9 @@ from text_generation_server.layers.attention import KVLayout
 from text_generation_server.models.kv_cache import layer_scales, resolve_kv_cache_dtype
 from text_generation_server.models.registry import read_model_config
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
-from text_generation_server.quantizers.factory import get_loader, read_kv_cache_declaration, read_quantization_config
-from text_generation_server.quantizers.sources import safetensors_files
+from text_generation_server.quantizers.factory import (
+    get_loader, read_kv_cache_declaration, read_quantization_config, tensor_source,
+)
 from text_generation_server.quantizers.weights import Weights
 from text_generation_server.utils.locate import open_checkpoint
 from text_generation_server.utils.progress import CountingSource, current_startup
@@ -116,7 +117,7 @@ def get_model(
     qconfig = read_quantization_config(checkpoint.folder, quantize)
     if qconfig is not None and process_group.rank == 0:
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
-    weights = Weights(safetensors_files(checkpoint.folder), device, torch_dtype, process_group,
+    weights = Weights(tensor_source(checkpoint.folder), device, torch_dtype, process_group,
                       loader=get_loader(qconfig))
     progress = current_startup()
     if progress is not None:  # the live "loading weights n/N tensors" of `serve` (utils/progress.py)

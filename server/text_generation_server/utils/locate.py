@@ -1,7 +1,8 @@
-"""Where a model argument points: the embedded model shipped in the package, or a local folder.
+"""Where a model argument points: the embedded model shipped in the package, a local folder, or a
+GGUF file (or a folder holding only one GGUF model, split files included).
 
-Models are never downloaded: `serve`, `generate` and the jobs take a checkpoint folder or the
-embedded model's id, and every error names what was given.
+Models are never downloaded: `serve`, `generate` and the jobs take a checkpoint folder, a .gguf
+file or the embedded model's id, and every error names what was given.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from text_generation_server.about import EMBEDDED_MODEL_ID
 from text_generation_server.quantizers.checkpoint import Checkpoint
+from text_generation_server.quantizers.gguf_arch import read_checkpoint
+from text_generation_server.quantizers.gguf_file import gguf_files
 from text_generation_server.quantizers.sources import CheckpointError
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -20,19 +23,28 @@ def embedded_model_path() -> Path:
 
 
 def resolve_model(model: str | None) -> tuple[str, Path]:
-    """Maps a model argument (None, the embedded id, or a folder) to (model_id, folder)."""
+    """Maps a model argument (None, the embedded id, a folder or a .gguf file) to (model_id, path):
+    the folder, or for a GGUF model its (first) .gguf file."""
     if model is None or model == EMBEDDED_MODEL_ID:
         return EMBEDDED_MODEL_ID, embedded_model_path()
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path), gguf_files(path)[0]  # type: ignore[index]  # a split model's parts must all be there
+    if not path.is_dir():
         raise CheckpointError(
-            f"model '{model}' is neither a checkpoint folder nor the embedded model id '{EMBEDDED_MODEL_ID}' "
-            "(models are never downloaded)"
+            f"model '{model}' is neither a checkpoint folder, a .gguf file nor the embedded model id "
+            f"'{EMBEDDED_MODEL_ID}' (models are never downloaded)"
         )
-    return str(folder), folder
+    files = gguf_files(path)
+    if files is not None:
+        return str(path), files[0]
+    return str(path), path
 
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     """The non-weight parts of the checkpoint a model argument names."""
-    model_id, folder = resolve_model(model)
-    return Checkpoint.read(model_id, folder)
+    model_id, path = resolve_model(model)
+    files = gguf_files(path)
+    if files is not None:
+        return read_checkpoint(model_id, files)[0]
+    return Checkpoint.read(model_id, path)

@@ -33,7 +33,9 @@ from text_generation_server.jobs.quantize.calibration import (
 )
 from text_generation_server.jobs.quantize.options import QuantizeError, QuantizeOptions
 from text_generation_server.jobs.quantize.writer import ShardWriter, Staging, copy_side_files
-from text_generation_server.quantizers.factory import read_quantization_config
+from text_generation_server.quantizers.factory import read_quantization_config, tensor_source
+from text_generation_server.quantizers.gguf_arch import side_files
+from text_generation_server.quantizers.gguf_file import gguf_files
 from text_generation_server.quantizers.gptq_solver import (
     HessianAccumulator,
     gptq_quantize,
@@ -44,7 +46,7 @@ from text_generation_server.quantizers.gptq_solver import (
 from text_generation_server.quantizers.rtn import rtn_quantize
 from text_generation_server.utils.locate import open_checkpoint
 from text_generation_server.utils.progress import Progress, clock
-from text_generation_server.quantizers.sources import CheckpointError, safetensors_files
+from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
 
 # The unquantized layer's outputs are kept for this many samples, to report how far the
@@ -71,7 +73,10 @@ class Quantizer:
         self.checkpoint = open_checkpoint(model)
         folder = self.checkpoint.folder
         config_path = folder / "config.json"
-        if "quantization_config" in self.checkpoint.config or read_quantization_config(folder, None) is not None:
+        # A GGUF is read dequantized (quantizers/gguf_file.py): its blocks are the input, not the output format.
+        self.gguf = gguf_files(folder)
+        existing = read_quantization_config(folder, None) if self.gguf is None else None
+        if "quantization_config" in self.checkpoint.config or existing is not None:
             raise QuantizeError(f"{folder} is already quantized (see {config_path} or quantize_config.json): "
                                 "quantize a dense checkpoint")
         self.family, self.config = read_model_config(self.checkpoint.config, source=str(config_path))
@@ -87,7 +92,7 @@ class Quantizer:
         if self.seqlen > max_pos:
             raise QuantizeError(f"--seqlen {self.seqlen} exceeds the model's max_position_embeddings ({max_pos})")
         self.device = torch.device(options.device)
-        self.weights = Weights(safetensors_files(folder), self.device, torch.float32)
+        self.weights = Weights(tensor_source(folder), self.device, torch.float32)
         self.family.prepare(self.config, self.weights)
         # Stored name -> the name the family reads it by. Layers are found by the family's names, but
         # tensors are written under the stored ones: a checkpoint read through aliases (GPT2Model's
@@ -162,7 +167,12 @@ class Quantizer:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "quantize_config.json").write_text(
             json.dumps({k: v for k, v in config["quantization_config"].items() if k != "meta"}, indent=2) + "\n")
-        copy_side_files(self.checkpoint.folder, staging)
+        if self.gguf is not None:
+            for name, text in side_files(self.gguf).items():
+                if name != "config.json":
+                    (staging / name).write_text(text)
+        else:
+            copy_side_files(self.checkpoint.folder, staging)
         logger.info("wrote {} shard(s), {:.1f} MB, in {}", len(files), writer.total_bytes / 1e6,
                     clock(time.monotonic() - started))
 

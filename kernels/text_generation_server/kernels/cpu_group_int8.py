@@ -1,0 +1,116 @@
+"""CPU kernel for integer codes of up to 8 bits with a scale (and zero point) per group of columns.
+
+`cpu-int8` takes one scale per output channel, and the int4 op codes of at most 4 bits: GGUF's
+Q8_0 (32-column groups), Q6_K (16) and the 5-bit formats (Q5_0, Q5_1, Q5_K: 32) fit neither, and
+would otherwise fall to the reference kernel's dense copy (4 bytes a weight in float32). This
+kernel keeps one int8 code a weight plus a float32 scale and offset per group, and in each
+forward dequantizes blocks of output rows into one small float32 buffer that stays in cache (the
+int8 x float32 product written in one pass), each followed by its float32 product (activations
+upcast, the output cast back):
+
+    W[n, k] = s[n, g] * (q[n, k] - z[n, g]) = s[n, g] * q8[n, k] + c[n, g],
+    q8 = q - 2^(bits-1) (fits int8 for any width up to 8), c = s * (2^(bits-1) - z), g = k // group.
+
+The offset c is zero for symmetric weights and then skipped. A prompt's rows take the phase
+rule's prompt path (kernels/phase.py: the product is `prompt_linear`, whose bits do not depend on
+how a prompt is chunked); decoding rows take torch's plain linear.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+from text_generation_server.kernels.phase import by_phase, prompt_linear
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# ggml's groups: 32 (Q8_0, Q5_0, Q5_1, Q5_K's sub-blocks) and 16 (Q6_K's). Wider groups of 5- to
+# 8-bit codes (GPTQ 8-bit g128) keep the dense reference, which outruns this kernel there.
+GROUP_SIZES = (16, 32)
+# Bytes of dequantized weight per block of output rows: small enough to stay in a core's L2 while
+# its product runs, large enough that the per-block call overhead is amortised.
+BLOCK_BYTES = 1 << 20
+
+
+class GroupInt8Linear(torch.nn.Module):
+    # x: [..., K] -> [..., N]
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 bias: torch.Tensor | None, act_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("codes", codes)  # int8 [N, G, group]
+        self.register_buffer("scales", scales)  # float32 [N, G, 1]
+        self.register_buffer("offsets", offsets)  # float32 [N, G, 1] or None (symmetric)
+        self.register_buffer("bias", bias)
+        self.act_dtype = act_dtype
+        self.out_features, groups, group = codes.shape
+        self.in_features = groups * group
+        self.block = max(16, BLOCK_BYTES // (self.in_features * 4) // 16 * 16)
+
+    def dequantized(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of W in float32 (into `out` [rows, G, group] when given)."""
+        w = torch.mul(self.codes[start:stop], self.scales[start:stop], out=out)  # int8 x float32 in one pass
+        if self.offsets is not None:
+            w.add_(self.offsets[start:stop])
+        return w.view(stop - start, self.in_features)
+
+    def _product(self, x: torch.Tensor, prompt: bool) -> torch.Tensor:
+        # x: [M, K] float32 -> [M, N] float32; one block buffer reused: each block is dequantized
+        # in one pass and multiplied while it is in cache.
+        out = x.new_empty(x.shape[0], self.out_features)
+        buffer = torch.empty(self.block, *self.codes.shape[1:], dtype=torch.float32)
+        for start in range(0, self.out_features, self.block):
+            stop = min(self.out_features, start + self.block)
+            w = self.dequantized(start, stop, buffer[:stop - start])
+            out[:, start:stop] = prompt_linear(x, w, None) if prompt else torch.nn.functional.linear(x, w)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).float()
+        y = by_phase(flat, lambda t: self._product(t, True), lambda t: self._product(t, False)).to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CpuGroupInt8Kernel(QuantKernel):
+    """Codes of up to 8 bits as int8 with per-group scales, dequantized a cache-sized block at a time."""
+
+    name = "cpu-int8-group"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if spec.weight_format != "int":
+            return False, f"runs integer codes, not {spec.weight_format} weights"
+        if spec.device_type != "cpu":
+            return False, f"device {spec.device_type}"
+        if spec.act_dtype not in _ACT_DTYPES:
+            return False, f"activation dtype {spec.act_dtype} not in bfloat16/float16/float32"
+        if spec.bits < 5:
+            return False, f"{spec.bits}-bit codes are the int4 kernels' (this one takes 5 to 8 bits)"
+        if spec.group_size not in GROUP_SIZES:
+            return False, f"group size {spec.group_size} not in {GROUP_SIZES} (ggml's block groups)"
+        if spec.act_order:
+            return False, "act-order groups (g_idx not k // group_size)"
+        if spec.in_features % spec.group_size:
+            return False, f"in_features {spec.in_features} not a multiple of the group size {spec.group_size}"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        spec = weight.spec(act_dtype, "cpu")
+        ok, reason = cls.can_implement(spec)
+        if not ok:
+            raise ValueError(f"{cls.name} cannot run this weight: {reason}")
+        k, n = weight.qweight.shape
+        group = weight.group_size
+        groups = k // group
+        mid = 2 ** (weight.bits - 1)
+        codes = (weight.qweight.t().to(torch.int16) - mid).to(torch.int8).reshape(n, groups, group).contiguous()
+        first = weight.g_idx.long()[::group]  # the checkpoint group of each kernel group
+        scales = weight.scales.float().index_select(0, first).t().contiguous()  # [N, G]
+        zeros = weight.zero_points().float().index_select(0, first).t()
+        offsets = scales * (mid - zeros)
+        return GroupInt8Linear(codes, scales.unsqueeze(-1), None if bool((offsets == 0).all())
+                               else offsets.unsqueeze(-1).contiguous(),
+                               None if bias is None else bias.to(act_dtype), act_dtype)

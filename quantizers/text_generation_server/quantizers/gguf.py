@@ -1,0 +1,255 @@
+"""GGUF weights: llama.cpp's block formats kept quantized, through the loader factory like any format.
+
+Each linear's stored blocks decode once, at load, to the canonical `QuantizedWeight`
+(gguf_blocks.py), so the kernel tables choose for them as for any integer format: the 2- to
+4-bit formats (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K) fit the int4 kernels, the 5- to 8-bit ones (Q5_0,
+Q5_1, Q5_K, Q6_K, Q8_0) the group-scale int8 kernel (kernels/cpu_group_int8.py). F32, F16 and
+BF16 tensors load dense. A fused layer whose parts are stored in different types (Q4_K_M files
+keep attn_v in Q6_K beside Q4_K q and k) runs each part on its own kernel and concatenates the
+outputs (`SplitWeight`), so no part is widened to another's format.
+
+Sharding rule: column-parallel ranks own whole rows, and a GGUF row is a whole number of blocks,
+so any row split is exact. Row-parallel ranks own K / world columns: the blocks are decoded whole
+(a K-quant's 256-wide super-block included) and the canonical codes are cut at the rank's
+boundary, which must fall on a canonical group (16 or 32 columns: the K-quants' sub-blocks).
+Qwen2.5-1.5B's ffn_down (K = 8960) splits at 4480 = 140 x 32 on two ranks: inside a super-block,
+on a sub-block boundary. A boundary inside a group is refused naming the tensor; it is never cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+from text_generation_server.kernels.select import build_linear
+from text_generation_server.quantizers.config import QuantizerConfig
+from text_generation_server.quantizers.gguf_arch import open_source
+from text_generation_server.quantizers.gguf_blocks import BlockFormat, Decoded
+from text_generation_server.quantizers.gguf_file import GGUFSource, gguf_files
+from text_generation_server.quantizers.sharding import layer_kind, part_sizes
+from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.weights import UnquantizedWeight, Weights, WeightsLoader
+
+
+@dataclass(frozen=True)
+class GGUFConfig(QuantizerConfig):
+    """A GGUF file: each tensor says its own type, so the config only names the file."""
+
+    method: ClassVar[str] = "gguf"
+    types: tuple[str, ...] = ()  # the ggml types of its tensors, for the startup log
+
+    def describe(self) -> str:
+        return f"GGUF ({', '.join(self.types)})"
+
+    @classmethod
+    def from_config(cls, data: dict, source: str, prefix: str = "") -> "GGUFConfig":
+        raise CheckpointError(f"{source}: '{prefix}quant_method' = 'gguf' names no file: serve the .gguf file itself")
+
+    @classmethod
+    def for_dense_checkpoint(cls, flag: str, folder: Path) -> "GGUFConfig":
+        raise CheckpointError(f"--quantize {flag}: {folder} is not a GGUF file; GGUF weights are read from a .gguf "
+                              "file (serve the file, or a folder holding only it)")
+
+    @classmethod
+    def from_source(cls, source: GGUFSource) -> "GGUFConfig":
+        types = sorted({source.file.type_name(name) for name in source.file.tensors})
+        return cls(source=source.file.name, types=tuple(types))
+
+
+@dataclass
+class GGUFWeight(QuantizedWeight):
+    """A canonical quantized weight that remembers its ggml type, so the kernel log names it."""
+
+    ggml: str = ""
+    layer: str = ""
+    act_dtype: torch.dtype = torch.float32
+    device_type: str = "cpu"
+
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        return f"{self.ggml} as {super().describe_layer(spec, kernel)}"
+
+    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        return build_linear(self, bias, self.act_dtype, self.device_type, self.layer)
+
+
+class SplitLinear(torch.nn.Module):
+    """Parts of one fused linear on their own kernels; outputs concatenated along N."""
+
+    # x: [..., K] -> [..., sum(N_i)]
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+@dataclass
+class SplitWeight:
+    """A fused weight whose parts (in output order) are stored in different types."""
+
+    parts: list = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        modules, start = [], 0
+        for part in self.parts:
+            n = part.shape[0]
+            modules.append(part.get_linear(None if bias is None else bias[start:start + n]))
+            start += n
+        return SplitLinear(modules)
+
+
+def _source(weights: Weights) -> GGUFSource:
+    source = weights.stored
+    if not isinstance(source, GGUFSource):
+        raise CheckpointError("the GGUF loader reads GGUF files only")
+    return source
+
+
+@dataclass
+class _Rows:
+    """One stored tensor's rows for this rank: decoded blocks, or dense values."""
+
+    name: str
+    fmt: BlockFormat | None
+    decoded: Decoded | None = None
+    dense: torch.Tensor | None = None
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The [rows, K] values or codes, for shapes."""
+        if self.decoded is not None:
+            return self.decoded.codes
+        assert self.dense is not None
+        return self.dense
+
+
+class GGUFLoader(WeightsLoader):
+    """Builds each linear from its GGUF tensors (see the module docstring for the sharding rule)."""
+
+    def __init__(self, config: GGUFConfig):
+        self.config = config
+
+    def describe(self) -> str:
+        return f"GGUFLoader({self.config.describe()})"
+
+    def _read(self, weights: Weights, name: str, rows: torch.Tensor | None) -> _Rows:
+        source = _source(weights)
+        key = weights._resolve(name) or name  # raises, naming the tensor, when it is missing
+        fmt = source.format_of(key)
+        if fmt is None:
+            return _Rows(key, None, dense=source.dense_rows(key, rows))
+        return _Rows(key, fmt, decoded=source.quantized(key, rows)[1])
+
+    def _weight(self, weights: Weights, parts: list[_Rows], label: str) -> object:
+        """One weight from row blocks in output order; parts of the same type merge into one."""
+        groups: list[list[_Rows]] = []
+        for part in parts:
+            if groups and groups[-1][0].fmt == part.fmt:
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        built = [self._merged(weights, group, label) for group in groups]
+        return built[0] if len(built) == 1 else SplitWeight(built)
+
+    def _merged(self, weights: Weights, parts: list[_Rows], label: str):
+        ks = {p.matrix.shape[1] for p in parts}
+        if len(ks) > 1:
+            raise CheckpointError(f"tensors {', '.join(repr(p.name) for p in parts)} fused along the output "
+                                  f"dimension disagree in their input features ({sorted(ks)})")
+        fmt = parts[0].fmt
+        if fmt is None:
+            dense = torch.cat([p.matrix for p in parts]).to(device=weights.device, dtype=weights.dtype)
+            return UnquantizedWeight(dense)
+        codes, scales, zeros = _canonical(fmt, [p.decoded for p in parts if p.decoded is not None])
+        k = codes.shape[1]
+        device = weights.device
+        return GGUFWeight(qweight=codes.t().contiguous().to(device), scales=scales.t().contiguous().to(device),
+                          zeros=None if zeros is None else zeros.t().contiguous().to(device),
+                          g_idx=(torch.arange(k, dtype=torch.int32) // fmt.group).to(device), bits=fmt.bits,
+                          group_size=fmt.group, ggml=fmt.name, layer=label, act_dtype=weights.dtype,
+                          device_type=device.type)
+
+    def _rank_rows(self, weights: Weights, name: str, sizes: list[int]) -> torch.Tensor:
+        rank, world = weights.process_group.rank, weights.process_group.size
+        picked, offset = [], 0
+        for size in sizes:
+            if size % world:
+                raise CheckpointError(f"tensor '{name}': a fused part of {size} rows does not divide into {world} "
+                                      "shards")
+            share = size // world
+            picked.append(torch.arange(offset + rank * share, offset + (rank + 1) * share))
+            offset += size
+        return torch.cat(picked)
+
+    def get_weights(self, weights: Weights, prefix: str):
+        return self._weight(weights, [self._read(weights, f"{prefix}.weight", None)], layer_kind(prefix))
+
+    def get_weights_col_packed(self, weights: Weights, prefix: str, block_sizes: int | list[int]):
+        name = f"{prefix}.weight"
+        sizes = part_sizes(weights.get_shape(name)[0], block_sizes, name)
+        return self._weight(weights, [self._read(weights, name, self._rank_rows(weights, name, sizes))],
+                            layer_kind(prefix))
+
+    def get_multi_weights_col(self, weights: Weights, prefixes: list[str], dim: int):
+        if dim != 0:
+            raise ValueError(f"GGUF weights fuse along the output dimension (dim 0), not dim {dim}")
+        parts = []
+        for p in prefixes:
+            name = f"{p}.weight"
+            parts.append(self._read(weights, name, self._rank_rows(weights, name, [weights.get_shape(name)[0]])))
+        return self._weight(weights, parts, layer_kind(prefixes))
+
+    def get_weights_row(self, weights: Weights, prefix: str):
+        name = f"{prefix}.weight"
+        part = self._read(weights, name, None)
+        world, rank = weights.process_group.size, weights.process_group.rank
+        if world > 1:
+            k = weights.get_shape(name)[1]
+            if k % world:
+                raise CheckpointError(f"tensor '{name}' has {k} input features, which do not divide into {world} "
+                                      "shards")
+            share = k // world
+            cols = slice(rank * share, (rank + 1) * share)
+            if part.fmt is None or part.decoded is None:
+                part.dense = part.matrix[:, cols]
+            else:
+                group = part.fmt.group
+                if share % group:
+                    raise CheckpointError(
+                        f"tensor '{name}' ({part.fmt.name}, {group}-column groups) cannot be split into {world} "
+                        f"row-parallel shards of {share} columns: a shard boundary would cut a group")
+                d = part.decoded
+                gcols = slice(cols.start // group, cols.stop // group)
+                part.decoded = Decoded(d.codes[:, cols].contiguous(), d.scales[:, gcols].contiguous(),
+                                       None if d.offsets is None else d.offsets[:, gcols].contiguous())
+        return self._weight(weights, [part], layer_kind(prefix))
+
+
+def _canonical(fmt: BlockFormat, parts: list[Decoded]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows of one format stacked: codes [N, K], scales and zeros [N, G]."""
+    pieces = [p.canonical_zeros() for p in parts]
+    codes = torch.cat([c for c, _, _ in pieces])
+    scales = torch.cat([s for _, s, _ in pieces]).float()
+    zeros = None if fmt.symmetric else torch.cat([z for _, _, z in pieces if z is not None]).float()
+    return codes, scales, zeros
+
+
+def read_config(path: Path) -> GGUFConfig | None:
+    """The GGUF config of a model path (a .gguf file or a folder holding one); None otherwise."""
+    files = gguf_files(path)
+    if files is None:
+        return None
+    return GGUFConfig.from_source(open_source(files))
+
+
+CONFIGS: dict[str, type[QuantizerConfig]] = {"gguf": GGUFConfig}
+LOADERS = {GGUFConfig: GGUFLoader}
