@@ -155,6 +155,7 @@ class LayerRunner:
         self.cache = KVCache(1, 1, tokens, config.num_key_value_heads, config.head_dim, torch.float32, device)
         self.cache.keys = self.cache.keys * config.num_hidden_layers
         self.cache.values = self.cache.values * config.num_hidden_layers
+        self.cache.scales = self.cache.scales * config.num_hidden_layers  # (no scales: a float32 cache)
         self.device = device
         self.start = 0  # first sample of the chunk being run
         self.needs_outputs = False  # whether this chunk's layer outputs are kept (hooks must not stop it)
