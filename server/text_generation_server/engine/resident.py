@@ -195,7 +195,31 @@ def trim_heap() -> bool:
     return bool(trim(0))
 
 
-def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device) -> ResidentMemory:
+def touched_bytes(tensors: list[torch.Tensor]) -> int | None:
+    """How many bytes of these CPU tensors' pages are resident (mincore); None where unknown.
+
+    The CPU KV cache is lazily zeroed (kernels/lazy_zeros.py): its pages become resident as
+    requests write blocks, so its allocated size says nothing about what the process holds.
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mincore"):
+        return None
+    total = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes or tensor.device.type != "cpu":
+            continue
+        start = tensor.data_ptr() // _PAGE * _PAGE
+        pages = (tensor.data_ptr() + nbytes - start + _PAGE - 1) // _PAGE
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * _PAGE), vector) != 0:
+            return None
+        total += sum(byte & 1 for byte in bytes(vector)) * _PAGE
+    return total
+
+
+def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device,
+           kv_tensors: list[torch.Tensor] | None = None) -> ResidentMemory:
     """After warmup: lets go of what is neither weights nor cache, and logs what stays."""
     before = read_resident()
     released = release_checkpoint_pages()
@@ -210,7 +234,10 @@ def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device) -> Resid
                     let_go)
         return after
     weights = weight_bytes(model)
-    logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB + {:.0f} MiB other "
-                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, kv_bytes / MIB,
-                (after.rss - weights - kv_bytes) / MIB, let_go)
+    kv_resident = touched_bytes(kv_tensors) if kv_tensors else None
+    kv_held = kv_bytes if kv_resident is None else kv_resident
+    kv_note = "" if kv_resident is None else f", {kv_resident / MIB:.0f} MiB of it resident (pages fill as blocks are used)"
+    logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB{} + {:.0f} MiB other "
+                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, kv_bytes / MIB, kv_note,
+                (after.rss - weights - kv_held) / MIB, let_go)
     return after

@@ -243,7 +243,9 @@ def run_warmup(
         kv_bytes / mib, figures, capped,
     )
     started = time.monotonic()
-    resident.settle(lm.model, kv_bytes, lm.device)
+    cache = getattr(lm, "kv_cache", None)
+    kv_tensors = [t for t in (*getattr(cache, "keys", ()), *getattr(cache, "values", ())) if isinstance(t, torch.Tensor)]
+    resident.settle(lm.model, kv_bytes, lm.device, kv_tensors)
     timings["releasing memory"] = time.monotonic() - started
     logger.info("warmup phases: {}", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timings.items()))
     finish_startup(f"ready, {usable} tokens of KV cache")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from text_generation_server.kernels import lazy_zeros
 from text_generation_server.kernels.kv_fp8 import KVScales, is_fp8, widen
 
 
@@ -110,9 +111,10 @@ class KVCache:
         elif scales is not None:
             raise ValueError(f"KV scales are for fp8 caches, not {dtype}")
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Lazily zeroed on a CPU (kernels/lazy_zeros.py): no start-up fill, resident as blocks are used.
+        self.keys = [lazy_zeros.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.values: list[torch.Tensor | None] = (
-            [None] * num_layers if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+            [None] * num_layers if latent else [lazy_zeros.zeros(shape, dtype, device) for _ in range(num_layers)])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
