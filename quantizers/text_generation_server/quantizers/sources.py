@@ -16,9 +16,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder, file, tensor or key is missing or malformed."""
+from text_generation_server.quantizers.errors import CheckpointError  # noqa: F401  (defined apart: no torch)
 
 
 class TensorSlice(Protocol):

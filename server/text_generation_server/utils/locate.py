@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from text_generation_server.about import EMBEDDED_MODEL_ID
-from text_generation_server.quantizers.checkpoint import Checkpoint
-from text_generation_server.quantizers.gguf_arch import read_checkpoint
-from text_generation_server.quantizers.gguf_file import gguf_files
-from text_generation_server.quantizers.sources import CheckpointError
+from text_generation_server.quantizers.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from text_generation_server.quantizers.checkpoint import Checkpoint
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -28,13 +30,18 @@ def resolve_model(model: str | None) -> tuple[str, Path]:
     if model is None or model == EMBEDDED_MODEL_ID:
         return EMBEDDED_MODEL_ID, embedded_model_path()
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path), gguf_files(path)[0]  # type: ignore[index]  # a split model's parts must all be there
-    if not path.is_dir():
+    if path.is_dir() and ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
+        return str(path), path  # a Hugging Face folder: decided without importing the GGUF reader (or torch)
+    gguf_file = path.is_file() and path.suffix == ".gguf"
+    if not gguf_file and not path.is_dir():
         raise CheckpointError(
             f"model '{model}' is neither a checkpoint folder, a .gguf file nor the embedded model id "
             f"'{EMBEDDED_MODEL_ID}' (models are never downloaded)"
         )
+    from text_generation_server.quantizers.gguf_file import gguf_files
+
+    if gguf_file:
+        return str(path), gguf_files(path)[0]  # type: ignore[index]  # a split model's parts must all be there
     files = gguf_files(path)
     if files is not None:
         return str(path), files[0]
@@ -43,6 +50,10 @@ def resolve_model(model: str | None) -> tuple[str, Path]:
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     """The non-weight parts of the checkpoint a model argument names."""
+    from text_generation_server.quantizers.checkpoint import Checkpoint
+    from text_generation_server.quantizers.gguf_arch import read_checkpoint
+    from text_generation_server.quantizers.gguf_file import gguf_files
+
     model_id, path = resolve_model(model)
     files = gguf_files(path)
     if files is not None:
