@@ -272,3 +272,45 @@ def test_prompt_logprobs_count_only_the_rows_computed_at_once():
     plain = [GenerationRequest(id=0, inputs="", input_ids=list(range(1, 513)))]
     assert estimate_activations(lambda r: r.input_ids, plain, 8, run_prefill, lambda rows: 10 * rows
                                 ).prompt_logprob_bytes == 0
+
+
+# -- one layer of each kind ----------------------------------------------------------------------
+def test_one_layer_of_each_kind_is_probed(tmp_path):
+    from family_cases import write_family_checkpoint
+
+    from text_generation_server.engine.warmup_probe import probing_layers, representative_layers
+
+    lm = get_model(None, max_batch_size=4)
+    assert representative_layers(lm.model.layers) == [0]  # four identical llama layers
+    # gemma3: sliding, full, sliding -> the sliding and the full kind
+    write_family_checkpoint(tmp_path / "gemma3", "gemma3_text")
+    gemma = get_model(str(tmp_path / "gemma3"), max_batch_size=4)
+    assert representative_layers(gemma.model.layers) == [0, 1]
+    layers = gemma.model.layers
+    with probing_layers(gemma.model) as (kept, total):
+        assert (kept, total) == (2, 3) and list(gemma.model.layers) == [layers[0], layers[1]]
+    assert gemma.model.layers is layers
+
+
+@torch.inference_mode()
+def test_probing_one_layer_of_each_kind_measures_the_whole_stacks_peaks():
+    from text_generation_server.engine.warmup import _probe
+    from text_generation_server.engine import warmup_probe
+
+    lm = get_model(None, max_batch_size=32)
+    requests = router_batch(1024, 512)
+    _probe(lm, requests, 32)  # first calls allocate a few hundred bytes once (lazily built state)
+    few, *_ = _probe(lm, requests, 32)
+    real = warmup_probe.probing_layers
+    try:
+        warmup_probe.probing_layers = lambda model: real(torch.nn.Module())  # the whole stack
+        import text_generation_server.engine.warmup as warmup_module
+
+        saved, warmup_module.probing_layers = warmup_module.probing_layers, warmup_probe.probing_layers
+        whole, *_ = _probe(lm, requests, 32)
+    finally:
+        warmup_probe.probing_layers = real
+        warmup_module.probing_layers = saved
+    assert few.prefill_points == whole.prefill_points
+    assert few.decode_points == whole.decode_points
+    assert few.prompt_logprob_bytes == whole.prompt_logprob_bytes

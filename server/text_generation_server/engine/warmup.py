@@ -28,6 +28,7 @@ from text_generation_server.engine.warmup_probe import (
     PREFILL_PROBE_TOKENS,
     ActivationEstimate,
     PeakTracker,
+    probing_layers,
     estimate_activations,
 )
 from text_generation_server.kernels.tuning import tune_kernels
@@ -302,7 +303,11 @@ def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int
         # Prompt logprobs are computed a bounded number of rows at a time (CausalLM.PROMPT_LOGIT_ELEMENTS).
         elements = getattr(lm, "PROMPT_LOGIT_ELEMENTS", None)
         at_once = max(1, elements // max(lm.config.vocab_size, 1)) if elements else None
-        estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode, at_once)
+        with probing_layers(lm.model) as (kept, layers):
+            estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode,
+                                            at_once)
+        logger.info("warmup: probe forwards ran {} of {} layers (one of each kind: the peak is a layer's, not the "
+                    "depth's)", kept, layers)
     return estimate, last["batch"], spent["prefill"], spent["decode"]
 
 
