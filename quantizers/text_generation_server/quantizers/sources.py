@@ -8,6 +8,8 @@ Every error is a `CheckpointError` naming the file and the tensor.
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,83 @@ class DictTensorSource:
         return self._name
 
 
+# safetensors' dtype names (its format spec) -> torch dtypes read in place.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _MappedSlice:
+    """A stored tensor as a view of its file's one mapping: a window of it is a view too where the
+    window is contiguous (whole tensors, blocks of rows), a copy otherwise (as safetensors gives)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._tensor[index].contiguous()
+
+
+class _MappedFile:
+    """One safetensors file mapped privately (copy-on-write: the file is never written) as ONE
+    storage, every tensor a view of it.
+
+    Why not safetensors' own reader: it gives each tensor a storage of its own, so two tensors
+    stored back to back (gate_proj and up_proj of a layer, which the format's name order puts next
+    to each other) cannot be seen as one: fusing them meant copying both. Over one storage a fused
+    weight whose parts are adjacent is a view (`fused_view`): no copy at load, no second copy
+    resident. Tensors whose dtype or offset does not allow a view are read by safetensors."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"cannot read safetensors file {path}: shorter than its header length")
+            (length,) = struct.unpack("<Q", head)
+            try:
+                self.header = json.loads(f.read(length))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"cannot read safetensors file {path}: its header is not JSON ({exc})") from exc
+            size = f.seek(0, 2)
+            self.data_start = 8 + length
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        # The storage, not a tensor of it: a live tensor over the whole file would keep every page
+        # of it counted as used (engine/resident.py releases the pages no tensor covers).
+        self.storage = None if self._map is None else torch.frombuffer(self._map, dtype=torch.uint8).untyped_storage()
+        self.size = size
+
+    def view(self, name: str) -> torch.Tensor | None:
+        entry = self.header.get(name)
+        if not isinstance(entry, dict) or self.storage is None:
+            return None
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = [int(n) for n in entry["shape"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        if dtype is None:
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for n in shape:
+            numel *= n
+        start = self.data_start + begin
+        if (start % itemsize or end - begin != numel * itemsize or self.data_start + end > self.size
+                or start < self.data_start):
+            return None  # safetensors reads it (and names what is wrong if it is malformed)
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        return torch.empty(0, dtype=dtype).set_(self.storage, start // itemsize, shape, list(reversed(stride)))
+
+
 class SafetensorsSource:
     """Tensors spread over safetensors files, opened lazily (mmap) and kept open."""
 
@@ -71,6 +150,7 @@ class SafetensorsSource:
             raise CheckpointError("no safetensors files given")
         self._routing: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
+        self._mapped: dict[Path, _MappedFile | None] = {}
         for path in files:
             handle = self._open(path)
             for key in handle.keys():
@@ -93,8 +173,20 @@ class SafetensorsSource:
     def keys(self) -> Sequence[str]:
         return list(self._routing)
 
+    def _mapping(self, path: Path) -> _MappedFile | None:
+        if path not in self._mapped:
+            try:
+                self._mapped[path] = _MappedFile(path)
+            except (OSError, ValueError, CheckpointError):
+                self._mapped[path] = None  # safetensors' reader then reads (and reports) it
+        return self._mapped[path]
+
     def get_slice(self, name: str) -> TensorSlice:
         path = self._routing[name]
+        mapped = self._mapping(path)
+        view = None if mapped is None else mapped.view(name)
+        if view is not None:
+            return _MappedSlice(view)
         try:
             return self._open(path).get_slice(name)
         except SafetensorError as exc:
@@ -102,6 +194,28 @@ class SafetensorsSource:
 
     def describe(self, name: str) -> str:
         return str(self._routing.get(name, "<unknown file>"))
+
+
+def fused_view(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
+    """`torch.cat(parts, dim)` as a view when the parts already lie back to back in one storage in
+    that order (dim 0 of contiguous tensors, e.g. gate_proj and up_proj read from one mapped
+    file); None when they do not."""
+    if dim != 0 or len(parts) < 2:
+        return None
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    rest = tuple(first.shape[1:])
+    offset = first.storage_offset()
+    for part in parts:
+        if (not part.is_contiguous() or part.dtype != first.dtype or part.device != first.device
+                or tuple(part.shape[1:]) != rest or part.untyped_storage().data_ptr() != storage
+                or part.storage_offset() != offset):
+            return None
+        offset += part.numel()
+    rows = sum(p.shape[0] for p in parts)
+    if (offset - first.storage_offset()) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((rows, *rest), (first.stride(0) if first.dim() else 1, *first.stride()[1:]))
 
 
 class _TransposedSlice:

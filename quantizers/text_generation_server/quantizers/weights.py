@@ -31,6 +31,7 @@ from text_generation_server.quantizers.sources import (
     TensorSlice,
     TensorSource,
     TransposedSource,
+    fused_view,
 )
 
 
@@ -105,7 +106,8 @@ class DefaultWeightsLoader(WeightsLoader):
                 f"tensors fused along dim {dim} disagree in their other dimensions: {shapes} "
                 f"(in {weights.files_of(prefixes[0])})"
             )
-        return UnquantizedWeight(torch.cat(parts, dim=dim))
+        fused = fused_view(parts, dim)  # stored back to back (gate, up): no copy
+        return UnquantizedWeight(torch.cat(parts, dim=dim) if fused is None else fused)
 
     def get_weights_row(self, weights: Weights, prefix: str) -> UnquantizedWeight:
         return UnquantizedWeight(weights.get_sharded(f"{prefix}.weight", dim=1))
