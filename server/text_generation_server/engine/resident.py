@@ -195,27 +195,31 @@ def trim_heap() -> bool:
     return bool(trim(0))
 
 
-def touched_bytes(tensors: list[torch.Tensor]) -> int | None:
-    """How many bytes of these CPU tensors' pages are resident (mincore); None where unknown.
+def touched_bytes(tensors: list[torch.Tensor], pagemap: Path = Path("/proc/self/pagemap")) -> int | None:
+    """How many bytes of these CPU tensors' pages this process has mapped in (the present bit of
+    /proc/self/pagemap, each page once); None where that cannot be read.
 
-    The CPU KV cache is lazily zeroed (kernels/lazy_zeros.py): its pages become resident as
-    requests write blocks, so its allocated size says nothing about what the process holds.
+    Why: the CPU KV cache is lazily zeroed (kernels/lazy_zeros.py) and weights are read from the
+    checkpoint's mapping on first use, so neither's size says what the process holds. (mincore
+    would answer for the page cache, not for this process.)
     """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mincore"):
+    runs: list[list[int]] = []  # page ranges [first, last], merged: a page two tensors share counts once
+    for first, last in sorted((s // _PAGE, (e - 1) // _PAGE) for s, e in filter(None, map(_span, tensors))):
+        if runs and first <= runs[-1][1] + 1:
+            runs[-1][1] = max(runs[-1][1], last)
+        else:
+            runs.append([first, last])
+    present = 0
+    try:
+        with open(pagemap, "rb", buffering=0) as f:
+            for first, last in runs:
+                f.seek(first * 8)
+                raw = f.read((last - first + 1) * 8)
+                # The present bit is bit 63: as int64 entries, the negative ones.
+                present += int((torch.frombuffer(bytearray(raw), dtype=torch.int64) < 0).sum()) if raw else 0
+    except (OSError, ValueError):
         return None
-    total = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not nbytes or tensor.device.type != "cpu":
-            continue
-        start = tensor.data_ptr() // _PAGE * _PAGE
-        pages = (tensor.data_ptr() + nbytes - start + _PAGE - 1) // _PAGE
-        vector = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * _PAGE), vector) != 0:
-            return None
-        total += sum(byte & 1 for byte in bytes(vector)) * _PAGE
-    return total
+    return present * _PAGE
 
 
 def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device,
@@ -234,10 +238,15 @@ def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device,
                     let_go)
         return after
     weights = weight_bytes(model)
+    unique = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}
+    weights_resident = touched_bytes(list(unique.values()))
+    weights_held = weights if weights_resident is None else min(weights_resident, weights)
+    weights_note = ("" if weights_resident is None or weights_resident >= weights else
+                    f" ({weights_resident / MIB:.0f} MiB resident: mapped checkpoint pages are read on first use)")
     kv_resident = touched_bytes(kv_tensors) if kv_tensors else None
     kv_held = kv_bytes if kv_resident is None else kv_resident
     kv_note = "" if kv_resident is None else f", {kv_resident / MIB:.0f} MiB of it resident (pages fill as blocks are used)"
-    logger.info("resident memory after warmup: {}; weights {:.0f} MiB + KV cache {:.0f} MiB{} + {:.0f} MiB other "
-                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, kv_bytes / MIB, kv_note,
-                (after.rss - weights - kv_held) / MIB, let_go)
+    logger.info("resident memory after warmup: {}; weights {:.0f} MiB{} + KV cache {:.0f} MiB{} + {:.0f} MiB other "
+                "(the interpreter, libraries, buffers); {}", after.describe(), weights / MIB, weights_note,
+                kv_bytes / MIB, kv_note, (after.rss - weights_held - kv_held) / MIB, let_go)
     return after
