@@ -71,6 +71,8 @@ SHARD_EXTRAS = {
     # Ours alone: a refused request answered on its own (only when the Prefill asks for it).
     "PrefillRequest": {("per_request_errors", 1001, "bool", "", None)},
     "Generation": {("error", 1001, "string", "optional", None)},
+    # Ours alone: the LoRA adapters loaded (a TGI router ignores an unknown field).
+    "InfoResponse": {("adapters", 1000, "AdapterInfo", "repeated", None)},
 }
 
 # Ours alone (a TGI router never opens Steps): the state-changing calls over one stream per rank.
@@ -83,6 +85,13 @@ SHARD_OWN_MESSAGES = {
                    ("filter_batch", 4, "FilterBatchResponse", "", "answer"),
                    ("clear_cache", 5, "ClearCacheResponse", "", "answer"), ("error", 6, "StepError", "", "answer")},
     "StepError": {("code", 1, "uint32", "", None), ("message", 2, "string", "", None)},
+    # Ours alone (a TGI router never calls them): LoRA adapters loaded and unloaded at run time.
+    "AdapterInfo": {("name", 1, "string", "", None), ("path", 2, "string", "", None), ("rank", 3, "uint32", "", None),
+                    ("target_modules", 4, "string", "repeated", None), ("alpha", 5, "float", "", None)},
+    "LoadAdapterRequest": {("name", 1, "string", "", None), ("path", 2, "string", "", None)},
+    "LoadAdapterResponse": {("adapter", 1, "AdapterInfo", "", None)},
+    "UnloadAdapterRequest": {("name", 1, "string", "", None)},
+    "UnloadAdapterResponse": set(),
 }
 
 SHARD_RPCS = {
@@ -96,6 +105,9 @@ SHARD_RPCS = {
     "Health": ("HealthRequest", "HealthResponse"),
 }
 SHARD_OWN_STREAMS = {"Steps": ("StepCall", "StepAnswer")}  # client and server streaming
+# Ours alone, unary: LoRA adapters at run time.
+SHARD_OWN_RPCS = {"LoadAdapter": ("LoadAdapterRequest", "LoadAdapterResponse"),
+                  "UnloadAdapter": ("UnloadAdapterRequest", "UnloadAdapterResponse")}
 
 # (name, number, type, label, oneof); label is "" (plain proto3), "optional" or "repeated".
 Field = tuple[str, int, str, str, str | None]
@@ -393,8 +405,8 @@ def test_shard_service_methods() -> None:
     service = generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"]
     assert service.full_name == "generate.v3.TextGenerationService"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == set(SHARD_RPCS) | set(SHARD_OWN_STREAMS)
-    for name, (request, response) in SHARD_RPCS.items():
+    assert set(methods) == set(SHARD_RPCS) | set(SHARD_OWN_STREAMS) | set(SHARD_OWN_RPCS)
+    for name, (request, response) in {**SHARD_RPCS, **SHARD_OWN_RPCS}.items():
         method = methods[name]
         assert (method.input_type.name, method.output_type.name) == (request, response), name
         assert not method.client_streaming and not method.server_streaming, name

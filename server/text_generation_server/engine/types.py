@@ -20,6 +20,10 @@ class RequestError(ValueError):
     """
 
 
+class AdapterNotFound(RequestError):
+    """A request names a LoRA adapter that is not loaded (NOT_FOUND): never the base model instead."""
+
+
 class BatchNotFound(KeyError):
     """A call names a batch the shard does not hold (NOT_FOUND)."""
 
@@ -50,6 +54,8 @@ class GenerationRequest:
     # The prompt as token ids, when the router tokenized it already (then `inputs` is not
     # tokenized again); truncation still applies.
     input_ids: list[int] | None = None
+    # The LoRA adapter the request runs with (a loaded adapter's name); None or "": the base model.
+    adapter_id: str | None = None
 
 
 @dataclass
