@@ -296,6 +296,7 @@ PARAMETER_ZEROS = {
     "decoder_input_details": False,
     "top_n_tokens": 0,
     "ignore_eos_token": False,
+    "adapter_id": "",
 }
 
 
@@ -391,7 +392,7 @@ def test_tokenize_and_info_messages() -> None:
         "model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens",
         "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens",
         "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels",
-        "attention_backend", "prefix_caching", "chunked_prefill", "model_impl",
+        "attention_backend", "prefix_caching", "chunked_prefill", "model_impl", "adapters", "adapter_loading",
     ]
     info = tg_pb2.InfoResponse(model_id="m", kernels=["marlin", "torch_dense"], num_shard=2)
     assert tg_pb2.InfoResponse.FromString(info.SerializeToString()) == info
@@ -431,6 +432,9 @@ def test_client_service_methods() -> None:
         "Info": ("InfoRequest", "InfoResponse", False, False),
         "Chat": ("ChatRequest", "GenerateResponse", False, False),
         "ChatStream": ("ChatRequest", "GenerateStreamResponse", False, True),
+        "LoadAdapter": ("LoadAdapterRequest", "LoadAdapterResponse", False, False),
+        "UnloadAdapter": ("UnloadAdapterRequest", "UnloadAdapterResponse", False, False),
+        "ListAdapters": ("ListAdaptersRequest", "ListAdaptersResponse", False, False),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -179,6 +180,11 @@ def _cuda_graphs(option: str, graphs: list[int] | None) -> None:
         a >= b for a, b in zip(graphs, graphs[1:])
     ):
         raise ValueError(f"{option} must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}")
+
+
+def _directory(option: str, value: str | None) -> None:
+    if value is not None and not os.path.isdir(os.path.expanduser(value)):
+        raise ValueError(f"{option} must be an existing directory, got {value!r}")
 
 
 def check_choice(option: str, value: str | None, choices: tuple[str, ...]) -> None:
@@ -368,6 +374,18 @@ class ServeArgs:
         None, "How the model writes tool calls, for tool_choice auto (default: read from the chat template; "
         "else hermes).", choices=TOOL_CALL_PARSERS,
     )
+    # -- LoRA adapters loaded and unloaded at run time (the client API's LoadAdapter / UnloadAdapter,
+    # router/adapter_admin.py): off unless a directory is named; on a port without API keys, only
+    # with the second switch too
+    lora_load_dir: str | None = setting(  # None = LoadAdapter / UnloadAdapter refused
+        None, "Allow LoadAdapter / UnloadAdapter on the client API, for adapter folders inside DIR only "
+        "(symlinks and '..' resolved); without API keys, only with --lora-load-without-api-key too.",
+        metavar="DIR", check=_directory,
+    )
+    lora_load_without_api_key: bool = setting(  # the client port has no keys: anyone may load
+        False, "Allow run-time adapter loading (--lora-load-dir) on a server without API keys: any caller "
+        "who reaches the port may then load adapters from that directory.",
+    )
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -405,6 +423,8 @@ class ServeArgs:
             raise ValueError(f"--tls-cert-path and --tls-key-path go together: {missing} is missing")
         if self.tls_client_ca_path is not None and self.tls_cert_path is None:
             raise ValueError("--tls-client-ca-path needs --tls-cert-path and --tls-key-path (mutual TLS is TLS)")
+        if self.lora_load_without_api_key and self.lora_load_dir is None:
+            raise ValueError("--lora-load-without-api-key opens run-time loading, which needs --lora-load-dir DIR")
 
     @property
     def requires_api_key(self) -> bool:

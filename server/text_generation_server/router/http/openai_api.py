@@ -1,5 +1,8 @@
 """OpenAI's API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
+`model` names the base model or one of the loaded LoRA adapters, as vLLM reads it; /v1/models
+lists the base model and every adapter loaded now (an adapter's card has the base as `parent`).
+
 Each choice is one request to the core (n copies of a prompt, each prompt of /v1/completions),
 validated, queued and counted like a gRPC request. Streaming answers are server-sent events,
 `data: {chunk}` per step and `data: [DONE]` at the end; with stream_options.include_usage a last
@@ -116,16 +119,21 @@ class OpenAIApi:
         ]
 
     # -- models ----------------------------------------------------------------------------------
-    def _model_card(self) -> dict:
-        return {"id": self.ctx.model_id, "object": "model", "created": self.ctx.created,
-                "owned_by": "text-generation-server"}
+    def _model_card(self, adapter: str = "") -> dict:
+        """The base model's card, or a LoRA adapter's (vLLM's shape: `parent` the base model,
+        `root` the adapter's folder)."""
+        card = {"id": adapter or self.ctx.model_id, "object": "model", "created": self.ctx.created,
+                "owned_by": "text-generation-server", "root": self.ctx.model_id, "parent": None}
+        if adapter:
+            card.update(root=self.ctx.service.scheduler.adapters.get(adapter).info.path, parent=self.ctx.model_id)
+        return card
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        adapters = self.ctx.service.scheduler.adapters.names()
+        return JSONResponse({"object": "list", "data": [self._model_card(a) for a in ["", *adapters]]})
 
     async def model(self, request: Request) -> JSONResponse:
-        self.ctx.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(self.ctx.model_adapter(request.path_params["model"])))
 
     # -- submitting --------------------------------------------------------------------------------
     async def _submit_all(self, calls, chat: bool) -> list:
@@ -162,9 +170,11 @@ class OpenAIApi:
     # -- chat --------------------------------------------------------------------------------------
     async def chat(self, request: Request):
         f = Fields(await read_json(request, self.ctx.max_body_bytes))
-        self.ctx.check_model(f.string("model"))
+        adapter = self.ctx.model_adapter(f.string("model"))
         params, opts = reqs.parameters(f, chat=True, max_top_n=self.ctx.service.limits.max_top_n_tokens,
                                        max_n=self.ctx.max_client_batch_size)
+        if adapter:
+            params.adapter_id = adapter
         conversation = reqs.conversation(f, params)
         calls = []
         for copy in self._copies(params, opts.n):
@@ -275,10 +285,12 @@ class OpenAIApi:
     # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request):
         f = Fields(await read_json(request, self.ctx.max_body_bytes))
-        self.ctx.check_model(f.string("model"))
+        adapter = self.ctx.model_adapter(f.string("model"))
         prompts = reqs.prompts(f)
         params, opts = reqs.parameters(f, chat=False, max_top_n=self.ctx.service.limits.max_top_n_tokens,
                                        max_n=self.ctx.max_client_batch_size)
+        if adapter:
+            params.adapter_id = adapter
         opts.echo = reqs.refuse_completion_extras(f)
         if len(prompts) * opts.n > self.ctx.max_client_batch_size:
             raise reqs.bad_request(f"{len(prompts)} prompts x n {opts.n} is more than this server's "
