@@ -332,3 +332,90 @@ def test_a_drain_that_times_out_keeps_the_adapter(tmp_path):
         assert scheduler.adapters.usable("sql") and "unload sql" not in shards.log
 
     asyncio.run(run())
+
+
+# -- the service and the HTTP context read the adapter off each door ---------------------------------------
+def make_service(tmp_path: Path):
+    from tokenizers import Tokenizer
+
+    from text_generation_server.router.service import TextGenerationService
+    from text_generation_server.router.validation import Limits
+    from text_generation_server.utils.locate import embedded_model_path
+
+    _, _, scheduler = make_admin(tmp_path)
+    scheduler.adapters.add(info("sql"))
+    limits = Limits(max_input_tokens=100, max_total_tokens=200, max_stop_sequences=4, max_stop_sequence_length=20,
+                    max_top_n_tokens=5, max_input_chars=10_000)
+    tokenizer = Tokenizer.from_file(str(embedded_model_path() / "tokenizer.json"))
+    metrics = Metrics(model_name="m")
+    service = TextGenerationService(scheduler, tokenizer, limits, cpb.InfoResponse(model_id="base"), metrics,
+                                    load_policy=open_policy(tmp_path))
+    return service, scheduler, metrics
+
+
+def test_the_service_refuses_unknown_adapters_and_labels_known_ones(tmp_path):
+    from text_generation_server.router.service import Refused
+
+    async def run():
+        service, scheduler, metrics = make_service(tmp_path)
+        with pytest.raises(Refused) as unknown:
+            await service.submit(cpb.GenerateRequest(inputs="def f(", parameters=cpb.GenerateParameters(
+                max_new_tokens=2, adapter_id="nope")))
+        assert unknown.value.code == grpc.StatusCode.NOT_FOUND and "'nope'" in unknown.value.message
+        entry = await service.submit(cpb.GenerateRequest(inputs="def f(", parameters=cpb.GenerateParameters(
+            max_new_tokens=2, adapter_id="sql")))
+        base = await service.submit(cpb.GenerateRequest(inputs="def f(", parameters=cpb.GenerateParameters(
+            max_new_tokens=2)))
+        assert (entry.request.adapter_id, base.request.adapter_id) == ("sql", "")
+        assert entry.request.adapter_key == scheduler.adapters.get("sql").key and base.request.adapter_key is None
+        text = metrics.render().decode()
+        assert 'tgi_request_count{model_name="m",adapter="sql"} 1.0' in text.splitlines()
+        assert 'tgi_request_count{model_name="m"} 2.0' in text.splitlines()  # the base's and the refused one
+        assert "nope" not in text  # a made-up name is never a series
+        info_now = service.current_info()
+        assert [a.name for a in info_now.adapters] == ["sql"] and info_now.adapter_loading
+        assert not service.info.adapters  # the startup Info is left as it was
+
+    asyncio.run(run())
+
+
+def test_chat_takes_the_adapter_from_the_request_or_its_parameters():
+    from text_generation_server.generation.tool_calls import ToolError
+    from text_generation_server.router.service import conversation_of
+
+    messages = [cpb.Message(role="user", content="hi")]
+    chat = conversation_of(cpb.ChatRequest(messages=messages, adapter_id="sql"))
+    assert chat.parameters.adapter_id == "sql"
+    same = conversation_of(cpb.ChatRequest(messages=messages, adapter_id="sql",
+                                           parameters=cpb.GenerateParameters(adapter_id="sql")))
+    assert same.parameters.adapter_id == "sql"
+    inner = conversation_of(cpb.ChatRequest(messages=messages, parameters=cpb.GenerateParameters(adapter_id="x")))
+    assert inner.parameters.adapter_id == "x"
+    with pytest.raises(ToolError, match="adapter_id 'sql' and parameters.adapter_id 'x' differ"):
+        conversation_of(cpb.ChatRequest(messages=messages, adapter_id="sql",
+                                        parameters=cpb.GenerateParameters(adapter_id="x")))
+
+
+def test_the_openai_model_field_names_an_adapter(tmp_path):
+    from text_generation_server.router.http.core import HttpContext
+    from text_generation_server.router.http.errors import HttpError
+
+    service, _, _ = make_service(tmp_path)
+    ctx = HttpContext(service=service, model_id="org/base", model_names=frozenset({"org/base", "base"}),
+                      max_body_bytes=1000, max_client_batch_size=1, healthy=lambda: True)
+    assert [ctx.model_adapter(m) for m in (None, "org/base", "base", "tgi", "sql")] == ["", "", "", "", "sql"]
+    with pytest.raises(HttpError) as unknown:
+        ctx.model_adapter("nope")
+    assert unknown.value.status == 404 and "'nope'" in unknown.value.message and "'sql'" in unknown.value.message
+
+
+def test_tgi_parameters_adapter_id_is_carried():
+    from text_generation_server.router.http.body import Fields
+    from text_generation_server.router.http.errors import HttpError
+    from text_generation_server.router.http.tgi_api import parameters
+
+    p, _ = parameters(Fields({"adapter_id": "sql", "max_new_tokens": 3}))
+    assert p.adapter_id == "sql" and p.max_new_tokens == 3
+    assert not parameters(Fields({}))[0].HasField("adapter_id")
+    with pytest.raises(HttpError, match="watermark"):
+        parameters(Fields({"watermark": True}))
