@@ -61,7 +61,7 @@ class BatchBuilder:
         self.allocator: BlockAllocator | None = None
         self._grammars: GrammarCompiler | None = None  # built with the first grammar request
         self._grammars_lock = threading.Lock()
-        # The loaded LoRA adapters (CausalLM.enable_lora; models/adapters.AdapterSlots): a request's
+        # The loaded LoRA adapters (models/adapters.py enable_lora, AdapterSlots): a request's
         # adapter_id is looked up here. None: LoRA is off, and a request naming an adapter is refused.
         self.adapters = None
 

@@ -32,8 +32,7 @@ from text_generation_server.layers.lora import LoraLinear, LoraRouting
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>A|B)(?:\.default)?\.weight$")
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "wpe", "word_embeddings", "embed_in", "embed_out",
-                    "embeddings", "output")
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "wpe", "word_embeddings", "embed_in", "embed_out")
 
 
 class AdapterError(Exception):
@@ -113,6 +112,10 @@ def read_peft(path: str | Path, max_rank: int) -> PeftAdapter:
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise AdapterInvalid(f"{config_path}: trained biases (bias={config.get('bias')!r}, "
                              f"lora_bias={config.get('lora_bias')!r}) are not supported")
+    embedded = [t for t in _targets(config) if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES]
+    if embedded:
+        raise AdapterInvalid(f"{config_path}: target_modules {embedded}: embedding and lm_head adapters are not "
+                             "supported")
     if config.get("target_parameters"):
         raise AdapterInvalid(f"{config_path}: target_parameters is not supported")
     try:
@@ -132,7 +135,7 @@ def read_peft(path: str | Path, max_rank: int) -> PeftAdapter:
             for key in f.keys():
                 if "lora_magnitude_vector" in key:
                     raise AdapterInvalid(f"{weights_path}: '{key}' is a DoRA magnitude: DoRA is not supported")
-                if "lora_embedding" in key:
+                if "lora_embedding" in key or any(part in _EMBEDDING_NAMES for part in key.split(".")):
                     raise AdapterInvalid(f"{weights_path}: '{key}': embedding adapters are not supported")
                 match = _KEY.match(key)
                 if match is None:
@@ -297,3 +300,16 @@ def enable_lora(lm, max_loras: int, max_rank: int) -> AdapterSlots:
         logger.info("LoRA: {} adapter slots of rank {} in {} linears ({:.1f} MiB on this rank)", max_loras, max_rank,
                     len(lm.adapters.linears), lm.adapters.nbytes / 2**20)
     return lm.adapters
+
+
+def start_lora(lm, max_loras: int, max_rank: int, adapters: list[str]) -> AdapterSlots:
+    """`serve --lora-adapters name=path,... --max-loras --max-lora-rank` on one rank: the slots, then
+    the named adapters; a refusal stops the rank naming the adapter (ValueError)."""
+    slots = enable_lora(lm, max_loras, max_rank)
+    for entry in adapters:
+        name, _, path = entry.partition("=")
+        try:
+            slots.load(name, path)
+        except AdapterError as exc:
+            raise ValueError(f"--lora-adapters {name}={path}: {exc}") from None
+    return slots
