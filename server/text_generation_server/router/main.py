@@ -107,12 +107,16 @@ def describe_security(keys: ApiKeys | None, tls: CertificateStore | None, protec
     return f"{transport}, API key ({len(keys)} accepted) on {scope}"
 
 
-def describe_adapters(adapters: AdapterSet, policy: LoadPolicy) -> None:
-    """The startup log's word on LoRA adapters: those loaded, and whether more may be."""
+def describe_adapters(adapters: AdapterSet, policy: LoadPolicy, slots: int) -> None:
+    """The startup log's word on LoRA adapters: those loaded, and whether more may be (`slots`:
+    the adapter slots each rank reserved, --max-loras)."""
     if adapters.names():
         logger.info("LoRA adapters loaded: {}", ", ".join(adapters.names()))
     if policy.directory is None:
         return
+    if slots <= len(adapters.names()):
+        logger.warning("--lora-load-dir is set but every adapter slot is taken ({} of --max-loras {}): run-time "
+                       "loads will be refused until one is unloaded; raise --max-loras to load more", slots, slots)
     if policy.open:
         logger.info("LoRA adapters may be loaded at run time from {}{}", policy.directory,
                     "" if policy.api_key_required else " by any caller (no API key: --lora-load-without-api-key)")
@@ -214,7 +218,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         adapters = AdapterSet((client_info(a) for a in info.adapters), reserved=model_names)
         for name in adapters.names():
             metrics.adapter_series(name)
-        describe_adapters(adapters, policy)
+        describe_adapters(adapters, policy, getattr(args, "lora_slots", 0))
         scheduler = Scheduler(client, pool, SchedulerLimits(
             max_prefill, args.max_batch_size, args.max_concurrent_requests,
             waiting_served_ratio=getattr(args, "waiting_served_ratio", 1.2),
