@@ -12,6 +12,7 @@ opt-in.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -22,12 +23,15 @@ import pytest
 import torch
 from adapter_writer import write_adapter
 from conftest import free_port
-from serve_client import client_stub, generate, launch_serve, request, rpc_error, scrape, stream_completion
+from serve_client import (
+    client_stub, generate, launch_serve, request, rpc_error, scrape, shard_stub, stream_completion,
+)
 
 from text_generation_server.cli.client_channel import ClientOptions
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.models.adapters import enable_lora
 from text_generation_server.models.loader import get_model
+from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.utils.locate import embedded_model_path
 
@@ -236,3 +240,33 @@ def test_without_api_keys_loading_needs_the_second_opt_in(adapters, start_serve)
     assert stub.LoadAdapter(cpb.LoadAdapterRequest(name="sql", path="sql"), timeout=60).adapter.name == "sql"
     full = rpc_error(stub.LoadAdapter, cpb.LoadAdapterRequest(name="docs", path="docs"), timeout=30)
     assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-loras" in full.details()
+
+
+def test_generate_cli_names_the_adapter(server, engine):
+    from conftest import clean_env, serve_command
+
+    cli = serve_command()[:-1] + ["generate"]
+    done = subprocess.run(cli + ["--server", f"127.0.0.1:{server.port}", "--api-key", KEY, "--adapter-id", "sql",
+                                 "--max-new-tokens", str(NEW), "--json", PROMPTS[0]],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[0])["token_ids"] == engine(PROMPTS[0], "sql")
+    missing = subprocess.run(cli + ["--server", f"127.0.0.1:{server.port}", "--api-key", KEY, "--adapter-id", "nope",
+                                    "--max-new-tokens", "2", PROMPTS[0]],
+                             capture_output=True, text=True, timeout=120, env=clean_env())
+    assert missing.returncode != 0 and "nope" in missing.stderr
+
+
+def test_two_ranks_load_and_unload_together(adapters, start_serve, engine):
+    two = start_serve(None, "--lora-load-dir", str(adapters), "--lora-load-without-api-key", "--max-loras", "2",
+                      num_shard=2)
+    two.wait_serving(timeout_s=180)
+    stub = client_stub(two)
+    stub.LoadAdapter(cpb.LoadAdapterRequest(name="docs", path="docs"), timeout=120)
+    for rank in (0, 1):
+        assert [a.name for a in shard_stub(two, rank).Info(spb.InfoRequest(), timeout=30).adapters] == ["docs"]
+    assert generate(stub, with_adapter(PROMPTS[1], "docs")).token_ids == engine(PROMPTS[1], "docs")
+    assert generate(stub, request(PROMPTS[1], max_new_tokens=NEW)).token_ids == engine(PROMPTS[1])
+    stub.UnloadAdapter(cpb.UnloadAdapterRequest(name="docs"), timeout=120)
+    for rank in (0, 1):
+        assert not shard_stub(two, rank).Info(spb.InfoRequest(), timeout=30).adapters

@@ -419,3 +419,41 @@ def test_tgi_parameters_adapter_id_is_carried():
     assert not parameters(Fields({}))[0].HasField("adapter_id")
     with pytest.raises(HttpError, match="watermark"):
         parameters(Fields({"watermark": True}))
+
+
+# -- every rank, or none ---------------------------------------------------------------------------------
+class FakeRankStub:
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.loaded: set[str] = set()
+
+    async def LoadAdapter(self, request):  # noqa: N802 (gRPC's naming)
+        if self.refuse:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, None, None, details="no free slot")
+        self.loaded.add(request.name)
+        return spb.LoadAdapterResponse(adapter=spb.AdapterInfo(name=request.name, path=request.path, rank=4))
+
+    async def UnloadAdapter(self, request, timeout=None):  # noqa: N802
+        self.loaded.discard(request.name)
+        return spb.UnloadAdapterResponse()
+
+
+def test_a_load_one_rank_refuses_is_undone_on_the_others():
+    from text_generation_server.router.client import ShardClient
+
+    async def run():
+        client = ShardClient(["unix:///tmp/unused-0", "unix:///tmp/unused-1", "unix:///tmp/unused-2"])
+        try:
+            client._stubs = [FakeRankStub(), FakeRankStub(refuse=True), FakeRankStub()]
+            error = (await asyncio.gather(client.load_adapter("sql", "/a/sql"), return_exceptions=True))[0]
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert [s.loaded for s in client._stubs] == [set(), set(), set()]
+            client._stubs[1].refuse = False
+            assert (await client.load_adapter("sql", "/a/sql")).name == "sql"
+            assert [s.loaded for s in client._stubs] == [{"sql"}] * 3
+            await client.unload_adapter("sql")
+            assert [s.loaded for s in client._stubs] == [set(), set(), set()]
+        finally:
+            await client.close()
+
+    asyncio.run(run())
