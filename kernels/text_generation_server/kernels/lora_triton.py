@@ -6,7 +6,9 @@ launches per linear and a CUDA graph replays it for any mix (the index is a fixe
     expand: out[t, :] += B[slot[t]] @ h[t]       B bank [slots, N, W]
 A row with slot -1 (the base model) gets h = 0 and out unchanged. Defined lazily per interpreter
 setting (kernels/triton_support.py), so tests check them on the CPU under TRITON_INTERPRET=1 against
-`lora_rows_torch` (kernels/lora.py).
+`lora_rows_torch` (kernels/lora.py). They call only Triton builtins (tl.full, tl.reduce with the
+combiner tl.sum uses): tl.zeros and tl.sum are themselves @triton.jit functions, which the
+interpreter cannot call when it was switched on after Triton's import (kernels/paged_attention.py).
 """
 
 from __future__ import annotations
@@ -44,14 +46,14 @@ def _define() -> SimpleNamespace:
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
         offs_w = tl.arange(0, BLOCK_W)
-        acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        acc = tl.full((BLOCK_W,), 0.0, tl.float32)
         if slot >= 0:
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 xk = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 a = tl.load(a_ptr + slot * stride_as + offs_w[:, None] * stride_aw + offs_k[None, :],
                             mask=(offs_w[:, None] < W) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-                acc += tl.sum(a * xk[None, :], axis=1)
+                acc += tl.reduce(a * xk[None, :], 1, tl.standard._sum_combine)
         tl.store(h_ptr + row * stride_h + offs_w, acc, mask=offs_w < W)
 
     @triton.jit
@@ -66,7 +68,7 @@ def _define() -> SimpleNamespace:
             h = tl.load(h_ptr + row * stride_h + offs_w, mask=offs_w < W, other=0.0)
             b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_w[None, :],
                         mask=(offs_n[:, None] < N) & (offs_w[None, :] < W), other=0.0).to(tl.float32)
-            add = tl.sum(b * h[None, :], axis=1)
+            add = tl.reduce(b * h[None, :], 1, tl.standard._sum_combine)
             ptrs = out_ptr + row * stride_out + offs_n
             cur = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
             tl.store(ptrs, (cur + add).to(out_ptr.dtype.element_ty), mask=offs_n < N)
