@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from helpers import ids_request, random_ids, run_to_end, write_checkpoint
+from helpers import ids_request, needs_gpu, random_ids, run_to_end, write_checkpoint
 
 from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
 from text_generation_server.kernels.lora import lora_rows_torch, lora_runs_torch, runs_of
@@ -170,3 +170,32 @@ def test_decode_graphs_replay_with_adapters_in_the_batch(model):
     got = _scenario(lm)
     assert sum(lm.graphs.stats.replays.values()) > 0 and not lm.graphs.stats.eager
     assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in eager.items()}
+
+
+@needs_gpu
+def test_cuda_kernels_and_graphs(model):
+    """On a GPU: the compiled Triton kernels equal torch, and captured decode graphs (real CUDA
+    graphs) give the eager tokens with adapters in the batch."""
+    k, n, width = 130, 300, 48
+    a, b = banks(4, width, k, n, [width, 3, 0, width // 2], torch.bfloat16, seed=3)
+    per_row = torch.tensor([s for s, c in zip(SLOTS, COUNTS) for _ in range(c)], dtype=torch.int32)
+    x, base = torch.randn(per_row.shape[0], k).bfloat16(), torch.randn(per_row.shape[0], n).bfloat16()
+    want = lora_rows_torch(x.float(), base.float().clone(), a.float(), b.float(), per_row)
+    got = lora_rows_triton(x.cuda(), base.cuda().clone(), a.cuda(), b.cuda(), per_row.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, atol=0.3, rtol=0.02)
+    base_dir, folders = model
+
+    def load(**kw):
+        lm = get_model(base_dir, dtype="float32", device=torch.device("cuda"), **kw)
+        enable_lora(lm, 4, 8)
+        for name, folder in folders.items():
+            lm.adapters.load(name, folder)
+        lm.allocate_kv_cache(160)
+        return lm
+
+    eager = _scenario(load())
+    lm = load(cuda_graphs=[2, 4, 8])
+    lm.capture_decode_graphs(48)
+    got_tokens = _scenario(lm)
+    assert sum(lm.graphs.stats.replays.values()) > 0
+    assert {r: v["ids"] for r, v in got_tokens.items()} == {r: v["ids"] for r, v in eager.items()}
