@@ -30,10 +30,10 @@ torch.set_num_threads(1)
 def banks(slots: int, width: int, k: int, n: int, widths: list[int], dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(slots, width, k, generator=g)
-    b = torch.randn(slots, n, width, generator=g)
+    b = torch.randn(slots, width, n, generator=g)  # B transposed, as the slots hold it
     for s, w in enumerate(widths):  # a slot's width past its rank is zero, as AdapterSlots writes it
         a[s, w:] = 0
-        b[s, :, w:] = 0
+        b[s, w:] = 0
     return a.to(dtype), b.to(dtype)
 
 
@@ -58,7 +58,7 @@ def test_segmented_and_per_row_paths_agree(dtype):
     for r in range(rows):
         s = int(per_row[r])
         if s >= 0:
-            want[r] += b[s].double() @ (a[s].double() @ x[r].double())
+            want[r] += b[s].double().t() @ (a[s].double() @ x[r].double())
     seg = lora_runs_torch(x, base.clone(), a, b, runs_of(SLOTS, COUNTS), widths)
     row = lora_rows_torch(x, base.clone(), a, b, per_row)
     tol = 1e-4 if dtype == torch.float32 else 0.15
@@ -131,7 +131,7 @@ def test_slots_keep_their_tensors_across_loads(model):
     first = slots.load("x", folders["a0"])
     hook = slots.by_tensor["model.layers.0.self_attn.q_proj"]
     assert hook.widths[first.slot] == 8  # q and v, rank 4 each, side by side (k's block empty)
-    assert hook.a[first.slot, 8:].abs().sum() == 0 and hook.b[first.slot, :, 8:].abs().sum() == 0
+    assert hook.a[first.slot, 8:].abs().sum() == 0 and hook.b[first.slot, 8:].abs().sum() == 0
     slots.unload("x")
     assert all(h.a.abs().sum() == 0 and h.b.abs().sum() == 0 for h in slots.linears)
     slots.load("y", folders["a1"])
