@@ -92,10 +92,6 @@ class LoraRouting:
         self.use_rows = self.active = True
         self.runs = []
 
-    def clear(self) -> None:
-        self.active = False
-        self.runs = []
-
 
 class LoraLinear:
     """One linear's adapter slots (not a Module: no state_dict entry, never quantized or saved)."""
