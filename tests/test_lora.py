@@ -229,3 +229,30 @@ def test_a_gptq_base_with_an_adapter_equals_its_dequantized_base(families, tmp_p
     assert q_adapter["ids"] != q_base["ids"] or fam.prompts["all"] != fam.prompts[None]
     torch.testing.assert_close(torch.tensor(q_adapter["prompt"][1:]), torch.tensor(d_adapter["prompt"][1:]),
                                atol=1e-4, rtol=0)
+
+
+# Other families' own projection names: GPT-2's fused Conv1D c_attn, Falcon's and GPT-NeoX's fused
+# query_key_value, Phi's dense/fc1/fc2, Gemma's GeGLU MLP.
+OTHER_TARGETS = {
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "phi": ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"],
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_TARGETS))
+def test_other_families_projection_names(tmp_path, name):
+    from family_cases import write_family_checkpoint
+
+    hf = write_family_checkpoint(tmp_path / "base", name)
+    pm = make_adapter(hf, tmp_path / "adapter", OTHER_TARGETS[name], seed=3, r=4, lora_alpha=8)
+    prompt = random_ids(12, seed=3)
+    lm = get_model(str(tmp_path / "base"), dtype="float32")
+    enable_lora(lm, 1, 4)
+    lm.adapters.load("a", str(tmp_path / "adapter"))
+    lm.allocate_kv_cache(64)
+    got = serve(lm, [("a", prompt), (None, prompt)])
+    assert got[0]["ids"] == hf_greedy(pm, prompt)[0]
+    assert got[1]["ids"] == hf_greedy(hf, prompt)[0] != got[0]["ids"]

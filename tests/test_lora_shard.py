@@ -201,3 +201,32 @@ def test_serve_flags(setup, tmp_path):
     assert sorted(slots.by_name) == ["x"] and slots.max_loras == 3
     with pytest.raises(ValueError, match="--lora-adapters y=.*does not exist"):
         start_lora(get_model(str(root / "base"), dtype="float32"), 1, 8, [f"y={tmp_path / 'gone'}"])
+
+
+def test_decode_ahead_forks_keep_each_rows_adapter(setup):
+    """The shard steps ahead on forks of the batch (decode ahead): every row keeps its adapter, so the
+    tokens equal the engine's plain steps, and the fork's rows count as users of the adapter."""
+    root, _, good = setup
+
+    def tokens(ahead: bool) -> dict[int, list[int]]:
+        lm = get_model(str(root / "base"), dtype="float32")
+        enable_lora(lm, 2, 8)
+        lm.adapters.load("good", str(good))
+        lm.allocate_kv_cache(64)
+        svc = TextGenerationService(lm, "/tmp/unused", 1, 0.1)
+        svc.decode_ahead = ahead
+        out: dict[int, list[int]] = {}
+        answer = prefill(svc, 1, request(1, adapter_id="good"), request(2), request(3, adapter_id="good"))
+        while True:
+            for g in answer.generations:
+                out.setdefault(g.request_id, []).extend(g.tokens.ids)
+            if not answer.HasField("batch"):
+                break
+            answer = asyncio.run(svc.Decode(pb.DecodeRequest(batches=[answer.batch]), Context()))
+        if ahead:
+            assert svc.ahead_hits > 0
+        svc._executor.shutdown(wait=True)
+        return out
+
+    plain, ahead = tokens(False), tokens(True)
+    assert plain == ahead and plain[1] == plain[3] != plain[2]

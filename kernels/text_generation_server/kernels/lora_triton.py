@@ -3,10 +3,12 @@
 launches per linear and a CUDA graph replays it for any mix (the index is a fixed buffer).
 
     shrink: h[t, :] = A[slot[t]] @ x[t]          A bank [slots, W, K] -> h [rows, W] float32
-    expand: out[t, :] += B[slot[t]] @ h[t]       B bank [slots, N, W]
+    expand: out[t, :] += h[t] @ Bt[slot[t]]      B bank transposed [slots, W, N]
 A row with slot -1 (the base model) gets h = 0 and out unchanged. Defined lazily per interpreter
 setting (kernels/triton_support.py), so tests check them on the CPU under TRITON_INTERPRET=1 against
-`lora_rows_torch` (kernels/lora.py).
+`lora_rows_torch` (kernels/lora.py). They call only Triton builtins (tl.full, tl.reduce with the
+combiner tl.sum uses): tl.zeros and tl.sum are themselves @triton.jit functions, which the
+interpreter cannot call when it was switched on after Triton's import (kernels/paged_attention.py).
 """
 
 from __future__ import annotations
@@ -44,18 +46,18 @@ def _define() -> SimpleNamespace:
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
         offs_w = tl.arange(0, BLOCK_W)
-        acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        acc = tl.full((BLOCK_W,), 0.0, tl.float32)
         if slot >= 0:
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 xk = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 a = tl.load(a_ptr + slot * stride_as + offs_w[:, None] * stride_aw + offs_k[None, :],
                             mask=(offs_w[:, None] < W) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-                acc += tl.sum(a * xk[None, :], axis=1)
+                acc += tl.reduce(a * xk[None, :], 1, tl.standard._sum_combine)
         tl.store(h_ptr + row * stride_h + offs_w, acc, mask=offs_w < W)
 
     @triton.jit
-    def expand(h_ptr, b_ptr, slot_ptr, out_ptr, N, W, stride_h, stride_bs, stride_bn, stride_out,
+    def expand(h_ptr, b_ptr, slot_ptr, out_ptr, N, W, stride_h, stride_bs, stride_bw, stride_out,
                BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
         row = tl.program_id(0)
         block = tl.program_id(1)
@@ -64,9 +66,9 @@ def _define() -> SimpleNamespace:
             offs_w = tl.arange(0, BLOCK_W)
             offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
             h = tl.load(h_ptr + row * stride_h + offs_w, mask=offs_w < W, other=0.0)
-            b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_w[None, :],
+            b = tl.load(b_ptr + slot * stride_bs + offs_w[None, :] * stride_bw + offs_n[:, None],
                         mask=(offs_n[:, None] < N) & (offs_w[None, :] < W), other=0.0).to(tl.float32)
-            add = tl.sum(b * h[None, :], axis=1)
+            add = tl.reduce(b * h[None, :], 1, tl.standard._sum_combine)
             ptrs = out_ptr + row * stride_out + offs_n
             cur = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
             tl.store(ptrs, (cur + add).to(out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -84,7 +86,7 @@ def lora_rows_triton(x: torch.Tensor, out: torch.Tensor, a_bank: torch.Tensor, b
     # x: [rows, K], out: [rows, N], row_slots: [rows] int32
     check_banks("lora_rows_triton", x, out, a_bank, b_bank)
     rows, k = x.shape
-    n, w = b_bank.shape[1], b_bank.shape[2]
+    w, n = b_bank.shape[1], b_bank.shape[2]
     for name, t in (("x", x), ("out", out), ("a_bank", a_bank), ("b_bank", b_bank)):
         if t.dtype not in _DTYPES or t.stride(-1) != 1 or t.device != x.device:
             raise ValueError(f"lora_rows_triton: {name} must be float16/bfloat16/float32 on {x.device} with unit "

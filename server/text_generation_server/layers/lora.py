@@ -92,10 +92,6 @@ class LoraRouting:
         self.use_rows = self.active = True
         self.runs = []
 
-    def clear(self) -> None:
-        self.active = False
-        self.runs = []
-
 
 class LoraLinear:
     """One linear's adapter slots (not a Module: no state_dict entry, never quantized or saved)."""
@@ -106,9 +102,9 @@ class LoraLinear:
         self.routing = routing
         self.max_rank = max_rank
         width = max_rank * len(layout.tensors)
-        # a: [slots, W, K_local] (scaling folded in), b: [slots, N_local, W]
+        # a: [slots, W, K_local] (scaling folded in), b: [slots, W, N_local] (B transposed)
         self.a = torch.zeros(slots, width, layout.local_in, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, layout.local_out, width, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, width, layout.local_out, dtype=dtype, device=device)
         self.widths = [0] * slots
 
     @property
@@ -118,13 +114,13 @@ class LoraLinear:
     def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Puts an adapter's (already sliced for this rank) A [w, K_local] and B [N_local, w] in a slot."""
         w = a.shape[0]
-        if a.shape != (w, self.a.shape[2]) or b.shape != (self.b.shape[1], w) or w > self.a.shape[1]:
+        if a.shape != (w, self.a.shape[2]) or b.shape != (self.b.shape[2], w) or w > self.a.shape[1]:
             raise ValueError(f"{self.layout.path}: adapter parts {list(a.shape)} / {list(b.shape)} do not fit the slot "
-                             f"{list(self.a.shape[1:])} / {list(self.b.shape[1:])}")
+                             f"{list(self.a.shape[1:])} / {list(self.b.shape[1:])} (B transposed)")
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.a[slot, :w].copy_(a)
-        self.b[slot, :, :w].copy_(b)
+        self.b[slot, :w].copy_(b.t())
         self.widths[slot] = w
 
     def clear(self, slot: int) -> None:

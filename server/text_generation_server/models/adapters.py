@@ -27,6 +27,7 @@ import torch
 from loguru import logger
 from safetensors import safe_open
 
+from text_generation_server.engine.types import RequestError
 from text_generation_server.layers.lora import LoraLinear, LoraRouting
 
 CONFIG_FILE = "adapter_config.json"
@@ -35,8 +36,8 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>A|B)(
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "wpe", "word_embeddings", "embed_in", "embed_out")
 
 
-class AdapterError(Exception):
-    """An adapter request refused; `code` is the gRPC status name the shard answers with."""
+class AdapterError(RequestError):
+    """An adapter load or unload refused; `code` is the gRPC status name the shard answers with."""
 
     code = "INVALID_ARGUMENT"
 

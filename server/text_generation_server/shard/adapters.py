@@ -26,7 +26,10 @@ def adapter_info(adapter: LoadedAdapter) -> pb.AdapterInfo:
 def infos(slots: AdapterSlots | None) -> list[pb.AdapterInfo]:
     if slots is None:
         return []
-    return [adapter_info(a) for a in sorted(slots.by_name.values(), key=lambda a: a.name)]
+    # A copy of the slot list (one C-level copy): Info answers on the event loop while a load or
+    # unload may change the slots on the model thread.
+    loaded = [a for a in list(slots.slots) if a is not None]
+    return [adapter_info(a) for a in sorted(loaded, key=lambda a: a.name)]
 
 
 def load(slots: AdapterSlots | None, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:

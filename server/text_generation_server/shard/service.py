@@ -48,11 +48,8 @@ from loguru import logger
 from text_generation_server.generation.grammar import GrammarError
 from text_generation_server.engine.batch import Batch, OutOfBlocksError
 from text_generation_server.engine.causal_lm import CausalLM
-from text_generation_server.engine.types import (
-    AdapterNotFound, BatchNotFound, Generation, GenerationRequest, RequestError, StepTimings,
-)
+from text_generation_server.engine.types import BatchNotFound, Generation, GenerationRequest, RequestError, StepTimings
 from text_generation_server.engine.warmup import WarmupError
-from text_generation_server.models.adapters import AdapterError
 from text_generation_server.shard import adapters
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
@@ -166,12 +163,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return await loop.run_in_executor(self._executor, self._on_model_thread, fn, *args)
         except ShardError:
             raise
-        except AdapterNotFound as exc:
-            raise ShardError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except AdapterError as exc:
+        except RequestError as exc:  # (an unknown or refused LoRA adapter names its own status: `code`)
             raise ShardError(grpc.StatusCode[exc.code], str(exc)) from None
-        except RequestError as exc:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except BatchNotFound as exc:
             raise ShardError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except (WarmupError, OutOfBlocksError) as exc:
