@@ -96,13 +96,14 @@ def with_adapter(prompt: str, adapter: str, new: int = NEW, **parameters) -> cpb
     return req
 
 
-def http(server, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+def http(server, method: str, path: str, body: dict | None = None, raw: bool = False) -> tuple[int, object]:
     req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", method=method,
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            data = resp.read()
+            return resp.status, data.decode() if raw else json.loads(data or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null")
 
@@ -188,6 +189,27 @@ def test_http_model_field_and_tgi_adapter_id(server, engine):
     assert status == 422 and "watermark" in body["error"]
 
 
+def test_vllm_load_and_unload_endpoints(server, engine):
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, under the same checks."""
+    status, text = http(server, "POST", "/v1/load_lora_adapter", {"lora_name": "math", "lora_path": "math"}, raw=True)
+    assert status == 200 and text == "Success: LoRA adapter 'math' added successfully."
+    status, body = http(server, "POST", "/v1/completions", {"model": "math", "prompt": PROMPTS[2], "max_tokens": NEW})
+    grpc_answer = generate(client_stub(server), with_adapter(PROMPTS[2], "math"))
+    assert grpc_answer.token_ids == engine(PROMPTS[2], "math")
+    assert status == 200 and body["choices"][0]["text"] == grpc_answer.text
+    assert "math" in [m["id"] for m in http(server, "GET", "/v1/models")[1]["data"]]
+    status, body = http(server, "POST", "/v1/load_lora_adapter", {"lora_name": "math", "lora_path": "math"})
+    assert status == 400 and "loaded already" in body["error"]["message"]
+    status, body = http(server, "POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../outside"})
+    assert status == 400 and "outside --lora-load-dir" in body["error"]["message"]
+    status, text = http(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "math"}, raw=True)
+    assert status == 200 and text == "Success: LoRA adapter 'math' removed successfully."
+    status, body = http(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "math"})
+    assert status == 404 and "'math'" in body["error"]["message"]
+    status, body = http(server, "POST", "/v1/load_lora_adapter", {"lora_name": "y"})
+    assert status == 400 and body["error"]["param"] == "lora_path"
+
+
 def test_request_counters_carry_the_adapter(server):
     stub = client_stub(server)
     before = scrape(server)
@@ -229,13 +251,16 @@ def test_loading_while_others_stream_fails_none(server, engine):
 
 
 def test_without_api_keys_loading_needs_the_second_opt_in(adapters, start_serve):
-    closed = start_serve(None, "--lora-load-dir", str(adapters))
+    closed = start_serve(None, "--lora-load-dir", str(adapters), "--http-port", str(http_port := free_port()))
     opened = start_serve(None, "--lora-load-dir", str(adapters), "--lora-load-without-api-key", "--max-loras", "1")
     closed.wait_serving(timeout_s=120)
     opened.wait_serving(timeout_s=120)
     error = rpc_error(client_stub(closed).LoadAdapter, cpb.LoadAdapterRequest(name="sql", path="sql"), timeout=30)
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "--lora-load-without-api-key" in error.details()
     assert not client_stub(closed).Info(cpb.InfoRequest(), timeout=30).adapter_loading
+    closed.http_port = http_port
+    status, body = http(closed, "POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "sql"})
+    assert status == 403 and "--lora-load-without-api-key" in body["error"]["message"]
     stub = client_stub(opened)
     assert stub.LoadAdapter(cpb.LoadAdapterRequest(name="sql", path="sql"), timeout=60).adapter.name == "sql"
     full = rpc_error(stub.LoadAdapter, cpb.LoadAdapterRequest(name="docs", path="docs"), timeout=30)
