@@ -22,7 +22,7 @@ from text_generation_server.router.adapter_admin import client_info
 from text_generation_server.router.auth import ApiKeyInterceptor, ApiKeys, api_keys
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
-from text_generation_server.router.http.core import HttpContext
+from text_generation_server.router.http.core import PLACEHOLDER_MODELS, HttpContext
 from text_generation_server.router.http.server import HttpServer, build_app
 from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.block_pool import BlockPool
@@ -215,7 +215,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         )
         model_names = frozenset({checkpoint.model_id, str(args.model or checkpoint.folder),
                                  Path(checkpoint.model_id).name})
-        adapters = AdapterSet((client_info(a) for a in info.adapters), reserved=model_names)
+        # The base model's names and the OpenAI placeholders mean the base: no adapter may take them.
+        adapters = AdapterSet((client_info(a) for a in info.adapters), reserved=model_names | PLACEHOLDER_MODELS)
         for name in adapters.names():
             metrics.adapter_series(name)
         describe_adapters(adapters, policy, getattr(args, "lora_slots", 0))
