@@ -80,7 +80,8 @@ def test_info_health_and_reflection(server, stub, tiny_model):
     files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in found.file_descriptor_response.file_descriptor_proto]
     services = {f"{f.package}.{s.name}": [m.name for m in s.method] for f in files for s in f.service}
-    assert sorted(services[SERVICE]) == ["Chat", "ChatStream", "Generate", "GenerateStream", "Info", "Tokenize"]
+    assert sorted(services[SERVICE]) == ["Chat", "ChatStream", "Generate", "GenerateStream", "Info", "ListAdapters",
+                                         "LoadAdapter", "Tokenize", "UnloadAdapter"]
 
 
 def test_tokenize_offsets(stub):

@@ -984,5 +984,5 @@ def test_our_router_fails_only_the_newcomer_the_shard_refuses(ranks, request, re
     assert merged[0] == reference.tokens(PROMPTS[0], 30)
     assert [merged[1], merged[3]] == [reference.tokens(PROMPTS[1], 8), reference.tokens(PROMPTS[3], 8)]
     assert [fresh[0], fresh[2]] == [reference.tokens(PROMPTS[4], 6), reference.tokens(PROMPTS[1], 5)]
-    assert metrics.request_failure.labels(err="validation")._value.get() == 2
+    assert metrics.request_failure.labels(err="validation", adapter="")._value.get() == 2
     assert used == 0  # every block back, the refused requests' too

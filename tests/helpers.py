@@ -466,3 +466,25 @@ class InProcessClient:
 
         req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self.service.ClearCache(req, self.ctx)
+
+    # LoRA adapters (router/adapter_admin.py): a refusal comes back as the grpc error ShardClient raises.
+    async def load_adapter(self, name, path):
+        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+
+        self.calls.append(f"load {name}")
+        response = await self._adapter_call(self.service.LoadAdapter, pb.LoadAdapterRequest(name=name, path=path))
+        return response.adapter
+
+    async def unload_adapter(self, name):
+        from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+
+        self.calls.append(f"unload {name}")
+        await self._adapter_call(self.service.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    async def _adapter_call(self, method, request):
+        import grpc
+
+        try:
+            return await method(request, self.ctx)
+        except StepFailedInShard as exc:
+            raise grpc.aio.AioRpcError(exc.code(), None, None, details=exc.details()) from None

@@ -126,7 +126,8 @@ def check_reflection(channel: grpc.Channel) -> None:
         files = files_of(answer)
         assert [f.name for f in files] == [cpb.DESCRIPTOR.name]
         methods = {m.name for s in files[0].service for m in s.method}
-        assert methods == {"Generate", "GenerateStream", "Tokenize", "Info", "Chat", "ChatStream"}
+        assert methods == {"Generate", "GenerateStream", "Tokenize", "Info", "Chat", "ChatStream", "LoadAdapter",
+                           "UnloadAdapter", "ListAdapters"}
     assert by_symbol.original_request.file_containing_symbol == SERVICE_NAME
     # The v1 service describes itself with the published v1 layout.
     [v1_file] = files_of(own)

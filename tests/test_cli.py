@@ -159,3 +159,9 @@ def test_help_fits_80_columns_and_shows_no_bool_metavar(command):
     assert len(lines) > 5
     assert [line for line in lines if len(line) > 80] == []
     assert "<bool>" not in result.stdout and "BOOLEAN" not in result.stdout
+
+
+def test_generate_adapter_id_needs_a_server():
+    """A local generate has no adapters: --adapter-id is refused, never ignored (the base model's answer)."""
+    done = cli("generate", "--adapter-id", "sql", "--max-new-tokens", "2", "def f(")
+    assert done.returncode == 2 and "--adapter-id needs --server" in done.stderr

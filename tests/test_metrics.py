@@ -56,8 +56,8 @@ def metrics() -> Metrics:
 
 
 def test_counters_have_tgi_bare_names_and_total_names(metrics):
-    metrics.request_count.inc(3)
-    metrics.request_failure.labels(err="validation").inc()
+    metrics.request_count.labels(adapter="").inc(3)
+    metrics.request_failure.labels(err="validation", adapter="").inc()
     metrics.batch_inference_count.labels(method="decode").inc(5)
     types, samples = parse(metrics.render().decode())
     values = {(n, tuple(sorted(lb.items()))): v for n, lb, v in samples}
@@ -167,7 +167,7 @@ def test_unknown_metric_types_are_refused():
 
 
 def test_http_endpoint_serves_text_format_even_when_openmetrics_is_asked(metrics):
-    metrics.request_count.inc()
+    metrics.request_count.labels(adapter="").inc()
     server = metrics.serve(0)
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"

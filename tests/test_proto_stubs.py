@@ -71,6 +71,8 @@ SHARD_EXTRAS = {
     # Ours alone: a refused request answered on its own (only when the Prefill asks for it).
     "PrefillRequest": {("per_request_errors", 1001, "bool", "", None)},
     "Generation": {("error", 1001, "string", "optional", None)},
+    # Ours alone: the LoRA adapters loaded (a TGI router ignores an unknown field).
+    "InfoResponse": {("adapters", 1000, "AdapterInfo", "repeated", None)},
 }
 
 # Ours alone (a TGI router never opens Steps): the state-changing calls over one stream per rank.
@@ -83,6 +85,13 @@ SHARD_OWN_MESSAGES = {
                    ("filter_batch", 4, "FilterBatchResponse", "", "answer"),
                    ("clear_cache", 5, "ClearCacheResponse", "", "answer"), ("error", 6, "StepError", "", "answer")},
     "StepError": {("code", 1, "uint32", "", None), ("message", 2, "string", "", None)},
+    # Ours alone (a TGI router never calls them): LoRA adapters loaded and unloaded at run time.
+    "AdapterInfo": {("name", 1, "string", "", None), ("path", 2, "string", "", None), ("rank", 3, "uint32", "", None),
+                    ("target_modules", 4, "string", "repeated", None), ("alpha", 5, "float", "", None)},
+    "LoadAdapterRequest": {("name", 1, "string", "", None), ("path", 2, "string", "", None)},
+    "LoadAdapterResponse": {("adapter", 1, "AdapterInfo", "", None)},
+    "UnloadAdapterRequest": {("name", 1, "string", "", None)},
+    "UnloadAdapterResponse": set(),
 }
 
 SHARD_RPCS = {
@@ -96,6 +105,9 @@ SHARD_RPCS = {
     "Health": ("HealthRequest", "HealthResponse"),
 }
 SHARD_OWN_STREAMS = {"Steps": ("StepCall", "StepAnswer")}  # client and server streaming
+# Ours alone, unary: LoRA adapters at run time.
+SHARD_OWN_RPCS = {"LoadAdapter": ("LoadAdapterRequest", "LoadAdapterResponse"),
+                  "UnloadAdapter": ("UnloadAdapterRequest", "UnloadAdapterResponse")}
 
 # (name, number, type, label, oneof); label is "" (plain proto3), "optional" or "repeated".
 Field = tuple[str, int, str, str, str | None]
@@ -284,6 +296,7 @@ PARAMETER_ZEROS = {
     "decoder_input_details": False,
     "top_n_tokens": 0,
     "ignore_eos_token": False,
+    "adapter_id": "",
 }
 
 
@@ -379,7 +392,7 @@ def test_tokenize_and_info_messages() -> None:
         "model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens",
         "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens",
         "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels",
-        "attention_backend", "prefix_caching", "chunked_prefill", "model_impl",
+        "attention_backend", "prefix_caching", "chunked_prefill", "model_impl", "adapters", "adapter_loading",
     ]
     info = tg_pb2.InfoResponse(model_id="m", kernels=["marlin", "torch_dense"], num_shard=2)
     assert tg_pb2.InfoResponse.FromString(info.SerializeToString()) == info
@@ -393,8 +406,8 @@ def test_shard_service_methods() -> None:
     service = generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"]
     assert service.full_name == "generate.v3.TextGenerationService"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == set(SHARD_RPCS) | set(SHARD_OWN_STREAMS)
-    for name, (request, response) in SHARD_RPCS.items():
+    assert set(methods) == set(SHARD_RPCS) | set(SHARD_OWN_STREAMS) | set(SHARD_OWN_RPCS)
+    for name, (request, response) in {**SHARD_RPCS, **SHARD_OWN_RPCS}.items():
         method = methods[name]
         assert (method.input_type.name, method.output_type.name) == (request, response), name
         assert not method.client_streaming and not method.server_streaming, name
@@ -419,6 +432,9 @@ def test_client_service_methods() -> None:
         "Info": ("InfoRequest", "InfoResponse", False, False),
         "Chat": ("ChatRequest", "GenerateResponse", False, False),
         "ChatStream": ("ChatRequest", "GenerateStreamResponse", False, True),
+        "LoadAdapter": ("LoadAdapterRequest", "LoadAdapterResponse", False, False),
+        "UnloadAdapter": ("UnloadAdapterRequest", "UnloadAdapterResponse", False, False),
+        "ListAdapters": ("ListAdaptersRequest", "ListAdaptersResponse", False, False),
     }
 
 

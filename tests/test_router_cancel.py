@@ -30,7 +30,10 @@ def lm():
 
 
 def value(metrics, name: str, **labels) -> float:
-    return metrics.registry.get_sample_value(name, labels or None) or 0.0
+    """The sum over the series that carry `labels` (others, e.g. the adapter, are summed over)."""
+    wanted = set(labels.items())
+    return sum(s.value for family in metrics.registry.collect() for s in family.samples
+               if s.name == name and wanted <= set(s.labels.items()))
 
 
 async def until(predicate, timeout_s: float = 20.0) -> None:

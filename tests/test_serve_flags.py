@@ -114,6 +114,9 @@ ENV_CASES = {
     "CUDA_MEMORY_FRACTION": ("0.8", "cuda_memory_fraction", 0.8),
     "KV_CACHE_DTYPE": ("fp8", "kv_cache_dtype", "fp8_e4m3fn"),
     "PREFIX_CACHING": ("0", "prefix_caching", False),
+    "LORA_ADAPTERS": ("a=/x/a,/y/b", "lora_adapters", ["a=/x/a", "b=/y/b"]),
+    "MAX_LORAS": ("4", "max_loras", 4),
+    "MAX_LORA_RANK": ("16", "max_lora_rank", 16),
     "USE_PREFIX_CACHING": ("false", "prefix_caching", False),
     "CUDA_GRAPHS": ("1,2,4", "cuda_graphs", [1, 2, 4]),
     "ATTENTION_BACKEND": ("torch-sdpa", "attention_backend", "torch-sdpa"),
@@ -138,6 +141,7 @@ ENV_CASES = {
                           ["https://a.example", "https://b.example"]),
     "MAX_CLIENT_BATCH_SIZE": ("8", "max_client_batch_size", 8),
     "TOOL_CALL_PARSER": ("mistral", "tool_call_parser", "mistral"),
+    "LORA_LOAD_DIR": ("/tmp", "lora_load_dir", "/tmp"),
 }
 # Variables naming files that must exist and load (key file, certificates) or that need another
 # flag: tests/test_auth_tls_unit.py::test_every_security_setting_reads_its_variable.
@@ -199,6 +203,9 @@ FLAG_SET = [
     ("--allow-dense-fallback", "ALLOW_DENSE_FALLBACK", False, False),
     ("--cpu-isa", "TGS_CPU_ISA", "native", False),
     ("--disable-grammar-support", "DISABLE_GRAMMAR_SUPPORT", False, False),
+    ("--lora-adapters", "LORA_ADAPTERS", [], False),
+    ("--max-loras", "MAX_LORAS", None, False),
+    ("--max-lora-rank", "MAX_LORA_RANK", 64, False),
     ("--drain-timeout-s", "DRAIN_TIMEOUT_S", 60.0, False),
     ("--graceful-termination-timeout", "GRACEFUL_TERMINATION_TIMEOUT", None, False),
     ("--rank-stall-timeout-s", "RANK_STALL_TIMEOUT_S", 300.0, False),
@@ -209,6 +216,8 @@ FLAG_SET = [
     ("--cors-allow-origin", "CORS_ALLOW_ORIGIN", [], False),
     ("--max-client-batch-size", "MAX_CLIENT_BATCH_SIZE", 4, False),
     ("--tool-call-parser", "TOOL_CALL_PARSER", None, False),
+    ("--lora-load-dir", "LORA_LOAD_DIR", None, False),
+    ("--lora-load-without-api-key", "LORA_LOAD_WITHOUT_API_KEY", False, False),
     ("--version", None, False, False),
 ]
 
@@ -243,6 +252,14 @@ def test_each_setting_comes_from_its_environment_variable(serve, variable):
     assert getattr(args, field) == expected
 
 
+def test_run_time_adapter_loading_from_the_environment(serve):
+    """LORA_LOAD_WITHOUT_API_KEY needs LORA_LOAD_DIR (alone it is refused, naming both flags)."""
+    args = ok(serve(LORA_LOAD_DIR="/tmp", LORA_LOAD_WITHOUT_API_KEY="true"))
+    assert (args.lora_load_dir, args.lora_load_without_api_key) == ("/tmp", True)
+    run = serve(LORA_LOAD_WITHOUT_API_KEY="true")
+    assert run.code != 0 and "--lora-load-without-api-key" in run.output and "--lora-load-dir" in run.output
+
+
 def test_serve_environment_variables_lists_tgis_and_ours():
     names = set(ALL_ENVVARS)
     assert {"MODEL_ID", "HOSTNAME", "PORT", "LOG_LEVEL", "LOGGER_LEVEL", "SPECULATE", "USE_PREFIX_CACHING"} <= names
@@ -259,8 +276,9 @@ def test_every_serve_option_reads_a_variable_and_each_is_tested():
         read.update(names)
     hidden_read = {n for p in SERVE.params if getattr(p, "hidden", False) for n in envvars_of(p)}
     tgi_only = {f.envvar for f in TGI_ONLY_FLAGS if f.read_env}
-    # SHARD_ONLY: test_shard_only_from_the_environment
-    tested = set(ENV_CASES) | {"SHARD_ONLY"} | SECURITY_FILE_VARIABLES
+    # SHARD_ONLY: test_shard_only_from_the_environment; LORA_LOAD_WITHOUT_API_KEY:
+    # test_run_time_adapter_loading_from_the_environment
+    tested = set(ENV_CASES) | {"SHARD_ONLY", "LORA_LOAD_WITHOUT_API_KEY"} | SECURITY_FILE_VARIABLES
     assert read | (hidden_read - tgi_only) <= tested, sorted((read | hidden_read) - tested - tgi_only)
 
 

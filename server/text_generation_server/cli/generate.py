@@ -56,6 +56,11 @@ def generate(
         False, "--chat", help="Each PROMPT is a user message of its own conversation, rendered with the model's "
         "chat template (the Chat RPC with --server).",
     ),
+    adapter_id: Optional[str] = typer.Option(
+        None, "--adapter-id", metavar="NAME",
+        help="With --server: generate with the server's LoRA adapter of this name (loaded with serve "
+        "--lora-adapters or LoadAdapter); an unknown name fails, never falls back to the base model.",
+    ),
     logger_level: str = typer.Option("WARNING", "--logger-level", help=LEVEL_HELP),
     server: Optional[str] = typer.Option(
         None, "--server", metavar="HOST:PORT",
@@ -86,9 +91,13 @@ def generate(
                                      ("frequency_penalty", frequency_penalty, 0.0), ("seed", seed, None)):
             if value != default:
                 setattr(params, name, value)
+        if adapter_id:
+            params.adapter_id = adapter_id
         model_id, rows = generate_remote(server, prompts, params, client, timeout_s, chat)
         _echo_completions(model_id, prompts, rows, json_lines)
         return
+    if adapter_id:
+        fail("--adapter-id needs --server: adapters are served by `serve --lora-adapters` (or loaded into it)")
     from text_generation_server.generation.sampling import SamplingParams
     from text_generation_server.models.loader import get_model
     from text_generation_server.engine.types import GenerationRequest

@@ -21,8 +21,8 @@ from text_generation_server.settings.serve_flags import hostname_from_env, is_lo
 
 SERVE_EPILOG = (
     "Every option can also be set by the environment variable shown; a flag given on the command "
-    "line wins. TGI launcher flags that mean nothing here (--revision, --kv-cache-dtype, "
-    "--lora-adapters, ...) are refused with the reason; harmless ones (--max-best-of, --usage-stats, "
+    "line wins. TGI launcher flags that mean nothing here (--revision, --rope-scaling, "
+    "--otlp-endpoint, ...) are refused with the reason; harmless ones (--max-best-of, --usage-stats, "
     "--trust-remote-code, ...) are ignored with a warning."
 )
 

@@ -67,6 +67,7 @@ class RequestState:
     # The sequence's last token (the prompt's until the request gets one, then set with every
     # token it gets): a decode step's input, known on the host, so the inputs go up in one copy.
     last_token: int = -1
+    adapter: int = -1  # the LoRA adapter slot the row runs with (-1: the base model); forks keep it
 
     def __post_init__(self) -> None:
         if self.last_token < 0 and self.prompt_ids:

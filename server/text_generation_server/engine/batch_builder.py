@@ -21,7 +21,7 @@ from text_generation_server.generation.grammar import GrammarCompiler, GrammarMa
 from text_generation_server.generation.sampling import HeterogeneousNextTokenChooser
 from text_generation_server.generation.stopping import StoppingCriteria
 from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
-from text_generation_server.engine.types import GenerationRequest, RequestError
+from text_generation_server.engine.types import AdapterNotFound, GenerationRequest, RequestError
 
 
 # A request that passed its checks: the request, its prompt's ids, prompt + max_new_tokens, its grammar matcher.
@@ -61,6 +61,9 @@ class BatchBuilder:
         self.allocator: BlockAllocator | None = None
         self._grammars: GrammarCompiler | None = None  # built with the first grammar request
         self._grammars_lock = threading.Lock()
+        # The loaded LoRA adapters (models/adapters.py enable_lora, AdapterSlots): a request's
+        # adapter_id is looked up here. None: LoRA is off, and a request naming an adapter is refused.
+        self.adapters = None
 
     # -- grammars ----------------------------------------------------------------
     @property
@@ -153,8 +156,20 @@ class BatchBuilder:
                 raise RequestError(f"request id {req.id} appears twice in the batch")
             seen.add(req.id)
 
+    def adapter_slot(self, req: GenerationRequest) -> int:
+        """The slot of the request's adapter (-1: the base model); AdapterNotFound (NOT_FOUND) when
+        it names one that is not loaded: never the base model instead."""
+        if not req.adapter_id:
+            return -1
+        slot = self.adapters.slot_of(req.adapter_id) if self.adapters is not None else None
+        if slot is None:
+            off = "" if self.adapters is not None else " (LoRA adapters are off on this server)"
+            raise AdapterNotFound(f"request {req.id}: adapter '{req.adapter_id}' is not loaded{off}")
+        return slot
+
     def _prepare(self, req: GenerationRequest) -> _Prepared:
         """One request's checks, all before any block is taken; RequestError naming it and its field."""
+        self.adapter_slot(req)
         try:
             matcher, prompt = self._checked(req)
         except request_fields.InvalidField as exc:
@@ -267,7 +282,7 @@ class BatchBuilder:
         remaining = len(prompt) - req.cache_len
         chunk = remaining if req.chunk_len is None else min(req.chunk_len, remaining)
         return RequestState(req, prompt, blocks, owns, stopping, detok, length=len(prompt),
-                            prefilled=req.cache_len, chunk=chunk)
+                            prefilled=req.cache_len, chunk=chunk, adapter=self.adapter_slot(req))
 
     # -- giving blocks back ------------------------------------------------------
     def filter(self, batch: Batch, request_ids: list[int]) -> Batch | None:

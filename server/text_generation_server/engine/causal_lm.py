@@ -43,6 +43,7 @@ from text_generation_server.engine.types import (
 )
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.engine.warmup import run_warmup
+from text_generation_server.models.adapters import AdapterSlots
 
 
 class CausalLM:
@@ -108,6 +109,7 @@ class CausalLM:
         self.readback = Readback(device)
         self.clock = DeviceClock(device)  # the forward's own time, reported as forward_ns
         self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
+        self.adapters: AdapterSlots | None = None  # LoRA slots (models/adapters.py enable_lora); None: off
         layout = self.kv_layout
         spec = AttentionSpec(
             device_type=device.type, dtype=dtype, heads=self.config.num_attention_heads // process_group.size,
@@ -187,6 +189,10 @@ class CausalLM:
 
     def blocks_for(self, tokens: int) -> int:
         return self.builder.blocks_for(tokens)
+
+    def _route(self, states: list[RequestState], counts: list[int], graph: bool = False) -> None:
+        if self.adapters is not None:
+            self.adapters.routing.route([s.adapter for s in states], counts, graph)
 
     def make_batch(self, batch_id: int, requests: list[GenerationRequest]) -> Batch:
         """New requests as a batch (`BatchBuilder.make_batch`: rejections are RequestErrors)."""
@@ -440,6 +446,7 @@ class CausalLM:
             block_tables=tables, backend=self.attention, decode_rows=step.decode_rows,
         )
         rows = torch.tensor(step.logit_rows + step.extra_rows, dtype=torch.long, device=self.device)
+        self._route([batch.states[i] for i in step.included], step.q_lens)
         hidden = self.model(step.ids, step.positions, self.kv_cache, meta, rows, head=False, seq_lens=step.seq_lens)
         for span in step.spans:
             span.values = self._prompt_logprobs(span, hidden)
@@ -480,6 +487,7 @@ class CausalLM:
                   [s.slot(p, block_size) for s, p in zip(states, positions)], lengths)
         greedy = batch.chooser.greedy_only and not any(s.request.top_n_tokens for s in states)
         max_len = max(lengths)
+        self._route(states, [1] * len(states), graph=self.graphs is not None)
         if self.graphs is not None:
             replayed = self.graphs.run(self.kv_cache, inputs, batch.block_tables, max_len)
             if replayed is not None:
@@ -543,6 +551,8 @@ class CausalLM:
                 self._graph_capturer = CudaGraphCapturer(self.device)
             graphs = DecodeGraphs(buckets, max_total_tokens, self.block_size, self.device, self._graph_capturer)
         self.graphs = None  # not replayed while it captures (the probe forward runs eagerly)
+        if self.adapters is not None:
+            self.adapters.routing.capture()  # every LoRA hook captures its per-row path
         grown = graphs.capture(self.model, self.kv_cache, self.attention, choose=self._greedy_choice)
         self.graphs = graphs
         return grown

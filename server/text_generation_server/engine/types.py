@@ -16,8 +16,16 @@ class RequestError(ValueError):
     """A request (or batch) as sent is invalid: the caller's fault, reported as INVALID_ARGUMENT.
 
     Anything else raised during a step is the server's fault (INTERNAL), even a ValueError
-    from deep inside a kernel.
+    from deep inside a kernel. `code`: the gRPC status the shard answers with.
     """
+
+    code = "INVALID_ARGUMENT"
+
+
+class AdapterNotFound(RequestError):
+    """A request names a LoRA adapter that is not loaded (NOT_FOUND): never the base model instead."""
+
+    code = "NOT_FOUND"
 
 
 class BatchNotFound(KeyError):
@@ -50,6 +58,8 @@ class GenerationRequest:
     # The prompt as token ids, when the router tokenized it already (then `inputs` is not
     # tokenized again); truncation still applies.
     input_ids: list[int] | None = None
+    # The LoRA adapter the request runs with (a loaded adapter's name); None or "": the base model.
+    adapter_id: str | None = None
 
 
 @dataclass

@@ -172,6 +172,10 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
                           cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
                           model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head or LM_HEAD_AUTO,
                           kv_cache_dtype=args.kv_cache_dtype)
+        if args.lora_slots:  # before warmup, which sizes the KV cache around the adapter slots
+            from text_generation_server.models.adapters import start_lora
+
+            start_lora(model, args.lora_slots, args.max_lora_rank, args.lora_adapters)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             import torch
 

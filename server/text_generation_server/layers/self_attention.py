@@ -188,6 +188,7 @@ class SelfAttention(torch.nn.Module):
             full.linear = DenseLinear(linear.weight.data[rows].contiguous(), bias)
         else:
             self._rows = rows.to(weights.device)
+        full.lora_layout = None  # rows picked per rank from the whole tensor: LoRA adapters are refused here
         return full
 
     def _load_head_norms(self, spec: HeadNorm, weights: Weights, prefix: str, q_size: int, kv_size: int):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from text_generation_server.kernels.dense import DenseProduct, native_for
 from text_generation_server.kernels.select import build_linear
+from text_generation_server.layers.lora import LoraLayout, LoraLinear
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.quantizers.eetq import ChannelInt8Weight, quantize_rows
 from text_generation_server.quantizers.sources import CheckpointError
@@ -44,10 +45,31 @@ class LinearSource:
     tensors: tuple[str, ...] = ()
     rows: tuple[int, ...] = ()
     in_features: int = 0
+    # LoRA (layers/lora.py): what an adapter must match on this rank, and the adapter slots once
+    # LoRA is enabled; None: no adapter can change this linear.
+    lora_layout: LoraLayout | None = None
+    lora: LoraLinear | None = None
 
     def _record(self, tensors: list[str], rows: list[int], in_features: int):
         self.tensors, self.rows, self.in_features = tuple(tensors), tuple(rows), in_features
         return self
+
+    def _lora_columns(self, weights: Weights, parts: list[tuple[str, int, int]], in_features: int):
+        """Column layers: parts are (tensor, first row, rows) of the output blocks this layer
+        splits evenly over the ranks (a fused tensor's blocks, or one tensor each)."""
+        pg = weights.process_group
+        outputs, full = [], {}
+        for tensor, first, rows in parts:
+            local = rows // pg.size
+            outputs.append((tensor, first + pg.rank * local, first + (pg.rank + 1) * local))
+            full[tensor] = full.get(tensor, 0) + rows
+        self.lora_layout = LoraLayout(tensors_path(parts), False, tuple(outputs), full, in_features,
+                                      (0, in_features))
+        return self
+
+
+def tensors_path(parts: list[tuple[str, int, int]]) -> str:
+    return "+".join(dict.fromkeys(t for t, _, _ in parts))
 
 
 class TensorParallelColumnLinear(LinearSource, torch.nn.Module):
@@ -63,7 +85,8 @@ class TensorParallelColumnLinear(LinearSource, torch.nn.Module):
         _check_out_features(weights, w, out_features // world, prefix)
         _check_in_features(weights, w, in_features, prefix)
         b = weights.get_sharded(f"{prefix}.bias", dim=0) if bias else None
-        return cls(w.get_linear(b))._record([prefix], [out_features], in_features)
+        return cls(w.get_linear(b))._record([prefix], [out_features], in_features)._lora_columns(
+            weights, [(prefix, 0, out_features)], in_features)
 
     @classmethod
     def load_packed(
@@ -75,7 +98,9 @@ class TensorParallelColumnLinear(LinearSource, torch.nn.Module):
         _check_out_features(weights, w, sum(block_sizes) // world, prefix)
         _check_in_features(weights, w, in_features, prefix)
         b = weights.get_packed_sharded(f"{prefix}.bias", dim=0, block_sizes=block_sizes) if bias else None
-        return cls(w.get_linear(b))._record([prefix], [sum(block_sizes)], in_features)
+        blocks = [(prefix, sum(block_sizes[:i]), n) for i, n in enumerate(block_sizes)]
+        return cls(w.get_linear(b))._record([prefix], [sum(block_sizes)], in_features)._lora_columns(
+            weights, blocks, in_features)
 
     @classmethod
     def load_multi(
@@ -90,10 +115,12 @@ class TensorParallelColumnLinear(LinearSource, torch.nn.Module):
         b = None
         if bias:
             b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
-        return cls(w.get_linear(b))._record(prefixes, out_features, in_features)
+        return cls(w.get_linear(b))._record(prefixes, out_features, in_features)._lora_columns(
+            weights, [(p, 0, n) for p, n in zip(prefixes, out_features)], in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+        out = self.linear(x)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class TensorParallelRowLinear(LinearSource, torch.nn.Module):
@@ -111,10 +138,17 @@ class TensorParallelRowLinear(LinearSource, torch.nn.Module):
         _check_in_features(weights, w, in_features // pg.size, prefix)
         # The bias is added once: by rank 0, before the all-reduce sums the partial products.
         b = weights.get_tensor(f"{prefix}.bias") if bias and pg.rank == 0 else None
-        return cls(w.get_linear(b), pg)._record([prefix], [out_features], in_features)
+        layer = cls(w.get_linear(b), pg)._record([prefix], [out_features], in_features)
+        local = in_features // pg.size
+        layer.lora_layout = LoraLayout(prefix, True, ((prefix, 0, out_features),), {prefix: out_features},
+                                       in_features, (pg.rank * local, (pg.rank + 1) * local))
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.process_group.all_reduce(self.linear(x))
+        out = self.linear(x)
+        if self.lora is not None:
+            out = self.lora.add(x, out)  # this rank's partial, summed by the same all-reduce
+        return self.process_group.all_reduce(out)
 
 
 class TensorParallelEmbedding(torch.nn.Module):

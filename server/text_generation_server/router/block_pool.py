@@ -11,6 +11,11 @@ request reuses the longest run of whole cached blocks at the start of its prompt
 leaving at least the prompt's last token to compute (the first new token needs its logits),
 so a shared block is only ever read, never written. An evicted block loses its hash before it
 is handed out again, so nothing can find (and read) it through the cache afterwards.
+
+The K/V of a prompt depend on the weights that computed them: a request with a LoRA adapter
+seeds its chain with the adapter's key (`salt`, router/adapters.py) where the base model's
+starts from nothing, so equal prompts under different adapters (or an adapter and the base)
+never share a block.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Allocation:
     # (reused from the cache, or registered since; a duplicate of a cached block keeps its hash
     # here but stays private).
     hashes: list[int] = field(default_factory=list)
+    salt: int | None = None  # what its chain starts from: the adapter's key, None for the base model
 
 
 class BlockPool:
@@ -70,20 +76,27 @@ class BlockPool:
         return (tokens + self.block_size - 1) // self.block_size
 
     # -- hashing ---------------------------------------------------------------------------
-    def prefix_hashes(self, token_ids: list[int], full_blocks: int | None = None) -> list[int]:
-        """Chained hashes of the leading whole blocks of `token_ids`."""
+    @staticmethod
+    def _root(salt: int | None) -> int | None:
+        """The parent hash of a chain's first block: None for the base model, the adapter's own
+        value otherwise (a tuple tagged so no block's hash can equal it)."""
+        return None if salt is None else hash(("adapter", salt))
+
+    def prefix_hashes(self, token_ids: list[int], full_blocks: int | None = None,
+                      salt: int | None = None) -> list[int]:
+        """Chained hashes of the leading whole blocks of `token_ids` (under the adapter `salt`)."""
         bs = self.block_size
         count = len(token_ids) // bs if full_blocks is None else min(full_blocks, len(token_ids) // bs)
-        hashes, parent = [], None
+        hashes, parent = [], self._root(salt)
         for i in range(count):
             parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             hashes.append(parent)
         return hashes
 
-    def _lookup(self, token_ids: list[int], most: int) -> tuple[list[int], list[int]]:
+    def _lookup(self, token_ids: list[int], most: int, salt: int | None) -> tuple[list[int], list[int]]:
         """Blocks and hashes of the longest cached prefix of whole blocks (at most `most` blocks)."""
         bs = self.block_size
-        blocks, hashes, parent = [], [], None
+        blocks, hashes, parent = [], [], self._root(salt)
         for i in range(min(most, len(token_ids) // bs)):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             digest = hash((parent, tokens))
@@ -96,15 +109,16 @@ class BlockPool:
         return blocks, hashes
 
     # -- allocation ------------------------------------------------------------------------
-    def allocate(self, tokens: int, prompt_ids: list[int] | None = None) -> Allocation | None:
-        """Blocks for `tokens` tokens, reusing the cached prefix of `prompt_ids` when given.
-        None when the pool cannot hold them now (nothing is taken then)."""
+    def allocate(self, tokens: int, prompt_ids: list[int] | None = None, salt: int | None = None) -> Allocation | None:
+        """Blocks for `tokens` tokens, reusing the cached prefix of `prompt_ids` when given (computed
+        under the adapter `salt`, None: the base model). None when the pool cannot hold them now
+        (nothing is taken then)."""
         count = self.blocks_for(tokens)
         reused: list[int] = []
         hashes: list[int] = []
         if self.prefix_caching and prompt_ids:
             # Leave the last prompt token to compute: its logits choose the first new token.
-            reused, hashes = self._lookup(prompt_ids, (len(prompt_ids) - 1) // self.block_size)
+            reused, hashes = self._lookup(prompt_ids, (len(prompt_ids) - 1) // self.block_size, salt)
             reused, hashes = reused[:count], hashes[:count]
         fresh = count - len(reused)
         unheld = sum(1 for b in reused if self._refs[b] == 0)  # reused blocks now counted as evictable
@@ -117,7 +131,7 @@ class BlockPool:
         blocks = reused + [self._take() for _ in range(fresh)]
         bs = self.block_size
         slots = [b * bs + o for b in blocks for o in range(bs)][:tokens]
-        return Allocation(blocks, slots, cache_len=len(reused) * bs, hashes=hashes)
+        return Allocation(blocks, slots, cache_len=len(reused) * bs, hashes=hashes, salt=salt)
 
     def _take(self) -> int:
         if self._free:
@@ -149,7 +163,7 @@ class BlockPool:
         known = len(allocation.hashes)
         if full <= known:
             return 0
-        hashes = self.prefix_hashes(token_ids, full)
+        hashes = self.prefix_hashes(token_ids, full, allocation.salt)
         added = 0
         for i in range(known, full):
             block, digest = allocation.blocks[i], hashes[i]
@@ -159,7 +173,7 @@ class BlockPool:
             self._hash_of[block] = digest
             self._block_of[digest] = block
             self._tokens_of[block] = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            self._parent_of[block] = hashes[i - 1] if i else None
+            self._parent_of[block] = hashes[i - 1] if i else self._root(allocation.salt)
             added += 1
         return added
 

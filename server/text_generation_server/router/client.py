@@ -248,6 +248,25 @@ class ShardClient:
                 first.forward_ns, first.decode_ns, first.total_ns = other.forward_ns, other.decode_ns, other.total_ns
         return first
 
+    async def load_adapter(self, name: str, path: str) -> pb.AdapterInfo:
+        """Every rank loads the LoRA adapter at `path` (checked by the router already) as `name`;
+        rank 0's report comes back. When some rank refuses, the ranks that loaded it unload it
+        again, so no rank is left holding an adapter the others lack; the first refusal (in rank
+        order) is raised."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        results = await asyncio.gather(*(stub.LoadAdapter(request) for stub in self._stubs), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            loaded = [stub for stub, r in zip(self._stubs, results) if not isinstance(r, BaseException)]
+            undo = pb.UnloadAdapterRequest(name=name)
+            await asyncio.gather(*(stub.UnloadAdapter(undo) for stub in loaded), return_exceptions=True)
+            raise failed[0]
+        return results[0].adapter
+
+    async def unload_adapter(self, name: str) -> None:
+        """Every rank drops the adapter `name`."""
+        await self._all("UnloadAdapter", pb.UnloadAdapterRequest(name=name))
+
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch | None:
         resp = (await self._all("FilterBatch", pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)))[0]
         return resp.batch if resp.HasField("batch") else None

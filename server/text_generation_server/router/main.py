@@ -17,10 +17,12 @@ from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.quantizers.factory import read_quantization_config
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+from text_generation_server.router.adapters import AdapterSet, LoadPolicy
+from text_generation_server.router.adapter_admin import client_info
 from text_generation_server.router.auth import ApiKeyInterceptor, ApiKeys, api_keys
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.health import HEALTH_SERVICE_NAME, RouterHealth, ShardHealthMonitor
-from text_generation_server.router.http.core import HttpContext
+from text_generation_server.router.http.core import PLACEHOLDER_MODELS, HttpContext
 from text_generation_server.router.http.server import HttpServer, build_app
 from text_generation_server.router.reflection import enable_reflection
 from text_generation_server.router.block_pool import BlockPool
@@ -105,6 +107,24 @@ def describe_security(keys: ApiKeys | None, tls: CertificateStore | None, protec
     return f"{transport}, API key ({len(keys)} accepted) on {scope}"
 
 
+def describe_adapters(adapters: AdapterSet, policy: LoadPolicy, slots: int) -> None:
+    """The startup log's word on LoRA adapters: those loaded, and whether more may be (`slots`:
+    the adapter slots each rank reserved, --max-loras)."""
+    if adapters.names():
+        logger.info("LoRA adapters loaded: {}", ", ".join(adapters.names()))
+    if policy.directory is None:
+        return
+    if slots <= len(adapters.names()):
+        logger.warning("--lora-load-dir is set but every adapter slot is taken ({} of --max-loras {}): run-time "
+                       "loads will be refused until one is unloaded; raise --max-loras to load more", slots, slots)
+    if policy.open:
+        logger.info("LoRA adapters may be loaded at run time from {}{}", policy.directory,
+                    "" if policy.api_key_required else " by any caller (no API key: --lora-load-without-api-key)")
+    else:
+        logger.warning("--lora-load-dir {} is set but the client port has no API key: LoadAdapter is refused "
+                       "unless --lora-load-without-api-key", policy.directory)
+
+
 async def reload_on_request(reload: asyncio.Event, keys: ApiKeys | None, tls: CertificateStore | None) -> None:
     """Re-reads the key file and the TLS files each time `reload` is set (the launcher's SIGHUP).
     Changes are picked up without it too (by their stat); this forces a read."""
@@ -118,10 +138,12 @@ async def reload_on_request(reload: asyncio.Event, keys: ApiKeys | None, tls: Ce
 
 
 async def start_http(args: ServeArgs, service: TextGenerationService, health: RouterHealth, keys: ApiKeys | None,
-                     tls: CertificateStore | None, metrics: Metrics, model_id: str, model_arg: str) -> HttpServer:
-    """The HTTP APIs (--http-port) on the gRPC API's core, keys and certificate."""
+                     tls: CertificateStore | None, metrics: Metrics, model_id: str,
+                     model_names: frozenset[str]) -> HttpServer:
+    """The HTTP APIs (--http-port) on the gRPC API's core, keys and certificate. model_names:
+    what an OpenAI `model` may say for the base model (the model id, the folder)."""
     ctx = HttpContext(
-        service=service, model_id=model_id, model_names=frozenset({model_id, model_arg, Path(model_id).name}),
+        service=service, model_id=model_id, model_names=model_names,
         max_body_bytes=args.max_message_bytes, max_client_batch_size=getattr(args, "max_client_batch_size", 4),
         healthy=lambda: health.status("") == health_pb2.HealthCheckResponse.SERVING,
     )
@@ -143,6 +165,11 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
     `reload` (set by the launcher on SIGHUP) re-reads the API key file and the TLS files.
     """
     keys, tls = load_security(args)
+    try:
+        policy = LoadPolicy.from_settings(getattr(args, "lora_load_dir", None), keys is not None,
+                                          getattr(args, "lora_load_without_api_key", False))
+    except ValueError as exc:
+        raise RouterError(str(exc)) from None
     checkpoint = await asyncio.to_thread(open_checkpoint, args.model)
     qconfig = await asyncio.to_thread(read_quantization_config, checkpoint.folder, args.quantize)
     _, model_config = await asyncio.to_thread(read_model_config, checkpoint.config,
@@ -186,11 +213,18 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
             max_stop_sequence_length=args.max_stop_sequence_length, max_top_n_tokens=args.max_top_n_tokens,
             max_input_chars=args.max_input_chars,
         )
+        model_names = frozenset({checkpoint.model_id, str(args.model or checkpoint.folder),
+                                 Path(checkpoint.model_id).name})
+        # The base model's names and the OpenAI placeholders mean the base: no adapter may take them.
+        adapters = AdapterSet((client_info(a) for a in info.adapters), reserved=model_names | PLACEHOLDER_MODELS)
+        for name in adapters.names():
+            metrics.adapter_series(name)
+        describe_adapters(adapters, policy, getattr(args, "lora_slots", 0))
         scheduler = Scheduler(client, pool, SchedulerLimits(
             max_prefill, args.max_batch_size, args.max_concurrent_requests,
             waiting_served_ratio=getattr(args, "waiting_served_ratio", 1.2),
             max_waiting_tokens=getattr(args, "max_waiting_tokens", 20),
-        ), metrics, support_chunking=info.support_chunking, speculate=info.speculate)
+        ), metrics, support_chunking=info.support_chunking, speculate=info.speculate, adapters=adapters)
         scheduler.start()
         info_msg = cpb.InfoResponse(
             model_id=checkpoint.model_id, model_dtype=info.dtype, model_device_type=info.device_type,
@@ -212,7 +246,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         service = TextGenerationService(scheduler, checkpoint.tokenizer, limits, info_msg, metrics,
                                         model_folder=checkpoint.folder, eos_token_ids=checkpoint.eos_token_ids,
                                         grammar_support=not getattr(args, "disable_grammar_support", False),
-                                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                                        load_policy=policy, drain_timeout_s=args.drain_timeout_s)
         cpb_grpc.add_TextGenerationServicer_to_server(service, server)
         health = RouterHealth(["", SERVICE_NAME])
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -227,7 +262,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         await server.start()
         if getattr(args, "http_port", None) is not None:
             http_server = await start_http(args, service, health, keys, tls, metrics, checkpoint.model_id,
-                                           str(args.model or checkpoint.folder))
+                                           model_names)
         metrics_host = args.effective_metrics_hostname
         try:
             metrics_server = metrics.serve(args.metrics_port, addr=metrics_host)

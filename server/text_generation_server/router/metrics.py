@@ -13,6 +13,12 @@ Every sample carries `model_name` (the served model id), as vLLM's metrics do, s
 Prometheus can tell several deployments apart; TGI's dashboard queries aggregate with
 `sum by (le)`, `sum by (err)`, `count` or `avg`, which an extra label does not change.
 
+The request counters (tgi_request_count, tgi_request_success, tgi_request_failure) carry the
+LoRA adapter a request named as `adapter`; for the base model the label is empty, and an empty
+label is left out of the page (Prometheus reads an empty label as no label), so a server without
+adapters exposes exactly what it did before and every existing query still counts base requests.
+Only names of loaded adapters become labels: a name a client made up is never a series.
+
 Names reuse TGI's `tgi_*` metrics (same type, labels and unit) where the meaning is the
 same; `tgs_*` names are ours. Durations are histograms in seconds. Each `Metrics` owns its
 registry, so several routers (tests) never collide.
@@ -50,6 +56,8 @@ CONCAT_REASONS = ("backpressure", "wait_exceeded", "chunking")
 # tgs_request_unauthenticated{reason}: calls refused for their API key (router/auth.py): no
 # `authorization` metadata, or one that is not a valid `Bearer <key>`.
 UNAUTHENTICATED_REASONS = ("missing", "invalid")
+# The request counters' label naming the LoRA adapter ("" = the base model; not rendered).
+ADAPTER_LABEL = "adapter"
 
 
 class Metrics:
@@ -58,10 +66,13 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=False)
 
         # -- requests (TGI) ----------------------------------------------------------------
-        self.request_count = Counter("tgi_request_count", "Requests received", registry=r)
+        self.request_count = Counter("tgi_request_count", "Requests received, by LoRA adapter", [ADAPTER_LABEL],
+                                     registry=r)
         self.request_success = Counter(
-            "tgi_request_success", "Requests that completed, by finish reason", ["finish_reason"], registry=r)
-        self.request_failure = Counter("tgi_request_failure", "Requests that failed, by reason", ["err"], registry=r)
+            "tgi_request_success", "Requests that completed, by finish reason and LoRA adapter",
+            ["finish_reason", ADAPTER_LABEL], registry=r)
+        self.request_failure = Counter("tgi_request_failure", "Requests that failed, by reason and LoRA adapter",
+                                       ["err", ADAPTER_LABEL], registry=r)
         self.request_validation_duration = Histogram(
             "tgi_request_validation_duration", "Time spent validating and tokenizing a request",
             buckets=_DURATION_BUCKETS, registry=r)
@@ -173,12 +184,18 @@ class Metrics:
         self.batch_concat_duration.labels(method="decode")  # TGI labels every concatenation "decode"
         for reason in CONCAT_REASONS:
             self.batch_concat.labels(reason=reason)
-        for reason in FINISH_REASONS.values():
-            self.request_success.labels(finish_reason=reason)
-        for err in FAILURE_REASONS:
-            self.request_failure.labels(err=err)
+        self.adapter_series("")
         for reason in UNAUTHENTICATED_REASONS:
             self.request_unauthenticated.labels(reason=reason)
+
+    def adapter_series(self, adapter: str) -> None:
+        """The request counters' series of an adapter ("": the base model) at zero, so rate()
+        sees its first request: called for the base at start and for each adapter loaded."""
+        self.request_count.labels(adapter=adapter)
+        for reason in FINISH_REASONS.values():
+            self.request_success.labels(finish_reason=reason, adapter=adapter)
+        for err in FAILURE_REASONS:
+            self.request_failure.labels(err=err, adapter=adapter)
 
     def set_kv_blocks(self, used: int, free: int) -> None:
         """The KV gauges together (usable blocks = used + free; block 0 is reserved)."""
@@ -206,6 +223,8 @@ def _escape_help(text: str) -> str:
 
 
 def _sample_line(name: str, labels: dict[str, str], value: float) -> str:
+    if labels.get(ADAPTER_LABEL) == "":  # the base model's: Prometheus reads an empty label as none
+        labels = {k: v for k, v in labels.items() if k != ADAPTER_LABEL}
     if labels:
         inner = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
         return f"{name}{{{inner}}} {floatToGoString(value)}\n"

@@ -23,6 +23,12 @@ Generation; each is streamed to the client as a token of its own, and tgi_reques
 records how many a step gave beyond the first (TGI's histogram). Only accepted tokens ever reach
 the router, so the K/V it registers in the prefix cache never holds a rejected guess.
 
+LoRA adapters (router/adapters.py): a request names its adapter on the wire (Request.adapter_id)
+and looks up the prefix cache under the adapter's key. Loading and unloading an adapter change
+the shards' state, so they go through this loop too (`between_steps`): never while a Prefill or
+Decode is in flight, and an unload only once no queued or running request uses the adapter
+(`uses`).
+
 Shards without chunking (requires a separate prefill and a prompt that fits the budget) are
 driven the older way, with TGI's waiting_served_ratio and max_waiting_tokens deciding when a
 new batch joins a running one.
@@ -35,15 +41,19 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 from loguru import logger
 
+from text_generation_server.router.adapters import AdapterError, AdapterSet
 from text_generation_server.router.metrics import FINISH_REASONS, Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.router.block_pool import Allocation, BlockPool
 from text_generation_server.router.client import ShardClient
 from text_generation_server.router.validation import ValidRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -97,9 +107,12 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, client: ShardClient, pool: BlockPool, limits: SchedulerLimits, metrics: Metrics,
-                 support_chunking: bool = True, speculate: int = 0):
-        """speculate: the shards' Info.speculate, the most tokens a step may propose per request."""
+                 support_chunking: bool = True, speculate: int = 0, adapters: AdapterSet | None = None):
+        """speculate: the shards' Info.speculate, the most tokens a step may propose per request.
+        adapters: the LoRA adapters loaded on the shards (none by default)."""
         self.client = client
+        self.adapters = adapters if adapters is not None else AdapterSet()
+        self._between: deque[tuple[Callable[[], Awaitable], asyncio.Future]] = deque()
         self.speculate = speculate
         self.pool = pool
         self.limits = limits
@@ -134,6 +147,13 @@ class Scheduler:
             )
         if self.pool.blocks_for(self._kv_tokens(request)) > self.pool.num_blocks - 1:
             raise StepFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request does not fit in the KV cache")
+        if request.adapter_id:
+            # Checked again here, on the loop: an unload may have begun since validation.
+            try:
+                adapter = self.adapters.usable(request.adapter_id)
+            except AdapterError as exc:
+                raise StepFailed(exc.code, exc.message) from None
+            request.adapter_key = adapter.key
         entry = Entry(id=next(self._ids), request=request)
         self._inflight += 1
         self.queue.append(entry)
@@ -149,13 +169,45 @@ class Scheduler:
         slots are only headroom."""
         return max(request.input_length + request.max_new_tokens - 1, 1) + self.speculate
 
+    def uses(self, adapter_id: str) -> int:
+        """Requests queued or running (not yet filtered out of the shards' batch) with the adapter."""
+        entries = itertools.chain(self.queue, self.running.values())
+        return sum(1 for e in entries if e.request.adapter_id == adapter_id)
+
+    async def between_steps(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Runs `call` (a shard call that changes their state: LoadAdapter, UnloadAdapter) on the
+        loop, after the step in flight and before the next: the shards never see it beside a
+        Prefill or Decode. Its result or error comes back here."""
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._between.append((call, future))
+        self._wake.set()
+        return await future
+
+    async def _run_between(self) -> None:
+        while self._between:
+            call, future = self._between.popleft()
+            if future.cancelled():
+                continue
+            try:
+                result = await call()
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001: the caller gets it, whatever it was
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(result)
+
     def cancel(self, entry: Entry) -> None:
         """The client went away: drop it from the queue now, or from the batch after this step."""
         if entry.done or entry.cancelled:
             return
         entry.cancelled = True
         self.metrics.request_cancelled.inc()
-        self.metrics.request_failure.labels(err="dropped").inc()  # TGI's name for a client gone away
+        # TGI's name for a client gone away
+        self.metrics.request_failure.labels(err="dropped", adapter=entry.request.adapter_id).inc()
         if entry in self.queue:
             self.queue.remove(entry)
             self.metrics.queue_size.set(len(self.queue))
@@ -182,7 +234,7 @@ class Scheduler:
 
     def _fail(self, entry: Entry, code: grpc.StatusCode, message: str, reason: str) -> None:
         if not entry.done:
-            self.metrics.request_failure.labels(err=reason).inc()
+            self.metrics.request_failure.labels(err=reason, adapter=entry.request.adapter_id).inc()
             entry.events.put_nowait(StepFailed(code, message))
             self._finish(entry, computed=False)
 
@@ -199,6 +251,10 @@ class Scheduler:
                 pass
         for entry in list(self.queue) + list(self.running.values()):
             self._fail(entry, grpc.StatusCode.UNAVAILABLE, "the server stopped", "shutdown")
+        while self._between:
+            _, future = self._between.popleft()
+            if not future.done():
+                future.set_exception(StepFailed(grpc.StatusCode.UNAVAILABLE, "the server stopped"))
         self.queue.clear()
         self.running.clear()
 
@@ -221,7 +277,7 @@ class Scheduler:
             request = entry.request
             # Prompt logprobs need logits at every prompt position: a cached prefix has none.
             lookup = None if request.decoder_input_details else request.input_ids
-            allocation = self.pool.allocate(self._kv_tokens(request), lookup)
+            allocation = self.pool.allocate(self._kv_tokens(request), lookup, request.adapter_key)
             if allocation is None:
                 break  # wait for running requests to free blocks; keep FIFO order
             compute = request.input_length - allocation.cache_len
@@ -262,10 +318,12 @@ class Scheduler:
     async def _run(self) -> None:
         cached: spb.CachedBatch | None = None
         while True:
-            if cached is None and not self.queue:
+            if cached is None and not self.queue and not self._between:
                 await self._wake.wait()
             self._wake.clear()
             try:
+                if self._between:
+                    await self._run_between()
                 cached = await self._step(cached)
             except asyncio.CancelledError:
                 raise
@@ -481,7 +539,8 @@ class Scheduler:
     def _record_success(self, entry: Entry, gen, now: float) -> None:
         m = self.metrics
         generated = gen.generated_text.generated_tokens
-        m.request_success.labels(finish_reason=FINISH_REASONS.get(gen.generated_text.finish_reason, "unknown")).inc()
+        m.request_success.labels(finish_reason=FINISH_REASONS.get(gen.generated_text.finish_reason, "unknown"),
+                                 adapter=entry.request.adapter_id).inc()
         m.request_duration.observe(now - entry.arrived)
         if entry.admitted is not None:
             m.request_inference_duration.observe(now - entry.admitted)

@@ -31,6 +31,8 @@ from text_generation_server.generation.chat_template import (
 from text_generation_server.generation import request_fields, tool_calls
 from text_generation_server.generation.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarType
 from text_generation_server.generation.tool_calls import Choice, Tool, ToolCall, ToolCallParser, ToolError
+from text_generation_server.router.adapter_admin import AdapterAdmin
+from text_generation_server.router.adapters import AdapterError, LoadPolicy
 from text_generation_server.router.metrics import Metrics
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
@@ -132,7 +134,15 @@ def conversation_of(request: cpb.ChatRequest) -> Conversation:
         tools.append(tool_calls.tool(t.name, t.description, parameters, where))
     if request.tool_choice not in (cpb.TOOL_CHOICE_UNSPECIFIED, *_PROTO_CHOICE):
         raise ToolError(f"tool_choice {request.tool_choice} is not a ToolChoice")
-    return Conversation(messages, request.parameters, tools, _PROTO_CHOICE.get(request.tool_choice),
+    parameters = request.parameters
+    if request.adapter_id:
+        given = parameters.adapter_id if parameters.HasField("adapter_id") else ""
+        if given and given != request.adapter_id:
+            raise ToolError(f"adapter_id {request.adapter_id!r} and parameters.adapter_id {given!r} differ")
+        parameters = cpb.GenerateParameters()
+        parameters.CopyFrom(request.parameters)
+        parameters.adapter_id = request.adapter_id
+    return Conversation(messages, parameters, tools, _PROTO_CHOICE.get(request.tool_choice),
                         request.tool_choice_function or None)
 
 
@@ -143,8 +153,11 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: Limits, info: cpb.InfoResponse,
                  metrics: Metrics, *, model_folder: Path | None = None, eos_token_ids: Iterable[int] = (),
-                 grammar_support: bool = True, tool_call_parser: str | None = None):
+                 grammar_support: bool = True, tool_call_parser: str | None = None,
+                 load_policy: LoadPolicy | None = None, drain_timeout_s: float = 60.0):
         """model_folder: where the chat template is read from (None: Chat is unavailable).
+        load_policy: whether and from where LoRA adapters may be loaded at run time (default:
+        not at all). drain_timeout_s: how long an unload waits for the adapter's requests.
         eos_token_ids: the tokens that end a grammar's output. grammar_support: False refuses
         requests with a grammar (--disable-grammar-support). tool_call_parser: the syntax of
         the model's tool calls (--tool-call-parser); None reads it from the template."""
@@ -162,6 +175,7 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
             self.tool_parser = tool_calls.parser_for(self.chat_template.text, tool_call_parser)
             logger.info("tool calls (tool_choice auto) are read as {}", self.tool_parser.name)
         self.grammar_support = grammar_support
+        self.adapter_admin = AdapterAdmin(scheduler, load_policy or LoadPolicy(None, False), metrics, drain_timeout_s)
         self._eos_token_ids = set(eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -183,25 +197,34 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
     # -- the core every door uses ---------------------------------------------------------------
     async def submit(self, request: cpb.GenerateRequest, add_special_tokens: bool = True) -> Entry:
         """Validates and queues a request; Refused with the status a client gets otherwise."""
-        self.metrics.request_count.inc()
+        adapter_id = request.parameters.adapter_id if request.parameters.HasField("adapter_id") else ""
+        if adapter_id:
+            try:
+                self.scheduler.adapters.usable(adapter_id)
+            except AdapterError as exc:  # counted under the base: a made-up name never becomes a label
+                self._count_refused()
+                raise Refused(exc.code, exc.message) from None
+        self.metrics.request_count.labels(adapter=adapter_id).inc()
         started = time.monotonic()
         try:
             valid = await asyncio.to_thread(self._validate, request, add_special_tokens)
         except ValidationError as exc:
-            self.metrics.request_failure.labels(err="validation").inc()
+            self.metrics.request_failure.labels(err="validation", adapter=adapter_id).inc()
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        valid.adapter_id = adapter_id
         self.metrics.request_validation_duration.observe(time.monotonic() - started)
         self.metrics.input_length.observe(valid.input_length)  # per valid request, as TGI's validation does
         self.metrics.max_new_tokens.observe(valid.max_new_tokens)
         try:
             entry = self.scheduler.submit(valid)
         except StepFailed as exc:
-            reason = "overloaded" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "unavailable"
-            self.metrics.request_failure.labels(err=reason).inc()
+            reason = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+                      grpc.StatusCode.NOT_FOUND: "validation"}.get(exc.code, "unavailable")
+            self.metrics.request_failure.labels(err=reason, adapter=adapter_id).inc()
             raise Refused(exc.code, str(exc)) from None
         logger.bind(request_id=entry.id).info(
-            "request {} queued: {} input tokens, max_new_tokens {}", entry.id, valid.input_length,
-            valid.max_new_tokens,
+            "request {} queued: {} input tokens, max_new_tokens {}{}", entry.id, valid.input_length,
+            valid.max_new_tokens, f", adapter {adapter_id}" if adapter_id else "",
         )
         return entry
 
@@ -271,8 +294,8 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
     # -- chat ------------------------------------------------------------------------------------
     def _count_refused(self) -> None:
         """A chat refused before it became a Generate counts as a request that failed validation."""
-        self.metrics.request_count.inc()
-        self.metrics.request_failure.labels(err="validation").inc()
+        self.metrics.request_count.labels(adapter="").inc()
+        self.metrics.request_failure.labels(err="validation", adapter="").inc()
 
     def _chat_request(self, template: ChatTemplate, chat: Conversation) -> tuple[cpb.GenerateRequest, ChatPlan]:
         if not chat.messages:
@@ -407,8 +430,34 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         ]
         return cpb.TokenizeResponse(tokens=tokens)
 
+    def current_info(self) -> cpb.InfoResponse:
+        """Info with the adapters loaded now."""
+        info = cpb.InfoResponse()
+        info.CopyFrom(self.info)
+        info.adapters.extend(self.adapter_admin.list())
+        info.adapter_loading = self.adapter_admin.policy.open
+        return info
+
     async def Info(self, request, context):
-        return self.info
+        return self.current_info()
+
+    # -- LoRA adapters (router/adapter_admin.py) -------------------------------------------------
+    async def LoadAdapter(self, request, context):
+        try:
+            info = await self.adapter_admin.load(request.name, request.path)
+        except AdapterError as exc:
+            await context.abort(exc.code, exc.message)
+        return cpb.LoadAdapterResponse(adapter=info)
+
+    async def UnloadAdapter(self, request, context):
+        try:
+            await self.adapter_admin.unload(request.name)
+        except AdapterError as exc:
+            await context.abort(exc.code, exc.message)
+        return cpb.UnloadAdapterResponse()
+
+    async def ListAdapters(self, request, context):
+        return cpb.ListAdaptersResponse(adapters=self.adapter_admin.list())
 
 
 class _Malformed:

@@ -53,6 +53,10 @@ class ValidRequest:
     ignore_eos_token: bool = False
     # False for a chat prompt: the template wrote the special tokens already.
     add_special_tokens: bool = True
+    # The LoRA adapter by name ("" = the base model) and its load's key, which seeds the prefix
+    # cache's hashes (router/adapters.py): set by the service once it knows the adapter is loaded.
+    adapter_id: str = ""
+    adapter_key: int | None = None
 
     def to_shard(self, request_id: int, blocks: list[int], slots: list[int], cache_len: int = 0,
                  chunk_len: int | None = None) -> spb.Request:
@@ -76,6 +80,8 @@ class ValidRequest:
         )
         if chunk_len is not None:
             request.chunk_len = chunk_len
+        if self.adapter_id:
+            request.adapter_id = self.adapter_id
         return request
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -181,6 +182,36 @@ def _cuda_graphs(option: str, graphs: list[int] | None) -> None:
         raise ValueError(f"{option} must be increasing batch sizes >= 1 (or 0 alone to disable), got {graphs}")
 
 
+# -- LoRA adapters (models/adapters.py) ------------------------------------------------------------
+DEFAULT_MAX_LORA_RANK = 64
+
+
+def parse_lora_adapters(values: list[str], where: str) -> list[str]:
+    """--lora-adapters (TGI's flag; LORA_ADAPTERS): `name=path` or a bare `path` (named by its folder),
+    repeatable or comma-separated; each as `name=path`, names unique."""
+    out: dict[str, str] = {}
+    for value in values:
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            name, sep, path = part.partition("=")
+            if not sep:
+                path = part
+                name = path.rstrip("/").rsplit("/", 1)[-1]
+            name, path = name.strip(), path.strip()
+            if not name or not path:
+                raise ValueError(f"{where}: '{part}' must be name=path or a path")
+            if name in out:
+                raise ValueError(f"{where}: adapter name '{name}' is given twice")
+            out[name] = os.path.abspath(os.path.expanduser(path))  # the ranks' working folder may differ
+    return [f"{name}={path}" for name, path in out.items()]
+
+
+def _directory(option: str, value: str | None) -> None:
+    if value is not None and not os.path.isdir(os.path.expanduser(value)):
+        raise ValueError(f"{option} must be an existing directory, got {value!r}")
+
+
 def check_choice(option: str, value: str | None, choices: tuple[str, ...]) -> None:
     """Flag.choices' rule (None is allowed: the flag's default where it has one)."""
     if value is not None and value not in choices:
@@ -331,6 +362,20 @@ class ServeArgs:
     disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
         False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",
     )
+    # -- LoRA adapters: slots preallocated on every rank, counted by warmup before the KV cache
+    lora_adapters: list[str] = setting(  # "name=path" each (parse_lora_adapters)
+        [], "LoRA adapters (PEFT folders) loaded at startup: name=path or a path (named by its folder), "
+        "repeatable or comma-separated; requests name them in adapter_id.", metavar="NAME=PATH",
+        parse=parse_lora_adapters,
+    )
+    max_loras: int | None = setting(  # None = len(lora_adapters); 0 slots = LoRA off
+        None, "Adapter slots reserved on every rank (default: as many as --lora-adapters names; set it to load "
+        "more at run time).", check=_at_least_1,
+    )
+    max_lora_rank: int = setting(
+        DEFAULT_MAX_LORA_RANK, "Largest adapter rank accepted; each slot reserves this rank for every adaptable "
+        "linear.", check=_at_least_1,
+    )
     # -- lifecycle and logs
     drain_timeout_s: float = setting(
         60.0, "On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled.",
@@ -368,6 +413,18 @@ class ServeArgs:
         None, "How the model writes tool calls, for tool_choice auto (default: read from the chat template; "
         "else hermes).", choices=TOOL_CALL_PARSERS,
     )
+    # -- LoRA adapters loaded and unloaded at run time (the client API's LoadAdapter / UnloadAdapter,
+    # router/adapter_admin.py): off unless a directory is named; on a port without API keys, only
+    # with the second switch too
+    lora_load_dir: str | None = setting(  # None = LoadAdapter / UnloadAdapter refused
+        None, "Allow LoadAdapter / UnloadAdapter on the client API, for adapter folders inside DIR only "
+        "(symlinks and '..' resolved); without API keys, only with --lora-load-without-api-key too.",
+        metavar="DIR", check=_directory,
+    )
+    lora_load_without_api_key: bool = setting(  # the client port has no keys: anyone may load
+        False, "Allow run-time adapter loading (--lora-load-dir) on a server without API keys: any caller "
+        "who reaches the port may then load adapters from that directory.",
+    )
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -403,8 +460,13 @@ class ServeArgs:
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             missing = "--tls-cert-path" if self.tls_cert_path is None else "--tls-key-path"
             raise ValueError(f"--tls-cert-path and --tls-key-path go together: {missing} is missing")
+        if self.max_loras is not None and len(self.lora_adapters) > self.max_loras:
+            raise ValueError(f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-loras "
+                             f"{self.max_loras}")
         if self.tls_client_ca_path is not None and self.tls_cert_path is None:
             raise ValueError("--tls-client-ca-path needs --tls-cert-path and --tls-key-path (mutual TLS is TLS)")
+        if self.lora_load_without_api_key and self.lora_load_dir is None:
+            raise ValueError("--lora-load-without-api-key opens run-time loading, which needs --lora-load-dir DIR")
 
     @property
     def requires_api_key(self) -> bool:
@@ -414,6 +476,11 @@ class ServeArgs:
     def effective_metrics_hostname(self) -> str:
         """Where /metrics listens: its own flag, else beside the client API."""
         return self.metrics_hostname or self.hostname
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots each rank reserves: --max-loras, else one per --lora-adapters (0: LoRA off)."""
+        return self.max_loras if self.max_loras is not None else len(self.lora_adapters)
 
     @property
     def effective_cuda_graphs(self) -> list[int]:

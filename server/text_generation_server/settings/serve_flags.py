@@ -80,7 +80,6 @@ TGI_ONLY_FLAGS: tuple[TgiFlag, ...] = (
     TgiFlag("revision", "models are local folders; there is no hub revision to pick", True),
     TgiFlag("rope_scaling", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
     TgiFlag("rope_factor", "RoPE scaling comes from the checkpoint's config.json (rope_scaling)", True),
-    TgiFlag("lora_adapters", "LoRA adapters are not supported by this server", True),
     TgiFlag("otlp_endpoint", "OpenTelemetry export is not supported; use /metrics and --json-output logs", True),
     TgiFlag("watermark_gamma", "watermarking is not supported by this server", True),
     TgiFlag("watermark_delta", "watermarking is not supported by this server", True),

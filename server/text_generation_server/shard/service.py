@@ -50,6 +50,7 @@ from text_generation_server.engine.batch import Batch, OutOfBlocksError
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.types import BatchNotFound, Generation, GenerationRequest, RequestError, StepTimings
 from text_generation_server.engine.warmup import WarmupError
+from text_generation_server.shard import adapters
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
@@ -162,8 +163,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return await loop.run_in_executor(self._executor, self._on_model_thread, fn, *args)
         except ShardError:
             raise
-        except RequestError as exc:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except RequestError as exc:  # (an unknown or refused LoRA adapter names its own status: `code`)
+            raise ShardError(grpc.StatusCode[exc.code], str(exc)) from None
         except BatchNotFound as exc:
             raise ShardError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except (WarmupError, OutOfBlocksError) as exc:
@@ -180,8 +181,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         except ShardError as exc:
             await context.abort(exc.code, str(exc))
 
-    async def _requests(self, batch: pb.Batch, refused: dict[int, RequestError] | None = None
-                        ) -> list[GenerationRequest]:
+    async def _requests(self, batch: pb.Batch, refused: dict[int, RequestError] | None = None,
+                        warmup: bool = False) -> list[GenerationRequest]:
         """The batch's requests, decoded and tokenized (and their grammars compiled) on a thread of
         their own: the model thread only runs steps, and finds each grammar in the compiler's cache.
         The fields' validators run in make_batch, on the model thread (engine/batch_builder.py).
@@ -191,7 +192,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             requests = []
             for r in batch.requests:
                 try:
-                    requests.append(request_from_pb(r))
+                    requests.append(request_from_pb(r, warmup))
                 except RequestError as exc:
                     if refused is None:
                         raise
@@ -228,6 +229,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         )
         if window is not None:
             info.window_size = window
+        info.adapters.extend(adapters.infos(m.adapters))
         context.set_trailing_metadata((
             (KERNELS_METADATA, ",".join(model_kernels(m.model))),
             (ATTENTION_METADATA, m.attention.name),
@@ -300,7 +302,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return await self._unary(context, self._warmup(request))
 
     async def _warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        requests = await self._requests(request.batch)
+        requests = await self._requests(request.batch, warmup=True)
 
         def warm():
             if self.model.kv_cache is not None and self.cache:
@@ -440,6 +442,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
 
         return (await self._run(decode))()
+
+    async def LoadAdapter(self, request, context):
+        return await self._unary(context, self._run(adapters.load, self.model.adapters, request))
+
+    async def UnloadAdapter(self, request, context):
+        return await self._unary(context, self._run(lambda: adapters.unload(
+            self.model.adapters, request, [*self.cache.values(), *(a.source for a in self._ahead.values())])))
 
     # Steps: StepCall's oneof field -> (its handler, the StepAnswer field of its answer).
     _STEP_CALLS = {

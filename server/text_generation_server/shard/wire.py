@@ -1,7 +1,7 @@
 """generate.v3 messages to the engine's types and back: how a shard reads a request and answers.
 
 Decoding is wire-only: what "unset" means on v3 (0 for a proto3 scalar), the fields this server
-does not support (images, logit_bias), and the grammar's type and text (its validator, as the
+does not support (images, logit_bias, watermark: refused by name, never dropped), and the grammar's type and text (its validator, as the
 client API's). The other fields' validators run where the engine takes the request
 (engine/batch_builder.py make_batch), for a shard's requests and the engine's own alike.
 """
@@ -20,16 +20,17 @@ def _or_default(value: float, default: float) -> float:
     return default if value == 0 else value
 
 
-def request_from_pb(req: pb.Request) -> GenerationRequest:
+def request_from_pb(req: pb.Request, warmup: bool = False) -> GenerationRequest:
     """The engine's request; a field the engine cannot honour, or a grammar that breaks its
-    validator, is a RequestError naming it. The other fields' validators run in make_batch."""
+    validator, is a RequestError naming it. The other fields' validators run in make_batch.
+    `warmup`: the Warmup batch, whose watermark flag (a TGI router sets it) is ignored."""
     try:
-        return _request_from_pb(req)
+        return _request_from_pb(req, warmup)
     except request_fields.InvalidField as exc:
         raise request_error(req.id, exc) from None
 
 
-def _request_from_pb(req: pb.Request) -> GenerationRequest:
+def _request_from_pb(req: pb.Request, warmup: bool) -> GenerationRequest:
     if req.inputs:
         inputs = req.inputs
     else:
@@ -47,6 +48,8 @@ def _request_from_pb(req: pb.Request) -> GenerationRequest:
         grammar = request_fields.grammar(p.grammar_type, p.grammar, type_name)
     if p.logit_bias:
         raise RequestError(f"request {req.id}: logit_bias is not supported")
+    if p.watermark and not warmup:  # (a TGI router's warmup batch sets every option, watermark too)
+        raise RequestError(f"request {req.id}: watermark is not supported by this server")
     sampling = SamplingParams(
         temperature=_or_default(p.temperature, 1.0),
         top_k=p.top_k,
@@ -75,6 +78,7 @@ def _request_from_pb(req: pb.Request) -> GenerationRequest:
         cache_len=req.cache_len,
         chunk_len=req.chunk_len if req.HasField("chunk_len") else None,
         input_ids=list(req.input_ids) if req.input_ids else None,
+        adapter_id=req.adapter_id if req.HasField("adapter_id") and req.adapter_id else None,
     )
 
 

@@ -38,9 +38,19 @@ class HttpContext:
 
     def check_model(self, model: str | None) -> None:
         """OpenAI's `model`: absent, or a name this server serves (404 otherwise, as OpenAI answers)."""
-        if model is not None and model not in self.model_names and model not in PLACEHOLDER_MODELS:
-            raise HttpError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                            "not_found_error", "model", "model_not_found")
+        self.model_adapter(model)
+
+    def model_adapter(self, model: str | None) -> str:
+        """The LoRA adapter OpenAI's `model` names, as vLLM reads it: "" for the base model (absent,
+        its names, a placeholder), the adapter's name for a loaded adapter; 404 naming it otherwise."""
+        if model is None or model in self.model_names or model in PLACEHOLDER_MODELS:
+            return ""
+        if model in self.service.scheduler.adapters:
+            return model
+        adapters = self.service.scheduler.adapters.names()
+        also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise HttpError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}{also}",
+                        "not_found_error", "model", "model_not_found")
 
 
 T = TypeVar("T")

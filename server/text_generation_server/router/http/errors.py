@@ -1,7 +1,8 @@
 """Errors as each HTTP API shapes them, from the gRPC status the core answers with.
 
 OpenAI: `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key),
-404 (unknown model or path), 413 (body too large), 429 (at capacity), 503 (shutting down).
+403 (run-time adapter loading not opened), 404 (unknown model or path), 413 (body too large),
+429 (at capacity), 503 (shutting down).
 TGI: `{"error", "error_type"}` with 422 for validation (TGI's status), 429 overloaded, 424 when
 generation failed. Client input never gets a 5xx.
 """
@@ -40,6 +41,9 @@ _STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error"),  # a LoRA adapter's name (vLLM: 400)
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),  # run-time adapter loading not opened
+    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "service_unavailable"),  # an unload's drain ran out of time
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
 
@@ -60,6 +64,7 @@ _TGI = {
     "rate_limit_error": ("overloaded", 429),
     "service_unavailable": ("unavailable", 503),
     "authentication_error": ("authentication", 401),
+    "permission_error": ("authentication", 403),
     "not_found_error": ("not_found", 404),
     "request_too_large": ("validation", 413),
     "server_error": ("generation", 424),

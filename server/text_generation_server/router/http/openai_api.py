@@ -1,5 +1,10 @@
 """OpenAI's API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
+`model` names the base model or one of the loaded LoRA adapters, as vLLM reads it; /v1/models
+lists the base model and every adapter loaded now (an adapter's card has the base as `parent`);
+vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter are LoadAdapter and UnloadAdapter,
+under the same opt-ins (--lora-load-dir, an API key or --lora-load-without-api-key).
+
 Each choice is one request to the core (n copies of a prompt, each prompt of /v1/completions),
 validated, queued and counted like a gRPC request. Streaming answers are server-sent events,
 `data: {chunk}` per step and `data: [DONE]` at the end; with stream_options.include_usage a last
@@ -15,7 +20,7 @@ import time
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from text_generation_server.generation.tool_calls import Choice, ToolCall, ToolCallStream
@@ -26,7 +31,8 @@ from text_generation_server.router.http.body import Fields, read_json
 from text_generation_server.router.http.core import (
     HttpContext, StopTrimmer, collect, finished, merged, step_texts, submit, trim_stop,
 )
-from text_generation_server.router.http.errors import HttpError, from_status
+from text_generation_server.router.adapters import AdapterError
+from text_generation_server.router.http.errors import HttpError, bad_request, from_status
 from text_generation_server.router.scheduler import Entry
 from text_generation_server.router.service import ChatPlan, Refused
 
@@ -113,19 +119,51 @@ class OpenAIApi:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
         ]
 
     # -- models ----------------------------------------------------------------------------------
-    def _model_card(self) -> dict:
-        return {"id": self.ctx.model_id, "object": "model", "created": self.ctx.created,
-                "owned_by": "text-generation-server"}
+    def _model_card(self, adapter: str = "") -> dict:
+        """The base model's card, or a LoRA adapter's (vLLM's shape: `parent` the base model,
+        `root` the adapter's folder)."""
+        card = {"id": adapter or self.ctx.model_id, "object": "model", "created": self.ctx.created,
+                "owned_by": "text-generation-server", "root": self.ctx.model_id, "parent": None}
+        if adapter:
+            card.update(root=self.ctx.service.scheduler.adapters.get(adapter).info.path, parent=self.ctx.model_id)
+        return card
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        adapters = self.ctx.service.scheduler.adapters.names()
+        return JSONResponse({"object": "list", "data": [self._model_card(a) for a in ["", *adapters]]})
 
     async def model(self, request: Request) -> JSONResponse:
-        self.ctx.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(self.ctx.model_adapter(request.path_params["model"])))
+
+    # -- LoRA adapters at run time, as vLLM's endpoints take them (router/adapter_admin.py) ----------
+    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's {"lora_name", "lora_path"}: LoadAdapter, with its opt-ins and path checks."""
+        f = Fields(await read_json(request, self.ctx.max_body_bytes))
+        name, path = f.string("lora_name"), f.string("lora_path")
+        if not name or not path:
+            raise bad_request("lora_name and lora_path are required (strings)", "lora_name" if not name else "lora_path")
+        try:
+            await self.ctx.service.adapter_admin.load(name, path)
+        except AdapterError as exc:
+            raise from_status(exc.code, exc.message) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's {"lora_name"}: UnloadAdapter (drains the adapter's requests first)."""
+        f = Fields(await read_json(request, self.ctx.max_body_bytes))
+        name = f.string("lora_name")
+        if not name:
+            raise bad_request("lora_name is required (a string)", "lora_name")
+        try:
+            await self.ctx.service.adapter_admin.unload(name)
+        except AdapterError as exc:
+            raise from_status(exc.code, exc.message) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # -- submitting --------------------------------------------------------------------------------
     async def _submit_all(self, calls, chat: bool) -> list:
@@ -162,9 +200,11 @@ class OpenAIApi:
     # -- chat --------------------------------------------------------------------------------------
     async def chat(self, request: Request):
         f = Fields(await read_json(request, self.ctx.max_body_bytes))
-        self.ctx.check_model(f.string("model"))
+        adapter = self.ctx.model_adapter(f.string("model"))
         params, opts = reqs.parameters(f, chat=True, max_top_n=self.ctx.service.limits.max_top_n_tokens,
                                        max_n=self.ctx.max_client_batch_size)
+        if adapter:
+            params.adapter_id = adapter
         conversation = reqs.conversation(f, params)
         calls = []
         for copy in self._copies(params, opts.n):
@@ -275,10 +315,12 @@ class OpenAIApi:
     # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request):
         f = Fields(await read_json(request, self.ctx.max_body_bytes))
-        self.ctx.check_model(f.string("model"))
+        adapter = self.ctx.model_adapter(f.string("model"))
         prompts = reqs.prompts(f)
         params, opts = reqs.parameters(f, chat=False, max_top_n=self.ctx.service.limits.max_top_n_tokens,
                                        max_n=self.ctx.max_client_batch_size)
+        if adapter:
+            params.adapter_id = adapter
         opts.echo = reqs.refuse_completion_extras(f)
         if len(prompts) * opts.n > self.ctx.max_client_batch_size:
             raise reqs.bad_request(f"{len(prompts)} prompts x n {opts.n} is more than this server's "

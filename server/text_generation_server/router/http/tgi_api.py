@@ -4,7 +4,8 @@ posts; `stream` picks the answer), /generate, /generate_stream, /tokenize; GET /
 Field names and shapes are TGI's (router/src/lib.rs): GenerateParameters below `parameters`,
 `details` with finish_reason length | eos_token | stop_sequence, the stream's events
 `data:{"index", "token", "top_tokens", "generated_text", "details"}`. The request becomes the
-client API's GenerateRequest and runs through the same core as gRPC's Generate.
+client API's GenerateRequest and runs through the same core as gRPC's Generate; TGI's
+`parameters.adapter_id` names a LoRA adapter as the client API's does.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def parameters(f: Fields | None) -> tuple[cpb.GenerateParameters, bool]:
         raise bad_request("parameters.best_of > 1 is not supported by this server", "parameters.best_of")
     if f.boolean("watermark", default=False):
         raise bad_request("parameters.watermark is not supported by this server", "parameters.watermark")
-    if f.string("adapter_id"):
-        raise bad_request("parameters.adapter_id: LoRA adapters are not supported by this server",
-                          "parameters.adapter_id")
+    adapter_id = f.string("adapter_id")
+    if adapter_id:  # a LoRA adapter loaded on the server; an unknown one is 404 (the core's NOT_FOUND)
+        p.adapter_id = adapter_id
     for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"):
         value = f.number(name)
         if value is not None:

@@ -81,6 +81,16 @@ class TextGenerationServiceStub:
                 request_serializer=generate_dot_v3_dot_generate__pb2.StepCall.SerializeToString,
                 response_deserializer=generate_dot_v3_dot_generate__pb2.StepAnswer.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/generate.v3.TextGenerationService/LoadAdapter',
+                request_serializer=generate_dot_v3_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=generate_dot_v3_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/generate.v3.TextGenerationService/UnloadAdapter',
+                request_serializer=generate_dot_v3_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=generate_dot_v3_dot_generate__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -157,6 +167,21 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Not in TGI (a TGI router never calls them): load a LoRA adapter (PEFT layout) into a free
+        slot under `name`, or drop one. The router sends them to every rank, between steps; requests
+        name a loaded adapter in Request.adapter_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +229,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=generate_dot_v3_dot_generate__pb2.StepCall.FromString,
                     response_serializer=generate_dot_v3_dot_generate__pb2.StepAnswer.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=generate_dot_v3_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=generate_dot_v3_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=generate_dot_v3_dot_generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=generate_dot_v3_dot_generate__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -450,6 +485,60 @@ class TextGenerationService:
             '/generate.v3.TextGenerationService/Steps',
             generate_dot_v3_dot_generate__pb2.StepCall.SerializeToString,
             generate_dot_v3_dot_generate__pb2.StepAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v3.TextGenerationService/LoadAdapter',
+            generate_dot_v3_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            generate_dot_v3_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v3.TextGenerationService/UnloadAdapter',
+            generate_dot_v3_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+            generate_dot_v3_dot_generate__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

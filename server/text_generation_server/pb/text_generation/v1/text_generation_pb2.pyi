@@ -50,7 +50,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens", "ignore_eos_token", "grammar")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "do_sample", "seed", "stop", "truncate", "details", "decoder_input_details", "top_n_tokens", "ignore_eos_token", "grammar", "adapter_id")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GenerateParameters(_message.Message):
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -83,7 +84,8 @@ class GenerateParameters(_message.Message):
     top_n_tokens: int
     ignore_eos_token: bool
     grammar: Grammar
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., ignore_eos_token: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    adapter_id: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., ignore_eos_token: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("type", "value")
@@ -196,18 +198,20 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "parameters", "tools", "tool_choice", "tool_choice_function")
+    __slots__ = ("messages", "parameters", "tools", "tool_choice", "tool_choice_function", "adapter_id")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     parameters: GenerateParameters
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     tool_choice_function: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ...) -> None: ...
+    adapter_id: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")
@@ -240,7 +244,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens", "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens", "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels", "attention_backend", "prefix_caching", "chunked_prefill", "model_impl")
+    __slots__ = ("model_id", "model_dtype", "model_device_type", "max_input_tokens", "max_total_tokens", "max_concurrent_requests", "max_stop_sequences", "max_batch_total_tokens", "max_batch_prefill_tokens", "num_shard", "quantize", "version", "block_size", "kernels", "attention_backend", "prefix_caching", "chunked_prefill", "model_impl", "adapters", "adapter_loading")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +263,8 @@ class InfoResponse(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOADING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_dtype: str
     model_device_type: str
@@ -277,4 +283,54 @@ class InfoResponse(_message.Message):
     prefix_caching: bool
     chunked_prefill: bool
     model_impl: str
-    def __init__(self, model_id: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., num_shard: _Optional[int] = ..., quantize: _Optional[str] = ..., version: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., model_impl: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    adapter_loading: bool
+    def __init__(self, model_id: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., num_shard: _Optional[int] = ..., quantize: _Optional[str] = ..., version: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., model_impl: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., adapter_loading: _Optional[bool] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "alpha")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    alpha: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., alpha: _Optional[float] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -66,6 +66,21 @@ class TextGenerationStub:
                 request_serializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
                 response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/text_generation.v1.TextGeneration/LoadAdapter',
+                request_serializer=text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/text_generation.v1.TextGeneration/UnloadAdapter',
+                request_serializer=text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/text_generation.v1.TextGeneration/ListAdapters',
+                request_serializer=text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -119,6 +134,42 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters while serving (the administration of a deployment, not of a
+        request). Off unless the server runs with --lora-load-dir: then
+        FAILED_PRECONDITION naming the flag. With no API key configured they are
+        refused too (PERMISSION_DENIED) unless --lora-load-without-api-key: any
+        caller could otherwise make the server read files.
+
+        Loads the adapter at `path` (a folder in PEFT's layout under
+        --lora-load-dir, relative to it or absolute; symlinks and `..` are
+        resolved first) under `name` on every rank, between two batch steps.
+        INVALID_ARGUMENT: a bad name, a path outside the directory, an adapter the
+        model cannot take (rank, DoRA, targets); ALREADY_EXISTS: the name is loaded;
+        RESOURCE_EXHAUSTED: --max-loras adapters are loaded already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter: new requests naming it are refused (NOT_FOUND) at once,
+        the ones queued or running finish first (drain), then every rank drops it.
+        NOT_FOUND: no adapter of that name. DEADLINE_EXCEEDED: its requests did not
+        finish within drain_timeout_s (the adapter stays loaded, usable again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters loaded now (those of --lora-adapters and of LoadAdapter).
+        Needs no opt-in (InfoResponse.adapters lists them too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +202,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.ChatStream,
                     request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.FromString,
                     response_serializer=text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +382,87 @@ class TextGeneration:
             '/text_generation.v1.TextGeneration/ChatStream',
             text__generation_dot_v1_dot_text__generation__pb2.ChatRequest.SerializeToString,
             text__generation_dot_v1_dot_text__generation__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/text_generation.v1.TextGeneration/LoadAdapter',
+            text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterRequest.SerializeToString,
+            text__generation_dot_v1_dot_text__generation__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/text_generation.v1.TextGeneration/UnloadAdapter',
+            text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterRequest.SerializeToString,
+            text__generation_dot_v1_dot_text__generation__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/text_generation.v1.TextGeneration/ListAdapters',
+            text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersRequest.SerializeToString,
+            text__generation_dot_v1_dot_text__generation__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
