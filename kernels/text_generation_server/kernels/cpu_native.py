@@ -225,10 +225,17 @@ def int8_variants(rows: int, k: int) -> tuple[str, ...]:
     return gemv + ("op", "dequant")
 
 
+def int8_row_invariant_fits(k: int) -> bool:
+    """Whether an int8 layer of inner size `k` can run every row count on the matrix-vector kernel
+    (chunks of INT8_GEMV_MAX_ROWS rows): what a row-invariant layer (the int8 head) needs."""
+    return k <= INT8_GEMV_MAX_K
+
+
 def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
               out_dtype: torch.dtype, prefetch: int = -1) -> torch.Tensor:
-    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums
-    (weights prefetched `prefetch` bytes ahead; -1: PREFETCH_BYTES)."""
+    """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums (weights prefetched
+    `prefetch` bytes ahead; -1: PREFETCH_BYTES). Rows run in chunks of INT8_GEMV_MAX_ROWS, each
+    chunk reading the weights once; a row's bits do not depend on the rows beside it."""
     distance = PREFETCH_BYTES if prefetch < 0 else prefetch
     return module.int8_gemv(x.float().contiguous(), weight, scales, distance).to(out_dtype)
 

@@ -101,6 +101,24 @@ inline void store_bf16(uint16_t* dst, vf v) {
 #define PREFETCH_LOCALITY 2
 #endif
 
+// One fused multiply-add, in a fixed form, whatever the instruction set: a row's bits must not depend
+// on the compiler's choice to contract a multiply and an add in one instantiation and not another.
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  __m512 ma, mb, mc; std::memcpy(&ma, &a, 64); std::memcpy(&mb, &b, 64); std::memcpy(&mc, &c, 64);
+  __m512 r = _mm512_fmadd_ps(ma, mb, mc); vf out; std::memcpy(&out, &r, 64); return out;
+#elif defined(__FMA__)
+  // Narrower targets (AVX2): one expression, which GCC contracts to one FMA per half by the same
+  // rule in every instantiation (splitting into __m256 halves by hand sent each result through the
+  // stack). The int4 kernel is not used on these builds (int4_native_isa).
+  return a * b + c;
+#else
+  vf r;
+  for (int j = 0; j < 16; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
+  return r;
+#endif
+}
+
 // ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
 // y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
 // (then s is null: no scale).
@@ -124,7 +142,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
       for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
       for (int m = 0; m < M; ++m) {
         vf xv = load_f(x + m * K + kk);
-        for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+        for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
       }
     }
   }
@@ -133,13 +151,13 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
     for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + k);
     for (int m = 0; m < M; ++m) {
       vf xv = load_f(x + m * K + k);
-      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+      for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
     }
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
       float t = hsum(acc[m][b]);
-      for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * weight_value(w[(n + b) * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b) * K + kk]), t);
       y[m * N + n + b] = s ? t * s[n + b] : t;
     }
 }
@@ -153,10 +171,13 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
 }
 
-// Row counts 1..8 to their tile shapes (one accumulator per row and output in registers).
+// Row counts 1..8 to their tile shapes (one accumulator per row and output in registers). Every row
+// gets the same operations in the same order whatever the tile (explicit FMAs, one horizontal sum
+// order), so a row's bits do not depend on how many rows share the call; more than 8 rows run in
+// chunks of 8 (each chunk reads the weights once).
 template <typename T>
-void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
-                   int64_t pf) {
+void gemv_chunk(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                int64_t pf) {
   switch (M) {
     case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N, pf); break;  // two independent FMA chains
     case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N, pf); break;
@@ -169,30 +190,20 @@ void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, flo
   }
 }
 
+template <typename T>
+void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                   int64_t pf) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8)
+    gemv_chunk<T>(std::min<int64_t>(8, M - m0), xp + m0 * K, wp, sp, yp + m0 * N, K, N, pf);
+}
+
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1, "x must have at least one row, got ", x.size(0));
 }
 
 // ---- int4, torch's CPU layout read in place: y[m, n] = sum_k x[m, k] * ((q[k, n] - 8) * s + z) ---------------
-// One fused multiply-add, in a fixed form, whatever the instruction set: a row's bits must not depend
-// on the compiler's choice to contract a multiply and an add in one instantiation and not another.
-inline vf fmadd(vf a, vf b, vf c) {
-#if defined(__AVX512F__)
-  __m512 ma, mb, mc; std::memcpy(&ma, &a, 64); std::memcpy(&mb, &b, 64); std::memcpy(&mc, &c, 64);
-  __m512 r = _mm512_fmadd_ps(ma, mb, mc); vf out; std::memcpy(&out, &r, 64); return out;
-#elif defined(__FMA__)
-  // Narrower targets (AVX2): one expression, which GCC contracts to one FMA per half by the same
-  // rule in every instantiation (splitting into __m256 halves by hand sent each result through the
-  // stack). The int4 kernel is not used on these builds (int4_native_isa).
-  return a * b + c;
-#else
-  vf r;
-  for (int j = 0; j < 16; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
-  return r;
-#endif
-}
 
 // One step of the int4 products: KSTEP input rows of 16 outputs. With AVX512-BF16, two rows through
 // vdpbf16ps: the codes as exact bfloat16 pairs, x's two values as a bfloat16 pair (x is bfloat16 data:
@@ -215,8 +226,17 @@ inline wstep codes_step(vu8 a, vu8 b) {  // 16 codes of row k, then of row k + 1
   __m512i pair = _mm512_or_si512(_mm512_cvtepu8_epi32(ia), _mm512_slli_epi32(_mm512_cvtepu8_epi32(ib), 16));
   return _mm512_permutexvar_epi16(pair, _mm512_load_si512(BF16_OF_CODE));
 }
+// x as the kernels read it (prepare_x): at each even k the float slot holds the bits of the bfloat16
+// pair (x[k], x[k + 1]), so a step broadcasts one 32-bit word instead of rounding two floats.
 inline xstep x_step(const float* row, int64_t k) {
-  return _mm512_set1_epi32(int(bf16_bits(row[k]) | (bf16_bits(row[k + 1]) << 16)));
+  int32_t bits; std::memcpy(&bits, row + k, 4);
+  return _mm512_set1_epi32(bits);
+}
+inline void prepare_row(const float* src, float* dst, int64_t K) {
+  for (int64_t k = 0; k + 1 < K; k += 2) {
+    const uint32_t bits = bf16_bits(src[k]) | (bf16_bits(src[k + 1]) << 16);
+    std::memcpy(dst + k, &bits, 4);
+  }
 }
 inline vf step_acc(vf t, wstep w, xstep x) {
   __m512 mt; std::memcpy(&mt, &t, 64);
@@ -229,11 +249,55 @@ typedef vf wstep;
 typedef vf xstep;
 inline wstep codes_step(vu8 a, vu8) { return to_f(a); }
 inline xstep x_step(const float* row, int64_t k) { return splat(row[k]); }
+inline void prepare_row(const float* src, float* dst, int64_t K) { std::memcpy(dst, src, K * sizeof(float)); }
 inline vf step_acc(vf t, wstep w, xstep x) { return fmadd(x, w, t); }
 #endif
 
 // The V = B / 16 code vectors of one step at input row k of a B-output block whose rows lie `stride`
 // bytes apart: the low nibbles of each 16-byte chunk (outputs 16h..16h+15), then the high ones.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// With AVX512-VBMI, byte permutes build the same vectors in 3 instructions each instead of 6: rows k
+// and k + 1 of a block are B contiguous bytes (stride = B / 2), one permute puts each output's byte of
+// both rows twice in its lane ([k, k, k + 1, k + 1]), the nibble and a byte-position bit (0x10 on the
+// high byte of each bfloat16) make an index into a table of the codes' bfloat16 bytes, a second permute
+// looks them up. The result is bit for bit codes_step's.
+struct Int4Tables {
+  alignas(64) uint8_t dup[3][64];  // [0]: B = 32; [1], [2]: B = 64, outputs 0-15 / 16-31 of each half
+  alignas(64) uint8_t bytes[64];   // low bytes of bf16(0..15), then high bytes
+  Int4Tables() {
+    for (int t = 0; t < 3; ++t) {
+      const int stride = t == 0 ? 16 : 32, h = t == 2 ? 1 : 0;
+      for (int j = 0; j < 16; ++j) {
+        dup[t][4 * j] = dup[t][4 * j + 1] = uint8_t(16 * h + j);
+        dup[t][4 * j + 2] = dup[t][4 * j + 3] = uint8_t(stride + 16 * h + j);
+      }
+    }
+    std::memset(bytes, 0, sizeof(bytes));
+    for (int c = 0; c < 16; ++c) {
+      bytes[c] = uint8_t(BF16_OF_CODE[c] & 0xFF);
+      bytes[16 + c] = uint8_t(BF16_OF_CODE[c] >> 8);
+    }
+  }
+};
+static const Int4Tables INT4_TABLES;
+
+template <int B>
+inline void load_step(const uint8_t* p, int64_t, wstep* w) {
+  constexpr int H = B / 32;
+  const __m512i raw = B == 64 ? _mm512_loadu_si512(p)
+                              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i high_byte = _mm512_set1_epi32(0x10001000);  // bytes 0x00, 0x10, 0x00, 0x10 of each lane
+  const __m512i table = _mm512_load_si512(INT4_TABLES.bytes);
+  for (int h = 0; h < H; ++h) {
+    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(INT4_TABLES.dup[B == 64 ? 1 + h : 0]), raw);
+    // (a & b) | c: ternary-logic immediate 0xEA
+    w[h] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(dup, nibble, high_byte, 0xEA), table);
+    w[H + h] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(dup, 4), nibble, high_byte, 0xEA),
+                                       table);
+  }
+}
+#else
 template <int B>
 inline void load_step(const uint8_t* p, int64_t stride, wstep* w) {
   constexpr int H = B / 32;
@@ -243,6 +307,7 @@ inline void load_step(const uint8_t* p, int64_t stride, wstep* w) {
     w[H + h] = codes_step(vu8(a >> 4), vu8(b >> 4));
   }
 }
+#endif
 
 // y[m, block] += s * t + c * xs for a group g, t the row's group sums of x * q (vector j: outputs 16j..).
 template <int B>
@@ -417,11 +482,14 @@ torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       xs[m * G + g] = acc;
     }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
+  auto xk_t = torch::empty_like(x);  // x as the steps read it (prepare_row)
+  float* xk = xk_t.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) prepare_row(xp + m * K, xk + m * K, K);
   if (block == 64)
-    int4_blocks<64>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
+    int4_blocks<64>(rows_per_pass, xk, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
                     N, G, gs, prefetch, block_grain);
   else
-    int4_blocks<32>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
+    int4_blocks<32>(rows_per_pass, xk, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
                     N, G, gs, prefetch, block_grain);
   return y;
 }
@@ -453,7 +521,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   return y;
 }
 
-// x [M, K] float32 (1 to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
+// x [M, K] float32 (chunks of up to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
               "w must be contiguous bfloat16 [N, K]");
