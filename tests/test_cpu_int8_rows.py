@@ -33,18 +33,23 @@ def int8_case(n: int, k: int, seed: int):
 
 
 def test_the_kernel_is_exact_in_float32_at_any_row_count(native):
-    w, s = int8_case(96, 200, seed=1)  # K = 200: a tail past the 64- and 16-wide steps
+    w, s = int8_case(96, 200, seed=1)  # K = 200: a tail past the 64-, 32- and 16-wide steps
+    wb = torch.randn(96, 200).bfloat16()
     for rows in (1, 8, 13):
         x = torch.randn(rows, 200).bfloat16()
         got = cpu_native.int8_gemv(native, x, w, s, torch.float32)
         want = (x.double() @ w.double().t()) * s.double()
         assert got.shape == (rows, 96)
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+        got_b, want_b = native.bf16_gemv(x, wb, 0), x.double() @ wb.double().t()
+        assert ((got_b.double() - want_b).abs().max() / want_b.abs().max()).item() < 1e-5
 
 
-def test_a_rows_bits_do_not_depend_on_its_neighbours_the_prefetch_or_the_threads(native):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_rows_bits_do_not_depend_on_its_neighbours_the_prefetch_or_the_threads(native, dtype):
+    # bfloat16 x: vdpbf16ps where the CPU has AVX512-BF16; float32 x: float FMAs (K = 336: a tail either way)
     w, s = int8_case(160, 336, seed=2)
-    x = torch.randn(29, 336).bfloat16()
+    x = torch.randn(29, 336).to(dtype)
     whole = cpu_native.int8_gemv(native, x, w, s, torch.float32)
     for rows in ([0], [3, 4], list(range(8)), [18, 2, 7], list(range(5, 19)), list(range(29))[::-1]):
         assert torch.equal(cpu_native.int8_gemv(native, x[rows], w, s, torch.float32), whole[rows]), rows
@@ -58,8 +63,9 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_the_prefetch_or_the_threads
         torch.set_num_threads(threads)
     # bfloat16 weights: the same kernel, the same rule
     wb = torch.randn(160, 336).bfloat16()
-    whole_b = native.bf16_gemv(x.float(), wb, 0)
-    assert torch.equal(native.bf16_gemv(x[[11, 3]].float(), wb, 0), whole_b[[11, 3]])
+    whole_b = native.bf16_gemv(x, wb, 0)
+    for rows in ([11, 3], list(range(9, 29))):
+        assert torch.equal(native.bf16_gemv(x[rows], wb, 0), whole_b[rows])
 
 
 def test_a_row_invariant_layer_runs_every_row_count_and_phase_on_the_kernel(native):

@@ -197,9 +197,100 @@ void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, flo
     gemv_chunk<T>(std::min<int64_t>(8, M - m0), xp + m0 * K, wp, sp, yp + m0 * N, K, N, pf);
 }
 
+#if defined(__AVX512BF16__)
+// x given as bfloat16 (the layers' compute dtype): with AVX512-BF16, vdpbf16ps takes two products
+// per lane and instruction, bfloat16 weights as they lie and int8 codes converted exactly (integers
+// up to 256 are bfloat16), so a row costs half the multiply instructions of the float path and no
+// weight conversion at all for bfloat16 weights. Lanes are 16 pairs of k; per output the same
+// instructions in the same order whatever the tile (a row's bits do not depend on its neighbours).
+inline __m512i load_w32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_w32(const int8_t* p) {
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // k .. k + 15 in the low half, k + 16 .. k + 31 above
+}
+
+template <int M, int NB, typename T>
+inline void gemv_rows_bx(const uint16_t* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
+                         int64_t prefetch) {
+  __m512 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (prefetch && k % 64 == 0)
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < int(64 * sizeof(T)); line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+                             PREFETCH_LOCALITY);
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load_w32(w + (n + b) * K + k);
+    for (int m = 0; m < M; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, (__m512bh)wv[b]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      vf a; std::memcpy(&a, &acc[m][b], 64);
+      float t = hsum(a);
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(weight_value(x[m * K + kk]), weight_value(w[(n + b) * K + kk]), t);
+      y[m * N + n + b] = s ? t * s[n + b] : t;
+    }
+}
+
+template <int M, int NB, typename T>
+void gemv_impl_bx(const uint16_t* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) gemv_rows_bx<M, NB>(x, w, s, y, K, N, i * NB, prefetch);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows_bx<M, 1>(x, w, s, y, K, N, n, prefetch);
+}
+
+template <typename T>
+void gemv_dispatch_bx(int64_t M, const uint16_t* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                      int64_t pf) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* x = xp + m0 * K;
+    float* y = yp + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: gemv_impl_bx<1, 4>(x, wp, sp, y, K, N, pf); break;
+      case 2: gemv_impl_bx<2, 4>(x, wp, sp, y, K, N, pf); break;
+      case 3: gemv_impl_bx<3, 2>(x, wp, sp, y, K, N, pf); break;
+      case 4: gemv_impl_bx<4, 2>(x, wp, sp, y, K, N, pf); break;
+      case 5: gemv_impl_bx<5, 2>(x, wp, sp, y, K, N, pf); break;
+      case 6: gemv_impl_bx<6, 2>(x, wp, sp, y, K, N, pf); break;
+      case 7: gemv_impl_bx<7, 2>(x, wp, sp, y, K, N, pf); break;
+      default: gemv_impl_bx<8, 2>(x, wp, sp, y, K, N, pf); break;
+    }
+  }
+}
+#endif
+
+// x float32, or bfloat16 (the dpbf16 path where the CPU has it; elsewhere widened to float32, exactly).
+template <typename T>
+torch::Tensor gemv_any(torch::Tensor x, const T* wp, const float* sp, int64_t N, int64_t K, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == torch::kBFloat16) {
+    gemv_dispatch_bx<T>(M, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), wp, sp,
+                        y.data_ptr<float>(), K, N, prefetch);
+    return y;
+  }
+#endif
+  auto xf = x.to(torch::kFloat).contiguous();
+  gemv_dispatch<T>(M, xf.data_ptr<float>(), wp, sp, y.data_ptr<float>(), K, N, prefetch);
+  return y;
+}
+
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.is_contiguous(),
+              "x must be contiguous float32 or bfloat16");
   TORCH_CHECK(x.size(0) >= 1, "x must have at least one row, got ", x.size(0));
 }
 
@@ -508,29 +599,21 @@ int64_t int4_native_isa() {
 
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K);
   TORCH_CHECK(s.scalar_type() == torch::kFloat && s.numel() == N && s.is_contiguous(), "s must be float32 [N]");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
-  gemv_dispatch<int8_t>(M, xp, wp, sp, yp, K, N, prefetch);
-  return y;
+  return gemv_any<int8_t>(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), N, K, prefetch);
 }
 
-// x [M, K] float32 (chunks of up to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
+// x [M, K] float32 or bfloat16 (chunks of up to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each
+// weight byte read once per chunk.
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
               "w must be contiguous bfloat16 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K);
-  auto y = torch::empty({M, N}, x.options());
-  gemv_dispatch<uint16_t>(M, x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                          nullptr, y.data_ptr<float>(), K, N, prefetch);
-  return y;
+  return gemv_any<uint16_t>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), nullptr, N, K,
+                            prefetch);
 }
 
 // Rows n0..n1 of the int8 weight as bfloat16 [n1 - n0, K]: w * s.
