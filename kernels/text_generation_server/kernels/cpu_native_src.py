@@ -1,15 +1,20 @@
 """C++ source of the native CPU kernels (compiled on first use by cpu_native.py).
 
-An int8 weight-only matrix-vector product that reads each weight byte once for up to eight
-activation rows (torch's `_weight_int8pack_mm` re-reads the weights for every row), and
-dequantizers that turn row blocks of int8 or torch-int4-packed weights into bfloat16 for
-prompt-sized matmuls, where torch's weight-only ops run 5-8x slower than dequantizing and
-calling the bfloat16 GEMM. Written with GCC/Clang vector extensions, with AVX-512/AVX2
-intrinsics only for byte-to-float conversion: `-march=native` maps a 16-float vector onto one
-AVX-512 register, two AVX2 registers or four NEON ones, so one source serves x86-64 and aarch64.
+A weight-only matrix-vector product for int8 codes and bfloat16 weights that reads each weight byte
+once per 8 activation rows (torch's `_weight_int8pack_mm` re-reads the weights for every row), with
+a row's bits independent of the rows beside it; dequantizers that turn row blocks of int8 or
+torch-int4-packed weights into bfloat16 for prompt-sized matmuls, where torch's weight-only ops run
+5-8x slower than dequantizing and calling the bfloat16 GEMM; and (cpu_native_int4_src.py) the int4
+kernel that reads torch's packed layout in place. Written with GCC/Clang vector extensions, with
+AVX-512/AVX2 intrinsics where a generic form compiles badly: `-march=native` maps a 16-float vector
+onto one AVX-512 register, two AVX2 registers or four NEON ones, so one source serves x86-64 and
+aarch64.
 
 int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output row.
 """
+
+from text_generation_server.kernels.cpu_native_int4_src import FUNCTIONS as INT4_FUNCTIONS
+from text_generation_server.kernels.cpu_native_int4_src import SOURCE as INT4_SOURCE
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -110,7 +115,7 @@ inline vf fmadd(vf a, vf b, vf c) {
 #elif defined(__FMA__)
   // Narrower targets (AVX2): one expression, which GCC contracts to one FMA per half by the same
   // rule in every instantiation (splitting into __m256 halves by hand sent each result through the
-  // stack). The int4 kernel is not used on these builds (int4_native_isa).
+  // stack). The int4 kernel has its own 8-float form for AVX2 (INT4_AVX2, cpu_native_int4_src.py).
   return a * b + c;
 #else
   vf r;
@@ -294,308 +299,12 @@ void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(0) >= 1, "x must have at least one row, got ", x.size(0));
 }
 
-// ---- int4, torch's CPU layout read in place: y[m, n] = sum_k x[m, k] * ((q[k, n] - 8) * s + z) ---------------
-
-// One step of the int4 products: KSTEP input rows of 16 outputs. With AVX512-BF16, two rows through
-// vdpbf16ps: the codes as exact bfloat16 pairs, x's two values as a bfloat16 pair (x is bfloat16 data:
-// the layers' compute dtype), twice the products per instruction of a float FMA. Elsewhere one row
-// through a float FMA. Either way one fixed instruction per step and output, in k order.
-#if defined(__AVX512BF16__)
-constexpr int KSTEP = 2;
-typedef __m512i wstep;  // 16 outputs x (row k, row k + 1) as bfloat16 pairs
-typedef __m512i xstep;  // (x[k], x[k + 1]) as a bfloat16 pair in every lane
-// bfloat16 bits of the codes 0..15, indexed by code (the upper 16 entries unused).
-alignas(64) static const uint16_t BF16_OF_CODE[32] = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-inline uint32_t bf16_bits(float v) {
-  uint32_t u; std::memcpy(&u, &v, 4);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-inline wstep codes_step(vu8 a, vu8 b) {  // 16 codes of row k, then of row k + 1
-  __m128i ia, ib; std::memcpy(&ia, &a, 16); std::memcpy(&ib, &b, 16);
-  __m512i pair = _mm512_or_si512(_mm512_cvtepu8_epi32(ia), _mm512_slli_epi32(_mm512_cvtepu8_epi32(ib), 16));
-  return _mm512_permutexvar_epi16(pair, _mm512_load_si512(BF16_OF_CODE));
-}
-// x as the kernels read it (prepare_x): at each even k the float slot holds the bits of the bfloat16
-// pair (x[k], x[k + 1]), so a step broadcasts one 32-bit word instead of rounding two floats.
-inline xstep x_step(const float* row, int64_t k) {
-  int32_t bits; std::memcpy(&bits, row + k, 4);
-  return _mm512_set1_epi32(bits);
-}
-inline void prepare_row(const float* src, float* dst, int64_t K) {
-  for (int64_t k = 0; k + 1 < K; k += 2) {
-    const uint32_t bits = bf16_bits(src[k]) | (bf16_bits(src[k + 1]) << 16);
-    std::memcpy(dst + k, &bits, 4);
-  }
-}
-inline vf step_acc(vf t, wstep w, xstep x) {
-  __m512 mt; std::memcpy(&mt, &t, 64);
-  __m512 r = _mm512_dpbf16_ps(mt, (__m512bh)x, (__m512bh)w);
-  vf out; std::memcpy(&out, &r, 64); return out;
-}
-#else
-constexpr int KSTEP = 1;
-typedef vf wstep;
-typedef vf xstep;
-inline wstep codes_step(vu8 a, vu8) { return to_f(a); }
-inline xstep x_step(const float* row, int64_t k) { return splat(row[k]); }
-inline void prepare_row(const float* src, float* dst, int64_t K) { std::memcpy(dst, src, K * sizeof(float)); }
-inline vf step_acc(vf t, wstep w, xstep x) { return fmadd(x, w, t); }
-#endif
-
-// The V = B / 16 code vectors of one step at input row k of a B-output block whose rows lie `stride`
-// bytes apart: the low nibbles of each 16-byte chunk (outputs 16h..16h+15), then the high ones.
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-// With AVX512-VBMI, byte permutes build the same vectors in 3 instructions each instead of 6: rows k
-// and k + 1 of a block are B contiguous bytes (stride = B / 2), one permute puts each output's byte of
-// both rows twice in its lane ([k, k, k + 1, k + 1]), the nibble and a byte-position bit (0x10 on the
-// high byte of each bfloat16) make an index into a table of the codes' bfloat16 bytes, a second permute
-// looks them up. The result is bit for bit codes_step's.
-struct Int4Tables {
-  alignas(64) uint8_t dup[3][64];  // [0]: B = 32; [1], [2]: B = 64, outputs 0-15 / 16-31 of each half
-  alignas(64) uint8_t bytes[64];   // low bytes of bf16(0..15), then high bytes
-  Int4Tables() {
-    for (int t = 0; t < 3; ++t) {
-      const int stride = t == 0 ? 16 : 32, h = t == 2 ? 1 : 0;
-      for (int j = 0; j < 16; ++j) {
-        dup[t][4 * j] = dup[t][4 * j + 1] = uint8_t(16 * h + j);
-        dup[t][4 * j + 2] = dup[t][4 * j + 3] = uint8_t(stride + 16 * h + j);
-      }
-    }
-    std::memset(bytes, 0, sizeof(bytes));
-    for (int c = 0; c < 16; ++c) {
-      bytes[c] = uint8_t(BF16_OF_CODE[c] & 0xFF);
-      bytes[16 + c] = uint8_t(BF16_OF_CODE[c] >> 8);
-    }
-  }
-};
-static const Int4Tables INT4_TABLES;
-
-template <int B>
-inline void load_step(const uint8_t* p, int64_t, wstep* w) {
-  constexpr int H = B / 32;
-  const __m512i raw = B == 64 ? _mm512_loadu_si512(p)
-                              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i high_byte = _mm512_set1_epi32(0x10001000);  // bytes 0x00, 0x10, 0x00, 0x10 of each lane
-  const __m512i table = _mm512_load_si512(INT4_TABLES.bytes);
-  for (int h = 0; h < H; ++h) {
-    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(INT4_TABLES.dup[B == 64 ? 1 + h : 0]), raw);
-    // (a & b) | c: ternary-logic immediate 0xEA
-    w[h] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(dup, nibble, high_byte, 0xEA), table);
-    w[H + h] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(dup, 4), nibble, high_byte, 0xEA),
-                                       table);
-  }
-}
-#else
-template <int B>
-inline void load_step(const uint8_t* p, int64_t stride, wstep* w) {
-  constexpr int H = B / 32;
-  for (int h = 0; h < H; ++h) {
-    vu8 a = load_u8(p + 16 * h), b = KSTEP == 2 ? load_u8(p + stride + 16 * h) : a;
-    w[h] = codes_step(vu8(a & (uint8_t)15), vu8(b & (uint8_t)15));
-    w[H + h] = codes_step(vu8(a >> 4), vu8(b >> 4));
-  }
-}
-#endif
-
-// y[m, block] += s * t + c * xs for a group g, t the row's group sums of x * q (vector j: outputs 16j..).
-template <int B>
-inline void add_group(float* y, const vf* t, const float* s, const float* c, float xs, int64_t N, int64_t G,
-                      int64_t g, int64_t n0) {
-  vf sum = splat(xs);
-  for (int j = 0; j < B / 16; ++j) {
-    const int64_t col = n0 + 16 * j;
-    vf acc = load_f(y + col);
-    acc = fmadd(t[j], load_f(s + g * N + col), acc);
-    acc = fmadd(sum, load_f(c + g * N + col), acc);
-    std::memcpy(y + col, &acc, 64);
-  }
-}
-
-// R rows (m0..m0+R) of one B-output block nb (B = 64 or 32: torch's layouts, see int4pack_dequant_t),
-// the codes unpacked on the fly. Lanes are outputs: per group g each output sums x[m, k] * q[k, n]
-// over the group's k in order, one step at a time (q as 0..15), then adds s * that + c * (the row's
-// sum of x over the group), c = z - 8 s, into y. Every output of every row gets the same operations
-// in the same order whatever R is, whatever M is and however the blocks are split between threads.
-template <int B, int R>
-inline void int4_block(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
-                       float* y, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t m0,
-                       int64_t prefetch) {
-  constexpr int V = B / 16;
-  const int64_t stride = B / 2;
-  const uint8_t* src = packed + nb * K * stride;
-  const int64_t n0 = nb * B;
-  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
-  for (int64_t g = 0; g < G; ++g) {
-    vf t[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < V; ++j) t[r][j] = vf{};
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += KSTEP) {
-      const uint8_t* p = src + k * stride;
-      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-      wstep w[V];
-      load_step<B>(p, stride, w);
-      for (int r = 0; r < R; ++r) {
-        xstep xv = x_step(x + (m0 + r) * K, k);
-        for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
-      }
-    }
-    for (int r = 0; r < R; ++r) add_group<B>(y + (m0 + r) * N, t[r], s, c, xs[(m0 + r) * G + g], N, G, g, n0);
-  }
-}
-
-template <int B, int R>
-void int4_pass(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c, float* y,
-               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t prefetch) {
-  int64_t m = 0;
-  for (; m + R <= M; m += R) int4_block<B, R>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
-  for (; m < M; ++m) int4_block<B, 1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
-}
-
-// More rows than one pass takes (prompts): block nb's codes are unpacked once per KS input rows into
-// `wq` and every row pass reads them there, so the unpacking is not repeated per pass. `T` [M, B]
-// carries each row's group sums across the KS-row slices: every output still gets the same
-// instructions in the same order as in int4_block (the same bits).
-constexpr int64_t KS = 64;
-
-template <int B, int R>
-inline void int4_slice_rows(const float* x, const wstep* wq, float* T, int64_t K, int64_t k0, int64_t k1,
-                            int64_t m0) {
-  constexpr int V = B / 16;
-  vf t[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) t[r][j] = load_f(T + (m0 + r) * B + 16 * j);
-  for (int64_t k = k0; k < k1; k += KSTEP) {
-    const wstep* w = wq + ((k - k0) / KSTEP) * V;
-    for (int r = 0; r < R; ++r) {
-      xstep xv = x_step(x + (m0 + r) * K, k);
-      for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) std::memcpy(T + (m0 + r) * B + 16 * j, &t[r][j], 64);
-}
-
-template <int B, int R>
-void int4_block_unpacked(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
-                         float* y, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb,
-                         int64_t prefetch, wstep* wq, float* T) {
-  constexpr int V = B / 16;
-  const int64_t stride = B / 2;
-  const uint8_t* src = packed + nb * K * stride;
-  const int64_t n0 = nb * B;
-  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, B * sizeof(float));
-  for (int64_t g = 0; g < G; ++g) {
-    std::memset(T, 0, M * B * sizeof(float));
-    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += KS) {
-      const int64_t k1 = std::min(k0 + KS, (g + 1) * gs);
-      for (int64_t k = k0; k < k1; k += KSTEP) {
-        const uint8_t* p = src + k * stride;
-        if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-        load_step<B>(p, stride, wq + ((k - k0) / KSTEP) * V);
-      }
-      int64_t m = 0;
-      for (; m + R <= M; m += R) int4_slice_rows<B, R>(x, wq, T, K, k0, k1, m);
-      for (; m < M; ++m) int4_slice_rows<B, 1>(x, wq, T, K, k0, k1, m);
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      vf t[V];
-      for (int j = 0; j < V; ++j) t[j] = load_f(T + m * B + 16 * j);
-      add_group<B>(y + m * N, t, s, c, xs[m * G + g], N, G, g, n0);
-    }
-  }
-}
-
-template <int B, int R>
-void int4_rows(const float* x, const float* xs, const uint8_t* pp, const float* sp, const float* cp, float* yp,
-               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
-  if (M <= R) {  // one pass: unpack on the fly
-    for (int64_t nb = b0; nb < b1; ++nb) int4_pass<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch);
-    return;
-  }
-  std::vector<wstep> wq((KS / KSTEP) * (B / 16));
-  std::vector<float> T(M * B);
-  for (int64_t nb = b0; nb < b1; ++nb)
-    int4_block_unpacked<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch, wq.data(), T.data());
-}
-
-template <int B>
-void int4_blocks(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
-                 const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t prefetch,
-                 int64_t block_grain) {
-  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
-    switch (rows_per_pass) {
-      case 1: int4_rows<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      case 2: int4_rows<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      case 6: int4_rows<B, 6>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      default: int4_rows<B, 4>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-    }
-  });
-}
-
 void check_block(int64_t block, int64_t N) {
   TORCH_CHECK(block == 64 || block == 32, "block must be 64 or 32 (torch's AVX-512 or AVX2 layout), got ", block);
   TORCH_CHECK(N % block == 0, "N must be a multiple of ", block, ", got ", N);
 }
 
 }  // namespace
-
-// x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), reading the packed
-// weights where they lie: each block's bytes come from memory once for all M rows (the later row
-// passes find them in cache). s, c float32 [K / gs, N]: W = q * s + c, c = z - 8 s. block: outputs per
-// block of the layout (64 or 32); rows_per_pass: rows sharing one pass over a block (1, 2, 4 or 6);
-// prefetch: bytes read ahead (0: none); block_grain: blocks per thread task. None of the last three
-// changes a single bit of the result.
-torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
-                          int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_block(block, N);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(gs > 0 && K % gs == 0 && gs % 2 == 0, "group size ", gs, " must be even and divide K=", K);
-  const int64_t G = K / gs, M = x.size(0);
-  TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
-              c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
-  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-  // The rows' sums over each group, in k order.
-  auto xs_t = torch::empty({M, G}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* xs = xs_t.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) acc += xp[m * K + k];
-      xs[m * G + g] = acc;
-    }
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  auto xk_t = torch::empty_like(x);  // x as the steps read it (prepare_row)
-  float* xk = xk_t.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) prepare_row(xp + m * K, xk + m * K, K);
-  if (block == 64)
-    int4_blocks<64>(rows_per_pass, xk, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
-                    N, G, gs, prefetch, block_grain);
-  else
-    int4_blocks<32>(rows_per_pass, xk, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
-                    N, G, gs, prefetch, block_grain);
-  return y;
-}
-
-// Whether this build runs int4pack_mm at memory speed: with AVX-512 (16-float vectors in one
-// register). Built for AVX2 or NEON, GCC 12 turns its 16-float loops into stack traffic (9-14 ms for
-// a 1536 x 8960 row against 0.6-0.9 with AVX-512): correct, but slower than torch's op, so the
-// layers keep their earlier paths there (cpu_native.int4_native_ok).
-int64_t int4_native_isa() {
-#if defined(__AVX512F__)
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
@@ -674,6 +383,6 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
   });
   return out;
 }
-"""
+""" + INT4_SOURCE
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", "int4pack_mm", "int4_native_isa"]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS]
