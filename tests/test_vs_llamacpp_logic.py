@@ -363,3 +363,34 @@ def test_model_cache_is_emptied_when_its_source_changes(tmp_path):
     (source / "model.safetensors").write_bytes(b"123456")
     lb.ensure_fresh_cache(cache, source)
     assert not (cache / "bf16.gguf").exists() and (cache / "source.json").exists()
+
+
+# -- --rounds: medians over interleaved rounds ------------------------------------------------------------------
+def _side(tg: float | None, c1: float, foreign: float | None = None, errors: tuple[str, ...] = ()) -> "vl.SideResult":
+    # c=1: one reply of 10 tokens over a wall time giving `c1` tok/s
+    level = vl.LevelResult(1, 10.0 / c1, [vl.Reply(sent=0.0, stamps=[c1 / 100.0] * 10, tokens=10)])
+    return vl.SideResult(bytes_per_step=100, pp_tok_s=None if tg is None else 10 * tg, tg_tok_s=tg, levels={1: level},
+                         foreign=foreign, errors=list(errors), threads=2)
+
+
+def test_merge_rounds_takes_medians_and_keeps_every_error():
+    merged = vl.merge_rounds([_side(10.0, 3.0, 0.1, ("a",)), _side(None, 1.0, None, ("a", "b")),
+                              _side(14.0, 2.0, 0.3), _side(12.0, 5.0)])
+    assert merged.tg_tok_s == pytest.approx(12.0) and merged.pp_tok_s == pytest.approx(120.0)
+    # four levels: the low median (2.0 of 1, 2, 3, 5), a measured level with its own TTFT
+    assert merged.levels[1].tok_s == pytest.approx(2.0) and merged.levels[1].ttft_ms == pytest.approx(20.0)
+    assert merged.errors == ["a", "b"] and merged.foreign == pytest.approx(0.3)
+    assert merged.bytes_per_step == 100 and merged.threads == 2
+    with pytest.raises(ValueError):
+        vl.merge_rounds([])
+
+
+def test_round_ratios_list_each_round_per_pairing():
+    pairing = vl.pairings_for(["bf16"])[0]
+    rounds = [[(pairing, _side(10.0, 2.0), _side(5.0, 1.0))], [(pairing, _side(9.0, 3.0), _side(10.0, 3.0))]]
+    res = vl.CaseResult(vl.ModelCase.__new__(vl.ModelCase), [(pairing, rounds[0][0][1], rounds[0][0][2])], rounds)
+    lines = vl.round_ratios(res, (1,))
+    assert lines[0].startswith("**Each round's ratios (2 rounds")
+    assert lines[2] == "- bf16: decode 2.00x, 0.90x; c=1 2.00x, 1.00x"
+    one = vl.CaseResult(res.case, res.rows, rounds[:1])
+    assert vl.round_ratios(one, (1,)) == []

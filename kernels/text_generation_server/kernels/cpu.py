@@ -273,6 +273,17 @@ class Int8Linear(torch.nn.Module):
         self.compute_dtype = scales.dtype
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+        self.row_invariant = False  # keep_rows_invariant()
+
+    def keep_rows_invariant(self) -> bool:
+        """Runs every row count, decode and prompt alike, on the matrix-vector kernel (chunks of
+        cpu_native.INT8_GEMV_MAX_ROWS rows, each reading the weights once), so a row's result has the
+        same bits whatever shares its batch. For the int8 head: the greedy token of a sequence must
+        not depend on how many others decode beside it, and the head's logits are where near-ties are
+        decided (torch's op from 9 rows and the dequantized GEMM from 32 round differently). False,
+        and nothing changes, where the kernel cannot run (no native extension, another compute dtype)."""
+        self.row_invariant = self._native_ok() and cpu_native.int8_row_invariant_fits(self.in_features)
+        return self.row_invariant
 
     # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel (at one of the
     # prefetch distances of cpu_native.INT8_GEMV_VARIANTS: the same bits under each name), "op" torch's
@@ -281,16 +292,26 @@ class Int8Linear(torch.nn.Module):
         return self.native is not None and self.compute_dtype == torch.bfloat16
 
     def variants(self, rows: int) -> tuple[str, ...]:
+        if self.row_invariant:
+            return tuple(cpu_native.INT8_GEMV_VARIANTS)
         return cpu_native.int8_variants(rows, self.in_features) if self._native_ok() else ("op",)
 
     def prompt_variant(self) -> str:
+        if self.row_invariant:
+            return self.static_variant(cpu_native.INT8_GEMV_MAX_ROWS)
         return "dequant" if self._native_ok() else "op"
 
     def static_variant(self, rows: int) -> str:
+        if self.row_invariant:
+            # the prefetch distance measured for the largest decode bucket (the same bits under each name)
+            chosen = self.measured.get(cpu_native.INT8_GEMV_MAX_ROWS, "")
+            return chosen if chosen in cpu_native.INT8_GEMV_VARIANTS else "gemv"
         return cpu_native.int8_variant(rows, self.in_features) if self._native_ok() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.out_features), dtype=self.compute_dtype)
         prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
         if prefetch is not None:
             return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)

@@ -225,12 +225,25 @@ def int8_variants(rows: int, k: int) -> tuple[str, ...]:
     return gemv + ("op", "dequant")
 
 
+def int8_row_invariant_fits(k: int) -> bool:
+    """Whether an int8 layer of inner size `k` can run every row count on the matrix-vector kernel
+    (chunks of INT8_GEMV_MAX_ROWS rows): what a row-invariant layer (the int8 head) needs."""
+    return k <= INT8_GEMV_MAX_K
+
+
+def _gemv_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the matrix-vector kernels take it: bfloat16 as it is (with AVX512-BF16 they multiply its
+    pairs by vdpbf16ps, two products per lane and instruction), anything else as float32."""
+    return x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+
+
 def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
               out_dtype: torch.dtype, prefetch: int = -1) -> torch.Tensor:
-    """x [M <= INT8_GEMV_MAX_ROWS, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums
-    (weights prefetched `prefetch` bytes ahead; -1: PREFETCH_BYTES)."""
+    """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T, float32 sums (weights prefetched
+    `prefetch` bytes ahead; -1: PREFETCH_BYTES). Rows run in chunks of INT8_GEMV_MAX_ROWS, each
+    chunk reading the weights once; a row's bits do not depend on the rows beside it."""
     distance = PREFETCH_BYTES if prefetch < 0 else prefetch
-    return module.int8_gemv(x.float().contiguous(), weight, scales, distance).to(out_dtype)
+    return module.int8_gemv(_gemv_input(x), weight, scales, distance).to(out_dtype)
 
 
 def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -261,7 +274,7 @@ def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (M <= BF16_GEMV_MAX_ROWS)."""
-    y = module.bf16_gemv(x.float().contiguous(), weight, PREFETCH_BYTES)
+    y = module.bf16_gemv(_gemv_input(x), weight, PREFETCH_BYTES)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -1,15 +1,20 @@
 """C++ source of the native CPU kernels (compiled on first use by cpu_native.py).
 
-An int8 weight-only matrix-vector product that reads each weight byte once for up to eight
-activation rows (torch's `_weight_int8pack_mm` re-reads the weights for every row), and
-dequantizers that turn row blocks of int8 or torch-int4-packed weights into bfloat16 for
-prompt-sized matmuls, where torch's weight-only ops run 5-8x slower than dequantizing and
-calling the bfloat16 GEMM. Written with GCC/Clang vector extensions, with AVX-512/AVX2
-intrinsics only for byte-to-float conversion: `-march=native` maps a 16-float vector onto one
-AVX-512 register, two AVX2 registers or four NEON ones, so one source serves x86-64 and aarch64.
+A weight-only matrix-vector product for int8 codes and bfloat16 weights that reads each weight byte
+once per 8 activation rows (torch's `_weight_int8pack_mm` re-reads the weights for every row), with
+a row's bits independent of the rows beside it; dequantizers that turn row blocks of int8 or
+torch-int4-packed weights into bfloat16 for prompt-sized matmuls, where torch's weight-only ops run
+5-8x slower than dequantizing and calling the bfloat16 GEMM; and (cpu_native_int4_src.py) the int4
+kernel that reads torch's packed layout in place. Written with GCC/Clang vector extensions, with
+AVX-512/AVX2 intrinsics where a generic form compiles badly: `-march=native` maps a 16-float vector
+onto one AVX-512 register, two AVX2 registers or four NEON ones, so one source serves x86-64 and
+aarch64.
 
 int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output row.
 """
+
+from text_generation_server.kernels.cpu_native_int4_src import FUNCTIONS as INT4_FUNCTIONS
+from text_generation_server.kernels.cpu_native_int4_src import SOURCE as INT4_SOURCE
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -101,6 +106,24 @@ inline void store_bf16(uint16_t* dst, vf v) {
 #define PREFETCH_LOCALITY 2
 #endif
 
+// One fused multiply-add, in a fixed form, whatever the instruction set: a row's bits must not depend
+// on the compiler's choice to contract a multiply and an add in one instantiation and not another.
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  __m512 ma, mb, mc; std::memcpy(&ma, &a, 64); std::memcpy(&mb, &b, 64); std::memcpy(&mc, &c, 64);
+  __m512 r = _mm512_fmadd_ps(ma, mb, mc); vf out; std::memcpy(&out, &r, 64); return out;
+#elif defined(__FMA__)
+  // Narrower targets (AVX2): one expression, which GCC contracts to one FMA per half by the same
+  // rule in every instantiation (splitting into __m256 halves by hand sent each result through the
+  // stack). The int4 kernel has its own 8-float form for AVX2 (INT4_AVX2, cpu_native_int4_src.py).
+  return a * b + c;
+#else
+  vf r;
+  for (int j = 0; j < 16; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
+  return r;
+#endif
+}
+
 // ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
 // y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
 // (then s is null: no scale).
@@ -124,7 +147,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
       for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
       for (int m = 0; m < M; ++m) {
         vf xv = load_f(x + m * K + kk);
-        for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+        for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
       }
     }
   }
@@ -133,13 +156,13 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
     for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + k);
     for (int m = 0; m < M; ++m) {
       vf xv = load_f(x + m * K + k);
-      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+      for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
     }
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
       float t = hsum(acc[m][b]);
-      for (int64_t kk = k; kk < K; ++kk) t += x[m * K + kk] * weight_value(w[(n + b) * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b) * K + kk]), t);
       y[m * N + n + b] = s ? t * s[n + b] : t;
     }
 }
@@ -153,10 +176,13 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
 }
 
-// Row counts 1..8 to their tile shapes (one accumulator per row and output in registers).
+// Row counts 1..8 to their tile shapes (one accumulator per row and output in registers). Every row
+// gets the same operations in the same order whatever the tile (explicit FMAs, one horizontal sum
+// order), so a row's bits do not depend on how many rows share the call; more than 8 rows run in
+// chunks of 8 (each chunk reads the weights once).
 template <typename T>
-void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
-                   int64_t pf) {
+void gemv_chunk(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                int64_t pf) {
   switch (M) {
     case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N, pf); break;  // two independent FMA chains
     case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N, pf); break;
@@ -169,214 +195,108 @@ void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, flo
   }
 }
 
+template <typename T>
+void gemv_dispatch(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                   int64_t pf) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8)
+    gemv_chunk<T>(std::min<int64_t>(8, M - m0), xp + m0 * K, wp, sp, yp + m0 * N, K, N, pf);
+}
+
+#if defined(__AVX512BF16__)
+// x given as bfloat16 (the layers' compute dtype): with AVX512-BF16, vdpbf16ps takes two products
+// per lane and instruction, bfloat16 weights as they lie and int8 codes converted exactly (integers
+// up to 256 are bfloat16), so a row costs half the multiply instructions of the float path and no
+// weight conversion at all for bfloat16 weights. Lanes are 16 pairs of k; per output the same
+// instructions in the same order whatever the tile (a row's bits do not depend on its neighbours).
+inline __m512i load_w32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_w32(const int8_t* p) {
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // k .. k + 15 in the low half, k + 16 .. k + 31 above
+}
+
+template <int M, int NB, typename T>
+inline void gemv_rows_bx(const uint16_t* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
+                         int64_t prefetch) {
+  __m512 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (prefetch && k % 64 == 0)
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < int(64 * sizeof(T)); line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+                             PREFETCH_LOCALITY);
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load_w32(w + (n + b) * K + k);
+    for (int m = 0; m < M; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, (__m512bh)wv[b]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      vf a; std::memcpy(&a, &acc[m][b], 64);
+      float t = hsum(a);
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(weight_value(x[m * K + kk]), weight_value(w[(n + b) * K + kk]), t);
+      y[m * N + n + b] = s ? t * s[n + b] : t;
+    }
+}
+
+template <int M, int NB, typename T>
+void gemv_impl_bx(const uint16_t* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) gemv_rows_bx<M, NB>(x, w, s, y, K, N, i * NB, prefetch);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) gemv_rows_bx<M, 1>(x, w, s, y, K, N, n, prefetch);
+}
+
+template <typename T>
+void gemv_dispatch_bx(int64_t M, const uint16_t* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
+                      int64_t pf) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* x = xp + m0 * K;
+    float* y = yp + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: gemv_impl_bx<1, 4>(x, wp, sp, y, K, N, pf); break;
+      case 2: gemv_impl_bx<2, 4>(x, wp, sp, y, K, N, pf); break;
+      case 3: gemv_impl_bx<3, 2>(x, wp, sp, y, K, N, pf); break;
+      case 4: gemv_impl_bx<4, 2>(x, wp, sp, y, K, N, pf); break;
+      case 5: gemv_impl_bx<5, 2>(x, wp, sp, y, K, N, pf); break;
+      case 6: gemv_impl_bx<6, 2>(x, wp, sp, y, K, N, pf); break;
+      case 7: gemv_impl_bx<7, 2>(x, wp, sp, y, K, N, pf); break;
+      default: gemv_impl_bx<8, 2>(x, wp, sp, y, K, N, pf); break;
+    }
+  }
+}
+#endif
+
+// x float32, or bfloat16 (the dpbf16 path where the CPU has it; elsewhere widened to float32, exactly).
+template <typename T>
+torch::Tensor gemv_any(torch::Tensor x, const T* wp, const float* sp, int64_t N, int64_t K, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == torch::kBFloat16) {
+    gemv_dispatch_bx<T>(M, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), wp, sp,
+                        y.data_ptr<float>(), K, N, prefetch);
+    return y;
+  }
+#endif
+  auto xf = x.to(torch::kFloat).contiguous();
+  gemv_dispatch<T>(M, xf.data_ptr<float>(), wp, sp, y.data_ptr<float>(), K, N, prefetch);
+  return y;
+}
+
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, got ", x.size(0));
-}
-
-// ---- int4, torch's CPU layout read in place: y[m, n] = sum_k x[m, k] * ((q[k, n] - 8) * s + z) ---------------
-// One fused multiply-add, in a fixed form, whatever the instruction set: a row's bits must not depend
-// on the compiler's choice to contract a multiply and an add in one instantiation and not another.
-inline vf fmadd(vf a, vf b, vf c) {
-#if defined(__AVX512F__)
-  __m512 ma, mb, mc; std::memcpy(&ma, &a, 64); std::memcpy(&mb, &b, 64); std::memcpy(&mc, &c, 64);
-  __m512 r = _mm512_fmadd_ps(ma, mb, mc); vf out; std::memcpy(&out, &r, 64); return out;
-#elif defined(__FMA__)
-  // Narrower targets (AVX2): one expression, which GCC contracts to one FMA per half by the same
-  // rule in every instantiation (splitting into __m256 halves by hand sent each result through the
-  // stack). The int4 kernel is not used on these builds (int4_native_isa).
-  return a * b + c;
-#else
-  vf r;
-  for (int j = 0; j < 16; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
-  return r;
-#endif
-}
-
-// One step of the int4 products: KSTEP input rows of 16 outputs. With AVX512-BF16, two rows through
-// vdpbf16ps: the codes as exact bfloat16 pairs, x's two values as a bfloat16 pair (x is bfloat16 data:
-// the layers' compute dtype), twice the products per instruction of a float FMA. Elsewhere one row
-// through a float FMA. Either way one fixed instruction per step and output, in k order.
-#if defined(__AVX512BF16__)
-constexpr int KSTEP = 2;
-typedef __m512i wstep;  // 16 outputs x (row k, row k + 1) as bfloat16 pairs
-typedef __m512i xstep;  // (x[k], x[k + 1]) as a bfloat16 pair in every lane
-// bfloat16 bits of the codes 0..15, indexed by code (the upper 16 entries unused).
-alignas(64) static const uint16_t BF16_OF_CODE[32] = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-inline uint32_t bf16_bits(float v) {
-  uint32_t u; std::memcpy(&u, &v, 4);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-inline wstep codes_step(vu8 a, vu8 b) {  // 16 codes of row k, then of row k + 1
-  __m128i ia, ib; std::memcpy(&ia, &a, 16); std::memcpy(&ib, &b, 16);
-  __m512i pair = _mm512_or_si512(_mm512_cvtepu8_epi32(ia), _mm512_slli_epi32(_mm512_cvtepu8_epi32(ib), 16));
-  return _mm512_permutexvar_epi16(pair, _mm512_load_si512(BF16_OF_CODE));
-}
-inline xstep x_step(const float* row, int64_t k) {
-  return _mm512_set1_epi32(int(bf16_bits(row[k]) | (bf16_bits(row[k + 1]) << 16)));
-}
-inline vf step_acc(vf t, wstep w, xstep x) {
-  __m512 mt; std::memcpy(&mt, &t, 64);
-  __m512 r = _mm512_dpbf16_ps(mt, (__m512bh)x, (__m512bh)w);
-  vf out; std::memcpy(&out, &r, 64); return out;
-}
-#else
-constexpr int KSTEP = 1;
-typedef vf wstep;
-typedef vf xstep;
-inline wstep codes_step(vu8 a, vu8) { return to_f(a); }
-inline xstep x_step(const float* row, int64_t k) { return splat(row[k]); }
-inline vf step_acc(vf t, wstep w, xstep x) { return fmadd(x, w, t); }
-#endif
-
-// The V = B / 16 code vectors of one step at input row k of a B-output block whose rows lie `stride`
-// bytes apart: the low nibbles of each 16-byte chunk (outputs 16h..16h+15), then the high ones.
-template <int B>
-inline void load_step(const uint8_t* p, int64_t stride, wstep* w) {
-  constexpr int H = B / 32;
-  for (int h = 0; h < H; ++h) {
-    vu8 a = load_u8(p + 16 * h), b = KSTEP == 2 ? load_u8(p + stride + 16 * h) : a;
-    w[h] = codes_step(vu8(a & (uint8_t)15), vu8(b & (uint8_t)15));
-    w[H + h] = codes_step(vu8(a >> 4), vu8(b >> 4));
-  }
-}
-
-// y[m, block] += s * t + c * xs for a group g, t the row's group sums of x * q (vector j: outputs 16j..).
-template <int B>
-inline void add_group(float* y, const vf* t, const float* s, const float* c, float xs, int64_t N, int64_t G,
-                      int64_t g, int64_t n0) {
-  vf sum = splat(xs);
-  for (int j = 0; j < B / 16; ++j) {
-    const int64_t col = n0 + 16 * j;
-    vf acc = load_f(y + col);
-    acc = fmadd(t[j], load_f(s + g * N + col), acc);
-    acc = fmadd(sum, load_f(c + g * N + col), acc);
-    std::memcpy(y + col, &acc, 64);
-  }
-}
-
-// R rows (m0..m0+R) of one B-output block nb (B = 64 or 32: torch's layouts, see int4pack_dequant_t),
-// the codes unpacked on the fly. Lanes are outputs: per group g each output sums x[m, k] * q[k, n]
-// over the group's k in order, one step at a time (q as 0..15), then adds s * that + c * (the row's
-// sum of x over the group), c = z - 8 s, into y. Every output of every row gets the same operations
-// in the same order whatever R is, whatever M is and however the blocks are split between threads.
-template <int B, int R>
-inline void int4_block(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
-                       float* y, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t m0,
-                       int64_t prefetch) {
-  constexpr int V = B / 16;
-  const int64_t stride = B / 2;
-  const uint8_t* src = packed + nb * K * stride;
-  const int64_t n0 = nb * B;
-  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
-  for (int64_t g = 0; g < G; ++g) {
-    vf t[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < V; ++j) t[r][j] = vf{};
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += KSTEP) {
-      const uint8_t* p = src + k * stride;
-      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-      wstep w[V];
-      load_step<B>(p, stride, w);
-      for (int r = 0; r < R; ++r) {
-        xstep xv = x_step(x + (m0 + r) * K, k);
-        for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
-      }
-    }
-    for (int r = 0; r < R; ++r) add_group<B>(y + (m0 + r) * N, t[r], s, c, xs[(m0 + r) * G + g], N, G, g, n0);
-  }
-}
-
-template <int B, int R>
-void int4_pass(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c, float* y,
-               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb, int64_t prefetch) {
-  int64_t m = 0;
-  for (; m + R <= M; m += R) int4_block<B, R>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
-  for (; m < M; ++m) int4_block<B, 1>(x, xs, packed, s, c, y, K, N, G, gs, nb, m, prefetch);
-}
-
-// More rows than one pass takes (prompts): block nb's codes are unpacked once per KS input rows into
-// `wq` and every row pass reads them there, so the unpacking is not repeated per pass. `T` [M, B]
-// carries each row's group sums across the KS-row slices: every output still gets the same
-// instructions in the same order as in int4_block (the same bits).
-constexpr int64_t KS = 64;
-
-template <int B, int R>
-inline void int4_slice_rows(const float* x, const wstep* wq, float* T, int64_t K, int64_t k0, int64_t k1,
-                            int64_t m0) {
-  constexpr int V = B / 16;
-  vf t[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) t[r][j] = load_f(T + (m0 + r) * B + 16 * j);
-  for (int64_t k = k0; k < k1; k += KSTEP) {
-    const wstep* w = wq + ((k - k0) / KSTEP) * V;
-    for (int r = 0; r < R; ++r) {
-      xstep xv = x_step(x + (m0 + r) * K, k);
-      for (int j = 0; j < V; ++j) t[r][j] = step_acc(t[r][j], w[j], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) std::memcpy(T + (m0 + r) * B + 16 * j, &t[r][j], 64);
-}
-
-template <int B, int R>
-void int4_block_unpacked(const float* x, const float* xs, const uint8_t* packed, const float* s, const float* c,
-                         float* y, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t nb,
-                         int64_t prefetch, wstep* wq, float* T) {
-  constexpr int V = B / 16;
-  const int64_t stride = B / 2;
-  const uint8_t* src = packed + nb * K * stride;
-  const int64_t n0 = nb * B;
-  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, B * sizeof(float));
-  for (int64_t g = 0; g < G; ++g) {
-    std::memset(T, 0, M * B * sizeof(float));
-    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += KS) {
-      const int64_t k1 = std::min(k0 + KS, (g + 1) * gs);
-      for (int64_t k = k0; k < k1; k += KSTEP) {
-        const uint8_t* p = src + k * stride;
-        if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-        load_step<B>(p, stride, wq + ((k - k0) / KSTEP) * V);
-      }
-      int64_t m = 0;
-      for (; m + R <= M; m += R) int4_slice_rows<B, R>(x, wq, T, K, k0, k1, m);
-      for (; m < M; ++m) int4_slice_rows<B, 1>(x, wq, T, K, k0, k1, m);
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      vf t[V];
-      for (int j = 0; j < V; ++j) t[j] = load_f(T + m * B + 16 * j);
-      add_group<B>(y + m * N, t, s, c, xs[m * G + g], N, G, g, n0);
-    }
-  }
-}
-
-template <int B, int R>
-void int4_rows(const float* x, const float* xs, const uint8_t* pp, const float* sp, const float* cp, float* yp,
-               int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
-  if (M <= R) {  // one pass: unpack on the fly
-    for (int64_t nb = b0; nb < b1; ++nb) int4_pass<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch);
-    return;
-  }
-  std::vector<wstep> wq((KS / KSTEP) * (B / 16));
-  std::vector<float> T(M * B);
-  for (int64_t nb = b0; nb < b1; ++nb)
-    int4_block_unpacked<B, R>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, nb, prefetch, wq.data(), T.data());
-}
-
-template <int B>
-void int4_blocks(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
-                 const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t prefetch,
-                 int64_t block_grain) {
-  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
-    switch (rows_per_pass) {
-      case 1: int4_rows<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      case 2: int4_rows<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      case 6: int4_rows<B, 6>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-      default: int4_rows<B, 4>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
-    }
-  });
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.is_contiguous(),
+              "x must be contiguous float32 or bfloat16");
+  TORCH_CHECK(x.size(0) >= 1, "x must have at least one row, got ", x.size(0));
 }
 
 void check_block(int64_t block, int64_t N) {
@@ -386,83 +306,23 @@ void check_block(int64_t block, int64_t N) {
 
 }  // namespace
 
-// x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), reading the packed
-// weights where they lie: each block's bytes come from memory once for all M rows (the later row
-// passes find them in cache). s, c float32 [K / gs, N]: W = q * s + c, c = z - 8 s. block: outputs per
-// block of the layout (64 or 32); rows_per_pass: rows sharing one pass over a block (1, 2, 4 or 6);
-// prefetch: bytes read ahead (0: none); block_grain: blocks per thread task. None of the last three
-// changes a single bit of the result.
-torch::Tensor int4pack_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
-                          int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_block(block, N);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(gs > 0 && K % gs == 0 && gs % 2 == 0, "group size ", gs, " must be even and divide K=", K);
-  const int64_t G = K / gs, M = x.size(0);
-  TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
-              c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
-  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-  // The rows' sums over each group, in k order.
-  auto xs_t = torch::empty({M, G}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* xs = xs_t.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) acc += xp[m * K + k];
-      xs[m * G + g] = acc;
-    }
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  if (block == 64)
-    int4_blocks<64>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
-                    N, G, gs, prefetch, block_grain);
-  else
-    int4_blocks<32>(rows_per_pass, xp, xs, pp, s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K,
-                    N, G, gs, prefetch, block_grain);
-  return y;
-}
-
-// Whether this build runs int4pack_mm at memory speed: with AVX-512 (16-float vectors in one
-// register). Built for AVX2 or NEON, GCC 12 turns its 16-float loops into stack traffic (9-14 ms for
-// a 1536 x 8960 row against 0.6-0.9 with AVX-512): correct, but slower than torch's op, so the
-// layers keep their earlier paths there (cpu_native.int4_native_ok).
-int64_t int4_native_isa() {
-#if defined(__AVX512F__)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K);
   TORCH_CHECK(s.scalar_type() == torch::kFloat && s.numel() == N && s.is_contiguous(), "s must be float32 [N]");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
-  gemv_dispatch<int8_t>(M, xp, wp, sp, yp, K, N, prefetch);
-  return y;
+  return gemv_any<int8_t>(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), N, K, prefetch);
 }
 
-// x [M, K] float32 (1 to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each weight byte read once.
+// x [M, K] float32 or bfloat16 (chunks of up to 8 rows) @ w [N, K] bfloat16 ^T -> [M, N] float32: each
+// weight byte read once per chunk.
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, int64_t prefetch) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
               "w must be contiguous bfloat16 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K);
-  auto y = torch::empty({M, N}, x.options());
-  gemv_dispatch<uint16_t>(M, x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                          nullptr, y.data_ptr<float>(), K, N, prefetch);
-  return y;
+  return gemv_any<uint16_t>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), nullptr, N, K,
+                            prefetch);
 }
 
 // Rows n0..n1 of the int8 weight as bfloat16 [n1 - n0, K]: w * s.
@@ -523,6 +383,6 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
   });
   return out;
 }
-"""
+""" + INT4_SOURCE
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", "int4pack_mm", "int4_native_isa"]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS]

@@ -248,6 +248,8 @@ def int8_head(head: TensorParallelHead, act_dtype: torch.dtype) -> "QuantizedTen
     weight = ChannelInt8Weight(codes, scales, prefix="lm_head", layer="lm_head", act_dtype=act_dtype,
                                device_type=w.device.type)
     linear = build_linear(weight.to_quantized(), bias, act_dtype, w.device.type, "lm_head")
+    if hasattr(linear, "keep_rows_invariant"):  # a row's logits whatever shares its batch (kernels/cpu.py)
+        linear.keep_rows_invariant()
     return QuantizedTensorParallelHead(linear, head.vocab_size, head.process_group, rows=w.shape[0])
 
 
