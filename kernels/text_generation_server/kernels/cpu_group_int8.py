@@ -14,12 +14,19 @@ upcast, the output cast back):
 The offset c is zero for symmetric weights and then skipped. A prompt's rows take the phase
 rule's prompt path (kernels/phase.py: the product is `prompt_linear`, whose bits do not depend on
 how a prompt is chunked); decoding rows take torch's plain linear.
+
+`cpu-int8-group-native` (ranked first where the native extension has its AVX-512 code) keeps the
+same buffers and the same prompt path, with the dequantization one native pass of the same two
+roundings (so prompts get the torch kernel's bits), and runs decode batches of 1 to 8 rows through
+a matrix-vector kernel that reads the codes and scales in place, once for all rows
+(cpu_native_group_src.py: a row's bits do not depend on its batch neighbours).
 """
 
 from __future__ import annotations
 
 import torch
 
+from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
 from text_generation_server.kernels.phase import by_phase, prompt_linear
 
@@ -30,6 +37,9 @@ GROUP_SIZES = (16, 32)
 # Bytes of dequantized weight per block of output rows: small enough to stay in a core's L2 while
 # its product runs, large enough that the per-block call overhead is amortised.
 BLOCK_BYTES = 1 << 20
+# Decode rows up to which the native kernel reads the codes in place (its tiles keep one
+# accumulator per row and output in registers); more rows dequantize blocks as the torch kernel.
+NATIVE_GEMV_MAX_ROWS = 8
 
 
 class GroupInt8Linear(torch.nn.Module):
@@ -73,10 +83,42 @@ class GroupInt8Linear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+class GroupInt8NativeLinear(GroupInt8Linear):
+    """GroupInt8Linear with the native extension's dequantization and decode matrix-vector kernel."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 bias: torch.Tensor | None, act_dtype: torch.dtype):
+        super().__init__(codes, scales, offsets, bias, act_dtype)
+        self.native = cpu_native.native()
+        if self.native is None:
+            raise ValueError(f"cpu-int8-group-native: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        self._no_offsets = torch.empty(0)
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # codes [N, K], scales and offsets [N, G] (offsets empty when symmetric): views, no copies
+        n = self.out_features
+        offsets = self._no_offsets if self.offsets is None else self.offsets.view(n, -1)
+        return self.codes.view(n, self.in_features), self.scales.view(n, -1), offsets
+
+    def dequantized(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        codes, scales, offsets = self._flat()
+        if out is None:
+            out = torch.empty(stop - start, *self.codes.shape[1:], dtype=torch.float32)
+        self.native.group_int8_dequant(codes, scales, offsets, start, stop, out)
+        return out.view(stop - start, self.in_features)
+
+    def _product(self, x: torch.Tensor, prompt: bool) -> torch.Tensor:
+        if prompt or not 0 < x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+            return super()._product(x, prompt)
+        codes, scales, offsets = self._flat()
+        return self.native.group_int8_gemv(x.contiguous(), codes, scales, offsets, cpu_native.PREFETCH_BYTES)
+
+
 class CpuGroupInt8Kernel(QuantKernel):
     """Codes of up to 8 bits as int8 with per-group scales, dequantized a cache-sized block at a time."""
 
     name = "cpu-int8-group"
+    layer: type[GroupInt8Linear] = GroupInt8Linear
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -111,6 +153,25 @@ class CpuGroupInt8Kernel(QuantKernel):
         scales = weight.scales.float().index_select(0, first).t().contiguous()  # [N, G]
         zeros = weight.zero_points().float().index_select(0, first).t()
         offsets = scales * (mid - zeros)
-        return GroupInt8Linear(codes, scales.unsqueeze(-1), None if bool((offsets == 0).all())
-                               else offsets.unsqueeze(-1).contiguous(),
-                               None if bias is None else bias.to(act_dtype), act_dtype)
+        return cls.layer(codes, scales.unsqueeze(-1), None if bool((offsets == 0).all())
+                         else offsets.unsqueeze(-1).contiguous(),
+                         None if bias is None else bias.to(act_dtype), act_dtype)
+
+
+class CpuGroupInt8NativeKernel(CpuGroupInt8Kernel):
+    """cpu-int8-group's layers with the native dequantization and decode kernel (AVX-512 builds)."""
+
+    name = "cpu-int8-group-native"
+    layer = GroupInt8NativeLinear
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, reason = super().can_implement(spec)
+        if not ok:
+            return ok, reason
+        module = cpu_native.native()
+        if module is None:
+            return False, f"native kernels unavailable ({cpu_native.unavailable_reason()})"
+        if not module.group_int8_native_isa():
+            return False, "native kernels built without AVX-512 (their scalar loops lose to cpu-int8-group)"
+        return True, ""
