@@ -104,10 +104,12 @@ def test_the_tokenizer_cache_round_trips_and_follows_the_file(tmp_path, gguf_pat
     assert again.to_str() == first.to_str()
     text = "hello there, ünïcode <|im_end|>"
     assert again.encode(text).ids == first.encode(text).ids
-    # a file with other metadata is another entry; a side file in the folder changes the key too
+    # a file with other metadata is another entry; a tokenizer file beside it changes the key too, a log does not
     other = write_gguf(tmp_path / "other.gguf", qtype=T.Q8_0, chat_template=TEMPLATE + " ")
     assert gguf_cache.cache_path(gguf_file.GGUFFile([other])) != gguf_cache.cache_path(file)
     before = gguf_cache.cache_path(file)
+    (folder / "server.log").write_text("a log beside the model")
+    assert gguf_cache.cache_path(file) == before
     (folder / "tokenizer_config.json").write_text("{}")
     assert gguf_cache.cache_path(file) != before
     # a corrupt entry is converted again, and "off" skips the cache

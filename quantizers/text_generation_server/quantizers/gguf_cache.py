@@ -7,8 +7,8 @@ metadata and the converter's version. The first process stores `tokenizer.json` 
 template; later ones read them back in well under a second.
 
 The key is a hash of the file's header bytes (every metadata value and tensor description, up to
-where the tensor data starts), of the other files in its folder (transformers reads a
-tokenizer_config.json or chat template beside the GGUF), and of the transformers and tokenizers
+where the tensor data starts), of the tokenizer files beside it (transformers reads a
+tokenizer_config.json or chat template from the GGUF's folder: `SIDE_FILES`), and of the transformers and tokenizers
 versions: a changed file, side file or converter misses the cache, never reads a stale entry.
 TGS_GGUF_CACHE names the folder (default ~/.cache/text-generation-server/gguf); "off" disables it.
 """
@@ -29,6 +29,10 @@ from text_generation_server.quantizers.gguf_file import GGUFFile
 
 CACHE_ENV = "TGS_GGUF_CACHE"
 _VERSION = 1  # of the entry's layout
+# Files beside a GGUF that transformers' tokenizer loading reads from its folder (logs, conversions
+# and other files there do not change the tokenizer, and must not invalidate the entry).
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+              "chat_template.jinja", "chat_template.json")
 
 
 def _version(package: str) -> str:
@@ -47,11 +51,12 @@ def cache_path(file: GGUFFile) -> Path | None:
     reader = file.readers[0]
     digest = hashlib.sha256()
     digest.update(memoryview(reader.data)[:int(reader.data_offset)])
-    first = Path(file.files[0])
-    for side in sorted(first.parent.iterdir()):
-        if side.suffix != ".gguf" and side.is_file():
+    folder = Path(file.files[0]).parent
+    for name in SIDE_FILES:
+        side = folder / name
+        if side.is_file():
             stat = side.stat()
-            digest.update(f"{side.name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+            digest.update(f"{name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
     digest.update(f"v{_VERSION} transformers {_version('transformers')} tokenizers {_version('tokenizers')}".encode())
     return root / f"tokenizer-{digest.hexdigest()[:32]}.json"
 
