@@ -8,9 +8,9 @@ elementwise ops before its matmul, and that pass, not the weights' bytes, bounds
   fma(q, s, c) with an offset), and every row accumulates x * w in its own 16 lanes over k, then
   sums its lanes in one fixed order: a row's result has the same bits whatever the row count, the
   tile of outputs or the thread split (row-invariant).
-- `group_int8_dequant`: rows n0..n1 of W in float32 into a caller's buffer, with the torch kernel's
-  two roundings (q * s, then + c): the prompt path's matmul then sees the torch kernel's weights bit
-  for bit.
+- `group_int8_dequant`: rows n0..n1 of W in float32 or bfloat16 into a caller's buffer, with the
+  torch kernel's roundings (q * s, then + c, then to bfloat16 to nearest even): the prompt path's
+  matmul then sees the torch kernel's weights bit for bit.
 
 AVX-512 code only under __AVX512F__; elsewhere scalar loops of the same arithmetic (correct, slow:
 `group_int8_native_isa` says which was built, and the layers keep the torch kernel there).
@@ -161,23 +161,27 @@ torch::Tensor group_int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s,
   return y;
 }
 
-// Rows n0..n1 of W into out (float32 [n1 - n0, K], contiguous): q * s rounded, then + c rounded, as
-// torch's mul and add_ in the torch kernel (explicitly rounded intrinsics: never contracted to an FMA).
+// Rows n0..n1 of W into out (float32 or bfloat16 [n1 - n0, K], contiguous): q * s rounded, then + c
+// rounded, as torch's mul and add_ in the torch kernel (explicitly rounded intrinsics: never contracted
+// to an FMA); to bfloat16 by round-to-nearest-even, as torch's conversion rounds finite values.
 void group_int8_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor c, int64_t n0, int64_t n1, torch::Tensor out) {
   tgs_group::check_weights(q, s, c);
   const int64_t N = q.size(0), K = q.size(1), G = s.numel() / N, gs = K / G;
   TORCH_CHECK(0 <= n0 && n0 < n1 && n1 <= N, "bad rows ", n0, "..", n1);
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.numel() == (n1 - n0) * K,
-              "out must be contiguous float32 [", n1 - n0, ", ", K, "]");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.is_contiguous() && out.numel() == (n1 - n0) * K,
+              "out must be contiguous float32 or bfloat16 [", n1 - n0, ", ", K, "]");
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   const float* cp = c.numel() ? c.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+  float* op = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* hp = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
       const int8_t* qr = qp + n * K;
-      float* dst = op + (n - n0) * K;
+      const int64_t row = (n - n0) * K;
 #if defined(__AVX512F__)
+      const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
       for (int64_t g = 0; g < G; ++g) {
         const __m512 sv = _mm512_set1_ps(sp[n * G + g]);
         const __m512 cv = _mm512_set1_ps(cp ? cp[n * G + g] : 0.f);
@@ -185,14 +189,27 @@ void group_int8_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor c, int64
           __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k))));
           __m512 w = _mm512_mul_round_ps(qf, sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           if (cp) w = _mm512_add_round_ps(w, cv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm512_storeu_ps(dst + k, w);
+          if (bf16) {
+            __m512i u = _mm512_castps_si512(w);
+            u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(hp + row + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+          } else {
+            _mm512_storeu_ps(op + row + k, w);
+          }
         }
       }
 #else
       for (int64_t k = 0; k < K; ++k) {
         const int64_t g = n * G + k / gs;
-        volatile float w = float(qr[k]) * sp[g];  // stored: rounded apart from the add below
-        dst[k] = cp ? w + cp[g] : w;
+        volatile float p = float(qr[k]) * sp[g];  // stored: rounded apart from the add below
+        const float w = cp ? p + cp[g] : p;
+        if (bf16) {
+          uint32_t u;
+          std::memcpy(&u, &w, 4);
+          hp[row + k] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        } else {
+          op[row + k] = w;
+        }
       }
 #endif
     }
