@@ -9,6 +9,12 @@ depend on its batch neighbours or the thread count.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import make_weight
@@ -159,3 +165,57 @@ def test_native_kernel_refuses_bad_inputs_by_name():
         layer.native.group_int8_gemv(torch.randn(2, 512), codes, scales, offsets, 0)
     with pytest.raises(RuntimeError, match="offsets must be empty"):
         layer.native.group_int8_gemv(torch.randn(2, 544), codes, scales, torch.zeros(3), 0)
+
+
+FALLBACK_CHILD = r"""
+import json, sys, torch
+from text_generation_server.kernels import cpu_native
+sys.path.insert(0, "tests")
+from test_cpu_group_int8 import fallback_case
+module = cpu_native.native()
+out = {"built": module is not None, "reason": cpu_native.unavailable_reason()}
+if module is not None:
+    x, q, s, c = fallback_case()
+    out["isa"] = int(module.group_int8_native_isa())
+    out["gemv"] = [module.group_int8_gemv(x[:m].contiguous(), q, s, c, 0).tolist() for m in (1, 3, 8)]
+    f32, b16 = torch.empty(q.shape), torch.empty(q.shape, dtype=torch.bfloat16)
+    module.group_int8_dequant(q, s, c, 0, q.shape[0], f32)
+    module.group_int8_dequant(q, s, c, 0, q.shape[0], b16)
+    out["f32"], out["b16"] = f32.tolist(), b16.float().tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def fallback_case():
+    """A 16-column-group weight with offsets, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    n, k, gs = 37, 96, 16
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, k // gs, generator=g) * 0.01
+    c = torch.randn(n, k // gs, generator=g) * 0.01
+    return torch.randn(8, k, generator=g), q, s, c
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
+def test_the_portable_fallback_computes_what_the_avx512_code_does():
+    """Built without AVX-512 (TGS_CPU_ISA=avx2, as on an AVX2-only CPU), the scalar loops give the same
+    dequantized weights bit for bit and the same products to rounding, and say they are the fallback."""
+    module = cpu_native.native()
+    x, q, s, c = fallback_case()
+    env = {**os.environ, cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", FALLBACK_CHILD], env=env, capture_output=True, text=True,
+                          timeout=900)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    got = json.loads(line[0].removeprefix("RESULT"))
+    assert got["built"], got["reason"]
+    assert got["isa"] == 0
+    f32, b16 = torch.empty(q.shape), torch.empty(q.shape, dtype=torch.bfloat16)
+    module.group_int8_dequant(q, s, c, 0, q.shape[0], f32)
+    module.group_int8_dequant(q, s, c, 0, q.shape[0], b16)
+    assert torch.equal(torch.tensor(got["f32"]), f32)
+    assert torch.equal(torch.tensor(got["b16"]), b16.float())
+    for m, rows in zip((1, 3, 8), got["gemv"]):
+        want = module.group_int8_gemv(x[:m].contiguous(), q, s, c, 0)
+        torch.testing.assert_close(torch.tensor(rows), want, rtol=1e-5, atol=1e-5)
