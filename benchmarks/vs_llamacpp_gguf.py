@@ -2,8 +2,8 @@
 
 Both sides load the registry's Qwen2.5-Coder-1.5B-Instruct Q4_K_M file: ours through
 `serve file.gguf` with serve's defaults, as a user gets it (Q4_K on the int4 kernel, Q6_K on the
-group-int8 one; the head, tied to the Q6_K embedding, read dequantized and run as per-row int8 by
-the CPU default for quantized checkpoints: the one tensor not kept in the file's own blocks),
+group-int8 one; the head, the file's Q6_K output.weight, read dequantized and run as per-row int8
+by the CPU default for quantized checkpoints: the one tensor not kept in the file's own blocks),
 llama.cpp through llama-server and llama-bench. Both servers stay up
 and every round measures each side in turn (the order alternating by round), so a change in what
 else runs on the machine falls on both alike; the figures are medians over the rounds:
