@@ -6,8 +6,8 @@ would otherwise fall to the reference kernel's dense copy (4 bytes a weight in f
 kernel keeps one int8 code a weight plus a float32 scale and offset per group, and in each
 forward dequantizes blocks of output rows into one buffer (the int8 x float32 product written in
 one pass), each followed by its product: in bfloat16 for bfloat16 activations (the weights rounded
-to bfloat16 as the dense reference's copy is, and torch's bfloat16 GEMM, 5-10x its float32 one
-on the 2-core EPYC), else in float32 (activations upcast, the output cast back):
+to bfloat16 as the dense reference's copy is, and torch's bfloat16 GEMM: about twice its float32
+one's speed on the 2-core EPYC), else in float32 (activations upcast, the output cast back):
 
     W[n, k] = s[n, g] * (q[n, k] - z[n, g]) = s[n, g] * q8[n, k] + c[n, g],
     q8 = q - 2^(bits-1) (fits int8 for any width up to 8), c = s * (2^(bits-1) - z), g = k // group.
@@ -122,7 +122,7 @@ class GroupInt8NativeLinear(GroupInt8Linear):
 
 
 class CpuGroupInt8Kernel(QuantKernel):
-    """Codes of up to 8 bits as int8 with per-group scales, dequantized a cache-sized block at a time."""
+    """Codes of up to 8 bits as int8 with per-group scales, dequantized an 8 MiB block at a time."""
 
     name = "cpu-int8-group"
     layer: type[GroupInt8Linear] = GroupInt8Linear
