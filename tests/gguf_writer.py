@@ -139,7 +139,8 @@ def gguf_name(hf: str, arch: str = "qwen2") -> str:
 
 
 def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_type=None, tied: bool = True,
-               name: str = "tiny", split_max_tensors: int = 0, rope_scaling: tuple[str, float] | None = None) -> Path:
+               name: str = "tiny", split_max_tensors: int = 0, rope_scaling: tuple[str, float] | None = None,
+               chat_template: str | None = None) -> Path:
     """A tiny model: every linear in `qtype` (attn_v in `v_type` when given, as Q4_K_M files do),
     norms and biases F32, the embedding F16. With `split_max_tensors`, split files (the writer names
     them path-0000i-of-0000n.gguf); the first is returned."""
@@ -173,6 +174,8 @@ def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_t
     writer.add_eos_token_id(len(tokens) - 3)
     writer.add_bos_token_id(len(tokens) - 3)
     writer.add_add_bos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     if rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         writer.add_rope_scaling_factor(rope_scaling[1])

@@ -62,7 +62,8 @@ def spec(k=4096, n=4096, bits=4, gs=128, zeros=False, dtype=torch.bfloat16, dev=
 def test_the_tables_pin_every_kernel_in_priority_order():
     """Today's order per device and family, top to bottom (the order registry.py used to build)."""
     assert [(k.family, k.name) for k in CPU] == [
-        ("quantized", "cpu-int4pack"), ("quantized", "cpu-int8"), ("quantized", "cpu-int8-group"),
+        ("quantized", "cpu-int4pack"), ("quantized", "cpu-int8"), ("quantized", "cpu-int8-group-native"),
+        ("quantized", "cpu-int8-group"),
         ("quantized", "reference"), ("quantized", "marlin-layout"), ("quantized", "fp8-dense"), ("quantized", "fp8-dequant"),
         ("bnb-4bit", "bnb-cpu-4bit"), ("bnb-4bit", "reference"), ("bnb-4bit", "bnb-matmul-4bit"),
         ("dense", "dense"),
@@ -164,7 +165,8 @@ def test_preferring_a_lower_kernel_is_logged_with_the_reason(monkeypatch):
         logger.remove(sink)
     assert module.kernel_name == "reference"
     assert lines == [f"t.proj: 4-bit g256 sym: kernel reference (cpu-int4pack: reference preferred by {PREFER_ENV}; "
-                     f"cpu-int8: reference preferred by {PREFER_ENV}; cpu-int8-group: reference preferred by "
+                     f"cpu-int8: reference preferred by {PREFER_ENV}; cpu-int8-group-native: reference preferred by "
+                     f"{PREFER_ENV}; cpu-int8-group: reference preferred by "
                      f"{PREFER_ENV})\n"]
 
 

@@ -238,28 +238,34 @@ SELECTION = [
     (spec(bits=8, gs=128), "reference", [
         ("cpu-int4pack", "needs at most 4-bit codes, got 8-bit"),
         ("cpu-int8", "needs one group spanning K=4096 (per-channel), got group size 128"),
+        ("cpu-int8-group-native", "group size 128 not in (16, 32) (ggml's block groups)"),
         ("cpu-int8-group", "group size 128 not in (16, 32) (ggml's block groups)")]),
     (spec(gs=48, k=4800), "reference", [
         ("cpu-int4pack", "group size 48 not in {32,64,128,256} or a multiple of 32"),
         ("cpu-int8", "needs one group spanning K=4800 (per-channel), got group size 48"),
+        ("cpu-int8-group-native", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)"),
         ("cpu-int8-group", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)")]),
     (spec(n=100), "reference", [
         ("cpu-int4pack", "out_features 100 not a multiple of 16"),
         ("cpu-int8", "needs one group spanning K=4096 (per-channel), got group size 128"),
+        ("cpu-int8-group-native", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)"),
         ("cpu-int8-group", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)")]),
     (spec(n=100, gs=4096), "cpu-int8", [("cpu-int4pack", "out_features 100 not a multiple of 16")]),
     (spec(k=4112, gs=4112), "cpu-int8", [("cpu-int4pack", "in_features 4112 not a multiple of 32")]),
     (spec(k=4100, gs=4100, bits=8), "reference", [
         ("cpu-int4pack", "needs at most 4-bit codes, got 8-bit"),
         ("cpu-int8", "in_features 4100 not a multiple of 16"),
+        ("cpu-int8-group-native", "group size 4100 not in (16, 32) (ggml's block groups)"),
         ("cpu-int8-group", "group size 4100 not in (16, 32) (ggml's block groups)")]),
     (spec(act=True, rows=16), "reference", [
         ("cpu-int4pack", "act-order groups of unequal size (row counts share at most 16 rows, need a multiple of 32)"),
         ("cpu-int8", "needs one group spanning K=4096 (per-channel), got group size 128"),
+        ("cpu-int8-group-native", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)"),
         ("cpu-int8-group", "4-bit codes are the int4 kernels' (this one takes 5 to 8 bits)")]),
     (spec(dtype=torch.float64), "reference", [
         ("cpu-int4pack", "activation dtype torch.float64 not in bfloat16/float16/float32"),
         ("cpu-int8", "activation dtype torch.float64 not in bfloat16/float16/float32"),
+        ("cpu-int8-group-native", "activation dtype torch.float64 not in bfloat16/float16/float32"),
         ("cpu-int8-group", "activation dtype torch.float64 not in bfloat16/float16/float32")]),
 ]
 
@@ -312,7 +318,7 @@ def test_disable_falls_through(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, " cpu-int4pack , cpu-int8")
     kernel, why = choose_kernel(spec(gs=4096))
     assert kernel is ReferenceKernel
-    assert [n for n, _ in why] == ["cpu-int4pack", "cpu-int8", "cpu-int8-group"]
+    assert [n for n, _ in why] == ["cpu-int4pack", "cpu-int8", "cpu-int8-group-native", "cpu-int8-group"]
     w = make_weight(256, 32, 4, 256, True, False)
     module = build_linear(w, None, torch.bfloat16, "cpu")
     assert module.kernel_name == "reference"

@@ -26,8 +26,11 @@ from types import ModuleType
 import torch
 from loguru import logger
 
+from text_generation_server.kernels.cpu_native_group_src import with_group_kernels
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
 from text_generation_server.kernels.phase import pad_prompt_rows
+
+SOURCE, FUNCTIONS = with_group_kernels(SOURCE, FUNCTIONS)  # the group-int8 kernels (cpu_group_int8.py)
 
 ENV = "TGS_CPU_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -21,7 +21,7 @@ from text_generation_server.kernels.bitsandbytes import (
     BnbMatmul4bitKernel,
 )
 from text_generation_server.kernels.cpu import CpuInt4PackKernel, CpuInt8Kernel
-from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel
+from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel, CpuGroupInt8NativeKernel
 from text_generation_server.kernels.dense import DenseKernel
 from text_generation_server.kernels.fp8 import (
     Fp8DenseKernel,
@@ -37,6 +37,7 @@ CPU: tuple[type[QuantKernel], ...] = (
     # -- quantized: integer codes (GPTQ, AWQ, EXL2, compressed-tensors, EETQ, bnb int8, Marlin), fp8
     CpuInt4PackKernel,  # torch's int4 op; prompts through the native dequantized bf16 GEMM
     CpuInt8Kernel,  # per-channel codes of any width: native matrix-vector kernel, torch's op, bf16 GEMM
+    CpuGroupInt8NativeKernel,  # the same, codes read in place for decode rows (native AVX-512 build)
     CpuGroupInt8Kernel,  # group scales, codes up to 8 bits (GGUF Q8_0, Q6_K, Q5_*): int8 in memory
     # The dense reference (dequantized once, torch's matmul) outruns kernels that keep the codes
     # packed and dequantize every forward (marlin-layout: ~10x slower at 4096x4096). They rank after

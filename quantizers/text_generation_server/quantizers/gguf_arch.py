@@ -23,6 +23,7 @@ from loguru import logger
 from tokenizers import Tokenizer
 
 from text_generation_server.quantizers.checkpoint import Checkpoint
+from text_generation_server.quantizers.gguf_cache import cached_tokenizer
 from text_generation_server.quantizers.gguf_file import GGUFFile, GGUFSource, TensorView, open_gguf
 from text_generation_server.quantizers.sources import CheckpointError
 
@@ -167,7 +168,12 @@ def _minus_one(values: torch.Tensor) -> torch.Tensor:
 
 
 def tokenizer(file: GGUFFile) -> tuple[Tokenizer, str | None]:
-    """The file's tokenizer as transformers converts it (its optional extra), and its chat template."""
+    """The file's tokenizer as transformers converts it (its optional extra), and its chat template:
+    converted once per file and converter version, then read from the cache (gguf_cache.py)."""
+    return cached_tokenizer(file, lambda: _convert_tokenizer(file))
+
+
+def _convert_tokenizer(file: GGUFFile) -> tuple[Tokenizer, str | None]:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:

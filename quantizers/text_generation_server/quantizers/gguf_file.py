@@ -18,6 +18,7 @@ naming the tensor and the file.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,11 +70,87 @@ def gguf_files(path: Path) -> list[Path] | None:
     return parts
 
 
+# GGUF metadata value types (the spec's gguf_metadata_value_type): struct formats of the scalars.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Metadata:
+    """Reads the key/value section with `struct` from one bytes view. The gguf package's reader
+    makes several numpy views per value, and a 151k-token vocabulary with its 151k merges took it
+    about 10 s of a process's start (py-spy, 2026-11-28); this takes a fraction of a second."""
+
+    def __init__(self, buffer: memoryview, path: Path):
+        self.buffer = buffer
+        self.path = path
+
+    def string(self, offs: int) -> tuple[str, int]:
+        (size,) = struct.unpack_from("<Q", self.buffer, offs)
+        end = offs + 8 + size
+        if end > len(self.buffer):
+            raise struct.error(f"a {size}-byte string at byte {offs} runs past the end")
+        return str(self.buffer[offs + 8:end], "utf-8"), end
+
+    def value(self, offs: int, kind: int) -> tuple[Any, int]:
+        scalar = _SCALARS.get(kind)
+        if scalar is not None:
+            return struct.unpack_from("<" + scalar, self.buffer, offs)[0], offs + struct.calcsize(scalar)
+        if kind == _STRING:
+            return self.string(offs)
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
+        item, count = struct.unpack_from("<IQ", self.buffer, offs)
+        offs += 12
+        scalar = _SCALARS.get(item)
+        if scalar is not None:
+            end = offs + count * struct.calcsize(scalar)
+            if end > len(self.buffer):
+                raise struct.error(f"a {count}-value array at byte {offs} runs past the end")
+            values = np.frombuffer(self.buffer[offs:end], dtype=np.dtype("<" + scalar)).tolist()
+            return values, end
+        values = []
+        for _ in range(count):
+            value, offs = self.value(offs, item)
+            values.append(value)
+        return values, offs
+
+    def read(self, offs: int, count: int) -> tuple[dict[str, Any], int]:
+        """`count` key/value pairs from byte `offs`: the values by key, and the offset after them."""
+        values: dict[str, Any] = {}
+        for _ in range(count):
+            key = f"at byte {offs}"
+            try:
+                key, offs = self.string(offs)
+                (kind,) = struct.unpack_from("<I", self.buffer, offs)
+                values[key], offs = self.value(offs + 4, kind)
+            except (struct.error, ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{self.path}: metadata key '{key}' cannot be read ({exc}): the file is "
+                                      "truncated or corrupt") from exc
+        return values, offs
+
+
 def _checked_reader(path: Path):
-    """A GGUFReader that, before mapping each tensor, checks its type and that its bytes are in the file."""
+    """A GGUFReader that, before mapping each tensor, checks its type and that its bytes are in the file,
+    and reads the metadata with `_Metadata` (into `values`; `fields` keeps general.alignment only)."""
     gguf = _gguf()
 
     class CheckedReader(gguf.GGUFReader):  # type: ignore[name-defined]
+        values: dict[str, Any]
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self.byte_order == "S":  # a big-endian file: the package's own (slow) reader
+                end = super()._build_fields(offs, count)
+                self.values = {k: f.contents() for k, f in self.fields.items() if not k.startswith("GGUF.")}
+                return end
+            self.values, end = _Metadata(memoryview(self.data), path).read(offs, count)
+            align = self.values.get("general.alignment")
+            if align is not None:
+                if not isinstance(align, int):
+                    raise CheckpointError(f"{path}: general.alignment is {align!r}, not an integer")
+                self.fields["general.alignment"] = gguf.ReaderField(
+                    offs, "general.alignment", [np.array([align], dtype=np.uint32)], [0], [gguf.GGUFValueType.UINT32])
+            return end
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
             for field in fields:
@@ -120,14 +197,7 @@ class GGUFFile:
     def __init__(self, files: Sequence[Path]):
         self.files = list(files)
         self.readers = [_checked_reader(p) for p in self.files]
-        self.metadata: dict[str, object] = {}
-        for key, field in self.readers[0].fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except (ValueError, IndexError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{self.files[0]}: metadata key '{key}' cannot be read: {exc}") from exc
+        self.metadata: dict[str, object] = dict(self.readers[0].values)
         self.tensors: dict[str, Any] = {}  # gguf ReaderTensor by name
         self.where: dict[str, Path] = {}
         for path, reader in zip(self.files, self.readers):

@@ -11,7 +11,10 @@ here is transformers' text and tokenizing it without special tokens gives its id
 
 Where the template is looked for, in transformers' order: `chat_template.jinja` in the model
 folder, then `chat_template` in tokenizer_config.json (a string, or a list of named templates of
-which "default" is used), then the legacy `chat_template.json`.
+which "default" is used), then the legacy `chat_template.json`. A GGUF model (the path is a .gguf
+file, or a folder holding one) carries its template in its metadata, `tokenizer.chat_template`, and
+its special tokens as ids into `tokenizer.ggml.tokens` (bos, eos, unknown, padding): read from there,
+as transformers' `from_pretrained(..., gguf_file=...)` reads them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # The special tokens apply_chat_template hands the template by name (transformers'
 # SPECIAL_TOKENS_ATTRIBUTES that a tokenizer config can set).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The ones a GGUF names, by the metadata key of their id (transformers' gguf tokenizer mapping).
+GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                          "pad_token": "padding_token_id"}
 
 
 class ChatTemplateMissing(LookupError):
@@ -174,8 +180,13 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, folder: Path) -> "ChatTemplate":
-        """The template of the checkpoint in `folder`. ChatTemplateMissing names every place it
-        looked; ChatTemplateBroken when the one found is unusable."""
+        """The template of the checkpoint in `folder` (or of the GGUF file it names). ChatTemplateMissing
+        names every place it looked; ChatTemplateBroken when the one found is unusable."""
+        from text_generation_server.quantizers.gguf_file import gguf_files
+
+        files = gguf_files(Path(folder))
+        if files is not None:
+            return cls.from_gguf(files)
         config_path = folder / TOKENIZER_CONFIG
         config = _read_json(config_path) if config_path.is_file() else {}
         special: dict[str, str] = {}
@@ -208,6 +219,26 @@ class ChatTemplate:
         raise ChatTemplateMissing(
             f"the model has no chat template: looked for {file}, 'chat_template' in {config_path} and {legacy}"
         )
+
+    @classmethod
+    def from_gguf(cls, files: Sequence[Path]) -> "ChatTemplate":
+        """The template in a GGUF's metadata, with the special tokens its ids name."""
+        from text_generation_server.quantizers.gguf_file import open_gguf
+
+        file = open_gguf(files)
+        where = f"{file.name} (tokenizer.chat_template)"
+        text = file.get("tokenizer.chat_template")
+        if text is None:
+            raise ChatTemplateMissing(f"the model has no chat template: {file.name} has no tokenizer.chat_template")
+        if not isinstance(text, str):
+            raise ChatTemplateBroken(f"the chat template in {where} is a {type(text).__name__}, not text")
+        tokens = file.get("tokenizer.ggml.tokens") or []
+        special: dict[str, str] = {}
+        for name, key in GGUF_SPECIAL_TOKEN_IDS.items():
+            index = file.get(f"tokenizer.ggml.{key}")
+            if isinstance(index, int) and 0 <= index < len(tokens):
+                special[name] = tokens[index]
+        return cls.from_string(text, special, where)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
