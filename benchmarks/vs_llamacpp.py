@@ -1079,7 +1079,10 @@ def report(results: Sequence[CaseResult], plan: Plan, bw: Sequence[Bandwidth], t
 
 # -- the run -------------------------------------------------------------------------------------------
 async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairing], plan: Plan, threads: int,
-                   startup_timeout_s: float, rounds: int = 1) -> CaseResult:
+                   startup_timeout_s: float, rounds: int = 1,
+                   on_group: Callable[[CaseResult], None] | None = None) -> CaseResult:
+    """Every pairing of `case` in `rounds` interleaved rounds; `on_group` gets the pairings measured so
+    far after each of our weight types (a long run on a shared machine reports what it has)."""
     from transformers import AutoTokenizer
 
     bf16 = lb.ensure_gguf_bf16(llama, case.hf_dir, case.cache / "gguf")
@@ -1118,6 +1121,11 @@ async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairi
         for r in range(rounds):
             for i in indices:
                 all_rounds[r][i][1].threads = ours.threads
+        if on_group is not None:
+            done = [i for i in range(len(pairings)) if all_rounds[0][i] is not None]
+            on_group(CaseResult(case, [(pairings[i], merge_rounds([rnd[i][1] for rnd in all_rounds]),
+                                        merge_rounds([rnd[i][2] for rnd in all_rounds])) for i in done],
+                                [[rnd[i] for i in done] for rnd in all_rounds]))
     merged = [(p, merge_rounds([rnd[i][1] for rnd in all_rounds]), merge_rounds([rnd[i][2] for rnd in all_rounds]))
               for i, p in enumerate(pairings)]
     return CaseResult(case, merged, all_rounds)
@@ -1140,7 +1148,13 @@ async def amain(args: argparse.Namespace, plan: Plan, weights: list[str], models
     results = []
     for model in models:
         case = resolve_case(model)
-        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s, args.rounds))
+        def partial(res: CaseResult) -> None:
+            print(f"<!-- partial report: {len(res.rows)} of {len(pairings)} pairings -->\n"
+                  + report([*results, res], plan, bw, threads, args.llamacpp_version, load_start, args.amx, args.avx2),
+                  flush=True)
+
+        results.append(await run_case(case, llama, pairings, plan, threads, args.startup_timeout_s, args.rounds,
+                                      partial if args.rounds > 1 else None))
     bw.append(measure_bandwidth(threads=threads))
     print(report(results, plan, bw, threads, args.llamacpp_version, load_start, args.amx, args.avx2))
     return 0

@@ -1,0 +1,132 @@
+"""The native CPU kernels of this tree against those of another git revision, interleaved in one process.
+
+A kernel change is judged on a shared machine only when both versions run side by side under the
+same load: this builds the revision's C++ source (kernels/cpu_native*_src.py as committed there) as a
+second extension beside this tree's, and times the same calls on both in alternation, cold weights
+(copies cycled, each larger than the caches together). Figures: the best of each version's calls,
+milliseconds, and the weight bytes read per second at that time.
+
+    python benchmarks/kernels_cpu_ab.py --base 2fbacd7              # int4 MLP shapes, the int8/bf16 head
+    TGS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
+        python benchmarks/kernels_cpu_ab.py --base 2fbacd7 --what int4-op   # AVX2: the int4 kernel vs torch's op
+
+The base revision's functions are called with the arguments that revision took (float32 x for its
+matrix-vector products, which refused bfloat16 before issue #32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from text_generation_server.kernels import cpu_native
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC_DIR = "kernels/text_generation_server/kernels"
+
+
+def base_extension(rev: str):
+    """The C++ source of `rev` built as its own extension (cached under a name hashing that source)."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, SRC_DIR + "/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    sources = {Path(n).stem: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{n}"], check=True,
+                                            capture_output=True, text=True).stdout
+               for n in names if Path(n).name.startswith("cpu_native") and n.endswith("_src.py")}
+    saved = dict(sys.modules)
+    try:  # the revision's modules under their own names while its main source module is executed
+        modules = {}
+        for stem in sorted(sources, key=lambda s: s == "cpu_native_src"):  # parts first, the main module last
+            mod = types.ModuleType(f"text_generation_server.kernels.{stem}")
+            sys.modules[mod.__name__] = mod
+            exec(compile(sources[stem], f"{rev}:{stem}", "exec"), mod.__dict__)
+            modules[stem] = mod
+        main = modules["cpu_native_src"]
+    finally:
+        sys.modules.clear()
+        sys.modules.update(saved)
+    from torch.utils.cpp_extension import load_inline
+
+    name = "tgs_ab_" + hashlib.sha256((main.SOURCE + " ".join(cpu_native.cflags())).encode()).hexdigest()[:12]
+    return load_inline(name, cpp_sources=[main.SOURCE], functions=main.FUNCTIONS,
+                       extra_cflags=list(cpu_native.cflags()), extra_ldflags=list(cpu_native.LDFLAGS))
+
+
+def best(fn: Callable[[int], object], calls: int) -> float:
+    times = []
+    for i in range(calls):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
+    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op (comma-separated)")
+    parser.add_argument("--rows", default="1,2,4,8,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    what = set(args.what.split(","))
+    rows = [int(r) for r in args.rows.split(",")]
+    new = cpu_native.native()
+    if new is None:
+        print(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
+        return 1
+    versions = {"base": base_extension(args.base), "new": new} if what & {"int4", "head"} else {"new": new}
+    print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
+          f"{args.threads} threads, base {args.base}")
+    copies = 6
+    for k, n in ((1536, 8960), (8960, 1536)):
+        if not what & {"int4", "int4-op"}:
+            break
+        codes = [torch.randint(0, 16, (n, k), dtype=torch.int32) for _ in range(copies)]
+        packs = [torch._convert_weight_to_int4pack_for_cpu(c, 2) for c in codes]
+        s, c = torch.rand(k // 128, n), torch.randn(k // 128, n)
+        sz = torch.stack([s, c], dim=-1).bfloat16()
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            res: dict[str, list[float]] = {}
+            for _ in range(args.rounds):
+                if "int4" in what:
+                    for label, mod in versions.items():
+                        res.setdefault(label, []).append(best(
+                            lambda i: cpu_native.int4pack_mm(mod, x, packs[i % copies], s, c, 128), 2 * copies))
+                if "int4-op" in what:
+                    res.setdefault("native", []).append(best(
+                        lambda i: cpu_native.int4pack_mm(new, x, packs[i % copies], s, c, 128), 2 * copies))
+                    res.setdefault("torch op", []).append(best(
+                        lambda i: torch._weight_int4pack_mm_for_cpu(x, packs[i % copies], 128, sz), 2 * copies))
+            print(f"int4 {k}x{n} rows={m}: " + "  ".join(
+                f"{label} {min(v) * 1e3:.2f} ms ({n * k / 2 / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
+                flush=True)
+    if "head" in what:
+        n, k = 151936, 1536
+        w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+        wb = torch.randn(n, k).bfloat16()
+        for m in [r for r in rows if r <= 8]:
+            x = torch.randn(m, k).bfloat16()
+            res = {}
+            for _ in range(args.rounds):
+                for label, mod in versions.items():
+                    xin = x.float() if label == "base" else x  # the base took float32 x only
+                    res.setdefault(f"int8 {label}", []).append(best(lambda i: mod.int8_gemv(xin, w, sc, 16384), 2))
+                    res.setdefault(f"bf16 {label}", []).append(best(lambda i: mod.bf16_gemv(xin, wb, 16384), 2))
+                res.setdefault("bf16 oneDNN", []).append(best(lambda i: torch.nn.functional.linear(x, wb), 2))
+            print(f"head {n}x{k} rows={m}: " + "  ".join(f"{label} {min(v) * 1e3:.1f} ms" for label, v in res.items()),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
