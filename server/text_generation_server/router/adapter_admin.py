@@ -92,14 +92,25 @@ class AdapterAdmin:
                         f"{self.drain_timeout_s:g} s (--drain-timeout-s); it stays loaded")
                 await asyncio.sleep(DRAIN_POLL_S)
 
-            async def drop() -> None:
+            async def drop(retry: bool) -> None:
                 busy = self.scheduler.uses(name)
                 if busy:  # cannot happen while draining refuses newcomers; never unload under a request
                     raise AdapterError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"adapter {name!r} is in use by {busy} requests")
-                await self.scheduler.client.unload_adapter(name)
+                await self.scheduler.client.unload_adapter(name, missing_ok=retry)
 
-            await self.scheduler.between_steps(drop)
+            retry = False
+            while True:
+                try:
+                    await self.scheduler.between_steps(lambda: drop(retry))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    # A rank may still hold a row of it a step longer than the router (a batch
+                    # decoded ahead): it refuses, and the next attempt comes after another step.
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() >= deadline:
+                        raise
+                    retry = True
+                    await asyncio.sleep(DRAIN_POLL_S)
         except grpc.aio.AioRpcError as exc:
             adapter.draining = False
             raise AdapterError(exc.code(), f"unloading adapter {name!r} failed: {exc.details()}") from None
