@@ -134,7 +134,7 @@ class LoraLinear:
         if not routing.active:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if routing.use_rows:
+        if routing.use_rows and routing.rows_slots is not None:
             slots = routing.rows_slots[: x2.shape[0]]
             if x2.is_cuda:
                 lora_rows_triton(x2, out2, self.a, self.b, slots)
