@@ -295,7 +295,7 @@ def enable_lora(lm, max_loras: int, max_rank: int) -> AdapterSlots:
     them and requests find them by name (BatchBuilder.adapter_slot)."""
     if lm.model_impl != "native":
         raise ValueError("LoRA adapters need a native model family (--model-impl native)")
-    routing = LoraRouting(lm.device, max(lm.graph_buckets, default=1))
+    routing = LoraRouting(lm.device, max(lm.graph_buckets, default=1), max_loras)
     lm.adapters = lm.builder.adapters = AdapterSlots(lm.model, routing, max_loras, max_rank, lm.dtype, lm.device)
     if lm.process_group.rank == 0:
         logger.info("LoRA: {} adapter slots of rank {} in {} linears ({:.1f} MiB on this rank)", max_loras, max_rank,
