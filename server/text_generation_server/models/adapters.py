@@ -236,8 +236,8 @@ class AdapterSlots:
         writes = self._place(adapter)
         for hook, a, b in writes:
             hook.write(free, a, b)
-        loaded = LoadedAdapter(name, adapter.path, free, adapter.rank, adapter.alpha, adapter.target_modules or
-                               sorted({m.rsplit(".", 1)[-1] for m in adapter.modules}))
+        loaded = LoadedAdapter(name, adapter.path, free, adapter.rank, adapter.alpha, sorted(
+            adapter.target_modules or {m.rsplit(".", 1)[-1] for m in adapter.modules}))
         self.slots[free] = loaded
         self.by_name[name] = loaded
         logger.info("adapter '{}' loaded from {} into slot {} (rank {}, {} modules)", name, adapter.path, free,
