@@ -477,3 +477,28 @@ def test_a_load_one_rank_refuses_is_undone_on_the_others():
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_load_runs_to_its_end_when_its_caller_goes_away(tmp_path):
+    """Cut halfway, the ranks could hold an adapter the router does not know (or the reverse)."""
+
+    async def run():
+        admin, shards, scheduler = make_admin(tmp_path)
+        shards.step_gate = asyncio.Event()
+        scheduler.start()
+        try:
+            scheduler.submit(valid(""))
+            await asyncio.sleep(0.02)  # a step in flight: the load waits behind it
+            call = asyncio.create_task(admin.load("sql", "sql"))
+            await asyncio.sleep(0.02)
+            call.cancel()  # the client went away
+            shards.step_gate.set()
+            for _ in range(100):
+                if "sql" in scheduler.adapters:
+                    break
+                await asyncio.sleep(0.01)
+            assert "load sql" in shards.log and "sql" in scheduler.adapters  # loaded on both sides
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(run())
