@@ -229,7 +229,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         )
         if window is not None:
             info.window_size = window
-        info.adapters.extend(adapters.infos(m.adapters))
+        info.adapters.extend(adapters.infos(getattr(m, "adapters", None)))
         context.set_trailing_metadata((
             (KERNELS_METADATA, ",".join(model_kernels(m.model))),
             (ATTENTION_METADATA, m.attention.name),
