@@ -475,11 +475,17 @@ class InProcessClient:
         response = await self._adapter_call(self.service.LoadAdapter, pb.LoadAdapterRequest(name=name, path=path))
         return response.adapter
 
-    async def unload_adapter(self, name):
+    async def unload_adapter(self, name, missing_ok=False):
+        import grpc
+
         from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 
         self.calls.append(f"unload {name}")
-        await self._adapter_call(self.service.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+        try:
+            await self._adapter_call(self.service.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+        except grpc.aio.AioRpcError as exc:
+            if not (missing_ok and exc.code() == grpc.StatusCode.NOT_FOUND):
+                raise
 
     async def _adapter_call(self, method, request):
         import grpc

@@ -8,7 +8,7 @@ matters) and saved in its layout; the server loads them from the folder. What mu
   prefill and a cached prefix (a prompt continued over blocks another request filled);
 - two gloo ranks give one rank's tokens (column layers split B, row layers split A and share the
   base layer's all-reduce);
-- a GPTQ base with an adapter gives what the dense checkpoint of its dequantized weights gives.
+- a GPTQ or AWQ base with an adapter gives what the dense checkpoint of its dequantized weights gives.
 Llama covers the separate q/k/v and gate/up projections fused into one linear here, Qwen2 adds
 q/k/v biases, Phi-3 stores qkv_proj and gate_up_proj fused in the checkpoint (peft adapts them
 whole).
@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ids_request, random_ids, run_ranks, run_to_end, write_checkpoint, write_model_folder
+
+from quant_packers import awq_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.models.adapters import enable_lora
 from text_generation_server.models.loader import get_model
@@ -189,30 +191,38 @@ def test_two_ranks_give_one_ranks_tokens(families, tmp_path, name):
     assert ranks == [want, want]
 
 
-def test_a_gptq_base_with_an_adapter_equals_its_dequantized_base(families, tmp_path, monkeypatch):
-    """Every linear of the Llama checkpoint as 4-bit GPTQ (group 8), and the dense checkpoint of the
-    dequantized weights: with the same adapter, the same tokens and prompt log-probs (the base keeps
-    its kernel, the adapter adds its term in float32)."""
-    from quant_packers import gptq_tensors, quantize_rtn
+QUANTIZED = {  # format -> (symmetric, packer, quantization_config)
+    "gptq": (True, lambda prefix, q: gptq_tensors(prefix, q, "gptq"),
+             {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": False, "sym": True,
+              "checkpoint_format": "gptq"}),
+    "awq": (False, lambda prefix, q: awq_tensors(prefix, q),
+            {"quant_method": "awq", "bits": 4, "group_size": 8, "zero_point": True, "version": "gemm"}),
+}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+def test_a_quantized_base_with_an_adapter_equals_its_dequantized_base(families, tmp_path, monkeypatch, fmt):
+    """Every linear of the Llama checkpoint as 4-bit GPTQ or AWQ (group 8), and the dense checkpoint of
+    the dequantized weights: with the same adapter, the same tokens and prompt log-probs (the base
+    keeps its kernel, the adapter adds its term)."""
     from safetensors.torch import load_file
 
     from text_generation_server.kernels.select import DISABLE_ENV
     from helpers import fast_kernels
 
+    sym, pack, quant_config = QUANTIZED[fmt]
     fam = families("llama")
     state = load_file(str(fam.base_dir / "model.safetensors"))
     config = fam.hf.config.to_dict()
     quantized, dense = dict(state), dict(state)
     for key, tensor in state.items():
         if key.endswith("_proj.weight"):
-            q = quantize_rtn(tensor.float(), 4, 8, sym=True)
+            q = quantize_rtn(tensor.float(), 4, 8, sym=sym)
             prefix = key.removesuffix(".weight")
             del quantized[key]
-            quantized |= gptq_tensors(prefix, q, "gptq")
+            quantized |= pack(prefix, q)
             dense[key] = q.dense()
-    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": False, "sym": True,
-            "checkpoint_format": "gptq"}
-    qdir = write_model_folder(tmp_path / "gptq", fam.base_dir, quantized, config | {"quantization_config": gptq})
+    qdir = write_model_folder(tmp_path / fmt, fam.base_dir, quantized, config | {"quantization_config": quant_config})
     ddir = write_model_folder(tmp_path / "dense", fam.base_dir, dense, config)
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())
     results = []
@@ -223,7 +233,7 @@ def test_a_gptq_base_with_an_adapter_equals_its_dequantized_base(families, tmp_p
         lm.allocate_kv_cache(64)
         results.append(serve(lm, [("all", fam.prompts["all"]), (None, fam.prompts[None])]))
         if folder == qdir:
-            assert lm.quantize == "gptq"
+            assert lm.quantize == fmt
     (q_adapter, q_base), (d_adapter, d_base) = results
     assert q_adapter["ids"] == d_adapter["ids"] and q_base["ids"] == d_base["ids"]
     assert q_adapter["ids"] != q_base["ids"] or fam.prompts["all"] != fam.prompts[None]

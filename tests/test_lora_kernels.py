@@ -1,7 +1,7 @@
 """The LoRA term's kernels and slots, on the CPU.
 
-- The segmented torch path (runs of rows per adapter, each slot's own width), the per-row torch
-  path and the Triton kernels (under TRITON_INTERPRET=1) give the same sums for any mix of slots,
+- The segmented torch path (runs of rows per adapter, each slot's own width), the all-slots path
+  (one GEMM each way, other slots masked), the per-row torch path and the Triton kernels (under TRITON_INTERPRET=1) give the same sums for any mix of slots,
   base rows included, on every activation dtype.
 - Slots are preallocated: loading, unloading and loading again writes into the same tensors
   (a CUDA graph keeps their pointers); a lower rank in a slot leaves the rest zero.
@@ -18,7 +18,7 @@ import torch
 from helpers import ids_request, needs_gpu, random_ids, run_to_end, write_checkpoint
 
 from text_generation_server.engine.cuda_graphs import EagerReplayCapturer
-from text_generation_server.kernels.lora import lora_rows_torch, lora_runs_torch, runs_of
+from text_generation_server.kernels.lora import lora_all_slots_torch, lora_rows_torch, lora_runs_torch, runs_of
 from text_generation_server.kernels.lora_triton import lora_rows_triton
 from text_generation_server.layers.attention import TorchAttention, padded_decode
 from text_generation_server.models.adapters import enable_lora
@@ -61,9 +61,10 @@ def test_segmented_and_per_row_paths_agree(dtype):
             want[r] += b[s].double().t() @ (a[s].double() @ x[r].double())
     seg = lora_runs_torch(x, base.clone(), a, b, runs_of(SLOTS, COUNTS), widths)
     row = lora_rows_torch(x, base.clone(), a, b, per_row)
+    every = lora_all_slots_torch(x, base.clone(), a, b, per_row.long())
     tol = 1e-4 if dtype == torch.float32 else 0.15
-    torch.testing.assert_close(seg.double(), want, atol=tol, rtol=0.02)
-    torch.testing.assert_close(row.double(), want, atol=tol, rtol=0.02)
+    for got in (seg, row, every):
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=0.02)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -199,3 +200,19 @@ def test_cuda_kernels_and_graphs(model):
     got_tokens = _scenario(lm)
     assert sum(lm.graphs.stats.replays.values()) > 0
     assert {r: v["ids"] for r, v in got_tokens.items()} == {r: v["ids"] for r, v in eager.items()}
+
+
+def test_routing_picks_a_path_per_forward():
+    from text_generation_server.layers.lora import LoraRouting
+
+    cpu = LoraRouting(torch.device("cpu"), decode_capacity=4, slots=8)
+    cpu.route([-1, -1], [5, 1])
+    assert not cpu.active  # no adapter row: the hooks add nothing, at no cost
+    cpu.route([0, 1, 2, 3, -1], [1] * 5)  # decode rows of 4 of 8 adapters: one GEMM each way
+    assert cpu.active and not cpu.use_rows and cpu.all_slots.tolist() == [0, 1, 2, 3, -1]
+    cpu.route([0, 0, 1], [30, 1, 1])  # a prompt, or few adapters: runs
+    assert cpu.all_slots is None and cpu.runs == [(0, 0, 31), (1, 31, 32)]
+    cpu.route([2, -1], [1, 1], graph=True)  # a graph may replay: the fixed per-row buffer, padded
+    assert cpu.use_rows and cpu.rows_slots is cpu.decode_slots and cpu.decode_slots.tolist() == [2, -1, -1, -1]
+    cpu.route([2, -1, 1, 0, 3], [1] * 5, graph=True)  # more rows than any graph: a buffer of its own
+    assert cpu.rows_slots is not cpu.decode_slots and cpu.rows_slots.tolist() == [2, -1, 1, 0, 3]

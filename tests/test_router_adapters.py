@@ -205,6 +205,7 @@ class FakeShards:
         self.log: list[str] = []
         self.step_gate: asyncio.Event | None = None
         self.refuse: grpc.StatusCode | None = None
+        self.busy_unloads = 0  # unloads a rank refuses (FAILED_PRECONDITION) before it accepts
 
     async def load_adapter(self, name: str, path: str) -> spb.AdapterInfo:
         self.log.append(f"load {name}")
@@ -212,8 +213,11 @@ class FakeShards:
             raise grpc.aio.AioRpcError(self.refuse, None, None, details=f"the shard refuses {name}")
         return spb.AdapterInfo(name=name, path=path, rank=8, target_modules=["q_proj", "v_proj"], alpha=16.0)
 
-    async def unload_adapter(self, name: str) -> None:
-        self.log.append(f"unload {name}")
+    async def unload_adapter(self, name: str, missing_ok: bool = False) -> None:
+        self.log.append(f"unload {name}" + (" (again)" if missing_ok else ""))
+        if self.busy_unloads:
+            self.busy_unloads -= 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, None, None, details=f"{name} in use")
 
     async def prefill(self, batch, cached=None):
         """Each request ends with one token; the adapter each one named on the wire is logged."""
@@ -316,6 +320,22 @@ def test_unload_drains_the_adapters_requests_and_refuses_newcomers(tmp_path):
         try:
             await asyncio.wait_for(unload, 5)
             assert "sql" not in scheduler.adapters and shards.log[-1] == "unload sql"
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(run())
+
+
+def test_an_unload_a_rank_refuses_for_a_row_it_still_holds_is_tried_again(tmp_path):
+    async def run():
+        admin, shards, scheduler = make_admin(tmp_path)
+        scheduler.adapters.add(info("sql"))
+        shards.busy_unloads = 2
+        scheduler.start()
+        try:
+            await admin.unload("sql")
+            assert shards.log == ["unload sql", "unload sql (again)", "unload sql (again)"]
+            assert "sql" not in scheduler.adapters
         finally:
             await scheduler.stop()
 
@@ -455,5 +475,30 @@ def test_a_load_one_rank_refuses_is_undone_on_the_others():
             assert [s.loaded for s in client._stubs] == [set(), set(), set()]
         finally:
             await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_load_runs_to_its_end_when_its_caller_goes_away(tmp_path):
+    """Cut halfway, the ranks could hold an adapter the router does not know (or the reverse)."""
+
+    async def run():
+        admin, shards, scheduler = make_admin(tmp_path)
+        shards.step_gate = asyncio.Event()
+        scheduler.start()
+        try:
+            scheduler.submit(valid(""))
+            await asyncio.sleep(0.02)  # a step in flight: the load waits behind it
+            call = asyncio.create_task(admin.load("sql", "sql"))
+            await asyncio.sleep(0.02)
+            call.cancel()  # the client went away
+            shards.step_gate.set()
+            for _ in range(100):
+                if "sql" in scheduler.adapters:
+                    break
+                await asyncio.sleep(0.01)
+            assert "load sql" in shards.log and "sql" in scheduler.adapters  # loaded on both sides
+        finally:
+            await scheduler.stop()
 
     asyncio.run(run())

@@ -65,6 +65,20 @@ def lora_runs_torch(x: torch.Tensor, out: torch.Tensor, a_bank: torch.Tensor, b_
     return out
 
 
+def lora_all_slots_torch(x: torch.Tensor, out: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
+                         row_slots: torch.Tensor) -> torch.Tensor:
+    """Every row against every slot, one GEMM each way, the terms of slots a row does not use masked
+    to zero. For a small batch whose rows use most slots (8 rows of 8 adapters): the banks are read
+    once either way, and two GEMMs cost far less on the CPU than two small products per run."""
+    # x: [rows, K], out: [rows, N], row_slots: [rows] int (-1: none)
+    slots, width, k = a_bank.shape
+    h = torch.mm(x, a_bank.view(slots * width, k).t())  # [rows, slots * W]
+    owner = torch.arange(slots * width, device=x.device) // width
+    h = h * (owner[None, :] == row_slots[:, None]).to(h.dtype)
+    out.addmm_(h.to(out.dtype), b_bank.view(slots * width, -1))
+    return out
+
+
 def lora_rows_torch(x: torch.Tensor, out: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
                     row_slots: torch.Tensor) -> torch.Tensor:
     """The per-row form: each row gathers its slot's A and B (-1: nothing added). Fixed shapes and

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from text_generation_server.kernels.lora import Run, lora_rows_torch, lora_runs_torch, runs_of
+from text_generation_server.kernels.lora import Run, lora_all_slots_torch, lora_rows_torch, lora_runs_torch, runs_of
 from text_generation_server.kernels.lora_triton import lora_rows_triton
 
 
@@ -59,8 +59,14 @@ class LoraRouting:
     `decode_slots` is a fixed device buffer (a captured decode graph reads it); forwards with more
     rows, or on the CPU without graphs, use runs."""
 
-    def __init__(self, device: torch.device, decode_capacity: int):
+    # CPU: a forward of at most this many rows whose rows use at least half the slots runs every
+    # slot in one GEMM each way (lora_all_slots_torch) instead of two small products per run.
+    ALL_SLOTS_MAX_ROWS = 64
+
+    def __init__(self, device: torch.device, decode_capacity: int, slots: int = 1):
         self.device = device
+        self.slots = slots
+        self.all_slots: torch.Tensor | None = None  # per-row slots when the all-slots path runs
         self.use_rows = False
         self.runs: list[Run] = []
         self.decode_slots = torch.full((max(1, decode_capacity),), -1, dtype=torch.int32, device=device)
@@ -74,6 +80,10 @@ class LoraRouting:
         rows = sum(counts)
         self.use_rows = self.device.type == "cuda" or graph
         self.active = bool(self.runs) or graph
+        self.all_slots = None
+        if not self.use_rows and self.active and rows <= self.ALL_SLOTS_MAX_ROWS and \
+                2 * len({s for s in slots if s >= 0}) >= max(self.slots, 3):
+            self.all_slots = torch.tensor([s for s, n in zip(slots, counts) for _ in range(n)], dtype=torch.long)
         if not self.use_rows or not self.active:
             return
         per_row = [s for s, n in zip(slots, counts) for _ in range(n)]
@@ -91,6 +101,7 @@ class LoraRouting:
         self.rows_slots = self.decode_slots
         self.use_rows = self.active = True
         self.runs = []
+        self.all_slots = None
 
 
 class LoraLinear:
@@ -134,12 +145,14 @@ class LoraLinear:
         if not routing.active:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if routing.use_rows:
+        if routing.use_rows and routing.rows_slots is not None:
             slots = routing.rows_slots[: x2.shape[0]]
             if x2.is_cuda:
                 lora_rows_triton(x2, out2, self.a, self.b, slots)
             else:
                 lora_rows_torch(x2, out2, self.a, self.b, slots)
+        elif routing.all_slots is not None:
+            lora_all_slots_torch(x2, out2, self.a, self.b, routing.all_slots)
         else:
             lora_runs_torch(x2, out2, self.a, self.b, routing.runs, self.widths)
         return out

@@ -236,8 +236,8 @@ class AdapterSlots:
         writes = self._place(adapter)
         for hook, a, b in writes:
             hook.write(free, a, b)
-        loaded = LoadedAdapter(name, adapter.path, free, adapter.rank, adapter.alpha, adapter.target_modules or
-                               sorted({m.rsplit(".", 1)[-1] for m in adapter.modules}))
+        loaded = LoadedAdapter(name, adapter.path, free, adapter.rank, adapter.alpha, sorted(
+            adapter.target_modules or {m.rsplit(".", 1)[-1] for m in adapter.modules}))
         self.slots[free] = loaded
         self.by_name[name] = loaded
         logger.info("adapter '{}' loaded from {} into slot {} (rank {}, {} modules)", name, adapter.path, free,
@@ -295,7 +295,7 @@ def enable_lora(lm, max_loras: int, max_rank: int) -> AdapterSlots:
     them and requests find them by name (BatchBuilder.adapter_slot)."""
     if lm.model_impl != "native":
         raise ValueError("LoRA adapters need a native model family (--model-impl native)")
-    routing = LoraRouting(lm.device, max(lm.graph_buckets, default=1))
+    routing = LoraRouting(lm.device, max(lm.graph_buckets, default=1), max_loras)
     lm.adapters = lm.builder.adapters = AdapterSlots(lm.model, routing, max_loras, max_rank, lm.dtype, lm.device)
     if lm.process_group.rank == 0:
         logger.info("LoRA: {} adapter slots of rank {} in {} linears ({:.1f} MiB on this rank)", max_loras, max_rank,

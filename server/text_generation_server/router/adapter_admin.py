@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, TypeVar
 
 import grpc
 from loguru import logger
@@ -27,6 +28,15 @@ from text_generation_server.router.metrics import Metrics
 from text_generation_server.router.scheduler import Scheduler, StepFailed
 
 DRAIN_POLL_S = 0.02
+T = TypeVar("T")
+
+
+async def _to_its_end(call: Awaitable[T]) -> T:
+    """Awaits `call` in a task of its own that the caller's cancellation does not stop (its
+    outcome, when no one waits for it any more, is retrieved so asyncio does not warn)."""
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
 
 
 def client_info(info: spb.AdapterInfo) -> cpb.AdapterInfo:
@@ -49,7 +59,16 @@ class AdapterAdmin:
         return self.scheduler.adapters
 
     async def load(self, name: str, path: str) -> cpb.AdapterInfo:
-        """Loads the adapter on every rank; AdapterError with the status to answer otherwise."""
+        """Loads the adapter on every rank; AdapterError with the status to answer otherwise. A
+        caller that goes away does not stop it halfway (the ranks and the router would disagree
+        about what is loaded): it runs to its end in a task of its own."""
+        return await _to_its_end(self._load(name, path))
+
+    async def unload(self, name: str) -> None:
+        """Drains the adapter's requests, then unloads it from every rank (to its end, as load)."""
+        await _to_its_end(self._unload(name))
+
+    async def _load(self, name: str, path: str) -> cpb.AdapterInfo:
         self.policy.check_open()
         check_name(name, self.adapters.reserved)
         folder = await asyncio.to_thread(self.policy.resolve, path)
@@ -72,8 +91,7 @@ class AdapterAdmin:
                     info.rank, ", ".join(info.target_modules))
         return info
 
-    async def unload(self, name: str) -> None:
-        """Drains the adapter's requests, then unloads it from every rank."""
+    async def _unload(self, name: str) -> None:
         self.policy.check_open()
         adapter = self.adapters.get(name)
         if adapter.draining:
@@ -92,14 +110,25 @@ class AdapterAdmin:
                         f"{self.drain_timeout_s:g} s (--drain-timeout-s); it stays loaded")
                 await asyncio.sleep(DRAIN_POLL_S)
 
-            async def drop() -> None:
+            async def drop(retry: bool) -> None:
                 busy = self.scheduler.uses(name)
                 if busy:  # cannot happen while draining refuses newcomers; never unload under a request
                     raise AdapterError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"adapter {name!r} is in use by {busy} requests")
-                await self.scheduler.client.unload_adapter(name)
+                await self.scheduler.client.unload_adapter(name, missing_ok=retry)
 
-            await self.scheduler.between_steps(drop)
+            retry = False
+            while True:
+                try:
+                    await self.scheduler.between_steps(lambda: drop(retry))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    # A rank may still hold a row of it a step longer than the router (a batch
+                    # decoded ahead): it refuses, and the next attempt comes after another step.
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() >= deadline:
+                        raise
+                    retry = True
+                    await asyncio.sleep(DRAIN_POLL_S)
         except grpc.aio.AioRpcError as exc:
             adapter.draining = False
             raise AdapterError(exc.code(), f"unloading adapter {name!r} failed: {exc.details()}") from None

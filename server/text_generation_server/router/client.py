@@ -263,9 +263,15 @@ class ShardClient:
             raise failed[0]
         return results[0].adapter
 
-    async def unload_adapter(self, name: str) -> None:
-        """Every rank drops the adapter `name`."""
-        await self._all("UnloadAdapter", pb.UnloadAdapterRequest(name=name))
+    async def unload_adapter(self, name: str, missing_ok: bool = False) -> None:
+        """Every rank drops the adapter `name`. `missing_ok`: a rank that no longer has it (an
+        earlier attempt dropped it there) counts as done."""
+        request = pb.UnloadAdapterRequest(name=name)
+        results = await asyncio.gather(*(stub.UnloadAdapter(request) for stub in self._stubs), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not (
+                    missing_ok and isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.NOT_FOUND):
+                raise r
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch | None:
         resp = (await self._all("FilterBatch", pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)))[0]

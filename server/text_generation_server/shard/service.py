@@ -229,7 +229,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         )
         if window is not None:
             info.window_size = window
-        info.adapters.extend(adapters.infos(m.adapters))
+        info.adapters.extend(adapters.infos(getattr(m, "adapters", None)))
         context.set_trailing_metadata((
             (KERNELS_METADATA, ",".join(model_kernels(m.model))),
             (ATTENTION_METADATA, m.attention.name),
@@ -444,11 +444,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return (await self._run(decode))()
 
     async def LoadAdapter(self, request, context):
-        return await self._unary(context, self._run(adapters.load, self.model.adapters, request))
+        return await self._unary(context, self._run(adapters.load, getattr(self.model, "adapters", None), request))
 
     async def UnloadAdapter(self, request, context):
         return await self._unary(context, self._run(lambda: adapters.unload(
-            self.model.adapters, request, [*self.cache.values(), *(a.source for a in self._ahead.values())])))
+            getattr(self.model, "adapters", None), request, [*self.cache.values(), *(a.source for a in self._ahead.values())])))
 
     # Steps: StepCall's oneof field -> (its handler, the StepAnswer field of its answer).
     _STEP_CALLS = {
