@@ -15,7 +15,7 @@
   the whole prefill's tokens; two gloo ranks keep their KV heads' scales and give one process's
   tokens; the kernels' fp8 paths compile for sm80 and sm90.
 - at Qwen2.5-1.5B's attention shape (128-wide heads, 6 query heads per KV head, an outlier key channel)
-  the torch prefill and decode equal float64 attention over K and V rounded to fp8: what the real
+  the torch prefill and decode and the Triton kernels equal float64 attention over K and V rounded to fp8: what the real
   model loses (BENCHMARKS.md) is the format's rounding, not a fault of the fp8 path.
 """
 
@@ -274,6 +274,26 @@ def test_kernels_refuse_an_fp8_cache_without_its_scales(interpret):
     with pytest.raises(ValueError, match="kv_scales.key must be contiguous float32 \\[2\\]"):
         pa.paged_decode(q, cache.keys[0], cache.values[0], tables, torch.tensor([5], dtype=torch.int32), 0.25,
                         kv_scales=wrong)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_kernels_at_qwens_shape_are_attention_over_rounded_keys_and_values(interpret, dtype):
+    """The same check as the torch path's above, for the paged decode and prefill kernels: 128-wide
+    heads, 6 query heads per KV head, per-head scales, an outlier key channel, 21 tokens over 2 blocks."""
+    from text_generation_server.kernels import paged_attention as pa
+
+    n, bs, scale = 21, 16, 128 ** -0.5
+    q, k, v = qwen_like_kv(n, seed=1)
+    scales = KVScales(dtype, torch.tensor([0.8, 1.5]), torch.tensor([0.01, 0.002]))
+    cache = KVLayout(1, 2, 128).allocate(3, bs, dtype, CPU, [scales])
+    cache.store(0, torch.arange(n) + bs, k, v)
+    want = attention_reference(q, rounded(k, scales.key, dtype), rounded(v, scales.value, dtype), scale)
+    table, seq_lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    got = pa.paged_decode(q[-1:], cache.keys[0], cache.values[0], table, seq_lens, scale, kv_scales=scales)
+    assert (got.double() - want[-1:]).abs().max() < 1e-4
+    got = pa.paged_prefill(q, cache.keys[0], cache.values[0], torch.tensor([0, n], dtype=torch.int32), seq_lens,
+                           table, scale, max_q_len=n, kv_scales=scales)
+    assert (got.double() - want).abs().max() < 1e-4
 
 
 # -- every family serves with the flag ---------------------------------------------------------------------
