@@ -46,7 +46,7 @@ QWEN_SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
 }
-RESIDENT = re.compile(r"weights (\d+) MiB \+ KV cache (\d+) MiB")
+RESIDENT = re.compile(r"weights (\d+) MiB(?: \([^)]*\))? \+ KV cache (\d+) MiB")
 PHASE = re.compile(r"startup: (.+?)(?:: \d+ \w+)? in ([\d.]+) s")
 WARMUP_PHASES = re.compile(r"warmup phases: (.*)")
 KV_MIB = re.compile(r"bytes per token, ([\d.]+) MiB")  # the warmup line, in every version

@@ -85,3 +85,23 @@ def test_a_file_cut_short_is_refused_naming_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[:5])
     with pytest.raises(CheckpointError, match="model.safetensors"):
         _weights(path, torch.float32).get_tensor("a")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="page residency is read from /proc")
+@pytest.mark.parametrize("madvise", [True, False])
+def test_prefault_maps_every_weight_page_in(tmp_path, monkeypatch, madvise):
+    from text_generation_server.engine import resident
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(1024, 1024), "b": torch.randn(512, 1024)}, str(path))
+    weights = _weights(path, torch.float32)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(weights.get_tensor("a"), requires_grad=False)
+    model.b = torch.nn.Parameter(weights.get_tensor("b"), requires_grad=False)
+    params = [model.a, model.b]
+    if not madvise:  # no MADV_POPULATE_READ: the fallback reads one element per page
+        monkeypatch.setattr(resident, "_libc", lambda: None)
+    before = resident.touched_bytes(params)
+    covered = resident.prefault_weights(model)
+    after = resident.touched_bytes(params)
+    assert covered >= 6 * 2**20 and after is not None and after >= 6 * 2**20 > before

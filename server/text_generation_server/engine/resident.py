@@ -222,9 +222,51 @@ def touched_bytes(tensors: list[torch.Tensor], pagemap: Path = Path("/proc/self/
     return present * _PAGE
 
 
+_MADV_POPULATE_READ = 22  # Linux 5.14+: map the pages in (reading the file where needed), no copy
+
+
+def prefault_weights(model: torch.nn.Module) -> int:
+    """Maps every page of the model's CPU weights into the process now; returns the bytes covered.
+
+    Why: weights are views of the checkpoint's mapping (zero-copy), and CPU warmup runs one layer
+    of each kind, so most layers' pages would first be read by the first request: seconds of page
+    faults (and disk reads, where the file is not in the page cache) that a client would see as a
+    slow first answer. Asking here moves that cost into the start, where a server's readiness says
+    it is paid. madvise(MADV_POPULATE_READ) where the kernel has it, else one read per page.
+    """
+    unique = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}
+    runs: list[list[int]] = []
+    for start, end in sorted(filter(None, map(_span, unique.values()))):
+        start, end = start // _PAGE * _PAGE, -(-end // _PAGE) * _PAGE
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    libc = _libc()
+    covered = 0
+    for start, end in runs:
+        done = libc is not None and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                 _MADV_POPULATE_READ) == 0
+        covered += end - start
+        if not done:
+            break
+    else:
+        return covered
+    # No MADV_POPULATE_READ (an older kernel, another OS): touch one element per page.
+    for tensor in unique.values():
+        if tensor.numel() and tensor.device.type == "cpu":
+            flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+            step = max(1, _PAGE // tensor.element_size())
+            flat[::step].clone()
+    return sum(e - s for s, e in runs)
+
+
 def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device,
            kv_tensors: list[torch.Tensor] | None = None) -> ResidentMemory:
-    """After warmup: lets go of what is neither weights nor cache, and logs what stays."""
+    """After warmup: maps the weights in, lets go of what is neither weights nor cache, and logs
+    what stays."""
+    if device.type == "cpu":
+        prefault_weights(model)
     before = read_resident()
     released = release_checkpoint_pages()
     trim_heap()
