@@ -210,7 +210,9 @@ class Weights:
     def stored(self) -> TensorSource:
         """The tensors as stored on disk (no Conv1D or derived view): what `quantize` copies unchanged."""
         source = self.source
-        while isinstance(source, (TransposedSource, DerivedSource)):
+        # Views change what the model reads; a transparent wrapper (serve's tensor counter,
+        # utils/progress.py CountingSource) declares `wraps_source` and is looked through too.
+        while isinstance(source, (TransposedSource, DerivedSource)) or getattr(type(source), "wraps_source", False):
             source = source.inner
         return source
 

@@ -310,6 +310,8 @@ class CountingSource:
     """A checkpoint's tensor source (quantizers.sources.TensorSource) that advances the running
     startup's count once per tensor opened, for the live "loading weights n/N tensors" line."""
 
+    wraps_source = True  # Weights.stored looks through it (a GGUF loader needs the GGUFSource itself)
+
     def __init__(self, inner, progress: StartupProgress):
         self.inner = inner
         self.progress = progress
