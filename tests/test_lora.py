@@ -8,7 +8,7 @@ matters) and saved in its layout; the server loads them from the folder. What mu
   prefill and a cached prefix (a prompt continued over blocks another request filled);
 - two gloo ranks give one rank's tokens (column layers split B, row layers split A and share the
   base layer's all-reduce);
-- a GPTQ or AWQ base with an adapter gives what the dense checkpoint of its dequantized weights gives.
+- a GPTQ, AWQ, compressed-tensors or FP8 base with an adapter gives what the dense checkpoint of its dequantized weights gives.
 Llama covers the separate q/k/v and gate/up projections fused into one linear here, Qwen2 adds
 q/k/v biases, Phi-3 stores qkv_proj and gate_up_proj fused in the checkpoint (peft adapts them
 whole).
@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import ids_request, random_ids, run_ranks, run_to_end, write_checkpoint, write_model_folder
 
-from quant_packers import awq_tensors, gptq_tensors, quantize_rtn
+from quant_packers import awq_tensors, ct_tensors, gptq_tensors, quantize_rtn
 
 from text_generation_server.models.adapters import enable_lora
 from text_generation_server.models.loader import get_model
@@ -191,40 +191,71 @@ def test_two_ranks_give_one_ranks_tokens(families, tmp_path, name):
     assert ranks == [want, want]
 
 
-QUANTIZED = {  # format -> (symmetric, packer, quantization_config)
-    "gptq": (True, lambda prefix, q: gptq_tensors(prefix, q, "gptq"),
+def _int4(sym: bool, pack):
+    """4-bit group-8 codes packed by `pack`, and the dense weight they decode to."""
+    def quantize(prefix: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q = quantize_rtn(tensor.float(), 4, 8, sym=sym)
+        return pack(prefix, q), q.dense()
+    return quantize
+
+
+def _fp8_channel(prefix: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors FP8 (float-quantized, one scale per output row), and its dense decoding."""
+    w = tensor.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-8)
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale}, codes.float() * scale
+
+
+def _ct_config(weights: dict, fmt: str) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}}}
+
+
+QUANTIZED = {  # format -> (quantize: (prefix, dense weight) -> (stored tensors, dequantized), quantization_config)
+    "gptq": (_int4(True, lambda prefix, q: gptq_tensors(prefix, q, "gptq")),
              {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": False, "sym": True,
               "checkpoint_format": "gptq"}),
-    "awq": (False, lambda prefix, q: awq_tensors(prefix, q),
+    "awq": (_int4(False, lambda prefix, q: awq_tensors(prefix, q)),
             {"quant_method": "awq", "bits": 4, "group_size": 8, "zero_point": True, "version": "gemm"}),
+    "compressed-tensors": (
+        _int4(True, lambda prefix, q: ct_tensors(prefix, q, with_g_idx=False)),
+        _ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8,
+                    "dynamic": False, "actorder": None, "observer": "minmax"}, "pack-quantized")),
+    "fp8": (_fp8_channel,
+            _ct_config({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False,
+                        "group_size": None, "observer": "minmax"}, "float-quantized")),
 }
 
 
 @pytest.mark.parametrize("fmt", list(QUANTIZED))
 def test_a_quantized_base_with_an_adapter_equals_its_dequantized_base(families, tmp_path, monkeypatch, fmt):
-    """Every linear of the Llama checkpoint as 4-bit GPTQ or AWQ (group 8), and the dense checkpoint of
-    the dequantized weights: with the same adapter, the same tokens and prompt log-probs (the base
-    keeps its kernel, the adapter adds its term)."""
+    """Every linear of the Llama checkpoint as 4-bit GPTQ, AWQ or compressed-tensors (group 8), or as
+    compressed-tensors FP8, and the dense checkpoint of the dequantized weights: with the same adapter,
+    the same tokens and prompt log-probs (the base keeps its kernel, the adapter adds its term)."""
     from safetensors.torch import load_file
 
     from text_generation_server.kernels.select import DISABLE_ENV
     from helpers import fast_kernels
 
-    sym, pack, quant_config = QUANTIZED[fmt]
+    quantize, quant_config = QUANTIZED[fmt]
     fam = families("llama")
     state = load_file(str(fam.base_dir / "model.safetensors"))
     config = fam.hf.config.to_dict()
     quantized, dense = dict(state), dict(state)
     for key, tensor in state.items():
         if key.endswith("_proj.weight"):
-            q = quantize_rtn(tensor.float(), 4, 8, sym=sym)
             prefix = key.removesuffix(".weight")
+            stored, dequantized = quantize(prefix, tensor)
             del quantized[key]
-            quantized |= pack(prefix, q)
-            dense[key] = q.dense()
+            quantized |= stored
+            dense[key] = dequantized
     qdir = write_model_folder(tmp_path / fmt, fam.base_dir, quantized, config | {"quantization_config": quant_config})
     ddir = write_model_folder(tmp_path / "dense", fam.base_dir, dense, config)
-    monkeypatch.setenv(DISABLE_ENV, fast_kernels())
+    if fmt != "fp8":  # integer codes on the reference kernel; fp8 weights keep their dequantizing kernel
+        monkeypatch.setenv(DISABLE_ENV, fast_kernels())
     results = []
     for folder in (qdir, ddir):
         lm = get_model(str(folder), dtype="float32")
@@ -233,7 +264,7 @@ def test_a_quantized_base_with_an_adapter_equals_its_dequantized_base(families, 
         lm.allocate_kv_cache(64)
         results.append(serve(lm, [("all", fam.prompts["all"]), (None, fam.prompts[None])]))
         if folder == qdir:
-            assert lm.quantize == fmt
+            assert lm.quantize == quant_config["quant_method"]
     (q_adapter, q_base), (d_adapter, d_base) = results
     assert q_adapter["ids"] == d_adapter["ids"] and q_base["ids"] == d_base["ids"]
     assert q_adapter["ids"] != q_base["ids"] or fam.prompts["all"] != fam.prompts[None]
