@@ -397,9 +397,9 @@ def router_workload(lm, speculate: int, caching: bool, max_prefill: int, ahead: 
             slots = []
             original = scheduler.pool.allocate
 
-            def allocate(tokens, prompt_ids=None):
+            def allocate(tokens, prompt_ids=None, salt=None):
                 slots.append(tokens)
-                return original(tokens, prompt_ids)
+                return original(tokens, prompt_ids, salt)
 
             scheduler.pool.allocate = allocate
             names = ["shared", "seeded", "stopped", "plain"]
