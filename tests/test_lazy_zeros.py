@@ -1,5 +1,5 @@
 """The CPU KV cache's lazily zeroed memory (kernels/lazy_zeros.py) and how much of it is resident
-(engine/resident.touched_bytes): zeros to every reader, no page resident until written."""
+(engine/resident.touched_bytes, from /proc/self/pagemap): zeros to every reader, no page resident until written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from text_generation_server.kernels import lazy_zeros
 from text_generation_server.layers.attention import KVCache
 
 MIB = 2**20
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page residency is read with mincore")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page residency is read from /proc/self/pagemap")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
@@ -56,9 +56,10 @@ def test_a_kv_cache_is_resident_only_where_blocks_were_written():
     assert cache.keys[0][:10].sum().item() == 160 * 4 * 64 and not cache.keys[0][10:].any()
 
 
-def test_touched_bytes_counts_a_written_plain_tensor():
+@linux_only
+def test_touched_bytes_counts_a_written_tensor_once_and_unknown_without_pagemap(tmp_path):
     t = torch.ones(4 * MIB // 4)
     counted = touched_bytes([t])
-    if counted is None:  # no mincore on this system: nothing to check
-        pytest.skip("mincore is not available")
-    assert counted >= 4 * MIB
+    assert counted is not None and 4 * MIB <= counted <= 4 * MIB + 2 * 2**21  # edges: a page, or a huge page
+    assert touched_bytes([t, t[: MIB // 4]]) == counted  # pages two tensors share count once
+    assert touched_bytes([t], pagemap=tmp_path / "absent") is None
