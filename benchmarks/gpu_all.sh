@@ -75,7 +75,8 @@ WORK=${TGS_GPU_WORK:-/tmp/tgs-gpu-decode}
 # new enough for our chat templates are carried too; attrs (jsonschema's) is on the image.
 WHEEL_NAMES=(loguru protobuf grpcio grpcio-health-checking grpcio-reflection typer click llguidance jinja2
     pydantic pydantic-core annotated-types typing-inspection typing-extensions
-    jsonschema jsonschema-specifications referencing rpds-py)  # the last four: tests/test_grammar.py
+    jsonschema jsonschema-specifications referencing rpds-py  # these four: tests/test_grammar.py
+    starlette uvicorn gguf)  # the router's HTTP APIs and GGUF reading (their own needs are on the image)
 # Llama-3.2-1B's shape (untied head): builds on the card in seconds, quantizes in well under a minute.
 QUICK_DECODE_ARGS="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256
     --batches 1,8 --prefill-lengths 512,2048 --prefill-reps 1 --prompt-tokens 128 --new-tokens 64
@@ -128,7 +129,8 @@ missing = []
 for module, dist in [("loguru", "loguru"), ("grpc_health.v1", "grpcio-health-checking"),
                      ("grpc_reflection.v1alpha", "grpcio-reflection"), ("typer", "typer"),
                      ("prometheus_client", "prometheus-client"), ("tokenizers", "tokenizers"),
-                     ("safetensors", "safetensors"), ("triton", "triton")]:
+                     ("safetensors", "safetensors"), ("triton", "triton"),
+                     ("starlette", "starlette"), ("uvicorn", "uvicorn"), ("gguf", "gguf")]:
     try:
         importlib.import_module(module)
     except Exception as exc:
