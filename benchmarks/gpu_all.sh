@@ -11,13 +11,16 @@
 #   tests         pytest: the CUDA tests (see select_cuda_tests below)
 #   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py, then kernel-choice
 #   kernels-quick the first two with --quick, then kernel-choice
+#   step-profile  benchmarks/gpu_step_profile.py on the quick step's fp16 model (built if missing): each decode
+#                 step's host wall against the device's own time (CUDA events), and the kernels a graph step
+#                 launches, by device time (what the fused small kernels of kernels/fused_pointwise.py cut)
 #   kernel-choice benchmarks/kernel_choice.py: what warmup's kernel timing chooses per decode batch size
 #                 (triton-gemm or tinygemm) on the 1B shapes, the step time of each choice, and a second
 #                 start that reads the choices from the kernel cache instead of timing
 #   quick         one call of at most 9 minutes on a bare machine (the first call of a session):
 #                 the CUDA tests that matter most (tests-quick, 150 s), a Llama-3.2-1B-shaped model
 #                 built on the card, quantized to int4 and served fp16 then int4 (decode-quick, 200 s),
-#                 then kernels-quick (45 s each, kernel-choice 40 s if time is left); TGS_COMMAND_LIMIT_S
+#                 then step-profile (60 s), kernels-quick (45 s each, kernel-choice 40 s if time is left); TGS_COMMAND_LIMIT_S
 #                 defaults to 470 for it
 #   tests-quick   the first of those alone (TGS_QUICK_TESTS: the test files or node ids to run instead)
 #   decode-quick  the second alone (TGS_GPU_QUICK_ARGS replaces its gpu_decode.py flags;
@@ -227,7 +230,7 @@ step_tests() {
 
 # The files whose CUDA tests come first when time is short: the kernels every CUDA model runs
 # (Triton, paged attention, graphs, warmup's memory), then the quantized formats, then serving.
-QUICK_TEST_FILES=(test_triton_kernels test_kernel_tuning test_paged_attention test_cuda_graphs test_warmup_memory
+QUICK_TEST_FILES=(test_fused_pointwise test_triton_kernels test_kernel_tuning test_paged_attention test_cuda_graphs test_warmup_memory
     test_attention_backends test_kernels test_fused_moe test_moe test_fp8 test_fp8_activations test_marlin
     test_exl2 test_grammar test_serve_flags)
 
@@ -267,6 +270,11 @@ show_kernel_choices() {
         tee -a "$OUT/gpu_all_$1.log"
 }
 
+step_profile() {
+    run_step step_profile "$1" "$PY" benchmarks/gpu_step_profile.py --work-dir "${WORK}-quick/fp16" --out "$OUT" \
+        --no-eager --batches 1,8
+}
+
 kernel_choice() {
     run_step kernel_choice "$1" "$PY" benchmarks/kernel_choice.py
 }
@@ -301,9 +309,9 @@ main() {
     for step in "$@"; do
         case $step in
             fp16 | int4 | decode-all | report | tests | kernels | kernels-quick | kernel-choice | quick | tests-quick | \
-                decode-quick) ;;
+                decode-quick | step-profile) ;;
             *)
-                echo "unknown step '$step' (quick, tests-quick, decode-quick, fp16, int4, decode-all, tests, kernels," \
+                echo "unknown step '$step' (quick, tests-quick, decode-quick, step-profile, fp16, int4, decode-all, tests, kernels," \
                     "kernels-quick, kernel-choice, report;" \
                     "prepare-wheels alone, off the device)" >&2
                 return 2
@@ -333,9 +341,11 @@ main() {
             kernel-choice) kernel_choice 300 || status=1 ;;
             tests-quick) step_tests_quick || status=1 ;;
             decode-quick) decode_quick || status=1 ;;
+            step-profile) step_profile 120 || status=1 ;;
             quick)
                 step_tests_quick || status=1
                 decode_quick || status=1
+                step_profile 60 || status=1
                 run_step kernels_cuda 45 "$PY" benchmarks/kernels_cuda.py --quick || status=1
                 run_step attention_cuda 45 "$PY" benchmarks/attention_cuda.py --quick || status=1
                 kernel_choice 40 || status=1

@@ -303,7 +303,8 @@ def test_cuda_no_oom_at_the_limits_after_warmup(tmp_path, monkeypatch):
     monkeypatch.setenv("TGS_ATTENTION_BACKEND", "triton-paged")
     write_checkpoint(tmp_path / "wide", "llama", seed=3, hidden_size=1024, intermediate_size=8192,
                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=20_000)
-    dev = torch.device("cuda")
+    # With its index: torch 2.11's set_per_process_memory_fraction refuses a bare "cuda".
+    dev = torch.device("cuda", torch.cuda.current_device())
     max_input, max_prefill, max_total, max_batch = 8192, 32_768, 16_384, 32
     total = torch.cuda.get_device_properties(dev).total_memory
     lm = get_model(str(tmp_path / "wide"), dtype="float32", device=dev, cuda_graphs=[1, 2, 4, 8, 16, 32],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from text_generation_server.kernels import fused_pointwise
 from text_generation_server.quantizers.sources import CheckpointError
 
 from text_generation_server.quantizers.weights import Weights
@@ -45,6 +46,14 @@ class RMSNorm(torch.nn.Module):
              float_scale: bool = False) -> "RMSNorm":
         return cls(load_vector(weights, f"{prefix}.weight", size), eps, offset, float_scale)
 
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Llama's arithmetic on a 16-bit [T, N] row-major input: one Triton launch on CUDA
+        (kernels/fused_pointwise.py) instead of torch's four."""
+        return (fused_pointwise.usable(x) and self._scale32 is None and x.dim() == 2 and x.dtype == self.weight.dtype
+                and x.stride(-1) == 1 and x.shape[-1] <= fused_pointwise.MAX_ROW and self.weight.dim() == 1
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                          and residual.stride(-1) == 1)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._scale32 is not None:
             if self._scale32.device != x.device:
@@ -52,7 +61,18 @@ class RMSNorm(torch.nn.Module):
             return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * self._scale32).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self._fusable(x):
+            return fused_pointwise.rms_norm(x, self.weight, self.eps)[0]
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the next norm in one launch
+        where the fused kernels run, else the same arithmetic in two steps."""
+        if self._fusable(x, residual):
+            normed, summed = fused_pointwise.rms_norm(x, self.weight, self.eps, residual)
+            return normed, summed
+        summed = x + residual
+        return self(summed), summed
 
 
 class LayerNorm(torch.nn.Module):

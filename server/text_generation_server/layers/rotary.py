@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from text_generation_server.kernels import fused_pointwise
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
@@ -455,6 +457,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """transformers' x * cos + rotate(x) * sin, the rotation's sign folded into `sin`."""
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]
     rot = cos.shape[-1]
+    if (fused_pointwise.usable(x) and not interleaved and rot == x.shape[-1] and rot % 2 == 0 and x.dim() == 3
+            and x.stride(-1) == 1 and cos.dtype == x.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], 1, rot)
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1):
+        return fused_pointwise.rotary(x, cos, sin)  # one launch on CUDA instead of three
     if rot == x.shape[-1]:
         return torch.addcmul(x * cos, _partner(x, interleaved), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]

@@ -15,6 +15,7 @@ import torch
 
 from text_generation_server.layers.attention import AttentionMetadata, KVCache, KVLayout
 from text_generation_server.layers.context import ForwardContext
+from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import RopeConfig
 from text_generation_server.layers.tensor_parallel import (
     QuantizedTensorParallelHead,
@@ -190,8 +191,12 @@ class DecoderLayer(torch.nn.Module):
             mlp = self._apply(self.post_mlp_norm, self.mlp(mlp_in))
             return hidden + (attn + mlp)
         attn = self._apply(self.post_attn_norm, self.self_attn(self._apply(self.input_norm, hidden), ctx))
-        hidden = hidden + (attn if self.residual_scale is None else attn * self.residual_scale)
-        mlp = self._apply(self.post_mlp_norm, self.mlp(self._apply(self.mlp_norm, hidden)))
+        if self.residual_scale is None and type(self.mlp_norm) is RMSNorm:
+            mlp_in, hidden = self.mlp_norm.add_forward(hidden, attn)  # one launch on CUDA
+        else:
+            hidden = hidden + (attn if self.residual_scale is None else attn * self.residual_scale)
+            mlp_in = self._apply(self.mlp_norm, hidden)
+        mlp = self._apply(self.post_mlp_norm, self.mlp(mlp_in))
         return hidden + (mlp if self.residual_scale is None else mlp * self.residual_scale)
 
     def linear_stages(self) -> list[list[str]]:
