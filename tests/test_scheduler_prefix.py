@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 from helpers import InProcessClient
@@ -212,3 +213,48 @@ def test_a_long_prompt_does_not_stall_running_streams(lm):
     assert run(tokens_while_prefilling(64)) >= 8
     # Chunking off (a budget that fits the prompt): the streams wait for one long forward.
     assert run(tokens_while_prefilling(2048)) <= 2
+
+
+def test_a_request_whose_admission_raises_fails_alone(lm, monkeypatch):
+    """A fault while admitting one request (here the block pool raising for it) fails that
+    request with INTERNAL; the queue behind it is served, and the scheduler does not spin on it
+    (it used to retry the same admission forever)."""
+
+    async def scenario():
+        scheduler, _, metrics, _ = make(lm, 200, caching=True, max_prefill=2048)
+        real = scheduler.pool.allocate
+        bad_tokens: list[int] = []
+
+        def allocate(tokens, lookup=None, salt=None):
+            if lookup is not None and list(lookup) == bad_tokens:
+                raise RuntimeError("pool bookkeeping broke")
+            return real(tokens, lookup, salt)
+
+        monkeypatch.setattr(scheduler.pool, "allocate", allocate)
+        scheduler.start()
+        try:
+            good = [validate(generate_request(SYSTEM + q, 6), lm.tokenizer, LIMITS) for q in QUESTIONS[:3]]
+            bad = validate(generate_request("def broken(", 6), lm.tokenizer, LIMITS)
+            bad_tokens.extend(bad.input_ids)
+            entries = [scheduler.submit(good[0]), scheduler.submit(bad), scheduler.submit(good[1]),
+                       scheduler.submit(good[2])]
+            outcomes = []
+            for entry in entries:
+                try:
+                    outcomes.append(await asyncio.wait_for(collect(scheduler, entry), 20))
+                except StepFailed as failed:
+                    outcomes.append(failed)
+            await asyncio.sleep(0.05)
+            return outcomes, scheduler.pool.used, metrics
+        finally:
+            await scheduler.stop()
+
+    outcomes, used, metrics = run(scenario())
+    failed = outcomes[1]
+    assert isinstance(failed, StepFailed) and "pool bookkeeping broke" in str(failed)
+    assert failed.code == grpc.StatusCode.INTERNAL
+    for ok in (outcomes[0], outcomes[2], outcomes[3]):
+        ids, text = ok
+        assert len(ids) == 6 and text is not None
+    assert used == 0
+    assert metrics.registry.get_sample_value("tgi_request_failure_total", {"err": "internal", "adapter": ""}) == 1

@@ -106,6 +106,8 @@ class SchedulerLimits:
 
 
 class Scheduler:
+    RETRY_AFTER_FAILED_STEP_S = 0.05
+
     def __init__(self, client: ShardClient, pool: BlockPool, limits: SchedulerLimits, metrics: Metrics,
                  support_chunking: bool = True, speculate: int = 0, adapters: AdapterSet | None = None):
         """speculate: the shards' Info.speculate, the most tokens a step may propose per request.
@@ -277,7 +279,13 @@ class Scheduler:
             request = entry.request
             # Prompt logprobs need logits at every prompt position: a cached prefix has none.
             lookup = None if request.decoder_input_details else request.input_ids
-            allocation = self.pool.allocate(self._kv_tokens(request), lookup, request.adapter_key)
+            try:
+                allocation = self.pool.allocate(self._kv_tokens(request), lookup, request.adapter_key)
+            except Exception as exc:  # noqa: BLE001: a fault admitting one request fails it, not the queue
+                logger.exception(f"admitting request {entry.id} failed")
+                self.queue.popleft()
+                self._fail(entry, grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc}", "internal")
+                continue
             if allocation is None:
                 break  # wait for running requests to free blocks; keep FIFO order
             compute = request.input_length - allocation.cache_len
@@ -337,6 +345,9 @@ class Scheduler:
                 except grpc.aio.AioRpcError:
                     pass
                 cached = None
+                # A fault that repeats (the shards down, say) retries at most this often, not in a
+                # busy loop that floods the log while queued requests wait.
+                await asyncio.sleep(self.RETRY_AFTER_FAILED_STEP_S)
 
     async def _step(self, cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
         """One shard call: newcomers (with the running batch when the shards chunk), else a decode."""
