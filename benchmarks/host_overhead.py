@@ -31,6 +31,7 @@ fails instead of printing a table.
 
     python benchmarks/host_overhead.py                     # batch 1, 8, 64 x X = 0, 1000 µs
     python benchmarks/host_overhead.py --quick             # what tests/test_host_overhead.py runs
+    python benchmarks/host_overhead.py --compare-server-args=--shard-in-process   # the rank in the router's process
 """
 
 from __future__ import annotations
@@ -88,15 +89,15 @@ def standin_env(wait_us: int, stats_path: Path) -> dict[str, str]:
 
 @dataclass
 class Cells:
-    """Per-round values in µs, by (batch, nominal X) and column."""
+    """Per-round values in µs, by (batch, nominal X[, compared server]) and column."""
 
-    values: dict[tuple[int, int], dict[str, list[float]]] = field(default_factory=dict)
+    values: dict[tuple[int, ...], dict[str, list[float]]] = field(default_factory=dict)
 
-    def add(self, cell: tuple[int, int], name: str, value: float | None) -> None:
+    def add(self, cell: tuple[int, ...], name: str, value: float | None) -> None:
         if value is not None:
             self.values.setdefault(cell, {}).setdefault(name, []).append(value)
 
-    def median(self, cell: tuple[int, int], name: str) -> float | None:
+    def median(self, cell: tuple[int, ...], name: str) -> float | None:
         found = self.values.get(cell, {}).get(name)
         return statistics.median(found) if found else None
 
@@ -222,23 +223,40 @@ def exposed(itl: float | None, x: float | None) -> float | None:
     return itl - x if itl is not None and x is not None else None
 
 
-async def measure(args: argparse.Namespace, ours: InProcess, server: StartedServer, stats, batches: list[int],
+@dataclass
+class Served:
+    """One `serve` under test: its flags' label, the process and its stand-in's stats file."""
+
+    label: str
+    server: StartedServer
+    stats: object
+
+
+SERVED_COLUMNS = ("served X µs", "served inter-token µs", "exposed host µs", "host CPU per step µs",
+                  "client CPU per step µs")
+
+
+async def measure(args: argparse.Namespace, ours: InProcess, servers: list[Served], batches: list[int],
                   waits: list[int], cells: Cells) -> tuple[int, int]:
-    """Every round of every cell, in-process and served side by side; (tokens streamed, tokens
-    off the stand-in's cycle). The clients share one channel, opened once: a new connection's
-    first tokens can stall for tens of ms (seen here: 35-40 ms before the first token, then the
-    backlog at once), which would be measured as a short inter-token time."""
+    """Every round of every cell, in-process and each server side by side; (tokens streamed,
+    tokens off the stand-in's cycle). A server's cells are keyed (batch, X, its index). The
+    clients of a server share one channel, opened once: a new connection's first tokens can
+    stall for tens of ms (seen here: 35-40 ms before the first token, then the backlog at once),
+    which would be measured as a short inter-token time."""
     import grpc
 
     from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
     streamed = broken = 0
-    async with grpc.aio.insecure_channel(server.target) as channel:
-        stub = cpb_grpc.TextGenerationStub(channel)
-        await channel.channel_ready()
-        for b in batches:  # warm-up of both sides at every batch size
+    channels = [grpc.aio.insecure_channel(s.server.target) for s in servers]
+    try:
+        stubs = [cpb_grpc.TextGenerationStub(c) for c in channels]
+        for channel in channels:
+            await channel.channel_ready()
+        for b in batches:  # warm-up of every side at every batch size
             ours.round(b, waits[0])
-            await served_round(server, stats, stub, b, waits[0], 4)
+            for served, stub in zip(servers, stubs):
+                await served_round(served.server, served.stats, stub, b, waits[0], 4)
         for _ in range(args.rounds):
             for wait in waits:
                 for b in batches:
@@ -247,14 +265,24 @@ async def measure(args: argparse.Namespace, ours: InProcess, server: StartedServ
                     cells.add(cell, "in-process X µs", x_local)
                     cells.add(cell, "in-process step µs", step)
                     cells.add(cell, "in-process host µs", exposed(step, x_local))
-                    measures, ids = await served_round(server, stats, stub, b, wait, args.new_tokens)
-                    for name, value in measures.items():
-                        cells.add(cell, name, value)
-                    cells.add(cell, "exposed host µs", exposed(measures["served inter-token µs"],
-                                                               measures["served X µs"]))
-                    streamed += sum(len(s) for s in ids)
-                    broken += sum(off_cycle(s, ours.cycle) for s in ids)
+                    for index, (served, stub) in enumerate(zip(servers, stubs)):
+                        key = cell if index == 0 else (*cell, index)
+                        measures, ids = await served_round(served.server, served.stats, stub, b, wait,
+                                                           args.new_tokens)
+                        for name, value in measures.items():
+                            cells.add(key, name, value)
+                        cells.add(key, "exposed host µs", exposed(measures["served inter-token µs"],
+                                                                  measures["served X µs"]))
+                        streamed += sum(len(s) for s in ids)
+                        broken += sum(off_cycle(s, ours.cycle) for s in ids)
+    finally:
+        for channel in channels:
+            await channel.close()
     return streamed, broken
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{b / a:.2f}x" if a and b is not None else "n/a"
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -270,16 +298,25 @@ async def amain(args: argparse.Namespace) -> int:
         print(f"host_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
         tmp.cleanup()
         return 2
-    served_stats = StandinStats.create(served_stats_path, waits[0])
     flags = [*shlex.split(args.server_args), "--max-concurrent-requests", str(max(128, max(batches)))]
-    server = StartedServer(args.model, flags, args.startup_timeout_s, env=standin_env(waits[0], served_stats_path))
+    sides = [("serve", flags)]
+    if args.compare_server_args:
+        sides.append((f"serve {args.compare_server_args}", [*flags, *shlex.split(args.compare_server_args)]))
+    servers: list[Served] = []
     cells = Cells()
     try:
-        await server.wait_ready()
-        streamed, broken = await measure(args, ours, server, served_stats, batches, waits, cells)
+        for index, (label, side_flags) in enumerate(sides):
+            stats_path = served_stats_path.with_suffix(f".{index}")
+            stats = StandinStats.create(stats_path, waits[0])
+            servers.append(Served(label, StartedServer(args.model, side_flags, args.startup_timeout_s,
+                                                       env=standin_env(waits[0], stats_path)), stats))
+        for served in servers:
+            await served.server.wait_ready()
+        streamed, broken = await measure(args, ours, servers, batches, waits, cells)
     finally:
-        server.stop()
-        served_stats.close()
+        for served in servers:
+            served.server.stop()
+            served.stats.close()
         ours.stats.close()
         tmp.cleanup()
     if broken:
@@ -297,7 +334,9 @@ async def amain(args: argparse.Namespace) -> int:
         "",
         f"`python benchmarks/host_overhead.py{quick} --model {args.model} --batches {args.batches} "
         f"--waits-us {args.waits_us} --new-tokens {args.new_tokens} --rounds {args.rounds}"
-        f"{' --server-args ' + shlex.quote(args.server_args) if args.server_args else ''}`, {now_iso()}",
+        f"{' --server-args ' + shlex.quote(args.server_args) if args.server_args else ''}"
+        f"{' --compare-server-args ' + shlex.quote(args.compare_server_args) if args.compare_server_args else ''}`, "
+        f"{now_iso()}",
         "",
         machine_line(f"{ours.threads} torch thread(s) in-process"),
         load_line(start=load_start),
@@ -310,6 +349,18 @@ async def amain(args: argparse.Namespace) -> int:
         "#31): exposed host <= 100 µs at batch 1 and <= 300 µs at batch 64 with X = 1000; served inter-token "
         "(host work, X = 0) <= 300 µs at batch 1 and <= 1500 µs at batch 64.",
     ]
+    for index, served in enumerate(servers[1:], 1):
+        lines += ["", f"`{served.label}`, in the same rounds (its served columns; the in-process ones are above):",
+                  "", *md_table(("batch", "X nominal µs", *SERVED_COLUMNS),
+                                [[str(b), str(w), *(fmt_value(cells.median((b, w, index), name), "{:.0f}")
+                                                    for name in SERVED_COLUMNS)] for w in waits for b in batches],
+                                "r" * (2 + len(SERVED_COLUMNS))),
+                  "", f"`{served.label}` / `serve` (below 1: less host time):", "",
+                  *md_table(("batch", "X nominal µs", "served inter-token", "exposed host", "host CPU per step"),
+                            [[str(b), str(w), *(ratio(cells.median((b, w), name), cells.median((b, w, index), name))
+                                                for name in ("served inter-token µs", "exposed host µs",
+                                                             "host CPU per step µs"))]
+                             for w in waits for b in batches], "rrrrr")]
     print("\n".join(lines))
     return 0
 
@@ -322,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a checkpoint folder both sides load (default: {EMBEDDED_MODEL_ID}, the embedded model)")
     parser.add_argument("--dtype", default=None, help="--dtype of both sides (default: serve's)")
     parser.add_argument("--server-args", default="", help="more serve flags")
+    parser.add_argument("--compare-server-args", default="",
+                        help="a second serve, these flags added, measured in the same rounds (e.g. --shard-in-process)")
     parser.add_argument("--batches", help=f"concurrent clients per cell (default {FULL['batches']})")
     parser.add_argument("--waits-us", help=f"nominal stand-in waits X in µs (default {FULL['waits_us']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens per client (default {FULL['new_tokens']})")

@@ -126,18 +126,45 @@ def test_off_cycle_counts_tokens_the_stand_in_did_not_choose():
     assert ho.off_cycle([1, 2], cycle) == 2
 
 
+def _tables(out: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table of the output, as rows keyed by the header (the rule line dropped)."""
+    tables, current = [], []
+    for line in out.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            header = [c.strip() for c in current[0].strip("|").split("|")]
+            tables.append([dict(zip(header, (c.strip() for c in row.strip("|").split("|")))) for row in current[2:]])
+            current = []
+    return tables
+
+
 def _table(out: str) -> list[dict[str, str]]:
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+    return _tables(out)[0]
 
 
 def test_quick_run_on_the_embedded_model(capsys, monkeypatch):
+    """Both servers of the comparison: the default (a rank process) and --shard-in-process (the
+    rank inside the router's process) serve the stand-in's cycle, with their ratio table."""
     monkeypatch.delenv(FORWARD_US_ENV, raising=False)
-    assert ho.main(["--quick", "--startup-timeout-s", "240"]) == 0
+    assert ho.main(["--quick", "--startup-timeout-s", "240", "--compare-server-args=--shard-in-process"]) == 0
     assert FORWARD_US_ENV not in __import__("os").environ  # the switch does not outlive the run
     out = capsys.readouterr().out
-    rows = _table(out)
+    tables = _tables(out)
+    assert len(tables) == 3
+    cells = [("1", "0"), ("8", "0"), ("1", "1000"), ("8", "1000")]
+    compared, ratios = tables[1], tables[2]
+    assert list(compared[0]) == ["batch", "X nominal µs", *ho.SERVED_COLUMNS]
+    assert [(r["batch"], r["X nominal µs"]) for r in compared] == cells
+    for row in compared:
+        values = {k: float(v) for k, v in row.items()}
+        assert all(math.isfinite(v) for v in values.values()), row
+        assert values["X nominal µs"] <= values["served X µs"] < values["X nominal µs"] + 5000, row
+        assert values["host CPU per step µs"] > 0, row
+    assert [(r["batch"], r["X nominal µs"]) for r in ratios] == cells
+    for row in ratios:
+        assert all(row[k].endswith("x") for k in ("served inter-token", "host CPU per step")), row
+    rows = tables[0]
     assert list(rows[0]) == list(ho.COLUMNS)
     assert [(r["batch"], r["X nominal µs"]) for r in rows] == [("1", "0"), ("8", "0"), ("1", "1000"), ("8", "1000")]
     for row in rows:
@@ -155,4 +182,5 @@ def test_quick_run_on_the_embedded_model(capsys, monkeypatch):
         # A step holds the wait (a short window's mean can dip below it when two tokens arrive together).
         assert values["served inter-token µs"] >= nominal * 0.5, row
         assert values["host CPU per step µs"] > 0 and values["client CPU per step µs"] > 0, row
-    assert "canned tokens: 432 of 432 streamed tokens followed the stand-in's cycle" in out  # 2 x (1 + 8) x 24
+    # 2 servers x 2 waits x (1 + 8) clients x 24 tokens
+    assert "canned tokens: 864 of 864 streamed tokens followed the stand-in's cycle" in out

@@ -128,6 +128,7 @@ ENV_CASES = {
     "TGS_CPU_ISA": ("avx2", "cpu_isa", "avx2"),
     "DISABLE_GRAMMAR_SUPPORT": ("true", "disable_grammar_support", True),
     "DRAIN_TIMEOUT_S": ("12.5", "drain_timeout_s", 12.5),
+    "SHARD_IN_PROCESS": ("true", "shard_in_process", True),
     "GRACEFUL_TERMINATION_TIMEOUT": ("90", "drain_timeout_s", 90.0),
     "RANK_STALL_TIMEOUT_S": ("30", "rank_stall_timeout_s", 30.0),
     "LOGGER_LEVEL": ("debug", "logger_level", "DEBUG"),
@@ -212,6 +213,7 @@ FLAG_SET = [
     ("--logger-level", ("LOGGER_LEVEL", "LOG_LEVEL"), "INFO", False),
     ("--json-output", "JSON_OUTPUT", False, False),
     ("--shard-only", "SHARD_ONLY", False, False),
+    ("--shard-in-process", "SHARD_IN_PROCESS", False, False),
     ("--http-port", "HTTP_PORT", None, False),
     ("--cors-allow-origin", "CORS_ALLOW_ORIGIN", [], False),
     ("--max-client-batch-size", "MAX_CLIENT_BATCH_SIZE", 4, False),
@@ -608,3 +610,11 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices(serve):
     assert "--kv-cache-dtype" in run.output and "fp8_e4m3fn" in run.output and "'int8'" in run.output
     run = serve(KV_CACHE_DTYPE="fp4")
     assert run.code == 2 and "KV_CACHE_DTYPE" in run.output and "'fp4'" in run.output
+
+
+def test_shard_in_process_runs_one_rank_and_a_router():
+    ServeArgs(shard_in_process=True).validate()
+    with pytest.raises(ValueError, match="--shard-in-process runs one rank; --num-shard is 2"):
+        ServeArgs(shard_in_process=True, num_shard=2).validate()
+    with pytest.raises(ValueError, match="--shard-in-process and --shard-only contradict"):
+        ServeArgs(shard_in_process=True, shard_only=True).validate()

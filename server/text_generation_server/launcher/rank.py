@@ -37,6 +37,8 @@ from text_generation_server.settings.serve_flags import (
 if TYPE_CHECKING:
     import torch
 
+    from text_generation_server.engine.causal_lm import CausalLM
+
 SERVE_ARGS_ENV = "TGS_SERVE_ARGS"  # ServeArgs JSON from the launcher to its ranks
 LAUNCHER_PID_ENV = "TGS_LAUNCHER_PID"  # set only for ranks started by our launcher
 SHARD_HARD_EXIT_S = 10.0  # a rank stuck in a collective cannot exit cleanly; give up after this
@@ -144,48 +146,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
 
     try:
         args.validate()
-        device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
-        if device.type == "cuda":
-            limit_cuda_memory(args.cuda_memory_fraction, device)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
-        from text_generation_server.models.loader import get_model
-        from text_generation_server.quantizers.dist import initialize_process_group
-
-        if rank == 0:
-            startup = StartupProgress(live=False if args.json_output else None)
-            startup.__enter__()  # ended by warmup (finish_startup) or when the rank stops
-            startup.phase("connecting the ranks")
-        process_group = initialize_process_group(rank, world_size, device)
-        if device.type == "cpu" and needs_native_kernels(args):
-            startup_phase("building native CPU kernels (cached per machine)")
-            from text_generation_server.kernels import cpu_native
-
-            cpu_native.native()
-        # The router never batches more than --max-batch-size requests, nor holds more than
-        # --max-concurrent-requests at once: warmup measures a decode step at that size.
-        batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
-        model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
-                          attention_backend=args.effective_attention_backend,
-                          cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
-                          model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head or LM_HEAD_AUTO,
-                          kv_cache_dtype=args.kv_cache_dtype)
-        if args.lora_slots:  # before warmup, which sizes the KV cache around the adapter slots
-            from text_generation_server.models.adapters import start_lora
-
-            start_lora(model, args.lora_slots, args.max_lora_rank, args.lora_adapters)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            weight_bytes = weight_bytes_of(model.model)
-            threads = cpu_threads_per_rank(os.cpu_count() or 1, world_size, weight_bytes)
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-            if rank == 0:
-                logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
-                            weight_bytes / 2**20, os.cpu_count())
+        model, device = load_rank(args, rank, world_size)
     except ValueError as exc:  # CheckpointError, bad dtype, bad settings
         finish_startup()
         logger.error("cannot start: {}", exc)
@@ -193,16 +154,9 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
     if stop_requested.is_set():
         finish_startup()
         return 0
-    memory_fraction = args.memory_fraction or (0.9 if device.type == "cuda" else 0.1)
+    memory_fraction = rank_memory_fraction(args, device)
     if rank == 0:
-        logger.info(
-            "model {} | dtype {} | device {} | quantize {} | world size {} | block size {} | memory fraction {} | "
-            "max_input_tokens {} | max_total_tokens {} | max_batch_prefill_tokens {} | max_batch_total_tokens {} | "
-            "max_batch_size {}",
-            model.model_id, str(model.dtype).removeprefix("torch."), device, model.quantize or "none", world_size,
-            args.block_size, memory_fraction, args.max_input_tokens, args.max_total_tokens,
-            args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
-        )
+        log_rank_settings(args, model, device, world_size, memory_fraction)
 
     async def serve() -> None:
         from text_generation_server.shard.service import serve_shard
@@ -226,6 +180,72 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
     finally:
         finish_startup()
     return 0
+
+
+def load_rank(args: ServeArgs, rank: int, world_size: int) -> tuple["CausalLM", "torch.device"]:
+    """One rank's device, torch threads, native kernels, model and LoRA slots: everything a rank
+    does before its service starts, in a rank process or (--shard-in-process) in the launcher's.
+    Raises ValueError (CheckpointError among them) for bad settings or checkpoints."""
+    device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        limit_cuda_memory(args.cuda_memory_fraction, device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
+    from text_generation_server.models.loader import get_model
+    from text_generation_server.quantizers.dist import initialize_process_group
+
+    if rank == 0:
+        startup = StartupProgress(live=False if args.json_output else None)
+        startup.__enter__()  # ended by warmup (finish_startup) or when the rank stops
+        startup.phase("connecting the ranks")
+    process_group = initialize_process_group(rank, world_size, device)
+    if device.type == "cpu" and needs_native_kernels(args):
+        startup_phase("building native CPU kernels (cached per machine)")
+        from text_generation_server.kernels import cpu_native
+
+        cpu_native.native()
+    # The router never batches more than --max-batch-size requests, nor holds more than
+    # --max-concurrent-requests at once: warmup measures a decode step at that size.
+    batch_limit = min(b for b in (args.max_batch_size, args.max_concurrent_requests) if b is not None)
+    model = get_model(args.model, args.dtype, device, process_group, args.quantize, args.block_size,
+                      attention_backend=args.effective_attention_backend,
+                      cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
+                      model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head or LM_HEAD_AUTO,
+                      kv_cache_dtype=args.kv_cache_dtype)
+    if args.lora_slots:  # before warmup, which sizes the KV cache around the adapter slots
+        from text_generation_server.models.adapters import start_lora
+
+        start_lora(model, args.lora_slots, args.max_lora_rank, args.lora_adapters)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        weight_bytes = weight_bytes_of(model.model)
+        threads = cpu_threads_per_rank(os.cpu_count() or 1, world_size, weight_bytes)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        if rank == 0:
+            logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
+                        weight_bytes / 2**20, os.cpu_count())
+    return model, device
+
+
+def rank_memory_fraction(args: ServeArgs, device: "torch.device") -> float:
+    """--memory-fraction, or its default for the device (the KV cache's share of free memory)."""
+    return args.memory_fraction or (0.9 if device.type == "cuda" else 0.1)
+
+
+def log_rank_settings(args: ServeArgs, model: "CausalLM", device: "torch.device", world_size: int,
+                      memory_fraction: float) -> None:
+    logger.info(
+        "model {} | dtype {} | device {} | quantize {} | world size {} | block size {} | memory fraction {} | "
+        "max_input_tokens {} | max_total_tokens {} | max_batch_prefill_tokens {} | max_batch_total_tokens {} | "
+        "max_batch_size {}",
+        model.model_id, str(model.dtype).removeprefix("torch."), device, model.quantize or "none", world_size,
+        args.block_size, memory_fraction, args.max_input_tokens, args.max_total_tokens,
+        args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
+    )
 
 
 def needs_native_kernels(args: ServeArgs) -> bool:

@@ -23,11 +23,13 @@ import dataclasses
 import os
 import signal
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from loguru import logger
 
+from text_generation_server.launcher.process_exit import hard_exit_later
 from text_generation_server.utils.logging_setup import configure_logging
+from text_generation_server.utils.progress import finish_startup
 from text_generation_server.settings.serve_args import ServeArgs
 from text_generation_server.launcher.shard_procs import (
     ShardProcesses,
@@ -36,6 +38,9 @@ from text_generation_server.launcher.shard_procs import (
     prepare_sockets,
     shard_socket,
 )
+
+if TYPE_CHECKING:
+    from text_generation_server.launcher.in_process import LocalShardClient
 
 SUPERVISE_INTERVAL_S = 0.2
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping ranks
@@ -152,6 +157,15 @@ class _Launch:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hangup)  # its default action would kill us
+        if self.args.shard_in_process:
+            code = 1
+            try:
+                code = await self._run_in_process()
+                return code
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
+                logger.info("stopped (exit code {})", code)
         shards = ShardProcesses(self.args, free_port())
         code = 1
         try:
@@ -194,10 +208,58 @@ class _Launch:
         logger.info("all {} rank(s) listening", self.args.num_shard)
         return None
 
-    async def _serve(self, shards: ShardProcesses) -> int:
+    async def _run_in_process(self) -> int:
+        """--shard-in-process: the rank's model loads in this process (on a thread, so signals are
+        still heard), and the router drives its service directly (launcher/in_process.py)."""
+        from text_generation_server.launcher.in_process import local_client
+        from text_generation_server.launcher.rank import load_rank, log_rank_settings, rank_environment, \
+            rank_memory_fraction
+
+        logger.info("starting the rank in this process (--shard-in-process) on {} for {}", self.args.device,
+                    self.args.model or "the embedded model")
+        for name, value in rank_environment(self.args).items():
+            os.environ[name] = value
+        try:
+            self.run_router = self.router()
+        except ImportError as exc:
+            logger.error("the router cannot be imported: {}", exc)
+            return 1
+        loading = asyncio.ensure_future(asyncio.to_thread(load_rank, self.args, 0, 1))
+        forced = asyncio.ensure_future(self.forced.wait())
+        try:
+            await asyncio.wait({loading, forced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+        if not loading.done():
+            logger.warning("stopping while the model loads: exiting without waiting for it")
+            hard_exit_later(0.0, EXIT_INTERRUPTED)
+            return EXIT_INTERRUPTED
+        try:
+            model, device = loading.result()
+        except ValueError as exc:  # CheckpointError, bad dtype, bad settings
+            finish_startup()
+            logger.error("cannot start: {}", exc)
+            return 2
+        if self.shutdown.is_set():
+            finish_startup()
+            logger.info("stopped during startup")
+            return 0
+        memory_fraction = rank_memory_fraction(self.args, device)
+        log_rank_settings(self.args, model, device, 1, memory_fraction)
+        client = local_client(model, self.args, memory_fraction)
+        try:
+            return await self._serve(None, client)
+        finally:
+            finish_startup()
+
+    async def _serve(self, shards: ShardProcesses | None, client: LocalShardClient | None = None) -> int:
+        """Runs the router until it stops; with `shards`, over their sockets, watching that none
+        exits; else over `client`, the rank in this process."""
         urls = [f"unix://{shard_socket(self.args.uds_path, r)}" for r in range(self.args.num_shard)]
         assert self.run_router is not None  # imported by run() once the ranks started
-        router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown, self.reload), name="router")
+        extra = {} if client is None else {"client": client}
+        router = asyncio.create_task(self.run_router(self.args, urls, self.shutdown, self.reload, **extra),
+                                     name="router")
         drain_deadline: float | None = None
         while not router.done():
             await asyncio.wait({router}, timeout=SUPERVISE_INTERVAL_S)
@@ -206,7 +268,7 @@ class _Launch:
                 return EXIT_INTERRUPTED
             if router.done():
                 break
-            exited = shards.first_exited()
+            exited = shards.first_exited() if shards is not None else None
             if exited is not None:
                 rank, code = exited
                 logger.error("shard rank {} exited with code {}", rank, describe_exit(code))
@@ -227,7 +289,7 @@ class _Launch:
         exc = router.exception()
         if exc is not None:
             # A dead rank often breaks the router's next call first; name the rank, the real cause.
-            for _ in range(5):
+            for _ in range(5 if shards is not None else 0):
                 exited = shards.first_exited()
                 if exited is not None:
                     rank, code = exited

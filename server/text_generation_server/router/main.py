@@ -159,10 +159,12 @@ async def start_http(args: ServeArgs, service: TextGenerationService, health: Ro
 
 
 async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.Event,
-                     reload: asyncio.Event | None = None) -> None:
+                     reload: asyncio.Event | None = None, client=None) -> None:
     """Serves the client API over the shards at `shard_urls` until `shutdown` is set, then drains.
 
     `reload` (set by the launcher on SIGHUP) re-reads the API key file and the TLS files.
+    `client`: a client of the shards to use instead (--shard-in-process: the rank in this process,
+    launcher/in_process.py), with ShardClient's calls.
     """
     keys, tls = load_security(args)
     try:
@@ -176,7 +178,8 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
                                               str(checkpoint.folder / "config.json"), args.model_impl)
     max_input, max_total, max_prefill = resolve_limits(args, model_config.max_context, model_config.context_name)
 
-    client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
+    if client is None:
+        client = ShardClient(shard_urls) if len(shard_urls) > 1 else await ShardClient.connect(shard_urls[0])
     metrics_server = None
     server = None
     http_server = None

@@ -394,6 +394,11 @@ class ServeArgs:
     shard_only: bool = setting(
         False, "Run one rank only (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).",
     )
+    shard_in_process: bool = setting(  # launcher/in_process.py: no gRPC hop between router and rank
+        False, "Run the one rank's model inside the router's process (one rank only): a decode step skips the "
+        "gRPC hop between them, most of its host time on a CPU; a fault in the model then stops the client "
+        "port too.",
+    )
     # -- the HTTP APIs (router/http/): OpenAI's and TGI's, beside the gRPC API on the same scheduler,
     # behind the same API keys and TLS files
     http_port: int | None = setting(  # None = no HTTP API
@@ -465,6 +470,12 @@ class ServeArgs:
                              f"{self.max_loras}")
         if self.tls_client_ca_path is not None and self.tls_cert_path is None:
             raise ValueError("--tls-client-ca-path needs --tls-cert-path and --tls-key-path (mutual TLS is TLS)")
+        if self.shard_in_process and self.num_shard is not None and self.num_shard > 1:
+            raise ValueError(f"--shard-in-process runs one rank; --num-shard is {self.num_shard} (tensor-parallel "
+                             "ranks each need their own process)")
+        if self.shard_in_process and self.shard_only:
+            raise ValueError("--shard-in-process and --shard-only contradict each other: one runs the rank inside "
+                             "the router, the other a rank without a router")
         if self.lora_load_without_api_key and self.lora_load_dir is None:
             raise ValueError("--lora-load-without-api-key opens run-time loading, which needs --lora-load-dir DIR")
 
