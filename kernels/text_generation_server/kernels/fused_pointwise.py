@@ -52,7 +52,7 @@ def _define() -> SimpleNamespace:
     @triton.jit
     def rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_res, stride_out, stride_sum, eps,
                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 on long prefills
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -70,7 +70,7 @@ def _define() -> SimpleNamespace:
     @triton.jit
     def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         half = D // 2
@@ -87,7 +87,7 @@ def _define() -> SimpleNamespace:
 
     @triton.jit
     def silu_mul(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
         g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
