@@ -2,14 +2,15 @@
 
 - a mixed cache's write-then-read is fp8 rounding in its fp8 layers and exact in the others;
 - every attention path reads each layer in its own dtype: a model whose fp8 cache keeps every
-  layer unquantized gives its 16-bit cache's logits bit for bit (torch, Triton under
-  TRITON_INTERPRET=1, MLA), and a mixed cache's Triton logits equal its torch logits;
+  layer unquantized gives its 16-bit cache's logits bit for bit (torch and triton-paged under
+  TRITON_INTERPRET=1, per-head and MLA latent caches), a mixed cache's Triton logits equal its
+  torch logits, and emulated CUDA graphs replay over a mixed cache;
 - the layer rule (`--kv-cache-fp8-skip-layers auto`) picks the layer of a tiny Qwen2 given a
   near-constant outlier key channel (Qwen2.5's layers 0-1 in small), and no layer of the same
   model without it;
 - warmup sizes the cache in bytes, each layer at its own width: blocks stay one count, a block
   costs the sum of its layers' bytes, and Info's token count says so exactly;
-- the flag's spellings, its environment variable and its refusals.
+- the flag's spellings, its environment variable, `perplexity`'s flag and the refusals.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def load(folder, backend=None, dtype="bfloat16", **kw):
 @pytest.mark.parametrize("backend", [None, "triton-paged"])
 def test_an_fp8_cache_keeping_every_layer_is_the_16_bit_cache(llama, interpret, backend):
     base = load(llama, backend)
+    assert base.attention.name == (backend or "torch-sdpa")
     ids = base.tokenizer.encode(PROMPT).ids
     want = logits_trace(base, ids)
     every = load(llama, backend, kv_cache_dtype="fp8_e4m3fn", kv_cache_fp8_skip_layers="0-2")
@@ -123,19 +125,27 @@ def test_a_mixed_cache_reads_the_same_through_triton_as_through_torch(llama, int
         assert torch.allclose(got["triton-paged"], got[None], atol=2e-4, rtol=1e-4), flag
 
 
-def test_mla_reads_each_layers_latent_in_its_own_dtype(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
     from family_cases import write_family_checkpoint
 
-    folder = str(tmp_path / "deepseek")
+    folder = tmp_path_factory.mktemp("fp8_layers_mla") / "deepseek"
     write_family_checkpoint(folder, "deepseek_v2_lite", seed=3)
-    base = load(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("backend", [None, "triton-paged"])
+def test_mla_reads_each_layers_latent_in_its_own_dtype(deepseek, interpret, backend):
+    """The latent cache: torch's absorbed decode, and triton-paged's MLA decode kernel (interpreted)."""
+    base = load(deepseek, backend)
+    assert base.attention.name == (backend or "torch-sdpa")
     ids = base.tokenizer.encode(PROMPT).ids
     want = logits_trace(base, ids)
     layers = base.kv_layout.num_layers
-    every = load(folder, kv_cache_dtype="fp8_e4m3fn", kv_cache_fp8_skip_layers=f"0-{layers - 1}")
+    every = load(deepseek, backend, kv_cache_dtype="fp8_e4m3fn", kv_cache_fp8_skip_layers=f"0-{layers - 1}")
     assert torch.equal(logits_trace(every, ids), want)
-    mixed = load(folder, kv_cache_dtype="fp8_e4m3fn", kv_cache_fp8_skip_layers="0")
-    assert mixed.kv_cache is None and mixed.new_kv_cache(2).dtypes[:2] == [torch.bfloat16, torch.float8_e4m3fn]
+    mixed = load(deepseek, backend, kv_cache_dtype="fp8_e4m3fn", kv_cache_fp8_skip_layers="0")
+    assert mixed.new_kv_cache(2).dtypes[:2] == [torch.bfloat16, torch.float8_e4m3fn]
     assert 0 < float((logits_trace(mixed, ids) - want).norm() / want.norm()) < 0.1
 
 
