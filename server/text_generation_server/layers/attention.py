@@ -68,7 +68,8 @@ class KVLayout:
                              f"got {len(scales)}")
         if wide is None and any(s is None for s in scales):
             raise ValueError("an fp8 KV cache with layers kept unquantized (scales None) needs their dtype (wide)")
-        return [wide if s is None else dtype for s in scales]
+        kept = wide if wide is not None else dtype
+        return [kept if s is None else dtype for s in scales]
 
     def bytes_per_token(self, dtype: torch.dtype, scales: "list[KVScales | None] | None" = None,
                         wide: torch.dtype | None = None) -> int:
@@ -147,7 +148,8 @@ class KVCache:
                 raise ValueError(f"the dtype of the layers an fp8 cache keeps unquantized cannot be fp8, got {wide}")
         elif scales is not None:
             raise ValueError(f"KV scales are for fp8 caches, not {dtype}")
-        self.dtypes = [dtype if s is not None or not is_fp8(dtype) else wide for s in self.scales]
+        kept = wide if wide is not None and is_fp8(dtype) else dtype  # what a layer without scales holds
+        self.dtypes = [dtype if s is not None else kept for s in self.scales]
         shape = (num_blocks, block_size, kv_heads, head_dim)
         # Lazily zeroed on a CPU (kernels/lazy_zeros.py): no start-up fill, resident as blocks are used.
         self.keys = [lazy_zeros.zeros(shape, t, device) for t in self.dtypes]

@@ -19,6 +19,8 @@ the constant, is what attention reads (a constant key channel shifts every score
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from loguru import logger
 
@@ -148,7 +150,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2
 
 
-def rounding_ratios(stored: dict[int, list[torch.Tensor]], scales: list[KVScales | None],
+def rounding_ratios(stored: dict[int, list[torch.Tensor]], scales: Sequence[KVScales | None],
                     num_layers: int) -> list[float]:
     """Each layer's `rounding_ratio` in units of its format's `unit_roundoff`, keys and values the
     worse of the two (a latent: its keys); nan for a layer the probe did not see store anything."""
@@ -164,7 +166,7 @@ def rounding_ratios(stored: dict[int, list[torch.Tensor]], scales: list[KVScales
 
 
 @torch.inference_mode()
-def probe_ratios(net: torch.nn.Module, token_ids: list[int], layout: KVLayout, scales: list[KVScales | None],
+def probe_ratios(net: torch.nn.Module, token_ids: list[int], layout: KVLayout, scales: Sequence[KVScales | None],
                  dtype: torch.dtype, device: torch.device, process_group: ProcessGroup) -> list[float]:
     """`rounding_ratios` of one prefill of `token_ids` (the worst over tensor parallel ranks, whose
     heads differ, so that every rank keeps the same layers)."""
