@@ -108,6 +108,9 @@ def perplexity(
     kv_cache_dtype: str = typer.Option(
         "auto", "--kv-cache-dtype", help="As serve's: auto, fp8_e4m3fn or fp8_e5m2 (aliases fp8, fp8_e4m3)."
     ),
+    kv_cache_fp8_skip_layers: str = typer.Option(
+        "auto", "--kv-cache-fp8-skip-layers", help="As serve's: auto, none or layer ids (0,1 or 0-3,9)."
+    ),
     json_output: bool = typer.Option(False, "--json", help='Print {"perplexity": ..., "tokens": ...} as JSON.'),
     logger_level: str = typer.Option("WARNING", "--logger-level", help=LEVEL_HELP),
 ) -> None:
@@ -120,7 +123,8 @@ def perplexity(
     try:
         result = run_perplexity(model, dataset, seqlen=seqlen, max_tokens=max_tokens, dtype=dtype,
                                 quantize=quantize_flag,
-                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype"))
+                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype"),
+                                kv_cache_fp8_skip_layers=kv_cache_fp8_skip_layers)
     except ValueError as exc:
         fail(str(exc))
     if json_output:

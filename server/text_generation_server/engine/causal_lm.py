@@ -71,7 +71,7 @@ class CausalLM:
         max_batch_size: the most requests a decode step can hold (the router's limit), which
         warmup measures; None: derived from the other limits (`decode_batch_limit`).
         kv_dtype: the KV cache's dtype (None: the model's; an fp8 one with `kv_scales`, one per
-        layer, or 1.0 everywhere without)."""
+        layer, None for a layer kept in the model's dtype, or 1.0 everywhere without)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if any(b < 1 for b in cuda_graphs):
@@ -124,7 +124,7 @@ class CausalLM:
         if process_group.rank == 0:
             log_choice(self.attention, rejected)
             logger.info("KV cache: {} bytes per token ({}, {})", self.kv_bytes_per_token, layout.describe(),
-                        str(self.kv_dtype).removeprefix("torch."))
+                        layout.describe_dtypes(self.kv_dtype, self.kv_scales, dtype))
         self.max_batch_size = max_batch_size
         self.graph_buckets = sorted(set(cuda_graphs))
         self._graph_capturer = graph_capturer
@@ -149,16 +149,16 @@ class CausalLM:
     def kv_bytes_per_token(self) -> int:
         """What warmup sizes the cache by: in the cache's dtype (an fp8 cache holds twice a 16-bit
         one's tokens in the same bytes)."""
-        return self.kv_layout.bytes_per_token(self.kv_dtype)
+        return self.kv_layout.bytes_per_token(self.kv_dtype, self.kv_scales, self.dtype)
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype)
+        return self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype, self.kv_scales, self.dtype)
 
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> KVCache:
         """A cache of this model's layout, dtype and scales (warmup's, and tools' own)."""
         return self.kv_layout.allocate(num_blocks, block_size or self.block_size, self.kv_dtype, self.device,
-                                       self.kv_scales)
+                                       self.kv_scales, wide=self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.drop_kv_cache()  # free the old pool (and the graphs that point into it) first

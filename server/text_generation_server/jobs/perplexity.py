@@ -186,6 +186,7 @@ def perplexity(
     dtype: str | None = None,
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
+    kv_cache_fp8_skip_layers: str | None = None,
 ) -> PerplexityResult:
     """Loads `model` (a folder or the embedded id) and measures it on `dataset`.
 
@@ -195,7 +196,8 @@ def perplexity(
     from text_generation_server.models.loader import get_model
 
     text = read_text_dataset(dataset) if dataset is not None else default_text("heldout")
-    lm = get_model(model, dtype=dtype, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
+    lm = get_model(model, dtype=dtype, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                   kv_cache_fp8_skip_layers=kv_cache_fp8_skip_layers)
     result = evaluate(lm, text, seqlen=seqlen, max_tokens=max_tokens)
     logger.info("{}: perplexity {:.4f} over {} tokens ({} windows of up to {})", lm.model_id, result.perplexity,
                 result.tokens, result.windows, result.seqlen)

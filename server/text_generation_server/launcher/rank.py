@@ -213,7 +213,8 @@ def load_rank(args: ServeArgs, rank: int, world_size: int) -> tuple["CausalLM", 
                       attention_backend=args.effective_attention_backend,
                       cuda_graphs=args.effective_cuda_graphs, max_batch_size=batch_limit,
                       model_impl=args.model_impl, quantize_lm_head=args.quantize_lm_head or LM_HEAD_AUTO,
-                      kv_cache_dtype=args.kv_cache_dtype)
+                      kv_cache_dtype=args.kv_cache_dtype,
+                      kv_cache_fp8_skip_layers=args.kv_cache_fp8_skip_layers)
     if args.lora_slots:  # before warmup, which sizes the KV cache around the adapter slots
         from text_generation_server.models.adapters import start_lora
 

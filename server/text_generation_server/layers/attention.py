@@ -57,23 +57,53 @@ class KVLayout:
         if self.latent and self.kv_heads != 1:
             raise ValueError(f"a latent KV layout holds one vector per token, got kv_heads={self.kv_heads}")
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        pools = 1 if self.latent else 2
-        return pools * self.num_layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+    def layer_dtypes(self, dtype: torch.dtype, scales: "list[KVScales | None] | None" = None,
+                     wide: torch.dtype | None = None) -> list[torch.dtype]:
+        """Each layer's cache dtype: `dtype`, except that in an fp8 cache a layer whose scales are
+        None is kept in `wide` (the model's dtype: a layer fp8 cannot hold, models/kv_cache.py)."""
+        if scales is None or not is_fp8(dtype):
+            return [dtype] * self.num_layers
+        if len(scales) != self.num_layers:
+            raise ValueError(f"an fp8 KV cache needs one entry of scales per layer ({self.num_layers}), "
+                             f"got {len(scales)}")
+        if wide is None and any(s is None for s in scales):
+            raise ValueError("an fp8 KV cache with layers kept unquantized (scales None) needs their dtype (wide)")
+        kept = wide if wide is not None else dtype
+        return [kept if s is None else dtype for s in scales]
 
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return block_size * self.bytes_per_token(dtype)
+    def bytes_per_token(self, dtype: torch.dtype, scales: "list[KVScales | None] | None" = None,
+                        wide: torch.dtype | None = None) -> int:
+        """A token's bytes over every layer, each in its own dtype (`layer_dtypes`)."""
+        pools = 1 if self.latent else 2
+        per_layer = pools * self.kv_heads * self.head_dim
+        return sum(per_layer * t.itemsize for t in self.layer_dtypes(dtype, scales, wide))
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype, scales: "list[KVScales | None] | None" = None,
+                        wide: torch.dtype | None = None) -> int:
+        """What one block costs: every layer's share of it (blocks are one count for all layers)."""
+        return block_size * self.bytes_per_token(dtype, scales, wide)
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 scales: "list[KVScales] | None" = None) -> "KVCache":
-        """dtype: the cache's (an fp8 dtype: `scales` gives each layer's, default all 1.0)."""
+                 scales: "list[KVScales | None] | None" = None, wide: torch.dtype | None = None) -> "KVCache":
+        """dtype: the cache's (an fp8 dtype: `scales` gives each layer's, default all 1.0; a layer
+        whose entry is None is held in `wide`)."""
         return KVCache(self.num_layers, num_blocks, block_size, self.kv_heads, self.head_dim, dtype, device,
-                       latent=self.latent, scales=scales)
+                       latent=self.latent, scales=scales, wide=wide)
 
     def describe(self) -> str:
         if self.latent:
             return f"{self.num_layers} layers x one latent of {self.head_dim}"
         return f"{self.num_layers} layers x K and V of {self.kv_heads} heads x {self.head_dim}"
+
+    def describe_dtypes(self, dtype: torch.dtype, scales: "list[KVScales | None] | None" = None,
+                        wide: torch.dtype | None = None) -> str:
+        """The cache's dtype for the startup line, naming the layers kept in `wide` if any."""
+        name = str(dtype).removeprefix("torch.")
+        kept = [i for i, t in enumerate(self.layer_dtypes(dtype, scales, wide)) if t != dtype]
+        if not kept:
+            return name
+        return f"{name}; layers {','.join(map(str, kept))} in {str(wide).removeprefix('torch.')}"
+
 
 
 class KVCache:
@@ -81,7 +111,9 @@ class KVCache:
 
     An fp8 cache (dtype float8_e4m3fn or float8_e5m2) keeps one `KVScales` per layer: `store`
     quantizes with them and every backend reads through them (`scales_of(layer)`, None for a
-    16/32-bit cache, which holds values in the model's dtype).
+    16/32-bit cache, which holds values in the model's dtype). A layer whose scales are None in an
+    fp8 cache is kept in `wide` (the model's dtype): each layer's pools have their own dtype
+    (`dtypes`), and every backend call sees that layer as a 16/32-bit cache.
     """
 
     def __init__(
@@ -94,7 +126,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         latent: bool = False,
-        scales: list[KVScales] | None = None,
+        scales: list[KVScales | None] | None = None,
+        wide: torch.dtype | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of size >= 1 (got {num_blocks} x {block_size})")
@@ -105,20 +138,23 @@ class KVCache:
         self.scales: list[KVScales | None] = [None] * num_layers
         if is_fp8(dtype):
             self.scales = list(scales) if scales is not None else [KVScales.ones(dtype, kv_heads, device)] * num_layers
-            if len(self.scales) != num_layers or any(s.dtype != dtype or s.key.shape != (kv_heads,) for s in self.scales):
-                raise ValueError(f"an fp8 KV cache needs one {dtype} KVScales of [{kv_heads}] per layer "
-                                 f"({num_layers})")
+            if len(self.scales) != num_layers or any(
+                    s is not None and (s.dtype != dtype or s.key.shape != (kv_heads,)) for s in self.scales):
+                raise ValueError(f"an fp8 KV cache needs one {dtype} KVScales of [{kv_heads}] per layer ({num_layers}; "
+                                 "None: a layer kept in the model's dtype)")
+            if wide is None and any(s is None for s in self.scales):
+                raise ValueError("an fp8 KV cache with layers kept unquantized (scales None) needs their dtype (wide)")
+            if wide is not None and is_fp8(wide):
+                raise ValueError(f"the dtype of the layers an fp8 cache keeps unquantized cannot be fp8, got {wide}")
         elif scales is not None:
             raise ValueError(f"KV scales are for fp8 caches, not {dtype}")
+        kept = wide if wide is not None and is_fp8(dtype) else dtype  # what a layer without scales holds
+        self.dtypes = [dtype if s is not None else kept for s in self.scales]
         shape = (num_blocks, block_size, kv_heads, head_dim)
         # Lazily zeroed on a CPU (kernels/lazy_zeros.py): no start-up fill, resident as blocks are used.
-        self.keys = [lazy_zeros.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.keys = [lazy_zeros.zeros(shape, t, device) for t in self.dtypes]
         self.values: list[torch.Tensor | None] = (
-            [None] * num_layers if latent else [lazy_zeros.zeros(shape, dtype, device) for _ in range(num_layers)])
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+            [None] * num_layers if latent else [lazy_zeros.zeros(shape, t, device) for t in self.dtypes])
 
     def scales_of(self, layer: int) -> KVScales | None:
         return self.scales[layer]

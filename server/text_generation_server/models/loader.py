@@ -12,13 +12,14 @@ from text_generation_server.engine.cuda_graphs import GraphCapturer
 from text_generation_server.engine.standin import from_environment as standin_from_environment
 from text_generation_server.kernels.kv_fp8 import is_fp8
 from text_generation_server.layers.attention import KVLayout
-from text_generation_server.models.kv_cache import layer_scales, resolve_kv_cache_dtype
+from text_generation_server.models.kv_cache import layer_scales, resolve_kv_cache_dtype, skip_layers
 from text_generation_server.models.registry import read_model_config
 from text_generation_server.quantizers.dist import ProcessGroup, single_process_group
 from text_generation_server.quantizers.factory import (
     get_loader, read_kv_cache_declaration, read_quantization_config, tensor_source,
 )
 from text_generation_server.quantizers.weights import Weights
+from text_generation_server.settings.serve_args import parse_kv_skip_layers
 from text_generation_server.utils.locate import open_checkpoint
 from text_generation_server.utils.progress import CountingSource, current_startup
 
@@ -93,6 +94,7 @@ def get_model(
     model_impl: str = "auto",
     quantize_lm_head: str | None = None,
     kv_cache_dtype: str | None = None,
+    kv_cache_fp8_skip_layers: str | None = None,
 ) -> CausalLM:
     """Loads `model` (a checkpoint folder or id; None: the embedded model), ready for warmup.
 
@@ -102,7 +104,8 @@ def get_model(
     model_impl: "auto", "native" or "transformers" (see `registry.model_impl`);
     quantize_lm_head: "int8" runs a dense head as per-row int8, None or "none" keeps it as stored, "auto"
     is serve's default (`head_quantization`: int8 on the CPU for quantized checkpoints);
-    kv_cache_dtype: `--kv-cache-dtype` (auto, fp8_e4m3fn, fp8_e5m2; models/kv_cache.py).
+    kv_cache_dtype: `--kv-cache-dtype` (auto, fp8_e4m3fn, fp8_e5m2; models/kv_cache.py);
+    kv_cache_fp8_skip_layers: `--kv-cache-fp8-skip-layers` (None: auto, measured at load).
     """
     device = device or torch.device("cpu")
     process_group = process_group or single_process_group()
@@ -114,6 +117,11 @@ def get_model(
     # embedding and the head read their tensors directly, so they stay unquantized.
     kv_declaration = read_kv_cache_declaration(checkpoint.folder)  # first: a KV format we cannot read is named
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, kv_declaration, torch_dtype)
+    if not is_fp8(kv_dtype) and parse_kv_skip_layers(kv_cache_fp8_skip_layers or "auto",
+                                                     "--kv-cache-fp8-skip-layers") not in ("auto", "none"):
+        raise ValueError(f"--kv-cache-fp8-skip-layers {kv_cache_fp8_skip_layers} names layers of an fp8 KV cache, "
+                         f"but this cache is {str(kv_dtype).removeprefix('torch.')} (give --kv-cache-dtype fp8_e4m3fn "
+                         "or fp8_e5m2, or leave the flag at auto)")
     qconfig = read_quantization_config(checkpoint.folder, quantize)
     if qconfig is not None and process_group.rank == 0:
         logger.info("quantization: {} (from {})", qconfig.describe(), qconfig.source)
@@ -144,6 +152,8 @@ def get_model(
         layout = getattr(net, "kv_layout", None) or KVLayout(config.num_hidden_layers, net.local_kv_heads,
                                                              config.head_dim)
         kv_scales = layer_scales(net, weights, kv_declaration, layout, kv_dtype, device, process_group.rank == 0)
+        kv_scales = skip_layers(kv_cache_fp8_skip_layers, net, checkpoint.tokenizer, layout, kv_scales, torch_dtype,
+                                device, process_group, process_group.rank == 0)
     if process_group.rank == 0:
         logger.info(
             "loaded {} ({}, {} implementation, {} layers, hidden {}) as {} on {} with {} shard(s)",

@@ -67,6 +67,36 @@ def parse_kv_cache_dtype(text: str, where: str) -> str:
     return value
 
 
+# --kv-cache-fp8-skip-layers: which layers of an fp8 KV cache stay in the model's dtype
+# (models/kv_cache.py): auto measures each layer's fp8 rounding at load, none keeps none, or a list.
+KV_SKIP_LAYERS_WORDS = ("auto", "none")
+
+
+def parse_kv_skip_layers(text: str, where: str) -> str:
+    """A --kv-cache-fp8-skip-layers value in canonical form: auto, none, or layer ids and ranges
+    (0,1 or 0-3,9), sorted, each id >= 0 and each range first <= last."""
+    value = str(text).strip().lower().replace(" ", "")
+    if value in KV_SKIP_LAYERS_WORDS:
+        return value
+    ids: set[int] = set()
+    for part in value.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{where} must be auto, none or layer ids and ranges such as 0,1 or 0-3,9; got "
+                             f"{text!r} ({part!r} is not a layer id or a range of them)")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if lo > hi:
+            raise ValueError(f"{where}: the range {part!r} in {text!r} runs backwards")
+        ids.update(range(lo, hi + 1))
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 FLAG = "flag"  # the metadata key of a field's Flag
 AS_SETTING = object()  # Flag.option_default: the command line's default is the setting's
 
@@ -336,6 +366,12 @@ class ServeArgs:
         "fp8_e5m2 (aliases fp8, fp8_e4m3): twice a 16-bit cache's tokens in the same memory. Scales come from "
         "the checkpoint (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo), else 1.0.",
         choices=KV_CACHE_DTYPES, parse=parse_kv_cache_dtype,
+    )
+    kv_cache_fp8_skip_layers: str = setting(
+        "auto", "Layers an fp8 KV cache keeps in the model's dtype: auto (measured at load: where fp8 rounding "
+        "erases what a layer's keys or values vary by from token to token, e.g. Qwen2.5's layers 0-1), none "
+        "(every layer fp8), or layer ids such as 0,1 or 0-3,9.", metavar="auto|none|IDS",
+        parse=parse_kv_skip_layers,
     )
     prefix_caching: bool = setting(
         True, "Reuse the KV cache of prompt prefixes seen before (USE_PREFIX_CACHING is read too).",
