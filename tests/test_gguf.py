@@ -21,6 +21,7 @@ import transformers
 from gguf_writer import T, k_quant_bytes, write_gguf
 from helpers import greedy, kernel_modes, kernels_used, prompt_logprobs, run_ranks
 
+from text_generation_server.kernels.select import DISABLE_ENV
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.gguf_blocks import FORMATS, decode
 from text_generation_server.quantizers.sources import CheckpointError
@@ -135,14 +136,22 @@ def greedy_ids(lm) -> list[list[int]]:
 GROUP_KERNELS = {"cpu-int8-group-native", "cpu-int8-group"}
 
 
-def test_kernels_per_format_are_the_fast_ones(files):
+def test_kernels_per_format_are_the_fast_ones(files, monkeypatch):
+    # Q4_K and Q6_K: their blocks in place (tests/test_gguf_kquant.py); the other formats decoded
+    lm = get_model(str(files["llama-Q4_K-vQ6_K"]), dtype="float32")
+    assert kernels_used(lm) - {"dense"} == {"cpu-kquant"}, kernels_used(lm)
+    for name in ("qwen2-Q4_0", "qwen2-Q4_1", "qwen2-Q2_K"):
+        assert "cpu-int4pack" in kernels_used(get_model(str(files[name]), dtype="float32")), name
+    for name in ("qwen2-Q8_0", "qwen2-Q5_K", "qwen2-Q5_0"):
+        assert kernels_used(get_model(str(files[name]), dtype="float32")) & GROUP_KERNELS, name
+    # with cpu-kquant switched off, the decoded K-quants run on the int4 and group int8 kernels
+    monkeypatch.setenv(DISABLE_ENV, "cpu-kquant")
     lm = get_model(str(files["qwen2-Q4_K"]), dtype="float32")
     assert kernels_used(lm) == {"cpu-int4pack", "dense"} or kernels_used(lm) == {"cpu-int4pack"}
     lm = get_model(str(files["llama-Q4_K-vQ6_K"]), dtype="float32")
     used = kernels_used(lm)
     assert "cpu-int4pack" in used and used & GROUP_KERNELS, used
-    for name in ("qwen2-Q8_0", "qwen2-Q6_K", "qwen2-Q5_K", "qwen2-Q5_0"):
-        assert kernels_used(get_model(str(files[name]), dtype="float32")) & GROUP_KERNELS, name
+    assert kernels_used(get_model(str(files["qwen2-Q6_K"]), dtype="float32")) & GROUP_KERNELS
 
 
 def test_config_and_tokenizer_come_from_the_metadata(files):

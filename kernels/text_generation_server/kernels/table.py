@@ -22,6 +22,7 @@ from text_generation_server.kernels.bitsandbytes import (
 )
 from text_generation_server.kernels.cpu import CpuInt4PackKernel, CpuInt8Kernel
 from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel, CpuGroupInt8NativeKernel
+from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
 from text_generation_server.kernels.dense import DenseKernel
 from text_generation_server.kernels.fp8 import (
     Fp8DenseKernel,
@@ -35,6 +36,7 @@ from text_generation_server.kernels.triton_gemm import TritonGemmKernel
 
 CPU: tuple[type[QuantKernel], ...] = (
     # -- quantized: integer codes (GPTQ, AWQ, EXL2, compressed-tensors, EETQ, bnb int8, Marlin), fp8
+    CpuKQuantKernel,  # GGUF Q4_K/Q6_K blocks read in place (their own weight format; refuses every other)
     CpuInt4PackKernel,  # torch's int4 op; prompts through the native dequantized bf16 GEMM
     CpuInt8Kernel,  # per-channel codes of any width: native matrix-vector kernel, torch's op, bf16 GEMM
     CpuGroupInt8NativeKernel,  # the same, codes read in place for decode rows (native AVX-512 build)
