@@ -154,6 +154,22 @@ def test_kernels_per_format_are_the_fast_ones(files, monkeypatch):
     assert kernels_used(get_model(str(files["qwen2-Q6_K"]), dtype="float32")) & GROUP_KERNELS
 
 
+def test_a_k_quant_head_is_read_in_place_and_equals_transformers_on_the_reference(tmp_path, monkeypatch):
+    """Q4_K_M files store output.weight in Q6_K: on cpu-kquant as stored (not loaded dense); with
+    the fast kernels off, its canonical form on the reference kernel gives transformers' tokens."""
+    path = write_gguf(tmp_path / "model.gguf", "qwen2", T.Q4_K, seed=11, v_type=T.Q6_K, tied=False,
+                      head_type=T.Q6_K)
+    modes = kernel_modes(monkeypatch.setenv)
+    next(modes)  # "reference"
+    lm = get_model(str(path), dtype="float32")
+    assert lm.model.head.projection.linear.kernel_name == "reference"
+    assert greedy_ids(lm) == [hf_greedy(path, lm.tokenizer.encode(p).ids) for p in PROMPTS]
+    next(modes)  # "chosen"
+    lm = get_model(str(path), dtype="bfloat16")
+    assert lm.model.head.projection.linear.kernel_name == "cpu-kquant"
+    assert all(len(tokens) == TOKENS for tokens in greedy_ids(lm))
+
+
 def test_config_and_tokenizer_come_from_the_metadata(files):
     path = files["llama-Q8_0"]
     checkpoint = open_checkpoint(str(path))

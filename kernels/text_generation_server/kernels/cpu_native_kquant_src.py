@@ -35,7 +35,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,9 @@ constexpr int64_t Q6K_BYTES = 210;  // 128 bytes of low nibbles, 64 of high bit 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
   if (exp == 0) {
@@ -68,14 +71,18 @@ inline float half_to_float(const uint8_t* p) {
   return f;
 }
 
-// Q4_K's 12 bytes: eight 6-bit scales and eight 6-bit minimums (ggml's get_scale_min_k4).
+// Q4_K's 12 bytes: eight 6-bit scales and eight 6-bit minimums (ggml's get_scale_min_k4), four
+// bytes at a time: scale j < 4 is byte j's low 6 bits, minimum j < 4 byte j + 4's; scale j >= 4 is
+// byte j + 4's low nibble under byte j - 4's top 2 bits, minimum j >= 4 byte j + 4's high nibble
+// under byte j's top 2 bits.
 inline void scale_min_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63;
-    mn[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
-    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
+  uint32_t w[3];
+  std::memcpy(w, q, 12);
+  const uint32_t low6 = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, top2 = 0x03030303u;
+  const uint32_t s[2] = {w[0] & low6, (w[2] & nib) | (((w[0] >> 6) & top2) << 4)};
+  const uint32_t m[2] = {w[1] & low6, ((w[2] >> 4) & nib) | (((w[1] >> 6) & top2) << 4)};
+  std::memcpy(sc, s, 8);
+  std::memcpy(mn, m, 8);
 }
 
 struct Act {  // activation rows quantized to Q8_K
@@ -104,15 +111,13 @@ inline float hsum8(__m256 v) {  // lanes summed in one fixed order
 template <int R>
 void q4k_rows(const Args& a, int64_t n, int64_t m0) {
   const uint8_t* row = a.w + n * a.row_bytes;
-  float mins[R];
-  for (int r = 0; r < R; ++r) mins[r] = 0.f;
 #if defined(__AVX2__)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
 #else
-  float acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  float acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = mins[r] = 0.f;
 #endif
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * Q4K_BYTES;
@@ -137,6 +142,20 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
       }
     }
 #endif
+#if defined(__AVX2__)
+    // the minimums' term per 32-column sub-block: m_j * (sum of its 32 codes), in integers
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const float dy = a.x.d[m * a.nb + b];
+      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
+      const __m256i pairs = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8))), 0xD8);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dy), _mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, pairs)), acc[r]);
+    }
+#else
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const float dy = a.x.d[m * a.nb + b];
@@ -144,9 +163,6 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
       int32_t msum = 0;
       for (int j = 0; j < 8; ++j) msum += int32_t(mn[j]) * (bs[2 * j] + bs[2 * j + 1]);
       mins[r] += dmin * dy * float(msum);
-#if defined(__AVX2__)
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-#else
       const int8_t* xq = a.x.q + m * a.K + b * QK;
       int32_t isum = 0;
       for (int j = 0; j < 4; ++j) {
@@ -158,12 +174,12 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
         isum += s0 * sc[2 * j] + s1 * sc[2 * j + 1];
       }
       acc[r] += d * dy * float(isum);
-#endif
     }
+#endif
   }
   for (int r = 0; r < R; ++r) {
 #if defined(__AVX2__)
-    a.y[(m0 + r) * a.N + n] = hsum8(acc[r]) - mins[r];
+    a.y[(m0 + r) * a.N + n] = hsum8(acc[r]);
 #else
     a.y[(m0 + r) * a.N + n] = acc[r] - mins[r];
 #endif

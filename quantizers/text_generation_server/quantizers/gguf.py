@@ -62,6 +62,19 @@ class GGUFConfig(QuantizerConfig):
         raise CheckpointError(f"--quantize {flag}: {folder} is not a GGUF file; GGUF weights are read from a .gguf "
                               "file (serve the file, or a folder holding only it)")
 
+    def keeps_head_quantized(self, weights: Weights, prefix: str) -> bool:
+        """A Q4_K/Q6_K head on the CPU stays as stored (cpu-kquant reads it in place: 191 MiB of Q6_K
+        for Qwen2.5-1.5B's, against 445 MiB dequantized to bfloat16, read every decode step), where
+        the vocabulary splits evenly into the ranks (the quantized head's rule)."""
+        source = weights.stored
+        name = f"{prefix}.weight"
+        if not isinstance(source, GGUFSource) or weights.device.type != "cpu" or not weights.has_tensor(name):
+            return False
+        key = weights._resolve(name) or name
+        fmt = source.format_of(key)
+        return (fmt is not None and fmt.type_id in KQUANT_TYPES
+                and source.shape(key)[0] % weights.process_group.size == 0)
+
     @classmethod
     def from_source(cls, source: GGUFSource) -> "GGUFConfig":
         types = sorted({source.file.type_name(name) for name in source.file.tensors})
