@@ -95,8 +95,18 @@ struct Args {
   Act x;
   const uint8_t* w;  // [N, row_bytes]
   float* y;          // [M, N]
-  int64_t M, K, N, row_bytes, nb;
+  int64_t M, K, N, row_bytes, nb, prefetch;
 };
+
+// Asks for the cache lines `prefetch` bytes past a block (0: none; cpu_kquant.PREFETCH_BYTES says why).
+inline void prefetch_block(const Args& a, const uint8_t* blk, int64_t bytes) {
+#if defined(__AVX2__)
+  if (a.prefetch) {
+    const char* p = reinterpret_cast<const char*>(blk) + a.prefetch;
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
+  }
+#endif
+}
 
 #if defined(__AVX2__)
 inline float hsum8(__m256 v) {  // lanes summed in one fixed order
@@ -121,6 +131,7 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
 #endif
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * Q4K_BYTES;
+    prefetch_block(a, blk, Q4K_BYTES);
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     uint8_t sc[8], mn[8];
     scale_min_k4(blk + 4, sc, mn);
@@ -199,6 +210,7 @@ void q6k_rows(const Args& a, int64_t n, int64_t m0) {
 #endif
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * Q6K_BYTES;
+    prefetch_block(a, blk, Q6K_BYTES);
     const uint8_t* ql = blk;
     const uint8_t* qh = blk + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
@@ -337,8 +349,10 @@ std::vector<torch::Tensor> kquant_quantize_q8k(torch::Tensor x) {
 }
 
 // Q8_K activations (kquant_quantize_q8k's three tensors) @ W^T, W the K-quant blocks w [N, K / 256 *
-// block bytes] uint8 of `type` (12: Q4_K, 14: Q6_K): [M, N] float32, any M.
-torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor w, int64_t type) {
+// block bytes] uint8 of `type` (12: Q4_K, 14: Q6_K): [M, N] float32, any M; weights prefetched
+// `prefetch` bytes ahead (0: not at all; the distance changes no bit of the result).
+torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor w, int64_t type,
+                        int64_t prefetch) {
   const int64_t bytes = tgs_kquant::block_bytes(type);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "codes must be contiguous int8 [M, K]");
   const int64_t M = q.size(0), K = q.size(1), nb = K / 256;
@@ -348,10 +362,11 @@ torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) == nb * bytes && w.stride(1) == 1,
               "blocks must be uint8 [N, ", nb * bytes, "] with contiguous rows");
   const int64_t N = w.size(0);
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
   auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat));
   if (M == 0 || N == 0) return y;
   tgs_kquant::Args a{{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, w.data_ptr<uint8_t>(),
-                     y.data_ptr<float>(), M, K, N, w.stride(0), nb};
+                     y.data_ptr<float>(), M, K, N, w.stride(0), nb, prefetch};
   if (type == 12)
     tgs_kquant::run<true>(a);
   else
