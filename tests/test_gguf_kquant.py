@@ -10,7 +10,7 @@ super-block scales). Checked here:
   bound the activation rounding allows: |x - d * q| <= |d| / 2 per element, so
   |y - W x| <= sum_k |W[n, k]| * |d_block(k)| / 2 (plus float32 slack);
 - a row's result has the same bits whatever the rows beside it (1 to 11 rows), for odd N and K,
-  strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) gives the same bits;
+  strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) stays within the same bound;
 - loading a GGUF keeps the blocks as views of the file (no copy, nothing decoded), runs them on
   cpu-kquant, and falls back to the canonical form where the kernel is switched off;
 - a row-parallel split off the 256-wide super-block keeps the decoded form (quantizers/gguf.py's rule);
@@ -136,8 +136,8 @@ def test_kernel_equals_the_q8k_arithmetic_and_the_dequantized_matmul(native, qty
             x = torch.randn(m, k, generator=gen)
             y = kquant_mm(native, x, raw, int(qtype)).double()
             ref, scale = int_reference(qtype, raw, x)
-            # float32: a rounding per block's scaling and per sum, 8 lanes then their sum
-            assert ((y - ref).abs() <= 2 * (k // 256 + 8) * 2.0**-24 * scale + 1e-30).all(), (n, k, m)
+            # float32: a rounding per block's scaling and sum, 16 (AVX-512) or 8 (AVX2) lanes, then their sum
+            assert ((y - ref).abs() <= 2 * (k // 256 + 16) * 2.0**-24 * scale + 1e-30).all(), (n, k, m)
             w = decode(fmt, raw).dequantize(fmt).double()
             exact = x.double() @ w.t()
             _, d, _ = q8k_reference(x)
@@ -201,7 +201,9 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
-def test_the_avx2_build_gives_the_same_bits(native):
+def test_the_avx2_build_computes_the_same_arithmetic(native):
+    """Built without AVX-512 (TGS_CPU_ISA=avx2) the kernel runs its AVX2 code: the same integer sums,
+    the float terms summed in 8 lanes instead of 16, so within the same bound of the Q8_K reference."""
     env = {**os.environ, cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -209,8 +211,10 @@ def test_the_avx2_build_gives_the_same_bits(native):
     assert "-mno-avx512f" in got["cflags"]
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
     for t in (T.Q4_K, T.Q6_K):
-        want = kquant_mm(native, x, blocks(t, 9, 768, seed=5), int(t))
-        assert torch.equal(torch.tensor(got[t.name]), want), t.name
+        raw = blocks(t, 9, 768, seed=5)
+        ref, scale = int_reference(t, raw, x)
+        for y in (torch.tensor(got[t.name]).double(), kquant_mm(native, x, raw, int(t)).double()):
+            assert ((y - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
 
 
 @pytest.fixture(scope="module")

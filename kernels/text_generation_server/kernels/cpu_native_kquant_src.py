@@ -18,11 +18,14 @@ every 16 codes), and a weight block's product with it is formed in integers and 
         dot = d * dy * (sum_g sc_g * sum(q * q8) - 32 * sum_g sc_g * bsum16_g)
 
 The integer sums are exact (|sum| < 2^31 for either format); the float terms are summed per block
-in 8 lanes (AVX2) and the lanes in one fixed order. A row's result does not depend on the rows
-beside it, the number of rows or the thread split (each output's sums are one row's alone).
+in 16 lanes (AVX-512BW) or 8 (AVX2) and the lanes in one fixed order. A row's result does not
+depend on the rows beside it, the number of rows or the thread split (each output's sums are one
+row's alone).
 
-AVX2 code under __AVX2__ (also in AVX-512 builds: one code path, the one `--cpu-isa avx2` tests);
-elsewhere scalar loops of the same integer arithmetic (correct, slow: `kquant_native_isa` says which).
+AVX-512BW code where the build has it (64 bytes of blocks per instruction; about twice the AVX2
+code's speed on Q6_K, the same on Q4_K at one thread of the 2-core EPYC), AVX2 code under __AVX2__
+(`--cpu-isa avx2`), elsewhere scalar loops of the same integer arithmetic (correct, slow:
+`kquant_native_isa` says which).
 `kquant_dequant` writes blocks as float32 or bfloat16 with ggml's dequantize_row_q4_K / q6_K
 roundings ((d * sc) * q, then minus dmin * m, each rounded: never fused), for dense reads
 (embeddings) and the float reference.
@@ -275,9 +278,117 @@ void q6k_rows(const Args& a, int64_t n, int64_t m0) {
   }
 }
 
+#if defined(__AVX512BW__)
+// The same arithmetic 64 bytes at a time (AVX-512BW builds). Q4_K: a 64-byte load of nibbles holds
+// sub-blocks 2j (low nibbles, bytes 0-31) and 2j + 2 (32-63) and, in its high nibbles, 2j + 1 and 2j + 3;
+// 128-bit lanes are regrouped so one register holds two consecutive sub-blocks, against 64 contiguous
+// activation codes. Each sub-block's integer sum is scaled by its 6-bit scale in int16 x int16 -> int32
+// (madd), as in the AVX2 code; the block's sum is then scaled once.
+template <int R>
+void q4k_rows512(const Args& a, int64_t n, int64_t m0) {
+  const uint8_t* row = a.w + n * a.row_bytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // int16 lane i of scale vector p takes sub-block 2p + i / 16
+  __m512i pick[4];
+  for (int p = 0; p < 4; ++p) {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = int16_t(2 * p + i / 16);
+    pick[p] = _mm512_load_si512(idx);
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = row + b * Q4K_BYTES;
+    prefetch_block(a, blk, Q4K_BYTES);
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(blk + 4, sc, mn);
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    __m512i q[4], s[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // sub-blocks 4h, 4h + 1
+      q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 4h + 2, 4h + 3
+    }
+    for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xq = a.x.q + m * a.K + b * QK;
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], x), s[p]));
+      }
+      const float dy = a.x.d[m * a.nb + b];
+      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
+      const __m256i pairs = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8))), 0xD8);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * dy), _mm512_cvtepi32_ps(isum), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dy),
+                                _mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_mullo_epi32(mins, pairs))), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// Q6_K: a 64-byte load of low nibbles holds elements 128h + 0..63 (low nibbles) and 128h + 64..127
+// (high nibbles), in order; their high bit pairs come from the 32 bytes of qh, shifted per 32.
+template <int R>
+void q6k_rows512(const Args& a, int64_t n, int64_t m0) {
+  const uint8_t* row = a.w + n * a.row_bytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  __m512i pick[4];  // int16 lane i of scale vector p takes group 4p + i / 8
+  for (int p = 0; p < 4; ++p) {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = int16_t(4 * p + i / 8);
+    pick[p] = _mm512_load_si512(idx);
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = row + b * Q6K_BYTES;
+    prefetch_block(a, blk, Q6K_BYTES);
+    const float d = half_to_float(blk + 208);
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+    const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
+    __m512i q[4], s[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i A = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+      q[2 * h] = _mm512_or_si512(_mm512_and_si512(A, low), _mm512_slli_epi16(_mm512_and_si512(Hz, two), 4));
+      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), two), 4));
+    }
+    for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xq = a.x.q + m * a.K + b * QK;
+      // the codes' offset of 32: 32 * sum_g sc_g * (sum of group g's 16 codes), subtracted in integers
+      const __m512i bs = _mm512_loadu_si512(a.x.s + m * (a.K / 16) + b * 16);
+      __m512i isum = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(sc32, bs), 5));
+      for (int p = 0; p < 4; ++p) {
+        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], x), s[p]));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * a.x.d[m * a.nb + b]), _mm512_cvtepi32_ps(isum), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 template <bool Q4>
 void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
+#if defined(__AVX512BW__)
+#define TGS_KQ_CASE(R) case R: if (Q4) q4k_rows512<R>(a, n, m0); else q6k_rows512<R>(a, n, m0); break;
+#else
 #define TGS_KQ_CASE(R) case R: if (Q4) q4k_rows<R>(a, n, m0); else q6k_rows<R>(a, n, m0); break;
+#endif
   switch (r) {
     TGS_KQ_CASE(1) TGS_KQ_CASE(2) TGS_KQ_CASE(3) TGS_KQ_CASE(4)
     TGS_KQ_CASE(5) TGS_KQ_CASE(6) TGS_KQ_CASE(7) default: TGS_KQ_CASE(8)
