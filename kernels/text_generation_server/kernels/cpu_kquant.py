@@ -157,10 +157,10 @@ class CpuKQuantKernel(QuantKernel):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        if spec.weight_format not in FORMATS:
-            return False, f"reads GGUF Q4_K/Q6_K blocks, not {spec.weight_format} weights"
         if spec.device_type != "cpu":
             return False, f"device {spec.device_type}"
+        if spec.weight_format not in FORMATS:
+            return False, f"reads GGUF Q4_K/Q6_K blocks, not {spec.weight_format} weights"
         if spec.act_dtype not in _ACT_DTYPES:
             return False, f"activation dtype {spec.act_dtype} not in bfloat16/float16/float32"
         if spec.in_features % QK_K:

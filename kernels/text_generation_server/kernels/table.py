@@ -36,7 +36,6 @@ from text_generation_server.kernels.triton_gemm import TritonGemmKernel
 
 CPU: tuple[type[QuantKernel], ...] = (
     # -- quantized: integer codes (GPTQ, AWQ, EXL2, compressed-tensors, EETQ, bnb int8, Marlin), fp8
-    CpuKQuantKernel,  # GGUF Q4_K/Q6_K blocks read in place (their own weight format; refuses every other)
     CpuInt4PackKernel,  # torch's int4 op; prompts through the native dequantized bf16 GEMM
     CpuInt8Kernel,  # per-channel codes of any width: native matrix-vector kernel, torch's op, bf16 GEMM
     CpuGroupInt8NativeKernel,  # the same, codes read in place for decode rows (native AVX-512 build)
@@ -49,6 +48,9 @@ CPU: tuple[type[QuantKernel], ...] = (
     MarlinLayoutKernel,
     Fp8DenseKernel,  # CPUs have no fp8 arithmetic: dense speed first, as the reference
     Fp8DequantKernel,  # fp8-resident, dequantized per forward
+    # GGUF Q4_K/Q6_K blocks read in place: their own weight format, which every kernel above refuses
+    # (ranked last so no other layer's log lists it); decoded to "int" when it cannot run (select.py)
+    CpuKQuantKernel,
     # -- bitsandbytes 4-bit, in its own layout
     BnbCpu4bitKernel,
     Bnb4bitReferenceKernel,
