@@ -6,7 +6,9 @@ tests/gguf_writer.py writes them, decoded by quantizers/gguf_blocks.py): the lay
 build_linear (cpu-int4pack for Q4_K, cpu-int8-group for Q5_K, Q6_K, Q8_0) and the same weight on
 the `reference` kernel (dequantized once, dense matmul), timed in interleaved rounds at each row
 count. Where the table picks cpu-int8-group-native, the torch kernel (cpu-int8-group) on the same
-weight runs in the same rounds too. Prints resident MiB and time per call, and the ratio reference / chosen (above 1: the
+weight runs in the same rounds too; Q4_K and Q6_K also run on `cpu-kquant`, their blocks read as stored
+(what a GGUF file loads to on the CPU now: for them "chosen" is the decoded form's kernel, the one
+TGS_DISABLE_KERNELS=cpu-kquant leaves). Prints resident MiB and time per call, and the ratio reference / chosen (above 1: the
 chosen kernel is faster).
 
     python benchmarks/gguf_kernels.py                 # rows 1, 8, 64, float32 and bfloat16
@@ -30,6 +32,7 @@ from gguf_writer import T, k_quant_bytes  # noqa: E402
 from bench_common import load_line, machine_line, md_table, now_iso  # noqa: E402
 from text_generation_server.kernels.base import ReferenceKernel  # noqa: E402
 from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel, CpuGroupInt8NativeKernel  # noqa: E402
+from text_generation_server.kernels.cpu_kquant import KQUANT_TYPES, CpuKQuantKernel, KQuantBlocks  # noqa: E402
 from text_generation_server.kernels.select import build_linear  # noqa: E402
 from text_generation_server.quantizers.gguf import GGUFWeight  # noqa: E402
 from text_generation_server.quantizers.gguf_blocks import FORMATS, decode  # noqa: E402
@@ -40,7 +43,7 @@ DEFAULT_SHAPES = "qkv,o,gate_up,down"
 TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
 
 
-def weight(qtype, k: int, n: int, dtype: torch.dtype) -> GGUFWeight:
+def weight(qtype, k: int, n: int, dtype: torch.dtype) -> tuple[GGUFWeight, torch.Tensor]:
     import gguf
     import numpy as np
 
@@ -54,7 +57,7 @@ def weight(qtype, k: int, n: int, dtype: torch.dtype) -> GGUFWeight:
     return GGUFWeight(qweight=codes.t().contiguous(), scales=scales.t().contiguous(),
                       zeros=None if zeros is None else zeros.t().contiguous(),
                       g_idx=torch.arange(k, dtype=torch.int32) // fmt.group, bits=fmt.bits, group_size=fmt.group,
-                      ggml=fmt.name, act_dtype=dtype)
+                      ggml=fmt.name, act_dtype=dtype), torch.from_numpy(raw)
 
 
 def resident_mib(module: torch.nn.Module) -> float:
@@ -82,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         for qtype in [T[name] for name in args.types.split(",")]:
             for shape in args.shapes.split(","):
                 k, n = SHAPES[shape]
-                w = weight(qtype, k, n, dtype)
-                chosen = build_linear(w, None, dtype, "cpu")
+                w, raw = weight(qtype, k, n, dtype)
+                chosen = build_linear(w, None, dtype, "cpu")  # the decoded (canonical) form's kernel
                 reference = ReferenceKernel.build(w, None, dtype)
                 layers = [("chosen", chosen), ("reference", reference)]
+                if int(qtype) in KQUANT_TYPES and CpuKQuantKernel.can_implement(
+                        KQuantBlocks((raw,), int(qtype)).spec(dtype, "cpu"))[0]:
+                    layers.append(("in place", CpuKQuantKernel.build(KQuantBlocks((raw,), int(qtype)), None, dtype)))
                 if chosen.kernel_name == CpuGroupInt8NativeKernel.name:
                     layers.append(("torch", CpuGroupInt8Kernel.build(w, None, dtype)))
                 xs = {r: torch.randn(r, k).to(dtype) for r in rows}
@@ -100,13 +106,16 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     c, ref = (statistics.median(times[n_, r]) for n_ in ("chosen", "reference"))
                     tk = statistics.median(times["torch", r]) if ("torch", r) in times else None
+                    kq = statistics.median(times["in place", r]) if ("in place", r) in times else None
                     table.append([qtype.name, shape, chosen.kernel_name, r, f"{resident_mib(chosen):.1f}",
                                   f"{resident_mib(reference):.1f}", f"{c * 1e3:.2f}", f"{ref * 1e3:.2f}",
                                   f"{ref / c:.2f}", "" if tk is None else f"{tk * 1e3:.2f}",
-                                  "" if tk is None else f"{tk / c:.2f}"])
+                                  "" if tk is None else f"{tk / c:.2f}", "" if kq is None else f"{kq * 1e3:.2f}",
+                                  "" if kq is None else f"{c / kq:.2f}"])
         print(f"\n## activations {dtype_name}\n")
         print("\n".join(md_table(["type", "layer", "kernel", "rows", "MiB", "reference MiB", "ms", "reference ms",
-                                  "reference / chosen", "cpu-int8-group ms", "cpu-int8-group / chosen"], table)))
+                                  "reference / chosen", "cpu-int8-group ms", "cpu-int8-group / chosen",
+                                  "cpu-kquant ms", "chosen / cpu-kquant"], table)))
     print("\n" + load_line(start=load_start))
     return 0
 

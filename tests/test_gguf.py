@@ -21,6 +21,7 @@ import transformers
 from gguf_writer import T, k_quant_bytes, write_gguf
 from helpers import greedy, kernel_modes, kernels_used, prompt_logprobs, run_ranks
 
+from text_generation_server.kernels.select import DISABLE_ENV
 from text_generation_server.models.loader import get_model
 from text_generation_server.quantizers.gguf_blocks import FORMATS, decode
 from text_generation_server.quantizers.sources import CheckpointError
@@ -135,14 +136,38 @@ def greedy_ids(lm) -> list[list[int]]:
 GROUP_KERNELS = {"cpu-int8-group-native", "cpu-int8-group"}
 
 
-def test_kernels_per_format_are_the_fast_ones(files):
+def test_kernels_per_format_are_the_fast_ones(files, monkeypatch):
+    # Q4_K and Q6_K: their blocks in place (tests/test_gguf_kquant.py); the other formats decoded
+    lm = get_model(str(files["llama-Q4_K-vQ6_K"]), dtype="float32")
+    assert kernels_used(lm) - {"dense"} == {"cpu-kquant"}, kernels_used(lm)
+    for name in ("qwen2-Q4_0", "qwen2-Q4_1", "qwen2-Q2_K"):
+        assert "cpu-int4pack" in kernels_used(get_model(str(files[name]), dtype="float32")), name
+    for name in ("qwen2-Q8_0", "qwen2-Q5_K", "qwen2-Q5_0"):
+        assert kernels_used(get_model(str(files[name]), dtype="float32")) & GROUP_KERNELS, name
+    # with cpu-kquant switched off, the decoded K-quants run on the int4 and group int8 kernels
+    monkeypatch.setenv(DISABLE_ENV, "cpu-kquant")
     lm = get_model(str(files["qwen2-Q4_K"]), dtype="float32")
     assert kernels_used(lm) == {"cpu-int4pack", "dense"} or kernels_used(lm) == {"cpu-int4pack"}
     lm = get_model(str(files["llama-Q4_K-vQ6_K"]), dtype="float32")
     used = kernels_used(lm)
     assert "cpu-int4pack" in used and used & GROUP_KERNELS, used
-    for name in ("qwen2-Q8_0", "qwen2-Q6_K", "qwen2-Q5_K", "qwen2-Q5_0"):
-        assert kernels_used(get_model(str(files[name]), dtype="float32")) & GROUP_KERNELS, name
+    assert kernels_used(get_model(str(files["qwen2-Q6_K"]), dtype="float32")) & GROUP_KERNELS
+
+
+def test_a_k_quant_head_is_read_in_place_and_equals_transformers_on_the_reference(tmp_path, monkeypatch):
+    """Q4_K_M files store output.weight in Q6_K: on cpu-kquant as stored (not loaded dense); with
+    the fast kernels off, its canonical form on the reference kernel gives transformers' tokens."""
+    path = write_gguf(tmp_path / "model.gguf", "qwen2", T.Q4_K, seed=11, v_type=T.Q6_K, tied=False,
+                      head_type=T.Q6_K)
+    modes = kernel_modes(monkeypatch.setenv)
+    next(modes)  # "reference"
+    lm = get_model(str(path), dtype="float32")
+    assert lm.model.head.projection.linear.kernel_name == "reference"
+    assert greedy_ids(lm) == [hf_greedy(path, lm.tokenizer.encode(p).ids) for p in PROMPTS]
+    next(modes)  # "chosen"
+    lm = get_model(str(path), dtype="bfloat16")
+    assert lm.model.head.projection.linear.kernel_name == "cpu-kquant"
+    assert all(len(tokens) == TOKENS for tokens in greedy_ids(lm))
 
 
 def test_config_and_tokenizer_come_from_the_metadata(files):

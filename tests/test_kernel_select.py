@@ -65,6 +65,7 @@ def test_the_tables_pin_every_kernel_in_priority_order():
         ("quantized", "cpu-int4pack"), ("quantized", "cpu-int8"), ("quantized", "cpu-int8-group-native"),
         ("quantized", "cpu-int8-group"),
         ("quantized", "reference"), ("quantized", "marlin-layout"), ("quantized", "fp8-dense"), ("quantized", "fp8-dequant"),
+        ("quantized", "cpu-kquant"),
         ("bnb-4bit", "bnb-cpu-4bit"), ("bnb-4bit", "reference"), ("bnb-4bit", "bnb-matmul-4bit"),
         ("dense", "dense"),
     ]

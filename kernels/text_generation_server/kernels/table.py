@@ -22,6 +22,7 @@ from text_generation_server.kernels.bitsandbytes import (
 )
 from text_generation_server.kernels.cpu import CpuInt4PackKernel, CpuInt8Kernel
 from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel, CpuGroupInt8NativeKernel
+from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
 from text_generation_server.kernels.dense import DenseKernel
 from text_generation_server.kernels.fp8 import (
     Fp8DenseKernel,
@@ -47,6 +48,9 @@ CPU: tuple[type[QuantKernel], ...] = (
     MarlinLayoutKernel,
     Fp8DenseKernel,  # CPUs have no fp8 arithmetic: dense speed first, as the reference
     Fp8DequantKernel,  # fp8-resident, dequantized per forward
+    # GGUF Q4_K/Q6_K blocks read in place: their own weight format, which every kernel above refuses
+    # (ranked last so no other layer's log lists it); decoded to "int" when it cannot run (select.py)
+    CpuKQuantKernel,
     # -- bitsandbytes 4-bit, in its own layout
     BnbCpu4bitKernel,
     Bnb4bitReferenceKernel,

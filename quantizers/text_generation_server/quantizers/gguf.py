@@ -1,34 +1,42 @@
 """GGUF weights: llama.cpp's block formats kept quantized, through the loader factory like any format.
 
-Each linear's stored blocks decode once, at load, to the canonical `QuantizedWeight`
-(gguf_blocks.py), so the kernel tables choose for them as for any integer format: the 2- to
-4-bit formats (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K) fit the int4 kernels, the 5- to 8-bit ones (Q5_0,
-Q5_1, Q5_K, Q6_K, Q8_0) the group-scale int8 kernel (kernels/cpu_group_int8.py). F32, F16 and
-BF16 tensors load dense. A fused layer whose parts are stored in different types (Q4_K_M files
-keep attn_v in Q6_K beside Q4_K q and k) runs each part on its own kernel and concatenates the
-outputs (`SplitWeight`), so no part is widened to another's format.
+On the CPU, Q4_K and Q6_K layers (all of a Q4_K_M file's) keep the file's blocks as they lie: a
+view of the mapped file, nothing decoded at load, read in place by `cpu-kquant`
+(kernels/cpu_kquant.py, llama.cpp's arithmetic). Every other quantized layer, and a K-quant layer
+where cpu-kquant cannot run (a GPU, no native build, the kernel switched off), decodes its blocks
+once to the canonical `QuantizedWeight` (gguf_blocks.py), so the kernel tables choose for them as
+for any integer format: the 2- to 4-bit formats (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K) fit the int4
+kernels, the 5- to 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) the group-scale int8 kernel
+(kernels/cpu_group_int8.py). F32, F16 and BF16 tensors load dense. A fused layer whose parts are
+stored in different types (Q4_K_M files keep attn_v in Q6_K beside Q4_K q and k) runs each part on
+its own kernel and concatenates the outputs (`SplitWeight`), so no part is widened to another's format.
 
 Sharding rule: column-parallel ranks own whole rows, and a GGUF row is a whole number of blocks,
-so any row split is exact. Row-parallel ranks own K / world columns: the blocks are decoded whole
-(a K-quant's 256-wide super-block included) and the canonical codes are cut at the rank's
-boundary, which must fall on a canonical group (16 or 32 columns: the K-quants' sub-blocks).
-Qwen2.5-1.5B's ffn_down (K = 8960) splits at 4480 = 140 x 32 on two ranks: inside a super-block,
-on a sub-block boundary. A boundary inside a group is refused naming the tensor; it is never cut.
+so any row split is exact. Row-parallel ranks own K / world columns. Where the rank's boundary
+falls on a 256-column super-block, K-quant blocks stay as stored (a view of those columns).
+Elsewhere the blocks are decoded whole and the canonical codes are cut at the rank's boundary,
+which must fall on a canonical group (16 or 32 columns: the K-quants' sub-blocks); the startup log
+says so for each such tensor kind. Qwen2.5-1.5B's ffn_down (K = 8960) splits at 4480 = 140 x 32 on
+two ranks: inside a super-block, on a sub-block boundary, so that layer runs decoded on two ranks.
+A boundary inside a group is refused naming the tensor; it is never cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+from text_generation_server.kernels.cpu_kquant import KQUANT_TYPES, QK_K, KQuantBlocks
 from text_generation_server.kernels.select import build_linear
 from text_generation_server.quantizers.config import QuantizerConfig
 from text_generation_server.quantizers.gguf_arch import open_source
-from text_generation_server.quantizers.gguf_blocks import BlockFormat, Decoded
+from text_generation_server.quantizers.gguf_blocks import BlockFormat, Decoded, decode
 from text_generation_server.quantizers.gguf_file import GGUFSource, gguf_files
 from text_generation_server.quantizers.sharding import layer_kind, part_sizes
 from text_generation_server.quantizers.sources import CheckpointError
@@ -54,6 +62,19 @@ class GGUFConfig(QuantizerConfig):
         raise CheckpointError(f"--quantize {flag}: {folder} is not a GGUF file; GGUF weights are read from a .gguf "
                               "file (serve the file, or a folder holding only it)")
 
+    def keeps_head_quantized(self, weights: Weights, prefix: str) -> bool:
+        """A Q4_K/Q6_K head on the CPU stays as stored (cpu-kquant reads it in place: 191 MiB of Q6_K
+        for Qwen2.5-1.5B's, against 445 MiB dequantized to bfloat16, read every decode step), where
+        the vocabulary splits evenly into the ranks (the quantized head's rule)."""
+        source = weights.stored
+        name = f"{prefix}.weight"
+        if not isinstance(source, GGUFSource) or weights.device.type != "cpu" or not weights.has_tensor(name):
+            return False
+        key = weights._resolve(name) or name
+        fmt = source.format_of(key)
+        return (fmt is not None and fmt.type_id in KQUANT_TYPES
+                and source.shape(key)[0] % weights.process_group.size == 0)
+
     @classmethod
     def from_source(cls, source: GGUFSource) -> "GGUFConfig":
         types = sorted({source.file.type_name(name) for name in source.file.tensors})
@@ -74,6 +95,17 @@ class GGUFWeight(QuantizedWeight):
 
     def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
         return build_linear(self, bias, self.act_dtype, self.device_type, self.layer)
+
+
+@dataclass
+class GGUFBlocksWeight(KQuantBlocks):
+    """Q4_K / Q6_K blocks as stored, for cpu-kquant; its `plain` form is the canonical GGUFWeight."""
+
+    layer: str = ""
+    act_dtype: torch.dtype = torch.float32
+
+    def get_linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        return build_linear(self, bias, self.act_dtype, "cpu", self.layer)
 
 
 class SplitLinear(torch.nn.Module):
@@ -116,12 +148,13 @@ def _source(weights: Weights) -> GGUFSource:
 
 @dataclass
 class _Rows:
-    """One stored tensor's rows for this rank: decoded blocks, or dense values."""
+    """One stored tensor's rows for this rank: K-quant blocks as stored, decoded blocks, or dense values."""
 
     name: str
     fmt: BlockFormat | None
     decoded: Decoded | None = None
     dense: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
 
     @property
     def matrix(self) -> torch.Tensor:
@@ -130,6 +163,19 @@ class _Rows:
             return self.decoded.codes
         assert self.dense is not None
         return self.dense
+
+    @property
+    def in_features(self) -> int:
+        if self.blocks is not None:
+            assert self.fmt is not None
+            return self.blocks.shape[1] // self.fmt.block_bytes * self.fmt.block
+        return self.matrix.shape[1]
+
+    def decode_blocks(self) -> None:
+        """Stored blocks -> the canonical decoded form (for a rank slice that cuts a super-block)."""
+        if self.blocks is not None:
+            assert self.fmt is not None
+            self.decoded, self.blocks = decode(self.fmt, self.blocks.contiguous()), None
 
 
 class GGUFLoader(WeightsLoader):
@@ -147,13 +193,15 @@ class GGUFLoader(WeightsLoader):
         fmt = source.format_of(key)
         if fmt is None:
             return _Rows(key, None, dense=source.dense_rows(key, rows))
+        if fmt.type_id in KQUANT_TYPES and weights.device.type == "cpu":
+            return _Rows(key, fmt, blocks=source.blocks(key, rows)[1])
         return _Rows(key, fmt, decoded=source.quantized(key, rows)[1])
 
     def _weight(self, weights: Weights, parts: list[_Rows], label: str) -> object:
         """One weight from row blocks in output order; parts of the same type merge into one."""
         groups: list[list[_Rows]] = []
         for part in parts:
-            if groups and groups[-1][0].fmt == part.fmt:
+            if groups and groups[-1][0].fmt == part.fmt and (groups[-1][0].blocks is None) == (part.blocks is None):
                 groups[-1].append(part)
             else:
                 groups.append([part])
@@ -161,7 +209,7 @@ class GGUFLoader(WeightsLoader):
         return built[0] if len(built) == 1 else SplitWeight(built)
 
     def _merged(self, weights: Weights, parts: list[_Rows], label: str):
-        ks = {p.matrix.shape[1] for p in parts}
+        ks = {p.in_features for p in parts}
         if len(ks) > 1:
             raise CheckpointError(f"tensors {', '.join(repr(p.name) for p in parts)} fused along the output "
                                   f"dimension disagree in their input features ({sorted(ks)})")
@@ -169,7 +217,18 @@ class GGUFLoader(WeightsLoader):
         if fmt is None:
             dense = torch.cat([p.matrix for p in parts]).to(device=weights.device, dtype=weights.dtype)
             return UnquantizedWeight(dense)
-        codes, scales, zeros = _canonical(fmt, [p.decoded for p in parts if p.decoded is not None])
+        if parts[0].blocks is not None:
+            blocks = tuple(p.blocks for p in parts if p.blocks is not None)
+            return GGUFBlocksWeight(blocks, fmt.type_id, partial(self._decoded, weights, fmt, blocks, label),
+                                    layer=label, act_dtype=weights.dtype)
+        return self._canonical_weight(weights, fmt, [p.decoded for p in parts if p.decoded is not None], label)
+
+    def _decoded(self, weights: Weights, fmt: BlockFormat, blocks: tuple[torch.Tensor, ...], label: str) -> "GGUFWeight":
+        """The canonical form of stored blocks: what every kernel but cpu-kquant reads."""
+        return self._canonical_weight(weights, fmt, [decode(fmt, b.contiguous()) for b in blocks], label)
+
+    def _canonical_weight(self, weights: Weights, fmt: BlockFormat, decoded: list[Decoded], label: str) -> "GGUFWeight":
+        codes, scales, zeros = _canonical(fmt, decoded)
         k = codes.shape[1]
         device = weights.device
         return GGUFWeight(qweight=codes.t().contiguous().to(device), scales=scales.t().contiguous().to(device),
@@ -178,8 +237,11 @@ class GGUFLoader(WeightsLoader):
                           group_size=fmt.group, ggml=fmt.name, layer=label, act_dtype=weights.dtype,
                           device_type=device.type)
 
-    def _rank_rows(self, weights: Weights, name: str, sizes: list[int]) -> torch.Tensor:
+    def _rank_rows(self, weights: Weights, name: str, sizes: list[int]) -> torch.Tensor | None:
+        """This rank's rows of a column-parallel tensor; None for every row (one rank: stored blocks stay a view)."""
         rank, world = weights.process_group.rank, weights.process_group.size
+        if world == 1:
+            return None
         picked, offset = [], 0
         for size in sizes:
             if size % world:
@@ -219,9 +281,19 @@ class GGUFLoader(WeightsLoader):
                                       "shards")
             share = k // world
             cols = slice(rank * share, (rank + 1) * share)
-            if part.fmt is None or part.decoded is None:
+            if part.blocks is not None and share % QK_K == 0:  # whole super-blocks: a view of the stored bytes
+                assert part.fmt is not None
+                size = part.fmt.block_bytes
+                part.blocks = part.blocks[:, cols.start // QK_K * size:cols.stop // QK_K * size]
+            elif part.fmt is None:
                 part.dense = part.matrix[:, cols]
             else:
+                if part.blocks is not None:
+                    if _once_per_file(name, share):
+                        logger.info("tensor '{}': {} row-parallel shards of {} columns cut its {}-column super-blocks: "
+                                    "decoded at load and cut on a {}-column sub-block (the canonical form's kernels, "
+                                    "not cpu-kquant)", name, world, share, QK_K, part.fmt.group)
+                    part.decode_blocks()
                 group = part.fmt.group
                 if share % group:
                     raise CheckpointError(
@@ -232,6 +304,18 @@ class GGUFLoader(WeightsLoader):
                 part.decoded = Decoded(d.codes[:, cols].contiguous(), d.scales[:, gcols].contiguous(),
                                        None if d.offsets is None else d.offsets[:, gcols].contiguous())
         return self._weight(weights, [part], layer_kind(prefix))
+
+
+_LOGGED: set[tuple[str, int]] = set()
+
+
+def _once_per_file(name: str, share: int) -> bool:
+    """True the first time a tensor kind and shard width are seen (layers repeat the same message)."""
+    key = (name.split(".")[-2] if "." in name else name, share)
+    if key in _LOGGED:
+        return False
+    _LOGGED.add(key)
+    return True
 
 
 def _canonical(fmt: BlockFormat, parts: list[Decoded]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

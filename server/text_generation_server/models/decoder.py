@@ -125,8 +125,11 @@ class Head(torch.nn.Module):
     def load(cls, weights: Weights, config: DecoderConfig, prefix: str = "lm_head",
              tied_prefix: str = "model.embed_tokens", bias: bool = False, **transforms) -> "Head":
         vocab, hidden = config.vocab_size, config.hidden_size
-        if config.tie_word_embeddings:
-            projection: torch.nn.Module = TensorParallelHead.load(weights, tied_prefix, vocab, hidden, bias=bias)
+        stored = tied_prefix if config.tie_word_embeddings else prefix
+        if not bias and head_stays_quantized(weights, stored):  # a GGUF's K-quant head, read in place
+            projection: torch.nn.Module = QuantizedTensorParallelHead.load(weights, stored, vocab, hidden)
+        elif config.tie_word_embeddings:
+            projection = TensorParallelHead.load(weights, tied_prefix, vocab, hidden, bias=bias)
         elif weights.has_tensor(f"{prefix}.weight"):
             projection = TensorParallelHead.load(weights, prefix, vocab, hidden, bias=bias)
         elif quantized_head(weights, prefix):
@@ -144,6 +147,13 @@ class Head(torch.nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
+
+
+def head_stays_quantized(weights: Weights, prefix: str) -> bool:
+    """Whether the format keeps a head stored quantized as it is, rather than loading it dense: the
+    config's `keeps_head_quantized` says (GGUF: Q4_K/Q6_K heads, read in place on the CPU)."""
+    keeps = getattr(getattr(weights.loader, "config", None), "keeps_head_quantized", None)
+    return bool(keeps is not None and keeps(weights, prefix))
 
 
 def quantized_head(weights: Weights, prefix: str = "lm_head") -> bool:

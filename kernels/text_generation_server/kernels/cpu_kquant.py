@@ -1,0 +1,180 @@
+"""CPU kernel for GGUF's Q4_K and Q6_K layers, reading the file's blocks where they lie.
+
+A GGUF K-quant layer decoded into our canonical forms at load cost most of a start (45 s of the
+Qwen2.5-Coder-1.5B Q4_K_M file's) and a second copy of the weights, larger than the blocks
+(Q4_K's sub-block scales and minimums as float32). `cpu-kquant` keeps the stored bytes instead (a
+view of the mmapped file, or of this rank's rows) and multiplies them in place with llama.cpp's
+arithmetic for these files: activations quantized to int8 per 256 columns (Q8_K), integer dot
+products per block, one float scaling per block (cpu_native_kquant_src.py says the details). So
+on a GGUF file our numerics are llama.cpp's, the reference implementation of the format; the
+float reference path (TGS_DISABLE_KERNELS=cpu-kquant,...) still decodes the blocks to the
+canonical form, which is what the exactness tests against transformers run.
+
+Every row, prompt or decode, takes the same kernel: a row's result does not depend on its batch
+or on how a prompt is chunked (kernels/phase.py), and the weight bytes come from memory once per
+call whatever the row count (each output's weight row serves its rows in passes of 8).
+
+The weight (`KQuantBlocks`) carries a way to build its canonical form (`plain`): where this kernel
+cannot run (no native build, a GPU, the kernel switched off), kernels/select.py builds that
+instead, so every other kernel sees an ordinary integer weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
+
+QK_K = 256
+# ggml type id -> (name, bits, bytes per 256-wide block, weight_format)
+KQUANT_TYPES: dict[int, tuple[str, int, int, str]] = {
+    12: ("Q4_K", 4, 144, "ggml-q4_k"),
+    14: ("Q6_K", 6, 210, "ggml-q6_k"),
+}
+FORMATS = {fmt: type_id for type_id, (_, _, _, fmt) in KQUANT_TYPES.items()}
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Bytes ahead of its reads the kernel prefetches the weights (0: the hardware prefetcher alone). On
+# the 2-core EPYC distances of 1, 4 and 16 KiB changed no layer's time beyond noise (one thread,
+# Qwen2.5-1.5B shapes, 2026-11-28), so none is asked for; the knob stays for other machines.
+PREFETCH_BYTES = 0
+
+
+@dataclass
+class KQuantBlocks:
+    """A Q4_K or Q6_K weight as stored: blocks uint8 [N, K / 256 * block bytes], in one or more parts
+    stacked along N (a fused layer's tensors, each still a view of the file: never concatenated;
+    rows may be strided: a rank's column slice of whole super-blocks is a view), and how to build
+    its canonical form."""
+
+    parts: tuple[torch.Tensor, ...]
+    type_id: int
+    make_plain: Callable[[], QuantizedWeight] | None = field(default=None, repr=False)
+    structure: ClassVar[str] = "K-quant blocks read in place"
+
+    def __post_init__(self) -> None:
+        if self.type_id not in KQUANT_TYPES:
+            raise ValueError(f"ggml type {self.type_id} is not a K-quant this kernel reads (Q4_K=12, Q6_K=14)")
+        _, _, size, _ = KQUANT_TYPES[self.type_id]
+        self.parts = tuple(self.parts)
+        if not self.parts:
+            raise ValueError(f"a {self.ggml} weight needs at least one part")
+        for part in self.parts:
+            if part.dim() != 2 or part.dtype != torch.uint8 or part.shape[1] % size or \
+                    part.shape[1] != self.parts[0].shape[1]:
+                raise ValueError(f"{self.ggml} blocks must be uint8 [N, blocks * {size}] of one width, got "
+                                 f"{[(p.dtype, list(p.shape)) for p in self.parts]}")
+
+    @property
+    def ggml(self) -> str:
+        return KQUANT_TYPES[self.type_id][0]
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].shape[1] // KQUANT_TYPES[self.type_id][2] * QK_K
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def plain(self) -> QuantizedWeight:
+        """The canonical form (blocks decoded), built when asked: the other kernels' input."""
+        if self.make_plain is None:
+            raise ValueError(f"this {self.ggml} weight has no canonical form to fall back to")
+        return self.make_plain()
+
+    def spec(self, act_dtype: torch.dtype, device_type: str) -> LinearSpec:
+        _, bits, _, fmt = KQUANT_TYPES[self.type_id]
+        return LinearSpec(in_features=self.in_features, out_features=self.out_features, bits=bits, group_size=QK_K,
+                          has_zeros=self.type_id == 12, act_order=False, act_dtype=act_dtype,
+                          device_type=device_type, weight_format=fmt)
+
+    def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        return f"{self.ggml} blocks in place"
+
+
+def quantize_q8k(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> llama.cpp's Q8_K activations (codes, d per 256 columns, sums per 16)."""
+    return tuple(module.kquant_quantize_q8k(x.float().contiguous()))  # type: ignore[return-value]
+
+
+def kquant_mm(module, x: torch.Tensor, blocks: torch.Tensor, type_id: int, prefetch: int = -1) -> torch.Tensor:
+    """x [M, K] @ W^T for the blocks of `type_id`, float32 [M, N] (activations quantized to Q8_K;
+    weights prefetched `prefetch` bytes ahead, -1: PREFETCH_BYTES)."""
+    q, d, s = quantize_q8k(module, x)
+    return module.kquant_mm(q, d, s, blocks, type_id, PREFETCH_BYTES if prefetch < 0 else prefetch)
+
+
+def kquant_dequant(module, blocks: torch.Tensor, type_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The blocks as values [N, K] (ggml's dequantize roundings; float32 or bfloat16)."""
+    n = blocks.shape[0]
+    out = torch.empty(n, blocks.shape[1] // KQUANT_TYPES[type_id][2] * QK_K, dtype=dtype)
+    module.kquant_dequant(blocks, type_id, 0, n, out)
+    return out
+
+
+class KQuantLinear(torch.nn.Module):
+    # x: [..., K] -> [..., N]
+    def __init__(self, parts: tuple[torch.Tensor, ...], type_id: int, bias: torch.Tensor | None,
+                 act_dtype: torch.dtype):
+        super().__init__()
+        self.native = cpu_native.native()
+        if self.native is None:
+            raise ValueError(f"cpu-kquant: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        self.count = len(parts)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"blocks{i}", part)
+        self.register_buffer("bias", bias)
+        self.type_id = type_id
+        self.act_dtype = act_dtype
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.in_features = parts[0].shape[1] // KQUANT_TYPES[type_id][2] * QK_K
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
+        outs = [self.native.kquant_mm(q, d, s, getattr(self, f"blocks{i}"), self.type_id, PREFETCH_BYTES)
+                for i in range(self.count)]
+        y = (outs[0] if self.count == 1 else torch.cat(outs, dim=1)).to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CpuKQuantKernel(QuantKernel):
+    """GGUF Q4_K / Q6_K blocks multiplied in place with Q8_K activations (llama.cpp's arithmetic)."""
+
+    name = "cpu-kquant"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if spec.device_type != "cpu":
+            return False, f"device {spec.device_type}"
+        if spec.weight_format not in FORMATS:
+            return False, f"reads GGUF Q4_K/Q6_K blocks, not {spec.weight_format} weights"
+        if spec.act_dtype not in _ACT_DTYPES:
+            return False, f"activation dtype {spec.act_dtype} not in bfloat16/float16/float32"
+        if spec.in_features % QK_K:
+            return False, f"in_features {spec.in_features} not a multiple of the {QK_K}-wide super-block"
+        module = cpu_native.native()
+        if module is None:
+            return False, f"native kernels unavailable ({cpu_native.unavailable_reason()})"
+        if not module.kquant_native_isa():
+            return False, "native kernels built without AVX2 (their scalar loops lose to the decoded form's kernels)"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: KQuantBlocks, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        ok, reason = cls.can_implement(weight.spec(act_dtype, "cpu"))
+        if not ok:
+            raise ValueError(f"{cls.name} cannot run this weight: {reason}")
+        return KQuantLinear(weight.parts, weight.type_id, None if bias is None else bias.to(act_dtype), act_dtype)

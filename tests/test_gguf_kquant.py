@@ -1,0 +1,280 @@
+"""cpu-kquant: GGUF Q4_K / Q6_K blocks read in place (kernels/cpu_kquant.py, cpu_native_kquant_src.py).
+
+Blocks are random (tests/gguf_writer.py k_quant_bytes: random codes and packed scales, finite fp16
+super-block scales). Checked here:
+- the native dequantization gives the block decoder's values bit for bit (float32, and bfloat16 as
+  torch rounds them), the decoder itself being checked against the gguf package in test_gguf.py;
+- activations are quantized by ggml's Q8_K rule (written out here from the rule, in torch);
+- the kernel equals the same arithmetic done here in float64 from the same integer sums (llama.cpp's
+  Q8_K dot products) within float32 summation error, and equals dequantize-then-matmul within the
+  bound the activation rounding allows: |x - d * q| <= |d| / 2 per element, so
+  |y - W x| <= sum_k |W[n, k]| * |d_block(k)| / 2 (plus float32 slack);
+- a row's result has the same bits whatever the rows beside it (1 to 11 rows), for odd N and K,
+  strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) stays within the same bound;
+- loading a GGUF keeps the blocks as views of the file (no copy, nothing decoded), runs them on
+  cpu-kquant, and falls back to the canonical form where the kernel is switched off;
+- a row-parallel split off the 256-wide super-block keeps the decoded form (quantizers/gguf.py's rule);
+  on a super-block boundary the rank's blocks stay a view.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf_writer import T, k_quant_bytes, write_gguf
+from helpers import fast_kernels, greedy, kernel_names, kernels_used, prompt_logprobs
+
+from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels.cpu_kquant import KQuantBlocks, kquant_dequant, kquant_mm, quantize_q8k
+from text_generation_server.kernels.select import DISABLE_ENV
+from text_generation_server.models.loader import get_model
+from text_generation_server.quantizers.gguf_blocks import FORMATS, decode
+from text_generation_server.quantizers.gguf_file import open_gguf
+
+torch.set_num_threads(1)
+TYPES = [T.Q4_K, T.Q6_K]
+SHAPES = [(1, 256), (3, 512), (7, 768), (33, 1536), (64, 2304)]  # (N, K)
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = cpu_native.native()
+    if module is None or not module.kquant_native_isa():
+        pytest.skip(f"native kernels without their AVX2 code ({cpu_native.unavailable_reason() or 'not x86-64'})")
+    return module
+
+
+def blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(k_quant_bytes(np.random.default_rng(seed), qtype, n, k))
+
+
+def q8k_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's quantize_row_q8_K_ref as a rule: per 256 values, the value of largest magnitude `max`,
+    iscale = -127 / max, codes round(iscale * x) (to nearest even) capped at 127, d = 1 / iscale."""
+    m, k = x.shape
+    v = x.float().view(m, k // 256, 256)
+    at = v.abs().argmax(dim=-1, keepdim=True)  # the first of equal magnitudes, as ggml's strict '>'
+    big = v.gather(-1, at)
+    zero = big == 0
+    # tensor / tensor: one IEEE division (a Python number over a tensor multiplies by a reciprocal)
+    iscale = torch.where(zero, torch.zeros_like(big), torch.full_like(big, -127.0) / torch.where(zero, 1.0, big))
+    codes = torch.round(iscale * v).clamp(max=127).to(torch.int8)
+    d = torch.where(zero, torch.zeros_like(big), torch.ones_like(big) / torch.where(zero, 1.0, iscale))
+    sums = codes.view(m, k // 16, 16).to(torch.int32).sum(-1)
+    return codes.view(m, k), d.view(m, -1), sums
+
+
+def int_reference(qtype, raw: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q8_K dot product with exact integer sums per block (llama.cpp's), each block's terms scaled
+    in float64; also the sum of every product's magnitude, which bounds every partial sum the kernel
+    rounds (its lanes hold parts of a block's sum: they may cancel, and exceed 2^24)."""
+    from text_generation_server.quantizers.gguf_blocks import _k_scale_min
+
+    fmt = FORMATS[int(qtype)]
+    codes, d, sums = q8k_reference(x)
+    m, k = x.shape
+    n, nb = raw.shape[0], k // 256
+    blk = raw.view(n, nb, fmt.block_bytes)
+    half = lambda at: blk[..., at:at + 2].contiguous().view(torch.float16)[..., 0].double()  # noqa: E731
+    q = decode(fmt, raw).codes.long().view(1, n, nb, 256)
+    c = codes.long().view(m, 1, nb, 256)
+    if fmt.name == "Q6_K":
+        sc = blk[..., 192:208].contiguous().view(torch.int8).long()  # [n, nb, 16]
+        prod = ((q - 32) * c).view(m, n, nb, 16, 16)
+        dd = half(208)[None] * d.double()[:, None, :]
+        terms = (prod.sum(-1) * sc[None]).sum(-1).double() * dd  # exact integers, then one scaling
+        size = (prod.abs().sum(-1) * sc.abs()[None]).sum(-1).double() * dd.abs()
+        return terms.sum(-1), size.sum(-1)
+    else:
+        sc, mn = _k_scale_min(blk[..., 4:16])
+        per = (q * c).view(m, n, nb, 8, 32).sum(-1)
+        isum = (per * sc.long()[None]).sum(-1)
+        msum = (sums.long().view(m, 1, nb, 8, 2).sum(-1) * mn.long()[None]).sum(-1)
+        dy = d.double()[:, None, :]
+        terms = isum.double() * half(0)[None] * dy - msum.double() * half(2)[None] * dy
+        size = ((q * c).abs().view(m, n, nb, 8, 32).sum(-1) * sc.long()[None]).sum(-1).double() * \
+            (half(0)[None] * dy).abs() + (c.abs().view(m, 1, nb, 8, 32).sum(-1) * mn.long()[None]).sum(-1).double() \
+            * (half(2)[None] * dy).abs()
+        return terms.sum(-1), size.sum(-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_native_dequant_equals_the_block_decoder(native, qtype):
+    fmt = FORMATS[int(qtype)]
+    for n, k in SHAPES:
+        raw = blocks(qtype, n, k, seed=n)
+        want = decode(fmt, raw).dequantize(fmt)
+        assert torch.equal(kquant_dequant(native, raw, int(qtype)), want), (n, k)
+        assert torch.equal(kquant_dequant(native, raw, int(qtype), torch.bfloat16), want.to(torch.bfloat16)), (n, k)
+
+
+def test_activations_are_quantized_by_ggmls_q8k_rule(native):
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 30.0, 1e4])\
+        .repeat_interleave(256)
+    x[1, 256:512] = 0  # an all-zero block: d = 0, codes 0
+    x[2, 0] = -x[2, :256].abs().max() * 2  # a negative extreme: codes flip sign (iscale = -127 / max)
+    x[3, 512:768] = torch.arange(256).float() / 2 - 64  # halves: ties round to even
+    got, want = quantize_q8k(native, x), q8k_reference(x)
+    for g, w, what in zip(got, want, ("codes", "d", "sums")):
+        assert torch.equal(g, w), what
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_the_q8k_arithmetic_and_the_dequantized_matmul(native, qtype):
+    fmt = FORMATS[int(qtype)]
+    gen = torch.Generator().manual_seed(1)
+    for n, k in SHAPES:
+        raw = blocks(qtype, n, k, seed=k)
+        for m in (1, 2, 3, 5, 8, 11):
+            x = torch.randn(m, k, generator=gen)
+            y = kquant_mm(native, x, raw, int(qtype)).double()
+            ref, scale = int_reference(qtype, raw, x)
+            # float32: a rounding per block's scaling and sum, 16 (AVX-512) or 8 (AVX2) lanes, then their sum
+            assert ((y - ref).abs() <= 2 * (k // 256 + 16) * 2.0**-24 * scale + 1e-30).all(), (n, k, m)
+            w = decode(fmt, raw).dequantize(fmt).double()
+            exact = x.double() @ w.t()
+            _, d, _ = q8k_reference(x)
+            bound = (w.abs().view(n, k // 256, 256).sum(-1)[None] * d.double().abs()[:, None, :] / 2).sum(-1)
+            assert ((y - exact).abs() <= bound + 1e-5 * scale).all(), (n, k, m)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_its_batch_strides_or_parts(native, qtype):
+    n, k = 37, 1792
+    raw = blocks(qtype, n, k, seed=3)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kquant_mm(native, x[i:i + 1], raw, int(qtype)) for i in range(11)])
+    for m in range(1, 12):
+        assert torch.equal(kquant_mm(native, x[:m], raw, int(qtype)), alone[:m]), m
+    # a rank's columns (whole super-blocks) as a strided view of the stored rows
+    size = FORMATS[int(qtype)].block_bytes
+    view = raw[:, 2 * size:5 * size]
+    assert not view.is_contiguous()
+    assert torch.equal(kquant_mm(native, x[:, 512:1280], view, int(qtype)),
+                       kquant_mm(native, x[:, 512:1280], view.contiguous(), int(qtype)))
+    # a fused layer's parts, kept apart, equal their concatenation
+    weight = KQuantBlocks((raw[:20], raw[20:]), int(qtype))
+    assert weight.shape == (n, k)
+    layer = cpu_kquant_layer(weight)
+    torch.testing.assert_close(layer(x), alone, rtol=0, atol=0)
+
+
+def cpu_kquant_layer(weight: KQuantBlocks) -> torch.nn.Module:
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
+
+    spec = weight.spec(torch.float32, "cpu")
+    assert CpuKQuantKernel.can_implement(spec) == (True, "")
+    return CpuKQuantKernel.build(weight, None, torch.float32)
+
+
+def test_other_formats_and_devices_are_refused_by_reason(native):
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
+
+    spec = KQuantBlocks((blocks(T.Q4_K, 4, 256),), int(T.Q4_K)).spec(torch.bfloat16, "cuda")
+    assert CpuKQuantKernel.can_implement(spec) == (False, "device cuda")
+    with pytest.raises(ValueError, match="not a K-quant"):
+        KQuantBlocks((blocks(T.Q4_K, 4, 256),), int(T.Q5_K))
+    with pytest.raises(ValueError, match="one width"):
+        KQuantBlocks((blocks(T.Q6_K, 4, 256), blocks(T.Q6_K, 4, 512)), int(T.Q6_K))
+
+
+AVX2_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from gguf_writer import T
+from test_gguf_kquant import blocks
+from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels.cpu_kquant import kquant_mm
+module = cpu_native.native()
+x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
+out = {t.name: kquant_mm(module, x, blocks(t, 9, 768, seed=5), int(t)).tolist() for t in (T.Q4_K, T.Q6_K)}
+out["cflags"] = list(cpu_native.cflags())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
+def test_the_avx2_build_computes_the_same_arithmetic(native):
+    """Built without AVX-512 (TGS_CPU_ISA=avx2) the kernel runs its AVX2 code: the same integer sums,
+    the float terms summed in 8 lanes instead of 16, so within the same bound of the Q8_K reference."""
+    env = {**os.environ, cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "-mno-avx512f" in got["cflags"]
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
+    for t in (T.Q4_K, T.Q6_K):
+        raw = blocks(t, 9, 768, seed=5)
+        ref, scale = int_reference(t, raw, x)
+        for y in (torch.tensor(got[t.name]).double(), kquant_mm(native, x, raw, int(t)).double()):
+            assert ((y - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    """Q4_K_M's mix on the tiny qwen2: Q4_K linears, attn_v in Q6_K."""
+    return write_gguf(tmp_path_factory.mktemp("kquant") / "model.gguf", "qwen2", T.Q4_K, seed=7, v_type=T.Q6_K)
+
+
+def test_a_gguf_runs_its_k_quant_blocks_in_place(native, q4km, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "")
+    lm = get_model(str(q4km), dtype="bfloat16")
+    names = kernel_names(lm)
+    quantized = {k: v for k, v in names.items() if v != "dense"}
+    assert quantized and set(quantized.values()) == {"cpu-kquant"}, names
+    # views of the file's map (the reader the loader shares per process), not copies
+    mapped = open_gguf([q4km]).readers[0].data
+    lo, hi = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    stored = [b for m in lm.model.modules() for n, b in m.named_buffers(recurse=False) if n.startswith("blocks")]
+    # per layer: q and k (one Q4_K layer, two parts), v (Q6_K), o, gate and up (two parts), down
+    assert len(stored) == 2 * 7, len(stored)
+    for b in stored:
+        assert lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi, "a copy, not a view of the file"
+    greedy_fast = greedy(lm, 8)
+    # switched off: the canonical form's kernels, and the reference tokens are the reference's
+    monkeypatch.setenv(DISABLE_ENV, fast_kernels())
+    ref = get_model(str(q4km), dtype="float32")
+    assert kernels_used(ref) <= {"reference", "dense"}
+    monkeypatch.setenv(DISABLE_ENV, "cpu-kquant")
+    canonical = get_model(str(q4km), dtype="bfloat16")
+    assert "cpu-kquant" not in kernels_used(canonical) and "reference" not in kernels_used(canonical)
+    lp_ref, lp_fast = prompt_logprobs(ref), prompt_logprobs(lm)
+    assert torch.isfinite(lp_fast).all()
+    assert (lp_fast - lp_ref).abs().mean() < 0.03 * lp_ref.abs().mean(), (lp_fast, lp_ref)
+    assert greedy_fast and all(len(tokens) == 8 for tokens in greedy_fast), greedy_fast
+
+
+def test_row_split_off_a_super_block_keeps_the_decoded_form(native, q4km, monkeypatch):
+    """ffn_down's K = 768: two ranks get 384 (inside a super-block: decoded, cut on a 32-column
+    sub-block), three get 256 (whole super-blocks: the rank's blocks stay a strided view)."""
+    from text_generation_server.quantizers.dist import ProcessGroup
+    from text_generation_server.quantizers.factory import get_loader, read_quantization_config, tensor_source
+    from text_generation_server.quantizers.gguf import GGUFBlocksWeight, GGUFWeight
+    from text_generation_server.quantizers.weights import Weights
+
+    monkeypatch.setenv(DISABLE_ENV, "")
+    loader = get_loader(read_quantization_config(q4km, None))
+    source = tensor_source(q4km)
+    whole = Weights(source, torch.device("cpu"), torch.float32, ProcessGroup(rank=0, size=1), loader=loader)
+    full = whole.get_weights_row("model.layers.0.mlp.down_proj")
+    assert isinstance(full, GGUFBlocksWeight)
+    dense = full.plain
+    values = (dense.qweight.float() - dense.zero_points().float()[dense.g_idx.long()]) * \
+        dense.scales.float()[dense.g_idx.long()]  # [K, N]
+    for world, kind in ((2, GGUFWeight), (3, GGUFBlocksWeight)):
+        for rank in range(world):
+            w = Weights(source, torch.device("cpu"), torch.float32, ProcessGroup(rank=rank, size=world), loader=loader)
+            part = w.get_weights_row("model.layers.0.mlp.down_proj")
+            assert isinstance(part, kind), (world, type(part))
+            share = 768 // world
+            plain = part.plain if isinstance(part, GGUFBlocksWeight) else part
+            got = (plain.qweight.float() - plain.zero_points().float()[plain.g_idx.long()]) * \
+                plain.scales.float()[plain.g_idx.long()]
+            assert torch.equal(got, values[rank * share:(rank + 1) * share]), (world, rank)
