@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
 from text_generation_server.kernels.phase import run_rows
 
@@ -108,6 +108,7 @@ class Int4PackLinear(torch.nn.Module):
         self.out_features = packed.shape[0]
         self.native = cpu_native.native()
         self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/cpu_tuning.py)
+        self.int8_activations = False  # use_int8_activations()
         # For the native kernel reading the packed bytes in place (cpu_native.int4pack_mm): the
         # scales and offsets (W = q * s + c, c = z - 8 s) in float32 [Kp/g, N], 8 bytes per group and
         # output (an eighth more than the packed codes at g=128).
@@ -117,6 +118,15 @@ class Int4PackLinear(torch.nn.Module):
             sz = scales_and_zeros.float()
             self.scales_f32 = sz[..., 0].contiguous()
             self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
+
+    def use_int8_activations(self) -> None:
+        """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
+        one arithmetic for a row whatever its batch or its prompt's chunking."""
+        if self.scales_f32 is None:
+            sz = self.scales_and_zeros.float()
+            self.scales_f32 = sz[..., 0].contiguous()
+            self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
+        self.int8_activations = True
 
     # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
     # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row
@@ -129,6 +139,8 @@ class Int4PackLinear(torch.nn.Module):
         return self._dequantizes() and cpu_native.int4_native_ok(self.native)
 
     def variants(self, rows: int) -> tuple[str, ...]:
+        if self.int8_activations:
+            return tuple(cpu_act_int8.VARIANTS)
         if not self._dequantizes():
             return ("op",)
         native = tuple(cpu_native.INT4_NATIVE_VARIANTS) if self._reads_in_place() else ()
@@ -139,6 +151,9 @@ class Int4PackLinear(torch.nn.Module):
         # rows beside them, so short prompts (a chat turn after a cached prefix) read the weights
         # once instead of dequantizing all of them. Which of its names (rows per pass, prefetch) is
         # what this machine measured for prompt-sized inputs; the bits are the same under each.
+        if self.int8_activations:
+            chosen = self.measured.get(cpu_native.INT4_PROMPT_BUCKET, "")
+            return chosen if chosen in cpu_act_int8.VARIANTS else cpu_act_int8.Q8
         if not self._dequantizes():
             return "op"
         if not self._reads_in_place():
@@ -147,10 +162,16 @@ class Int4PackLinear(torch.nn.Module):
         return chosen if chosen in cpu_native.INT4_NATIVE_VARIANTS else cpu_native.INT4_NATIVE
 
     def static_variant(self, rows: int) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         return cpu_native.int4_variant(rows, self._reads_in_place()) if self._dequantizes() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
+        if variant in cpu_act_int8.VARIANTS:
+            return cpu_act_int8.int4_q8_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                           self.group_size, cpu_native.int4_block() or 64, variant
+                                           ).to(self.compute_dtype)
         params = cpu_native.INT4_NATIVE_VARIANTS.get(variant)
         if params is not None:
             return cpu_native.int4pack_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
@@ -236,6 +257,36 @@ class CpuInt4PackKernel(QuantKernel):
         sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1).to(compute).contiguous()
         return Int4PackLinear(packed, sz, gs, None if identity else perm, None if bias is None else bias.to(act_dtype),
                               act_dtype, in_features=k)
+
+
+class CpuInt4PackQ8Kernel(CpuInt4PackKernel):
+    """The int4 layer with activations rounded to int8 per 32-wide block and integer dot products
+    (llama.cpp's Q8_0 scheme; kernels/cpu_act_int8.py): a policy, `--cpu-int8-activations`."""
+
+    name = "cpu-int4pack-q8"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, reason = super().can_implement(spec)
+        if not ok:
+            return ok, reason
+        module = cpu_native.native()
+        cpu_act_int8.announce(module)
+        use, why = cpu_act_int8.decision(module)
+        if not use:
+            return False, why
+        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
+            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        block = cpu_native.int4_block()
+        if block is None or spec.out_features % block:
+            return False, f"out_features {spec.out_features} not whole {block or 64}-output blocks of torch's int4 layout"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        module = super().build(weight, bias, act_dtype)
+        module.use_int8_activations()
+        return module
 
 
 def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int) -> torch.Tensor:
