@@ -10,6 +10,7 @@ milliseconds, and the weight bytes read per second at that time.
     TGS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         python benchmarks/kernels_cpu_ab.py --base 2fbacd7 --what int4-op   # AVX2: the int4 kernel vs torch's op
     python benchmarks/kernels_cpu_ab.py --what int4-q8 --rows 1,2,4,8   # int4: exact vs int8 activations
+    python benchmarks/kernels_cpu_ab.py --what int8-q8 --rows 1,2,4,8   # int8 (and the int8 head): the same
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products, which refused bfloat16 before issue #32).
@@ -73,7 +74,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
     parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8 (comma-separated; "
-                        "int4-q8: this tree's int4 kernel with exact bfloat16 activations against int8 ones)")
+                        "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
+                        "ones; int8-q8 also times the 151936 x 1536 head)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
@@ -122,6 +124,21 @@ def main() -> int:
                             2 * copies))
             print(f"int4 {k}x{n} rows={m}: " + "  ".join(
                 f"{label} {min(v) * 1e3:.2f} ms ({n * k / 2 / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
+                flush=True)
+    for k, n in [*shapes, (1536, 151936)] if "int8-q8" in what else []:
+        ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(2 if n > 100000 else copies)]
+        sc = torch.rand(n)
+        for m in [r for r in rows if r <= 8]:
+            x = torch.randn(m, k).bfloat16()
+            res = {}
+            for _ in range(args.rounds):
+                res.setdefault("exact", []).append(best(
+                    lambda i: new.int8_gemv(x, ws[i % len(ws)], sc, cpu_native.PREFETCH_BYTES), 2 * len(ws)))
+                for name in args.q8_variants.split(","):
+                    res.setdefault(name, []).append(best(
+                        lambda i, name=name: cpu_act_int8.int8_q8_gemv(new, x, ws[i % len(ws)], sc, name), 2 * len(ws)))
+            print(f"int8 {k}x{n} rows={m}: " + "  ".join(
+                f"{label} {min(v) * 1e3:.2f} ms ({n * k / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
                 flush=True)
     if "head" in what:
         n, k = 151936, 1536

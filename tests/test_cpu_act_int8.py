@@ -229,3 +229,74 @@ def test_a_sequences_tokens_do_not_depend_on_its_batch_or_its_prompts_chunks(nat
     lm.max_prefill_tokens = 8
     chunked = run_to_end(lm, lm.make_batch(2, [request(1, prompts[0], chunk_len=8)]))[1]
     assert chunked["ids"] == alone["ids"]
+
+
+# -- int8 weights (per-channel: EETQ, the int8 head) ---------------------------------------------------------
+@pytest.mark.parametrize("shape", [(32, 1), (96, 3), (160, 67), (1568, 130), (2048, 9)], ids=str)
+def test_the_int8_kernel_is_the_reference_arithmetic_within_its_float_bound(native, shape):
+    """K of 1, 3, 5, 49 and 64 blocks (a 32-wide tail chunk where K is no multiple of 64), N with tails of 1-3."""
+    k, n = shape
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) * 0.01
+    x = (torch.randn(13, k, generator=g) * torch.rand(13, k, generator=g) * 4).bfloat16().float()
+    x[1, :] = 0
+    want, bound = cpu_act_int8.reference_int8(x, w, s), cpu_act_int8.error_bound_int8(x, w, s)
+    for rows in (1, 2, 3, 4, 5, 8, 13):
+        for variant in cpu_act_int8.INT8_VARIANTS:
+            got = cpu_act_int8.int8_q8_gemv(native, x[:rows], w, s, variant)
+            assert bool(((got.double() - want[:rows]).abs() <= bound[:rows]).all()), (rows, variant)
+    whole = cpu_act_int8.int8_q8_gemv(native, x, w, s)
+    assert torch.equal(native.int8_q8_gemv(x, w, s, 0, 2, True), whole)  # the generic loops: the same bits
+    for rows in ([0], [3, 1], [12, 4, 2, 0]):
+        assert torch.equal(cpu_act_int8.int8_q8_gemv(native, x[rows], w, s), whole[rows])
+    # without the extension: the torch reference rounded to float32, within the same bound
+    assert bool(((cpu_act_int8.int8_q8_gemv(None, x, w, s).double() - whole.double()).abs() <= 2 * bound).all())
+
+
+def test_int8_layers_and_the_int8_head_take_the_policy(native, monkeypatch):
+    w = make_weight(256, 96, 8, 256, True, False, seed=4)
+    spec = w.spec(torch.bfloat16, "cpu")
+    monkeypatch.setenv(cpu_act_int8.ENV, "off")
+    assert choose_kernel(spec)[0] is cpu.CpuInt8Kernel
+    monkeypatch.setenv(cpu_act_int8.ENV, "auto")  # int4 layers only (measured: BENCHMARKS.md)
+    kernel, rejected = choose_kernel(spec)
+    assert kernel is cpu.CpuInt8Kernel and rejected[-1][0] == "cpu-int8-q8" and "int4 layers only" in rejected[-1][1]
+    monkeypatch.setenv(cpu_act_int8.ENV, "on")
+    assert choose_kernel(spec)[0] is cpu.CpuInt8Q8Kernel
+    module = cpu.CpuInt8Q8Kernel.build(w, None, torch.bfloat16)
+    assert module.int8_activations and module.keep_rows_invariant() and module.prompt_variant() == "q8"
+    x = torch.randn(11, 256).bfloat16()
+    with torch.inference_mode():
+        with forward_phase(prefill=True):
+            prompt = module(x)
+        with forward_phase(prefill=False):
+            decode = torch.cat([module(x[i:i + 1]) for i in range(11)])
+    assert torch.equal(decode, prompt)
+    exact = x.float() @ dequantize(w).t()
+    assert float((prompt.float() - exact).norm() / exact.norm()) < 2e-2
+    ok, why = cpu.CpuInt8Q8Kernel.can_implement(make_weight(272, 64, 8, 272, True, False).spec(torch.bfloat16, "cpu"))
+    assert not ok and "not a multiple of 32" in why
+
+
+def test_an_int4_model_with_the_int8_head_runs_both_on_int8_activations(native, tmp_path, monkeypatch):
+    from helpers import ids_request, random_ids, run_to_end, write_checkpoint
+    from test_quant_e2e import VARIANTS, write_variant
+
+    from text_generation_server.models.loader import get_model
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    write_checkpoint(tmp_path / "dense", "llama", seed=3, **shape)
+    write_variant(tmp_path / "dense", tmp_path / "q", tmp_path / "ref", VARIANTS["gptq-v1-4bit-g64-asym"], seed=1)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(cpu_act_int8.ENV, mode)
+        lm = get_model(str(tmp_path / "q"), dtype="bfloat16", block_size=4, quantize_lm_head="int8")
+        lm.allocate_kv_cache(96)
+        assert lm.model.head.projection.linear.kernel_name == {"on": "cpu-int8-q8", "off": "cpu-int8"}[mode]
+        prompt = random_ids(25, 3)
+        blocks = lm.allocator.allocate(lm.blocks_for(len(prompt) + 4))
+        out[mode] = run_to_end(lm, lm.make_batch(0, [ids_request(1, prompt, 4, blocks=blocks,
+                                                                 prefill_logprobs=True)]))[1]
+    on, off = (torch.tensor(out[m]["prompt"][1:]) for m in ("on", "off"))
+    assert 0 < float((on - off).abs().max()) < 0.1

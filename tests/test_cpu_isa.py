@@ -80,11 +80,13 @@ if module is not None:
     # int4 codes x int8 activations: the AVX2 build's integer dot products (torch's 32-output layout here)
     from text_generation_server.kernels import cpu_act_int8
     block = cpu_native.int4_block()
-    q8 = cpu_act_int8.int4_q8_mm(module, x, packed, s, c, gs, block)
-    out["q8"], out["q8_isa"], out["block"] = q8.tolist(), int(module.int4_q8_isa()), block
+    y8 = cpu_act_int8.int4_q8_mm(module, x, packed, s, c, gs, block)
+    out["q8"], out["q8_isa"], out["block"] = y8.tolist(), int(module.int4_q8_isa()), block
     out["q8_row_invariant"] = all(torch.equal(cpu_act_int8.int4_q8_mm(module, x[rows], packed, s, c, gs, block, v),
-                                              q8[rows]) for rows in ([0], [3, 1], [4, 2, 0])
+                                              y8[rows]) for rows in ([0], [3, 1], [4, 2, 0])
                                   for v in cpu_act_int8.VARIANTS)
+    out["i8q8"] = cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8).tolist()
+    out["i8q8_isa"] = int(module.int8_q8_isa())
 print("RESULT" + json.dumps(out))
 """
 
@@ -129,3 +131,5 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     want_q8 = cpu_act_int8.int4_q8_mm(module, x, packed, s, c, gs, cpu_native.int4_block())
     assert got["q8_isa"] == 1 and got["block"] == 32 and got["q8_row_invariant"]
     assert torch.equal(torch.tensor(got["q8"]), want_q8)
+    assert got["i8q8_isa"] == 1
+    assert torch.equal(torch.tensor(got["i8q8"]), cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8))

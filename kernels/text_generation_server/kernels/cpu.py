@@ -325,14 +325,22 @@ class Int8Linear(torch.nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.row_invariant = False  # keep_rows_invariant()
+        self.int8_activations = False  # use_int8_activations()
+
+    def use_int8_activations(self) -> None:
+        """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
+        one arithmetic for a row whatever its batch or its prompt's chunking (row-invariant)."""
+        self.int8_activations = self.row_invariant = True
 
     def keep_rows_invariant(self) -> bool:
         """Runs every row count, decode and prompt alike, on the matrix-vector kernel (chunks of
         cpu_native.INT8_GEMV_MAX_ROWS rows, each reading the weights once), so a row's result has the
-        same bits whatever shares its batch. For the int8 head: the greedy token of a sequence must
+        same bits whatever shares its batch (with int8 activations it is already). For the int8 head: the greedy token of a sequence must
         not depend on how many others decode beside it, and the head's logits are where near-ties are
         decided (torch's op from 9 rows and the dequantized GEMM from 32 round differently). False,
         and nothing changes, where the kernel cannot run (no native extension, another compute dtype)."""
+        if self.int8_activations:
+            return True
         self.row_invariant = self._native_ok() and cpu_native.int8_row_invariant_fits(self.in_features)
         return self.row_invariant
 
@@ -343,16 +351,22 @@ class Int8Linear(torch.nn.Module):
         return self.native is not None and self.compute_dtype == torch.bfloat16
 
     def variants(self, rows: int) -> tuple[str, ...]:
+        if self.int8_activations:
+            return tuple(cpu_act_int8.INT8_VARIANTS)
         if self.row_invariant:
             return tuple(cpu_native.INT8_GEMV_VARIANTS)
         return cpu_native.int8_variants(rows, self.in_features) if self._native_ok() else ("op",)
 
     def prompt_variant(self) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         if self.row_invariant:
             return self.static_variant(cpu_native.INT8_GEMV_MAX_ROWS)
         return "dequant" if self._native_ok() else "op"
 
     def static_variant(self, rows: int) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         if self.row_invariant:
             # the prefetch distance measured for the largest decode bucket (the same bits under each name)
             chosen = self.measured.get(cpu_native.INT8_GEMV_MAX_ROWS, "")
@@ -363,6 +377,9 @@ class Int8Linear(torch.nn.Module):
         # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features), dtype=self.compute_dtype)
+        if variant in cpu_act_int8.INT8_VARIANTS:
+            return cpu_act_int8.int8_q8_gemv(self.native, x, self.weight, self.scales_f32, variant
+                                             ).to(self.compute_dtype)
         prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
         if prefetch is not None:
             return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)
@@ -416,3 +433,33 @@ class CpuInt8Kernel(QuantKernel):
         return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
                           None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
 
+
+
+class CpuInt8Q8Kernel(CpuInt8Kernel):
+    """The per-channel int8 layer (EETQ, the int8 head) with activations rounded to int8 per 32-wide
+    block and integer dot products (llama.cpp's Q8_0 x Q8_0; kernels/cpu_act_int8.py): a policy,
+    `--cpu-int8-activations`."""
+
+    name = "cpu-int8-q8"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, reason = super().can_implement(spec)
+        if not ok:
+            return ok, reason
+        module = cpu_native.native()
+        cpu_act_int8.announce(module)
+        use, why = cpu_act_int8.decision(module, "int8")
+        if not use:
+            return False, why
+        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
+            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        if spec.in_features % cpu_act_int8.BLOCK:
+            return False, f"in_features {spec.in_features} not a multiple of {cpu_act_int8.BLOCK}"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        module = super().build(weight, bias, act_dtype)
+        module.use_int8_activations()
+        return module

@@ -1,4 +1,5 @@
-"""C++ source of the int4 kernel with int8 activations (`int4_q8_mm`), part of cpu_native_src.SOURCE.
+"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), part of
+cpu_native_src.SOURCE.
 
 The scheme is llama.cpp's Q8_0 activations (its quantize_row_q8_0 and Q4 x Q8 dot products, read for
 the arithmetic, not copied): each activation row is cut into 32-wide blocks, each block scaled by
@@ -51,7 +52,7 @@ void q8_quantize(const float* x, int8_t* xq, float* dx, float* xs, int64_t M, in
 
 // The products of one 4-input-row step ("quad": input rows k .. k + 3) for the block's outputs, as
 // int32 lanes: acc[j] (outputs 16j .. 16j + 15) += sum over the quad of q * xq.
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define Q8_ISA 2
 struct Q8Tables {
   alignas(64) uint8_t idx64[2][64];  // B = 64: bytes of outputs 16h + j of rows k..k+3 (from 128 bytes)
@@ -241,6 +242,143 @@ void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_
   });
 }
 
+
+// ---- int8 codes x int8 activations: y[m, n] = s[n] * sum_b dx[m, b] * sum_{k in b} w[n, k] * xq[m, k] ---------
+// Lanes are 4-input-row groups ("quads"): a 64-input chunk c is 16 lanes, lane l summing quad 16c + l in
+// integers (exact), then f[l] = fma(float(that), dx of the lane's 32-wide block, f[l]) chunk by chunk;
+// at the end the 16 lanes are added in lane order and multiplied by s[n]. The AVX512-VNNI build makes
+// the unsigned operand of vpdpbusd as w + 128 (w xor 0x80) and starts each lane at -128 * its quad's
+// sum of xq; the AVX2 build multiplies |w| by xq with w's sign (vpmaddubsw, at most 2 * 128 * 127 per
+// pair: no saturation), then vpmaddwd: the same integers, the same float steps, the same bits.
+// xq, dl (float32 [M, K / 4]: each quad's block scale) and nc (int32 [M, K / 4]: -128 * each quad's sum).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8Q8_ISA 2
+template <int R, int NB>
+inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s,
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+  __m512 f[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) f[r][j] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 bytes = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    const __mmask16 lanes = K - k >= 64 ? __mmask16(0xFFFF) : __mmask16((1u << ((K - k) / 4)) - 1);
+    __m512i u[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* p = w + (n + j) * K + k;
+      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      u[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, p), flip);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512i xv = _mm512_maskz_loadu_epi8(bytes, xq + m * K + k);
+      const __m512i cv = _mm512_maskz_loadu_epi32(lanes, nc + m * (K / 4) + k / 4);
+      const __m512 dv = _mm512_maskz_loadu_ps(lanes, dl + m * (K / 4) + k / 4);
+      for (int j = 0; j < NB; ++j)
+        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, u[j], xv)), dv, f[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      alignas(64) float lane[16];
+      _mm512_store_ps(lane, f[r][j]);
+      float t = 0.f;
+      for (int l = 0; l < 16; ++l) t += lane[l];
+      y[(m0 + r) * N + n + j] = t * s[n + j];
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define I8Q8_ISA 1
+template <int R, int NB>
+inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t*, const float* s,
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+  __m256 f[R][NB][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) f[r][j][0] = f[r][j][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 64) {
+    const int halves = K - k >= 64 ? 2 : 1;
+    for (int h = 0; h < halves; ++h) {
+      __m256i a[NB], sgn[NB];
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* p = w + (n + j) * K + k + 32 * h;
+        if (prefetch && h == 0) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+        sgn[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        a[j] = _mm256_sign_epi8(sgn[j], sgn[j]);  // |w| (-128 stays 0x80: 128 unsigned)
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k + 32 * h));
+        const __m256 dv = _mm256_loadu_ps(dl + m * (K / 4) + k / 4 + 8 * h);
+        for (int j = 0; j < NB; ++j) {
+          const __m256i pairs = _mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xv, sgn[j]));
+          const __m256i quads = _mm256_madd_epi16(pairs, ones);
+          f[r][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads), dv, f[r][j][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      alignas(32) float lane[16];
+      _mm256_store_ps(lane, f[r][j][0]);
+      _mm256_store_ps(lane + 8, f[r][j][1]);
+      float t = 0.f;
+      for (int l = 0; l < 16; ++l) t += lane[l];
+      y[(m0 + r) * N + n + j] = t * s[n + j];
+    }
+}
+#endif
+
+#if defined(I8Q8_ISA)
+template <int R>
+void i8q8_rows(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t prefetch) {
+  constexpr int NB = 4;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    int64_t m = 0;
+    for (; m + R <= M; m += R) i8q8_tile<R, NB>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+    for (; m < M; ++m) i8q8_tile<1, NB>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) i8q8_tile<1, 1>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+}
+#endif
+
+// The generic build: the same lanes and steps, one output at a time.
+void i8q8_generic(const int8_t* w, const int8_t* xq, const float* dl, const float* s, float* y, int64_t M, int64_t K,
+                  int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float f[16] = {0.f};
+        for (int64_t q = 0; q < K / 4; ++q) {
+          int32_t acc = 0;
+          for (int t = 0; t < 4; ++t) acc += int32_t(w[n * K + 4 * q + t]) * int32_t(xq[m * K + 4 * q + t]);
+          f[q % 16] = std::fma(float(acc), dl[m * (K / 4) + q], f[q % 16]);
+        }
+        float t = 0.f;
+        for (int l = 0; l < 16; ++l) t += f[l];
+        y[m * N + n] = t * s[n];
+      }
+  });
+}
+
+// x's int8 form for the int8 kernel: xq, dl and nc as above (q8_quantize's rounding, one group = K).
+void i8q8_prepare(const float* x, int8_t* xq, float* dl, int32_t* nc, int64_t M, int64_t K) {
+  std::vector<float> dx(K / Q8_BLOCK), xs(1);
+  for (int64_t m = 0; m < M; ++m) {
+    q8_quantize(x + m * K, xq + m * K, dx.data(), xs.data(), 1, K, K);
+    for (int64_t q = 0; q < K / 4; ++q) {
+      dl[m * (K / 4) + q] = dx[q / 8];
+      int32_t sum = 0;
+      for (int t = 0; t < 4; ++t) sum += xq[m * K + 4 * q + t];
+      nc[m * (K / 4) + q] = -128 * sum;
+    }
+  }
+}
+
 }  // namespace
 
 // x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), x rounded to int8 per
@@ -313,6 +451,56 @@ int64_t int4_q8_isa() {
   return 0;
 #endif
 }
+
+// x [M, K] float32 @ (w [N, K] int8 * s [N] float32)^T with x rounded to int8 per 32-wide block (K a
+// multiple of 32); rows_per_pass 1, 2 or 4 and prefetch change no bit of the result.
+torch::Tensor int8_q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch, int64_t rows_per_pass,
+                           bool generic) {
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.dim() == 2, "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % Q8_BLOCK == 0, "K=", K, " must be a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, ", K, "]");
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N, "s must be float32 [N]");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto dl_t = torch::empty({M, K / 4}, x.options());
+  auto nc_t = torch::empty({M, K / 4}, x.options().dtype(torch::kInt));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int8_t* xq = xq_t.data_ptr<int8_t>();
+  float* dl = dl_t.data_ptr<float>();
+  int32_t* nc = nc_t.data_ptr<int32_t>();
+  i8q8_prepare(x.data_ptr<float>(), xq, dl, nc, M, K);
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(I8Q8_ISA)
+  if (!generic) {
+    at::parallel_for(0, N / 4, 16, [&](int64_t b0, int64_t b1) {
+      const int64_t n1 = b1 == N / 4 ? N : 4 * b1;  // the last task takes N % 4 too
+      switch (rows_per_pass) {
+        case 1: i8q8_rows<1>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+        case 4: i8q8_rows<4>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+        default: i8q8_rows<2>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+      }
+    });
+    if (N < 4) i8q8_rows<1>(wp, xq, dl, nc, sp, yp, M, K, N, 0, N, prefetch);
+    return y;
+  }
+#endif
+  i8q8_generic(wp, xq, dl, sp, yp, M, K, N);
+  return y;
+}
+
+int64_t int8_q8_isa() {
+#if defined(I8Q8_ISA)
+  return I8Q8_ISA;
+#else
+  return 0;
+#endif
+}
 """
 
-FUNCTIONS = ["int4_q8_mm", "int4_q8_mm_generic", "int4_q8_isa"]
+FUNCTIONS = ["int4_q8_mm", "int4_q8_mm_generic", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
