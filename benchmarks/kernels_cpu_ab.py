@@ -9,6 +9,8 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --base 2fbacd7              # int4 MLP shapes, the int8/bf16 head
     TGS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         python benchmarks/kernels_cpu_ab.py --base 2fbacd7 --what int4-op   # AVX2: the int4 kernel vs torch's op
+    python benchmarks/kernels_cpu_ab.py --what int4-q8 --rows 1,2,4,8   # int4: exact vs int8 activations
+    python benchmarks/kernels_cpu_ab.py --what int8-q8 --rows 1,2,4,8   # int8 (and the int8 head): the same
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products, which refused bfloat16 before issue #32).
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels import cpu_act_int8, cpu_native
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC_DIR = "kernels/text_generation_server/kernels"
@@ -71,7 +73,11 @@ def best(fn: Callable[[int], object], calls: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
-    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op (comma-separated)")
+    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8 (comma-separated; "
+                        "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
+                        "ones; int8-q8 also times the 151936 x 1536 head)")
+    parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
+    parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -87,8 +93,9 @@ def main() -> int:
     print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
           f"{args.threads} threads, base {args.base}")
     copies = 6
-    for k, n in ((1536, 8960), (8960, 1536)):
-        if not what & {"int4", "int4-op"}:
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    for k, n in shapes:
+        if not what & {"int4", "int4-op", "int4-q8"}:
             break
         codes = [torch.randint(0, 16, (n, k), dtype=torch.int32) for _ in range(copies)]
         packs = [torch._convert_weight_to_int4pack_for_cpu(c, 2) for c in codes]
@@ -107,8 +114,31 @@ def main() -> int:
                         lambda i: cpu_native.int4pack_mm(new, x, packs[i % copies], s, c, 128), 2 * copies))
                     res.setdefault("torch op", []).append(best(
                         lambda i: torch._weight_int4pack_mm_for_cpu(x, packs[i % copies], 128, sz), 2 * copies))
+                if "int4-q8" in what:
+                    res.setdefault("exact", []).append(best(
+                        lambda i: cpu_native.int4pack_mm(new, x, packs[i % copies], s, c, 128), 2 * copies))
+                    for name in args.q8_variants.split(","):
+                        res.setdefault(name, []).append(best(
+                            lambda i, name=name: cpu_act_int8.int4_q8_mm(new, x, packs[i % copies], s, c, 128,
+                                                                         cpu_native.int4_block() or 64, name),
+                            2 * copies))
             print(f"int4 {k}x{n} rows={m}: " + "  ".join(
                 f"{label} {min(v) * 1e3:.2f} ms ({n * k / 2 / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
+                flush=True)
+    for k, n in [*shapes, (1536, 151936)] if "int8-q8" in what else []:
+        ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(2 if n > 100000 else copies)]
+        sc = torch.rand(n)
+        for m in [r for r in rows if r <= 8]:
+            x = torch.randn(m, k).bfloat16()
+            res = {}
+            for _ in range(args.rounds):
+                res.setdefault("exact", []).append(best(
+                    lambda i: new.int8_gemv(x, ws[i % len(ws)], sc, cpu_native.PREFETCH_BYTES), 2 * len(ws)))
+                for name in args.q8_variants.split(","):
+                    res.setdefault(name, []).append(best(
+                        lambda i, name=name: cpu_act_int8.int8_q8_gemv(new, x, ws[i % len(ws)], sc, name), 2 * len(ws)))
+            print(f"int8 {k}x{n} rows={m}: " + "  ".join(
+                f"{label} {min(v) * 1e3:.2f} ms ({n * k / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
                 flush=True)
     if "head" in what:
         n, k = 151936, 1536

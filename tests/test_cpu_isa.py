@@ -77,6 +77,16 @@ if module is not None:
     same += [torch.equal(cpu_native.int4pack_mm(module, x, packed, s, c, gs, *params), whole)
              for params in cpu_native.INT4_NATIVE_VARIANTS.values()]
     out["int4_row_invariant"] = all(same)
+    # int4 codes x int8 activations: the AVX2 build's integer dot products (torch's 32-output layout here)
+    from text_generation_server.kernels import cpu_act_int8
+    block = cpu_native.int4_block()
+    y8 = cpu_act_int8.int4_q8_mm(module, x, packed, s, c, gs, block)
+    out["q8"], out["q8_isa"], out["block"] = y8.tolist(), int(module.int4_q8_isa()), block
+    out["q8_row_invariant"] = all(torch.equal(cpu_act_int8.int4_q8_mm(module, x[rows], packed, s, c, gs, block, v),
+                                              y8[rows]) for rows in ([0], [3, 1], [4, 2, 0])
+                                  for v in cpu_act_int8.VARIANTS)
+    out["i8q8"] = cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8).tolist()
+    out["i8q8_isa"] = int(module.int8_q8_isa())
 print("RESULT" + json.dumps(out))
 """
 
@@ -114,3 +124,12 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     torch.testing.assert_close(torch.tensor(got["int8"]), want8, rtol=1e-5, atol=1e-5)
     # the 8-float int4 kernel runs on AVX2 builds (it is what an AVX2 machine's int4 layers use)
     assert got["int4_fast"] and got["int4_row_invariant"]
+    # int8 activations: exact integer sums and one FMA chain per output in every build, so the AVX2
+    # build (vpmaddubsw + vpmaddwd, or AVX-VNNI) gives this build's bits, whatever the layout's block
+    from text_generation_server.kernels import cpu_act_int8
+
+    want_q8 = cpu_act_int8.int4_q8_mm(module, x, packed, s, c, gs, cpu_native.int4_block())
+    assert got["q8_isa"] == 1 and got["block"] == 32 and got["q8_row_invariant"]
+    assert torch.equal(torch.tensor(got["q8"]), want_q8)
+    assert got["i8q8_isa"] == 1
+    assert torch.equal(torch.tensor(got["i8q8"]), cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8))

@@ -58,11 +58,23 @@ def spec(k=4096, n=4096, bits=4, gs=128, zeros=False, dtype=torch.bfloat16, dev=
                       act_dtype=dtype, device_type=dev, weight_format=fmt)
 
 
+# int4 layers with int8 activations (kernels/cpu_act_int8.py) rank first on the CPU; these tests pin
+# the exact path (--cpu-int8-activations off), where that kernel refuses with this reason.
+Q8_OFF = ("cpu-int4pack-q8", "activations kept exact (--cpu-int8-activations off / TGS_CPU_INT8_ACTIVATIONS=off)")
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    monkeypatch.setenv("TGS_CPU_INT8_ACTIVATIONS", "off")
+
+
 # -- the tables --------------------------------------------------------------------------------------
 def test_the_tables_pin_every_kernel_in_priority_order():
     """Today's order per device and family, top to bottom (the order registry.py used to build)."""
     assert [(k.family, k.name) for k in CPU] == [
-        ("quantized", "cpu-int4pack"), ("quantized", "cpu-int8"), ("quantized", "cpu-int8-group-native"),
+        ("quantized", "cpu-int4pack-q8"), ("quantized", "cpu-int4pack"), ("quantized", "cpu-int8-q8"),
+        ("quantized", "cpu-int8"),
+        ("quantized", "cpu-int8-group-native"),
         ("quantized", "cpu-int8-group"),
         ("quantized", "reference"), ("quantized", "marlin-layout"), ("quantized", "fp8-dense"), ("quantized", "fp8-dequant"),
         ("quantized", "cpu-kquant"),
@@ -137,14 +149,15 @@ def test_only_the_selection_module_imports_the_table():
 # -- choosing ----------------------------------------------------------------------------------------
 def test_a_preferred_kernel_takes_the_layers_it_can_run(monkeypatch):
     per_channel_int4 = spec(gs=4096)
-    assert choose_kernel(per_channel_int4) == (cpu.CpuInt4PackKernel, [])
+    assert choose_kernel(per_channel_int4) == (cpu.CpuInt4PackKernel, [Q8_OFF])
     monkeypatch.setenv(PREFER_ENV, " tinygemm , cpu-int8")  # tinygemm is a CUDA kernel: no say on CPU
     kernel, passed = choose_kernel(per_channel_int4)
     assert kernel is cpu.CpuInt8Kernel
-    assert passed == [("cpu-int4pack", f"cpu-int8 preferred by {PREFER_ENV}")]
+    assert passed == [(name, f"cpu-int8 preferred by {PREFER_ENV}")
+                      for name in ("cpu-int4pack-q8", "cpu-int4pack", "cpu-int8-q8")]
     # A layer the preferred kernel cannot run keeps the static order, with the usual reasons.
     kernel, passed = choose_kernel(spec(gs=128))
-    assert kernel is cpu.CpuInt4PackKernel and passed == []
+    assert kernel is cpu.CpuInt4PackKernel and passed == [Q8_OFF]
     # Disabling is stronger than preferring.
     monkeypatch.setenv(DISABLE_ENV, "cpu-int8")
     assert choose_kernel(per_channel_int4)[0] is cpu.CpuInt4PackKernel
@@ -165,7 +178,9 @@ def test_preferring_a_lower_kernel_is_logged_with_the_reason(monkeypatch):
     finally:
         logger.remove(sink)
     assert module.kernel_name == "reference"
-    assert lines == [f"t.proj: 4-bit g256 sym: kernel reference (cpu-int4pack: reference preferred by {PREFER_ENV}; "
+    assert lines == [f"t.proj: 4-bit g256 sym: kernel reference (cpu-int4pack-q8: reference preferred by {PREFER_ENV}; "
+                     f"cpu-int4pack: reference preferred by {PREFER_ENV}; "
+                     f"cpu-int8-q8: reference preferred by {PREFER_ENV}; "
                      f"cpu-int8: reference preferred by {PREFER_ENV}; cpu-int8-group-native: reference preferred by "
                      f"{PREFER_ENV}; cpu-int8-group: reference preferred by "
                      f"{PREFER_ENV})\n"]
@@ -185,7 +200,8 @@ def test_a_measured_whole_layer_choice_is_taken_and_survives_the_process(tmp_pat
     prefs.record(s, None, "cpu-int8", {"cpu-int4pack": 2e-3, "cpu-int8": 1e-3})
     kernel, passed = choose_kernel(s)
     assert kernel is cpu.CpuInt8Kernel
-    assert passed == [("cpu-int4pack", "cpu-int8 measured faster on this machine")]
+    assert passed == [(name, "cpu-int8 measured faster on this machine")
+                      for name in ("cpu-int4pack-q8", "cpu-int4pack", "cpu-int8-q8")]
     data = json.loads(prefs.path.read_text())
     assert data["signature"] == select.device_signature("cpu")
     assert data["choices"][select.shape_key(s)]["layer"] == {"choice": "cpu-int8",

@@ -270,12 +270,37 @@ SELECTION = [
 ]
 
 
+# int4 layers with int8 activations (kernels/cpu_act_int8.py) rank first on the CPU; these tests pin
+# the exact path (--cpu-int8-activations off), where that kernel refuses with this reason.
+Q8_OFF = ("cpu-int4pack-q8", "activations kept exact (--cpu-int8-activations off / TGS_CPU_INT8_ACTIVATIONS=off)")
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    monkeypatch.setenv("TGS_CPU_INT8_ACTIVATIONS", "off")
+
+
+def with_q8(rejected: list[tuple[str, str]], chosen: str) -> list[tuple[str, str]]:
+    """The rejections with the int8-activation twins (they rank just before cpu-int4pack and cpu-int8 and
+    run the same layers): a twin refuses with its base kernel's reason, or with Q8_OFF where its base runs
+    the layer (or was switched off by name)."""
+    twins = {"cpu-int4pack": "cpu-int4pack-q8", "cpu-int8": "cpu-int8-q8"}
+    out = []
+    for name, reason in rejected:
+        if name in twins:
+            out.append((twins[name], Q8_OFF[1] if reason.startswith("disabled by") else reason))
+        out.append((name, reason))
+    if chosen in twins:
+        out.append((twins[chosen], Q8_OFF[1]))
+    return out
+
+
 @pytest.mark.parametrize("s,chosen,rejected", SELECTION, ids=range(len(SELECTION)))
 def test_selection_and_reasons(s, chosen, rejected, monkeypatch):
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     kernel, why = choose_kernel(s)
     assert kernel.name == chosen
-    assert why == rejected
+    assert why == with_q8(rejected, chosen)
 
 
 def test_cpu_kernels_refuse_other_devices():
@@ -307,18 +332,19 @@ def test_reference_outranks_packed_cpu_kernels_unless_disabled(monkeypatch):
 
 
 def test_cpu_kernel_order():
-    assert [k.name for k in QUANTIZED["cpu"][:2]] == ["cpu-int4pack", "cpu-int8"]
+    assert [k.name for k in QUANTIZED["cpu"][:4]] == ["cpu-int4pack-q8", "cpu-int4pack", "cpu-int8-q8", "cpu-int8"]
 
 
 def test_disable_falls_through(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "cpu-int4pack")
     kernel, why = choose_kernel(spec(gs=4096))
     assert kernel.name == "cpu-int8"
-    assert why == [("cpu-int4pack", f"disabled by {DISABLE_ENV}")]
+    assert why == [Q8_OFF, ("cpu-int4pack", f"disabled by {DISABLE_ENV}"), ("cpu-int8-q8", Q8_OFF[1])]
     monkeypatch.setenv(DISABLE_ENV, " cpu-int4pack , cpu-int8")
     kernel, why = choose_kernel(spec(gs=4096))
     assert kernel is ReferenceKernel
-    assert [n for n, _ in why] == ["cpu-int4pack", "cpu-int8", "cpu-int8-group-native", "cpu-int8-group"]
+    assert [n for n, _ in why] == ["cpu-int4pack-q8", "cpu-int4pack", "cpu-int8-q8", "cpu-int8",
+                                   "cpu-int8-group-native", "cpu-int8-group"]
     w = make_weight(256, 32, 4, 256, True, False)
     module = build_linear(w, None, torch.bfloat16, "cpu")
     assert module.kernel_name == "reference"

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
 from text_generation_server.kernels.phase import run_rows
 
@@ -108,6 +108,7 @@ class Int4PackLinear(torch.nn.Module):
         self.out_features = packed.shape[0]
         self.native = cpu_native.native()
         self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/cpu_tuning.py)
+        self.int8_activations = False  # use_int8_activations()
         # For the native kernel reading the packed bytes in place (cpu_native.int4pack_mm): the
         # scales and offsets (W = q * s + c, c = z - 8 s) in float32 [Kp/g, N], 8 bytes per group and
         # output (an eighth more than the packed codes at g=128).
@@ -117,6 +118,15 @@ class Int4PackLinear(torch.nn.Module):
             sz = scales_and_zeros.float()
             self.scales_f32 = sz[..., 0].contiguous()
             self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
+
+    def use_int8_activations(self) -> None:
+        """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
+        one arithmetic for a row whatever its batch or its prompt's chunking."""
+        if self.scales_f32 is None:
+            sz = self.scales_and_zeros.float()
+            self.scales_f32 = sz[..., 0].contiguous()
+            self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
+        self.int8_activations = True
 
     # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
     # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row
@@ -129,6 +139,8 @@ class Int4PackLinear(torch.nn.Module):
         return self._dequantizes() and cpu_native.int4_native_ok(self.native)
 
     def variants(self, rows: int) -> tuple[str, ...]:
+        if self.int8_activations:
+            return tuple(cpu_act_int8.VARIANTS)
         if not self._dequantizes():
             return ("op",)
         native = tuple(cpu_native.INT4_NATIVE_VARIANTS) if self._reads_in_place() else ()
@@ -139,6 +151,9 @@ class Int4PackLinear(torch.nn.Module):
         # rows beside them, so short prompts (a chat turn after a cached prefix) read the weights
         # once instead of dequantizing all of them. Which of its names (rows per pass, prefetch) is
         # what this machine measured for prompt-sized inputs; the bits are the same under each.
+        if self.int8_activations:
+            chosen = self.measured.get(cpu_native.INT4_PROMPT_BUCKET, "")
+            return chosen if chosen in cpu_act_int8.VARIANTS else cpu_act_int8.Q8
         if not self._dequantizes():
             return "op"
         if not self._reads_in_place():
@@ -147,10 +162,16 @@ class Int4PackLinear(torch.nn.Module):
         return chosen if chosen in cpu_native.INT4_NATIVE_VARIANTS else cpu_native.INT4_NATIVE
 
     def static_variant(self, rows: int) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         return cpu_native.int4_variant(rows, self._reads_in_place()) if self._dequantizes() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
+        if variant in cpu_act_int8.VARIANTS:
+            return cpu_act_int8.int4_q8_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                           self.group_size, cpu_native.int4_block() or 64, variant
+                                           ).to(self.compute_dtype)
         params = cpu_native.INT4_NATIVE_VARIANTS.get(variant)
         if params is not None:
             return cpu_native.int4pack_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
@@ -238,6 +259,36 @@ class CpuInt4PackKernel(QuantKernel):
                               act_dtype, in_features=k)
 
 
+class CpuInt4PackQ8Kernel(CpuInt4PackKernel):
+    """The int4 layer with activations rounded to int8 per 32-wide block and integer dot products
+    (llama.cpp's Q8_0 scheme; kernels/cpu_act_int8.py): a policy, `--cpu-int8-activations`."""
+
+    name = "cpu-int4pack-q8"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, reason = super().can_implement(spec)
+        if not ok:
+            return ok, reason
+        module = cpu_native.native()
+        cpu_act_int8.announce(module)
+        use, why = cpu_act_int8.decision(module)
+        if not use:
+            return False, why
+        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
+            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        block = cpu_native.int4_block()
+        if block is None or spec.out_features % block:
+            return False, f"out_features {spec.out_features} not whole {block or 64}-output blocks of torch's int4 layout"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        module = super().build(weight, bias, act_dtype)
+        module.use_int8_activations()
+        return module
+
+
 def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int) -> torch.Tensor:
     """Rows sorted by group, each group followed by padding rows (index K) up to a multiple of `gs`."""
     k = g_idx.numel()
@@ -274,14 +325,22 @@ class Int8Linear(torch.nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.row_invariant = False  # keep_rows_invariant()
+        self.int8_activations = False  # use_int8_activations()
+
+    def use_int8_activations(self) -> None:
+        """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
+        one arithmetic for a row whatever its batch or its prompt's chunking (row-invariant)."""
+        self.int8_activations = self.row_invariant = True
 
     def keep_rows_invariant(self) -> bool:
         """Runs every row count, decode and prompt alike, on the matrix-vector kernel (chunks of
         cpu_native.INT8_GEMV_MAX_ROWS rows, each reading the weights once), so a row's result has the
-        same bits whatever shares its batch. For the int8 head: the greedy token of a sequence must
+        same bits whatever shares its batch (with int8 activations it is already). For the int8 head: the greedy token of a sequence must
         not depend on how many others decode beside it, and the head's logits are where near-ties are
         decided (torch's op from 9 rows and the dequantized GEMM from 32 round differently). False,
         and nothing changes, where the kernel cannot run (no native extension, another compute dtype)."""
+        if self.int8_activations:
+            return True
         self.row_invariant = self._native_ok() and cpu_native.int8_row_invariant_fits(self.in_features)
         return self.row_invariant
 
@@ -292,16 +351,22 @@ class Int8Linear(torch.nn.Module):
         return self.native is not None and self.compute_dtype == torch.bfloat16
 
     def variants(self, rows: int) -> tuple[str, ...]:
+        if self.int8_activations:
+            return tuple(cpu_act_int8.INT8_VARIANTS)
         if self.row_invariant:
             return tuple(cpu_native.INT8_GEMV_VARIANTS)
         return cpu_native.int8_variants(rows, self.in_features) if self._native_ok() else ("op",)
 
     def prompt_variant(self) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         if self.row_invariant:
             return self.static_variant(cpu_native.INT8_GEMV_MAX_ROWS)
         return "dequant" if self._native_ok() else "op"
 
     def static_variant(self, rows: int) -> str:
+        if self.int8_activations:
+            return cpu_act_int8.Q8
         if self.row_invariant:
             # the prefetch distance measured for the largest decode bucket (the same bits under each name)
             chosen = self.measured.get(cpu_native.INT8_GEMV_MAX_ROWS, "")
@@ -312,6 +377,9 @@ class Int8Linear(torch.nn.Module):
         # x: [M, K] -> [M, N] compute dtype, before the zero-point offset and the bias
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features), dtype=self.compute_dtype)
+        if variant in cpu_act_int8.INT8_VARIANTS:
+            return cpu_act_int8.int8_q8_gemv(self.native, x, self.weight, self.scales_f32, variant
+                                             ).to(self.compute_dtype)
         prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
         if prefetch is not None:
             return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)
@@ -365,3 +433,33 @@ class CpuInt8Kernel(QuantKernel):
         return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
                           None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
 
+
+
+class CpuInt8Q8Kernel(CpuInt8Kernel):
+    """The per-channel int8 layer (EETQ, the int8 head) with activations rounded to int8 per 32-wide
+    block and integer dot products (llama.cpp's Q8_0 x Q8_0; kernels/cpu_act_int8.py): a policy,
+    `--cpu-int8-activations`."""
+
+    name = "cpu-int8-q8"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, reason = super().can_implement(spec)
+        if not ok:
+            return ok, reason
+        module = cpu_native.native()
+        cpu_act_int8.announce(module)
+        use, why = cpu_act_int8.decision(module, "int8")
+        if not use:
+            return False, why
+        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
+            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        if spec.in_features % cpu_act_int8.BLOCK:
+            return False, f"in_features {spec.in_features} not a multiple of {cpu_act_int8.BLOCK}"
+        return True, ""
+
+    @classmethod
+    def build(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_dtype: torch.dtype) -> torch.nn.Module:
+        module = super().build(weight, bias, act_dtype)
+        module.use_int8_activations()
+        return module

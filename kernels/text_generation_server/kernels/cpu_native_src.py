@@ -15,6 +15,8 @@ int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output r
 
 from text_generation_server.kernels.cpu_native_int4_src import FUNCTIONS as INT4_FUNCTIONS
 from text_generation_server.kernels.cpu_native_int4_src import SOURCE as INT4_SOURCE
+from text_generation_server.kernels.cpu_native_q8_src import FUNCTIONS as Q8_FUNCTIONS
+from text_generation_server.kernels.cpu_native_q8_src import SOURCE as Q8_SOURCE
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -383,6 +385,6 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
   });
   return out;
 }
-""" + INT4_SOURCE
+""" + INT4_SOURCE + Q8_SOURCE
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS, *Q8_FUNCTIONS]

@@ -20,7 +20,7 @@ from text_generation_server.kernels.bitsandbytes import (
     BnbCpu4bitKernel,
     BnbMatmul4bitKernel,
 )
-from text_generation_server.kernels.cpu import CpuInt4PackKernel, CpuInt8Kernel
+from text_generation_server.kernels.cpu import CpuInt4PackKernel, CpuInt4PackQ8Kernel, CpuInt8Kernel, CpuInt8Q8Kernel
 from text_generation_server.kernels.cpu_group_int8 import CpuGroupInt8Kernel, CpuGroupInt8NativeKernel
 from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
 from text_generation_server.kernels.dense import DenseKernel
@@ -36,7 +36,10 @@ from text_generation_server.kernels.triton_gemm import TritonGemmKernel
 
 CPU: tuple[type[QuantKernel], ...] = (
     # -- quantized: integer codes (GPTQ, AWQ, EXL2, compressed-tensors, EETQ, bnb int8, Marlin), fp8
+    # int4 codes x int8 activations (llama.cpp's Q8_0 scheme): only where --cpu-int8-activations allows
+    CpuInt4PackQ8Kernel,
     CpuInt4PackKernel,  # torch's int4 op; prompts through the native dequantized bf16 GEMM
+    CpuInt8Q8Kernel,  # the same with int8 activations (llama.cpp's Q8_0 x Q8_0): as --cpu-int8-activations allows
     CpuInt8Kernel,  # per-channel codes of any width: native matrix-vector kernel, torch's op, bf16 GEMM
     CpuGroupInt8NativeKernel,  # the same, codes read in place for decode rows (native AVX-512 build)
     CpuGroupInt8Kernel,  # group scales, codes up to 8 bits (GGUF Q8_0, Q6_K, Q5_*): int8 in memory

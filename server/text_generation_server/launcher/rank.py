@@ -26,7 +26,7 @@ from loguru import logger
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import StartupProgress, finish_startup, startup_phase
 from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
-from text_generation_server.settings.serve_args import LM_HEAD_AUTO, ServeArgs
+from text_generation_server.settings.serve_args import CPU_INT8_ACTIVATIONS_ENV, LM_HEAD_AUTO, ServeArgs
 from text_generation_server.settings.serve_flags import (
     ALLOW_DENSE_FALLBACK_ENV,
     DISABLE_KERNELS_ENV,
@@ -91,6 +91,8 @@ def rank_environment(args: ServeArgs, environ: dict[str, str] | os._Environ = os
     # Also in the environment the launcher starts ranks with (torch reads its variables at import);
     # set here too for a rank started by hand (--shard-only), where the kernels warn if torch's came late.
     changes.update(cpu_isa_environment(args.cpu_isa))
+    if args.cpu_int8_activations != environ.get(CPU_INT8_ACTIVATIONS_ENV, "auto"):  # kernels/cpu_act_int8.py reads it
+        changes[CPU_INT8_ACTIVATIONS_ENV] = args.cpu_int8_activations
     return changes
 
 

@@ -122,6 +122,12 @@ class Flag:
     companions: tuple["Flag", ...] = ()  # options read together with this one into the setting (--sharded)
 
 
+# --cpu-int8-activations: the values and variable kernels/cpu_act_int8.py reads (MODES, ENV; a test
+# holds them equal; the kernels module imports torch, which the launcher's argument check must not).
+CPU_INT8_ACTIVATIONS_ENV = "TGS_CPU_INT8_ACTIVATIONS"
+CPU_INT8_ACTIVATIONS_MODES = ("auto", "on", "off")
+
+
 def setting(default: Any, help: str, *, repr: bool = True, **flag: Any) -> Any:
     """A ServeArgs field with its flag (Flag's fields as keywords)."""
     metadata = {FLAG: Flag(help, **flag)}
@@ -394,6 +400,12 @@ class ServeArgs:
     cpu_isa: str = setting(  # the ranks start with serve_flags.cpu_isa_environment(cpu_isa)
         "native", "Instruction set of the CPU kernels: native (the best this CPU has) or avx2 (ours, torch's "
         "and oneDNN's AVX2 variants, as on an AVX2-only machine).", choices=CPU_ISAS, env=(CPU_ISA_ENV,),
+    )
+    cpu_int8_activations: str = setting(  # the ranks get CPU_INT8_ACTIVATIONS_ENV (kernels/cpu_act_int8.py reads it)
+        "auto", "int4 layers on CPUs: round activations to int8 per 32-wide block and multiply in integers, as "
+        "llama.cpp does (faster decode, ~0.2-0.5% relative error per product): auto (where the CPU has AVX2 or "
+        "AVX512-VNNI integer dot products), on, or off (exact bfloat16 activations).",
+        choices=CPU_INT8_ACTIVATIONS_MODES, env=(CPU_INT8_ACTIVATIONS_ENV,),
     )
     disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
         False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",

@@ -1,0 +1,199 @@
+"""int8 activations for int4 layers on CPUs: the policy, the native kernel's wrapper and its torch reference.
+
+Why: at one decode row an int4 layer is bound by how fast its codes become products. Multiplying them
+by exact bfloat16 activations (`cpu_native.int4pack_mm`) reads the weights at 51-59% of this VM's
+measured bandwidth, where llama.cpp, which rounds the activations to int8 per 32-wide block (Q8_0) and
+multiplies in integers, reaches 86-97% (BENCHMARKS.md). Rounding activations changes the numbers (an
+int8 step of max|x| / 127 per block of 32: about 0.2-0.5% relative error per dot product, on top of
+the 4-bit weights' own), so it is a policy, switched with `serve --cpu-int8-activations` (ENV):
+- auto (the default): int4 layers on CPUs take int8 activations where this build has an integer dot
+  product kernel (AVX512-VNNI, or AVX2), as llama.cpp's users get for quantized weights; exact
+  activations elsewhere (the generic loops are correct but not faster than the exact path), and for
+  per-channel int8 layers (EETQ, the int8 head), whose integer kernel measured no faster here;
+- on: int8 activations wherever an int4 or per-channel int8 layer runs on the CPU (the generic loops,
+  or the torch reference below when the native kernels cannot be built: slow, for checking numerics);
+- off: exact activations (the path the exactness tests against transformers take; tests/conftest.py
+  pins it for the suite).
+The layers (kernels/cpu.py: `CpuInt4PackQ8Kernel` "cpu-int4pack-q8", `CpuInt8Q8Kernel` "cpu-int8-q8")
+are entries of the CPU kernel table, each just ahead of the exact kernel it refuses to take over
+from with the policy's reason in the startup kernel lines; Info.kernels names them. It runs every row count and both phases (prompts and decode) on
+the same arithmetic, so a row's result does not depend on its batch or on how its prompt was chunked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from loguru import logger
+
+from text_generation_server.kernels import cpu_native
+
+ENV = "TGS_CPU_INT8_ACTIVATIONS"
+MODES = ("auto", "on", "off")
+DEFAULT = "auto"
+FLAG = "--cpu-int8-activations"
+BLOCK = 32  # activation values per int8 scale (llama.cpp's Q8_0 block)
+# Names of the kernel's ways to run (rows per pass, prefetch bytes, blocks per task; 0 / -1: defaults):
+# the same bits under each, so warmup's measurement may pick any per shape and row bucket.
+Q8 = "q8"
+VARIANTS: dict[str, tuple[int, int, int]] = {Q8: (2, -1, 0), "q8-r1": (1, -1, 0), "q8-r4": (4, -1, 0),
+                                             "q8-pf0": (2, 0, 0)}
+_warned: set[str] = set()
+
+
+def mode() -> str:
+    """The policy in force: ENV's value, DEFAULT when unset or unknown (an unknown one is logged once)."""
+    value = os.environ.get(ENV, "").strip().lower() or DEFAULT
+    if value not in MODES:
+        if value not in _warned:
+            _warned.add(value)
+            logger.warning("{}={!r} is not one of {}: using {}", ENV, value, ", ".join(MODES), DEFAULT)
+        return DEFAULT
+    return value
+
+
+def native_isa(module: cpu_native.Extension | None, codes: str = "int4") -> int:
+    """The integer dot product this build has for `codes` ("int4" or "int8" weights): 2 AVX512-VNNI,
+    1 AVX2, 0 generic loops, -1 no extension."""
+    if module is None:
+        return -1
+    return int(module.int4_q8_isa() if codes == "int4" else module.int8_q8_isa())
+
+
+def decision(module: cpu_native.Extension | None, codes: str = "int4") -> tuple[bool, str]:
+    """Whether `codes` layers take int8 activations in this process, and why (for the kernel log)."""
+    chosen, isa = mode(), native_isa(module, codes)
+    if chosen == "off":
+        return False, f"activations kept exact ({FLAG} off / {ENV}=off)"
+    if chosen == "auto" and codes == "int8":
+        # Measured (BENCHMARKS.md, issue #32 third round): per-channel int8 weights already stream near
+        # the bandwidth with exact activations at 1-2 rows, and the integer kernel was 0.7x at 8 rows.
+        return False, f"auto takes int8 activations for int4 layers only ({FLAG} on for int8 layers too)"
+    if chosen == "auto" and isa < 1:
+        why = "no native CPU extension" if isa < 0 else "no AVX2 or AVX512-VNNI integer dot product in this build"
+        return False, f"{why}: activations kept exact ({FLAG} auto; 'on' forces the slow form)"
+    return True, ""
+
+
+def describe(module: cpu_native.Extension | None) -> str:
+    """One line for the startup log: the policy and what it does here."""
+    use, why = decision(module)
+    if not use:
+        return f"{FLAG} {mode()}: int4 and int8 layers multiply exact bfloat16 activations ({why})"
+    how = {2: "AVX512-VNNI vpdpbusd", 1: "AVX2 integer dot products", 0: "generic loops (slow)",
+           -1: "the torch reference (slow)"}[native_isa(module)]
+    return (f"{FLAG} {mode()}: int4 and int8 layers round activations to int8 per {BLOCK}-wide block (llama.cpp's Q8_0) "
+            f"and multiply in integers ({how}); '{FLAG} off' keeps them exact")
+
+
+def announce(module: cpu_native.Extension | None) -> None:
+    """Logs the policy once per process and policy value (the first int4 layer asks)."""
+    key = f"announced:{mode()}"
+    if key not in _warned:
+        _warned.add(key)
+        logger.info("{}", describe(module))
+
+
+def int4_q8_mm(module: cpu_native.Extension | None, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+               offsets: torch.Tensor, group_size: int, block: int, variant: str = Q8) -> torch.Tensor:
+    """x [M, K] @ W^T for torch's CPU int4 layout with x rounded to int8 per 32-wide block (float32 [M, N]).
+
+    W = q * scales + offsets per group (float32 [K / group_size, N]); the native kernel where there is
+    one, else `reference` (the same arithmetic in torch)."""
+    x = x.float().contiguous()
+    if module is None:
+        return reference(x, packed, scales, offsets, group_size, block).float()
+    rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
+    return module.int4_q8_mm(x, packed, scales, offsets, group_size, block, rows,
+                             cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch,
+                             grain or cpu_native.INT4_BLOCK_GRAIN)
+
+
+# The int8 kernel's names (rows per pass, prefetch bytes; -1: cpu_native.PREFETCH_BYTES): the same bits.
+INT8_VARIANTS: dict[str, tuple[int, int]] = {Q8: (2, -1), "q8-r1": (1, -1), "q8-r4": (4, -1), "q8-pf0": (2, 0)}
+
+
+def int8_q8_gemv(module: cpu_native.Extension | None, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                 variant: str = Q8) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] int8 * scales [N] float32)^T with x rounded to int8 per 32-wide block
+    (float32 [M, N]); the native kernel where there is one, else `reference_int8`."""
+    x = x.float().contiguous()
+    if module is None:
+        return reference_int8(x, weight, scales).float()
+    rows, prefetch = INT8_VARIANTS.get(variant, INT8_VARIANTS[Q8])
+    return module.int8_q8_gemv(x, weight, scales, cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch, rows,
+                               False)
+
+
+def reference_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8_q8_gemv's arithmetic in float64 (float64 [M, N]): per 32-wide block the integer sum of codes
+    times int8 activations, times the block's scale, summed, times the output's scale."""
+    xq, d, _ = quantize(x, x.shape[1])
+    m, k = xq.shape
+    per_block = torch.einsum("mbj,nbj->mbn", xq.reshape(m, k // BLOCK, BLOCK),
+                             weight.double().reshape(-1, k // BLOCK, BLOCK))
+    return (per_block * d.double()[..., None]).sum(dim=1) * scales.double()[None]
+
+
+def error_bound_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """How far int8_q8_gemv's float32 result may lie from `reference_int8`: K / 4 fused multiply-adds over
+    16 lanes, a 16-term sum and the scale, each at most 2^-24 relative of the magnitudes they add."""
+    xq, d, _ = quantize(x, x.shape[1])
+    m, k = xq.shape
+    per_block = torch.einsum("mbj,nbj->mbn", xq.abs().reshape(m, k // BLOCK, BLOCK),
+                             weight.double().abs().reshape(-1, k // BLOCK, BLOCK))
+    magnitude = (per_block * d.double()[..., None]).sum(dim=1) * scales.double().abs()[None]
+    return magnitude * (k // 64 + 1 + 16 + 1) * 2.0 ** -24 + 1e-30
+
+
+def quantize(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as the kernel rounds it: (codes [M, K] as float64, block scales float32
+    [M, K / 32], each group's sum of scale * code sums [M, K / group_size] float64).
+
+    d = max|x| / 127 and q = round-half-to-even(x * (1 / d)), both in float32 as the kernel computes
+    them, so the codes are the kernel's exactly."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None])
+    sums = (d.double() * q.double().sum(dim=-1)).reshape(m, k // group_size, group_size // BLOCK).sum(dim=-1)
+    return q.reshape(m, k).double(), d, sums
+
+
+def unpack(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """Codes [K, N] (0..15) of torch's CPU int4 layout with `block` outputs per block (cpu_native.int4_block)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    parts = packed.reshape(n // block, k, block // 2)
+    return torch.cat([parts & 15, parts >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
+
+
+def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+              block: int) -> torch.Tensor:
+    """The kernel's arithmetic in float64 torch ops (float64 [M, N]): per 32-wide block the integer sum
+    of codes times int8 activations, times the block's scale, summed per group, then scale and offset."""
+    xq, d, sums = quantize(x, group_size)
+    m, k = xq.shape
+    q = unpack(packed, block).double()
+    n = q.shape[1]
+    per_block = torch.einsum("mbj,bjn->mbn", xq.reshape(m, k // BLOCK, BLOCK), q.reshape(k // BLOCK, BLOCK, n))
+    t = (per_block * d.double()[..., None]).reshape(m, k // group_size, group_size // BLOCK, n).sum(dim=2)
+    return (t * scales.double()[None]).sum(dim=1) + (sums[..., None] * offsets.double()[None]).sum(dim=1)
+
+
+def error_bound(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                group_size: int, block: int) -> torch.Tensor:
+    """How far the kernel's float32 result may lie from `reference` [M, N]: each output is a chain of
+    K / 32 + 2 K / group_size fused multiply-adds (the integer sums are exact), so at most that many
+    float32 roundings of 2^-24 relative, of the magnitudes the chain adds (float32 products of |terms|)."""
+    xq, d, sums = quantize(x, group_size)
+    m, k = xq.shape
+    q = unpack(packed, block).double()
+    n = q.shape[1]
+    per_block = torch.einsum("mbj,bjn->mbn", xq.abs().reshape(m, k // BLOCK, BLOCK), q.reshape(k // BLOCK, BLOCK, n))
+    t = (per_block * d.double()[..., None]).reshape(m, k // group_size, group_size // BLOCK, n).sum(dim=2)
+    magnitude = (t * scales.double().abs()[None]).sum(dim=1) + (sums.abs()[..., None] * offsets.double().abs()[None]
+                                                               ).sum(dim=1)
+    steps = k // BLOCK + 2 * (k // group_size)
+    return magnitude * steps * 2.0 ** -24 + 1e-30

@@ -1,0 +1,506 @@
+"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), part of
+cpu_native_src.SOURCE.
+
+The scheme is llama.cpp's Q8_0 activations (its quantize_row_q8_0 and Q4 x Q8 dot products, read for
+the arithmetic, not copied): each activation row is cut into 32-wide blocks, each block scaled by
+d = max|x| / 127 and rounded to int8 (q = round-half-even(x * (1 / d))), and the weight codes are
+multiplied by those int8 values in integer arithmetic (AVX512-VNNI `vpdpbusd`: four unsigned 4-bit
+codes times four signed int8 values per 32-bit lane, per instruction). Our scales stay float32
+(llama.cpp stores float16 ones) and the weights stay in torch's packed int4 layout, read in place.
+
+The arithmetic, the same in every build (and in cpu_act_int8.reference, the torch form the tests use):
+for output n of row m, per 32-wide block b: i_b = sum_k q[k, n] * xq[m, k] (int32, exact); per group
+g: t_g = fma over the group's blocks in order of dx_b * float(i_b), starting from 0; then
+y = fma(t_g, s[g, n], y) and y = fma(xs_g, c[g, n], y) in group order, where xs_g = the group's sum
+of dx_b * float(sum_k xq[m, k]) and c = z - 8 s (so W = q * s + c). Every step is exact integer
+arithmetic or one IEEE fused multiply-add, so the AVX512-VNNI build, the AVX2 one (`vpmaddubsw` +
+`vpmaddwd`: products of one 4-bit code and one int8 value never saturate int16) and the generic one
+give the same bits, and a row's bits do not depend on the rows beside it, the rows per pass, the
+prefetch distance or the thread split.
+"""
+
+SOURCE = r"""
+namespace {
+
+// ---- int4 codes x int8 activations ---------------------------------------------------------------
+constexpr int64_t Q8_BLOCK = 32;
+
+// x [M, K] float32 -> xq int8 [M, K], dx float32 [M, K / 32], xs float32 [M, K / gs] (see the header).
+void q8_quantize(const float* x, int8_t* xq, float* dx, float* xs, int64_t M, int64_t K, int64_t gs) {
+  const int64_t nblk = K / Q8_BLOCK, per_group = gs / Q8_BLOCK;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float* src = x + m * K + b * Q8_BLOCK;
+      int8_t* dst = xq + m * K + b * Q8_BLOCK;
+      float amax = 0.f;
+      for (int j = 0; j < Q8_BLOCK; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int j = 0; j < Q8_BLOCK; ++j) {
+        const int32_t q = int32_t(std::nearbyint(src[j] * id));  // round half to even (default mode)
+        dst[j] = int8_t(q);
+        sum += q;
+      }
+      dx[m * nblk + b] = d;
+      if (b % per_group == 0) xs[m * (K / gs) + b / per_group] = 0.f;
+      float& acc = xs[m * (K / gs) + b / per_group];
+      acc = std::fma(d, float(sum), acc);
+    }
+  }
+}
+
+// The products of one 4-input-row step ("quad": input rows k .. k + 3) for the block's outputs, as
+// int32 lanes: acc[j] (outputs 16j .. 16j + 15) += sum over the quad of q * xq.
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define Q8_ISA 2
+struct Q8Tables {
+  alignas(64) uint8_t idx64[2][64];  // B = 64: bytes of outputs 16h + j of rows k..k+3 (from 128 bytes)
+  alignas(64) uint8_t idx32[64];     // B = 32: bytes of outputs j of rows k..k+3 (from 64 bytes)
+  Q8Tables() {
+    for (int j = 0; j < 16; ++j)
+      for (int t = 0; t < 4; ++t) {
+        idx64[0][4 * j + t] = uint8_t(t * 32 + j);
+        idx64[1][4 * j + t] = uint8_t(t * 32 + 16 + j);
+        idx32[4 * j + t] = uint8_t(t * 16 + j);
+      }
+  }
+};
+static const Q8Tables Q8_TABLES;
+typedef __m512i q8acc;
+constexpr int Q8_LANES = 16;
+inline q8acc q8_zero() { return _mm512_setzero_si512(); }
+// The B / 16 code vectors of a quad: each 32-bit lane the four codes of one output, rows k..k+3.
+template <int B>
+inline void q8_codes(const uint8_t* p, __m512i* w) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if (B == 64) {
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i both = _mm512_permutex2var_epi8(a, _mm512_load_si512(Q8_TABLES.idx64[h]), b);
+      w[h] = _mm512_and_si512(both, nibble);
+      w[2 + h] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+    }
+  } else {
+    const __m512i both = _mm512_permutexvar_epi8(_mm512_load_si512(Q8_TABLES.idx32), _mm512_loadu_si512(p));
+    w[0] = _mm512_and_si512(both, nibble);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+  }
+}
+typedef __m512i q8w;
+inline q8acc q8_dot(q8acc acc, q8w w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+// t[j] = fma(dx, float(acc[j]), t[j]) for the 16 lanes of vector j, and the group's y update.
+inline void q8_block_end(float* t, const q8acc* acc, int V, float dx) {
+  const __m512 d = _mm512_set1_ps(dx);
+  for (int j = 0; j < V; ++j)
+    _mm512_storeu_ps(t + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), d, _mm512_loadu_ps(t + 16 * j)));
+}
+inline void q8_group_end(float* yrow, const float* t, const float* s, const float* c, float xs, int64_t n0, int B) {
+  const __m512 sum = _mm512_set1_ps(xs);
+  for (int j = 0; j < B; j += 16) {
+    __m512 acc = _mm512_loadu_ps(yrow + n0 + j);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(t + j), _mm512_loadu_ps(s + n0 + j), acc);
+    acc = _mm512_fmadd_ps(sum, _mm512_loadu_ps(c + n0 + j), acc);
+    _mm512_storeu_ps(yrow + n0 + j, acc);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_ISA 1
+typedef __m256i q8acc;  // 8 outputs
+typedef __m256i q8w;
+constexpr int Q8_LANES = 8;
+inline q8acc q8_zero() { return _mm256_setzero_si256(); }
+// The B / 8 code vectors of a quad, each 32-bit lane the four codes of one output (rows k..k+3):
+// byte and word interleaves of the four rows' 16-byte chunks, then the nibbles.
+template <int B>
+inline void q8_codes(const uint8_t* p, __m256i* w) {
+  constexpr int H = B / 32;  // 16-byte chunks per row
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < H; ++h) {
+    __m128i r[4];
+    for (int t = 0; t < 4; ++t) r[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * (B / 2) + 16 * h));
+    const __m128i a = _mm_unpacklo_epi8(r[0], r[1]), b = _mm_unpacklo_epi8(r[2], r[3]);
+    const __m128i c = _mm_unpackhi_epi8(r[0], r[1]), d = _mm_unpackhi_epi8(r[2], r[3]);
+    const __m256i lo = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));  // outputs 0..7
+    const __m256i hi = _mm256_set_m128i(_mm_unpackhi_epi16(c, d), _mm_unpacklo_epi16(c, d));  // outputs 8..15
+    w[2 * h] = _mm256_and_si256(lo, nibble);
+    w[2 * h + 1] = _mm256_and_si256(hi, nibble);
+    w[B / 16 + 2 * h] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble);
+    w[B / 16 + 2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble);
+  }
+}
+inline q8acc q8_dot(q8acc acc, q8w w, int32_t x4) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4));
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));  // |q * x + q * x| <= 3810
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+inline void q8_block_end(float* t, const q8acc* acc, int V, float dx) {
+  const __m256 d = _mm256_set1_ps(dx);
+  for (int j = 0; j < V; ++j)
+    _mm256_storeu_ps(t + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), d, _mm256_loadu_ps(t + 8 * j)));
+}
+inline void q8_group_end(float* yrow, const float* t, const float* s, const float* c, float xs, int64_t n0, int B) {
+  const __m256 sum = _mm256_set1_ps(xs);
+  for (int j = 0; j < B; j += 8) {
+    __m256 acc = _mm256_loadu_ps(yrow + n0 + j);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(t + j), _mm256_loadu_ps(s + n0 + j), acc);
+    acc = _mm256_fmadd_ps(sum, _mm256_loadu_ps(c + n0 + j), acc);
+    _mm256_storeu_ps(yrow + n0 + j, acc);
+  }
+}
+#endif
+
+#if defined(Q8_ISA)
+// R rows (m0..m0+R) of one B-output block nb, the codes regrouped on the fly, quad by quad in k order.
+template <int B, int R>
+void q8_block(const int8_t* xq, const float* dx, const float* xs, const uint8_t* packed, const float* s,
+              const float* c, float* y, int64_t K, int64_t N, int64_t gs, int64_t nb, int64_t m0, int64_t prefetch) {
+  constexpr int V = B / Q8_LANES;
+  const int64_t stride = B / 2, nblk = K / Q8_BLOCK, G = K / gs;
+  const uint8_t* src = packed + nb * K * stride;
+  const int64_t n0 = nb * B;
+  alignas(64) float t[R][B];
+  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
+  for (int64_t g = 0; g < G; ++g) {
+    std::memset(t, 0, sizeof(t));
+    for (int64_t b = g * (gs / Q8_BLOCK); b < (g + 1) * (gs / Q8_BLOCK); ++b) {
+      q8acc acc[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = q8_zero();
+      for (int64_t k = b * Q8_BLOCK; k < (b + 1) * Q8_BLOCK; k += 4) {
+        const uint8_t* p = src + k * stride;
+        if (prefetch) {
+          __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+          if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
+        }
+        q8w w[V];
+        q8_codes<B>(p, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4; std::memcpy(&x4, xq + (m0 + r) * K + k, 4);
+          for (int j = 0; j < V; ++j) acc[r][j] = q8_dot(acc[r][j], w[j], x4);
+        }
+      }
+      for (int r = 0; r < R; ++r) q8_block_end(t[r], acc[r], V, dx[(m0 + r) * nblk + b]);
+    }
+    for (int r = 0; r < R; ++r)
+      q8_group_end(y + (m0 + r) * N, t[r], s + g * N, c + g * N, xs[(m0 + r) * G + g], n0, B);
+  }
+}
+
+template <int B, int R>
+void q8_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp, const float* sp, const float* cp,
+             float* yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    int64_t m = 0;
+    for (; m + R <= M; m += R) q8_block<B, R>(xq, dx, xs, pp, sp, cp, yp, K, N, gs, nb, m, prefetch);
+    for (; m < M; ++m) q8_block<B, 1>(xq, dx, xs, pp, sp, cp, yp, K, N, gs, nb, m, prefetch);
+  }
+}
+
+template <int B>
+void q8_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp,
+               const float* sp, const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t gs,
+               int64_t prefetch, int64_t block_grain) {
+  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+    switch (rows_per_pass) {
+      case 1: q8_rows<B, 1>(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, b0, b1, prefetch); break;
+      case 4: q8_rows<B, 4>(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, b0, b1, prefetch); break;
+      default: q8_rows<B, 2>(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, b0, b1, prefetch); break;
+    }
+  });
+}
+#endif
+
+// The generic build (aarch64, x86-64 without AVX2): the same steps, one output at a time.
+void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp, const float* sp,
+                const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block) {
+  const int64_t half = block / 2, nblk = K / Q8_BLOCK, G = K / gs;
+  at::parallel_for(0, N, block, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t nb = n / block, j = n % block;
+      const int shift = j < half ? 0 : 4;
+      const uint8_t* col = pp + nb * K * half + (j % half);
+      for (int64_t m = 0; m < M; ++m) {
+        float y = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          float t = 0.f;
+          for (int64_t b = g * (gs / Q8_BLOCK); b < (g + 1) * (gs / Q8_BLOCK); ++b) {
+            int32_t acc = 0;
+            for (int64_t k = b * Q8_BLOCK; k < (b + 1) * Q8_BLOCK; ++k)
+              acc += int32_t((col[k * half] >> shift) & 15) * int32_t(xq[m * K + k]);
+            t = std::fma(dx[m * nblk + b], float(acc), t);
+          }
+          y = std::fma(t, sp[g * N + n], y);
+          y = std::fma(xs[m * G + g], cp[g * N + n], y);
+        }
+        yp[m * N + n] = y;
+      }
+    }
+  });
+}
+
+
+// ---- int8 codes x int8 activations: y[m, n] = s[n] * sum_b dx[m, b] * sum_{k in b} w[n, k] * xq[m, k] ---------
+// Lanes are 4-input-row groups ("quads"): a 64-input chunk c is 16 lanes, lane l summing quad 16c + l in
+// integers (exact), then f[l] = fma(float(that), dx of the lane's 32-wide block, f[l]) chunk by chunk;
+// at the end the 16 lanes are added in lane order and multiplied by s[n]. The AVX512-VNNI build makes
+// the unsigned operand of vpdpbusd as w + 128 (w xor 0x80) and starts each lane at -128 * its quad's
+// sum of xq; the AVX2 build multiplies |w| by xq with w's sign (vpmaddubsw, at most 2 * 128 * 127 per
+// pair: no saturation), then vpmaddwd: the same integers, the same float steps, the same bits.
+// xq, dl (float32 [M, K / 4]: each quad's block scale) and nc (int32 [M, K / 4]: -128 * each quad's sum).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8Q8_ISA 2
+template <int R, int NB>
+inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s,
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+  __m512 f[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) f[r][j] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 bytes = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    const __mmask16 lanes = K - k >= 64 ? __mmask16(0xFFFF) : __mmask16((1u << ((K - k) / 4)) - 1);
+    __m512i u[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* p = w + (n + j) * K + k;
+      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      u[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, p), flip);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512i xv = _mm512_maskz_loadu_epi8(bytes, xq + m * K + k);
+      const __m512i cv = _mm512_maskz_loadu_epi32(lanes, nc + m * (K / 4) + k / 4);
+      const __m512 dv = _mm512_maskz_loadu_ps(lanes, dl + m * (K / 4) + k / 4);
+      for (int j = 0; j < NB; ++j)
+        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, u[j], xv)), dv, f[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      alignas(64) float lane[16];
+      _mm512_store_ps(lane, f[r][j]);
+      float t = 0.f;
+      for (int l = 0; l < 16; ++l) t += lane[l];
+      y[(m0 + r) * N + n + j] = t * s[n + j];
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define I8Q8_ISA 1
+template <int R, int NB>
+inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t*, const float* s,
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+  __m256 f[R][NB][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) f[r][j][0] = f[r][j][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 64) {
+    const int halves = K - k >= 64 ? 2 : 1;
+    for (int h = 0; h < halves; ++h) {
+      __m256i a[NB], sgn[NB];
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* p = w + (n + j) * K + k + 32 * h;
+        if (prefetch && h == 0) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+        sgn[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        a[j] = _mm256_sign_epi8(sgn[j], sgn[j]);  // |w| (-128 stays 0x80: 128 unsigned)
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k + 32 * h));
+        const __m256 dv = _mm256_loadu_ps(dl + m * (K / 4) + k / 4 + 8 * h);
+        for (int j = 0; j < NB; ++j) {
+          const __m256i pairs = _mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xv, sgn[j]));
+          const __m256i quads = _mm256_madd_epi16(pairs, ones);
+          f[r][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads), dv, f[r][j][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      alignas(32) float lane[16];
+      _mm256_store_ps(lane, f[r][j][0]);
+      _mm256_store_ps(lane + 8, f[r][j][1]);
+      float t = 0.f;
+      for (int l = 0; l < 16; ++l) t += lane[l];
+      y[(m0 + r) * N + n + j] = t * s[n + j];
+    }
+}
+#endif
+
+#if defined(I8Q8_ISA)
+template <int R>
+void i8q8_rows(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t prefetch) {
+  constexpr int NB = 4;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    int64_t m = 0;
+    for (; m + R <= M; m += R) i8q8_tile<R, NB>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+    for (; m < M; ++m) i8q8_tile<1, NB>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) i8q8_tile<1, 1>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+}
+#endif
+
+// The generic build: the same lanes and steps, one output at a time.
+void i8q8_generic(const int8_t* w, const int8_t* xq, const float* dl, const float* s, float* y, int64_t M, int64_t K,
+                  int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float f[16] = {0.f};
+        for (int64_t q = 0; q < K / 4; ++q) {
+          int32_t acc = 0;
+          for (int t = 0; t < 4; ++t) acc += int32_t(w[n * K + 4 * q + t]) * int32_t(xq[m * K + 4 * q + t]);
+          f[q % 16] = std::fma(float(acc), dl[m * (K / 4) + q], f[q % 16]);
+        }
+        float t = 0.f;
+        for (int l = 0; l < 16; ++l) t += f[l];
+        y[m * N + n] = t * s[n];
+      }
+  });
+}
+
+// x's int8 form for the int8 kernel: xq, dl and nc as above (q8_quantize's rounding, one group = K).
+void i8q8_prepare(const float* x, int8_t* xq, float* dl, int32_t* nc, int64_t M, int64_t K) {
+  std::vector<float> dx(K / Q8_BLOCK), xs(1);
+  for (int64_t m = 0; m < M; ++m) {
+    q8_quantize(x + m * K, xq + m * K, dx.data(), xs.data(), 1, K, K);
+    for (int64_t q = 0; q < K / 4; ++q) {
+      dl[m * (K / 4) + q] = dx[q / 8];
+      int32_t sum = 0;
+      for (int t = 0; t < 4; ++t) sum += xq[m * K + 4 * q + t];
+      nc[m * (K / 4) + q] = -128 * sum;
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), x rounded to int8 per
+// 32-wide block first (cpu_native_q8_src.py: the arithmetic). s, c float32 [K / gs, N], W = q * s + c;
+// gs a multiple of 32. block, rows_per_pass (1, 2 or 4), prefetch and block_grain as int4pack_mm's:
+// none of the last three changes a bit of the result.
+torch::Tensor int4_q8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
+                         int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  check_block(block, N);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(gs > 0 && gs % Q8_BLOCK == 0 && K % gs == 0, "group size ", gs, " must be a multiple of 32 dividing K=", K);
+  const int64_t G = K / gs, M = x.size(0);
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
+              c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto dx_t = torch::empty({M, K / Q8_BLOCK}, x.options());
+  auto xs_t = torch::empty({M, G}, x.options());
+  int8_t* xq = xq_t.data_ptr<int8_t>();
+  float* dx = dx_t.data_ptr<float>();
+  float* xs = xs_t.data_ptr<float>();
+  q8_quantize(x.data_ptr<float>(), xq, dx, xs, M, K, gs);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(Q8_ISA)
+  if (block == 64)
+    q8_blocks<64>(rows_per_pass, xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, prefetch, block_grain);
+  else
+    q8_blocks<32>(rows_per_pass, xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, prefetch, block_grain);
+#else
+  q8_generic(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, block);
+#endif
+  return y;
+}
+
+// The same product through the generic loops whatever the build (tests compare the builds' bits).
+torch::Tensor int4_q8_mm_generic(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
+                                 int64_t block) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  check_block(block, N);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(), "bad x");
+  TORCH_CHECK(gs > 0 && gs % Q8_BLOCK == 0 && K % gs == 0 && s.numel() == (K / gs) * N && c.numel() == s.numel(),
+              "bad group size or scales");
+  const int64_t M = x.size(0), G = K / gs;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto dx_t = torch::empty({M, K / Q8_BLOCK}, x.options());
+  auto xs_t = torch::empty({M, G}, x.options());
+  q8_quantize(x.data_ptr<float>(), xq_t.data_ptr<int8_t>(), dx_t.data_ptr<float>(), xs_t.data_ptr<float>(), M, K, gs);
+  q8_generic(xq_t.data_ptr<int8_t>(), dx_t.data_ptr<float>(), xs_t.data_ptr<float>(), packed.data_ptr<uint8_t>(),
+             s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K, N, gs, block);
+  return y;
+}
+
+// Which integer dot product this build has for int4_q8_mm: 2 AVX512-VNNI (with VBMI byte permutes),
+// 1 AVX2 (AVX-VNNI where the CPU has it, else vpmaddubsw + vpmaddwd), 0 the generic loops (correct,
+// not fast: cpu_act_int8 keeps exact activations there unless asked).
+int64_t int4_q8_isa() {
+#if defined(Q8_ISA)
+  return Q8_ISA;
+#else
+  return 0;
+#endif
+}
+
+// x [M, K] float32 @ (w [N, K] int8 * s [N] float32)^T with x rounded to int8 per 32-wide block (K a
+// multiple of 32); rows_per_pass 1, 2 or 4 and prefetch change no bit of the result.
+torch::Tensor int8_q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch, int64_t rows_per_pass,
+                           bool generic) {
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.dim() == 2, "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % Q8_BLOCK == 0, "K=", K, " must be a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, ", K, "]");
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N, "s must be float32 [N]");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto dl_t = torch::empty({M, K / 4}, x.options());
+  auto nc_t = torch::empty({M, K / 4}, x.options().dtype(torch::kInt));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int8_t* xq = xq_t.data_ptr<int8_t>();
+  float* dl = dl_t.data_ptr<float>();
+  int32_t* nc = nc_t.data_ptr<int32_t>();
+  i8q8_prepare(x.data_ptr<float>(), xq, dl, nc, M, K);
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(I8Q8_ISA)
+  if (!generic) {
+    at::parallel_for(0, N / 4, 16, [&](int64_t b0, int64_t b1) {
+      const int64_t n1 = b1 == N / 4 ? N : 4 * b1;  // the last task takes N % 4 too
+      switch (rows_per_pass) {
+        case 1: i8q8_rows<1>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+        case 4: i8q8_rows<4>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+        default: i8q8_rows<2>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;
+      }
+    });
+    if (N < 4) i8q8_rows<1>(wp, xq, dl, nc, sp, yp, M, K, N, 0, N, prefetch);
+    return y;
+  }
+#endif
+  i8q8_generic(wp, xq, dl, sp, yp, M, K, N);
+  return y;
+}
+
+int64_t int8_q8_isa() {
+#if defined(I8Q8_ISA)
+  return I8Q8_ISA;
+#else
+  return 0;
+#endif
+}
+"""
+
+FUNCTIONS = ["int4_q8_mm", "int4_q8_mm_generic", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
