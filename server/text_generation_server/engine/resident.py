@@ -261,12 +261,40 @@ def prefault_weights(model: torch.nn.Module) -> int:
     return sum(e - s for s, e in runs)
 
 
+# A transparent huge page (x86-64, arm64 with 4 KiB pages): the lazily zeroed KV cache asks for them
+# (kernels/lazy_zeros.py), so its first write into each 2 MiB of a layer's cache zero-fills all of it.
+HUGE_PAGE = 2 * MIB
+
+
+def prefault_first_blocks(kv_tensors: list[torch.Tensor], first_block: int = 1,
+                          nbytes: int = HUGE_PAGE) -> int:
+    """Writes the KV cache's first blocks (zeros over zeros: nothing changes for a reader) so that
+    their pages are resident; returns the bytes written.
+
+    Why: the CPU KV cache is lazily zeroed memory in huge pages, and the router hands blocks out
+    from `first_block` upwards (router/block_pool.py). The first request after warmup would
+    otherwise be the one to fault in, and zero, the first huge page of every layer's keys and
+    values (2 x layers x 2 MiB: 112 MiB on a 28-layer model) inside its prefill. Warmup pays it
+    instead; later requests meet a fresh huge page only once every `nbytes` of a layer's cache,
+    as any warm request does. Tensors are [num_blocks, ...], blocks first."""
+    written = 0
+    for tensor in kv_tensors:
+        if tensor.device.type != "cpu" or tensor.dim() == 0 or tensor.shape[0] <= first_block:
+            continue
+        block_bytes = tensor[0].numel() * tensor.element_size()
+        blocks = min(tensor.shape[0] - first_block, max(1, -(-nbytes // max(block_bytes, 1))))
+        tensor[first_block:first_block + blocks].zero_()
+        written += blocks * block_bytes
+    return written
+
+
 def settle(model: torch.nn.Module, kv_bytes: int, device: torch.device,
            kv_tensors: list[torch.Tensor] | None = None) -> ResidentMemory:
-    """After warmup: maps the weights in, lets go of what is neither weights nor cache, and logs
-    what stays."""
+    """After warmup: maps the weights and the KV cache's first blocks in (what the first request
+    would otherwise fault in), lets go of what is neither weights nor cache, and logs what stays."""
     if device.type == "cpu":
         prefault_weights(model)
+        prefault_first_blocks(kv_tensors or [])
     before = read_resident()
     released = release_checkpoint_pages()
     trim_heap()
