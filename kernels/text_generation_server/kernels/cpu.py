@@ -259,6 +259,19 @@ class CpuInt4PackKernel(QuantKernel):
                               act_dtype, in_features=k)
 
 
+def _int8_activation_refusal(spec: LinearSpec, *kind: str) -> str:
+    """Why the int8-activation variant of a layer kernel may not run ("" when it may): the
+    --cpu-int8-activations policy for this build and weight kind, and bfloat16 compute."""
+    module = cpu_native.native()
+    cpu_act_int8.announce(module)
+    use, why = cpu_act_int8.decision(module, *kind)
+    if not use:
+        return why
+    if _compute_dtype(spec.act_dtype) != torch.bfloat16:
+        return "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+    return ""
+
+
 class CpuInt4PackQ8Kernel(CpuInt4PackKernel):
     """The int4 layer with activations rounded to int8 per 32-wide block and integer dot products
     (llama.cpp's Q8_0 scheme; kernels/cpu_act_int8.py): a policy, `--cpu-int8-activations`."""
@@ -270,13 +283,9 @@ class CpuInt4PackQ8Kernel(CpuInt4PackKernel):
         ok, reason = super().can_implement(spec)
         if not ok:
             return ok, reason
-        module = cpu_native.native()
-        cpu_act_int8.announce(module)
-        use, why = cpu_act_int8.decision(module)
-        if not use:
-            return False, why
-        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
-            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        refusal = _int8_activation_refusal(spec)
+        if refusal:
+            return False, refusal
         block = cpu_native.int4_block()
         if block is None or spec.out_features % block:
             return False, f"out_features {spec.out_features} not whole {block or 64}-output blocks of torch's int4 layout"
@@ -447,13 +456,9 @@ class CpuInt8Q8Kernel(CpuInt8Kernel):
         ok, reason = super().can_implement(spec)
         if not ok:
             return ok, reason
-        module = cpu_native.native()
-        cpu_act_int8.announce(module)
-        use, why = cpu_act_int8.decision(module, "int8")
-        if not use:
-            return False, why
-        if _compute_dtype(spec.act_dtype) != torch.bfloat16:
-            return False, "runs bfloat16 compute only (kernels/cpu.py VIA_BF16)"
+        refusal = _int8_activation_refusal(spec, "int8")
+        if refusal:
+            return False, refusal
         if spec.in_features % cpu_act_int8.BLOCK:
             return False, f"in_features {spec.in_features} not a multiple of {cpu_act_int8.BLOCK}"
         return True, ""

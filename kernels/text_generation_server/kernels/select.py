@@ -410,7 +410,9 @@ def build_linear(weight: LinearWeight, bias: torch.Tensor | None, act_dtype: tor
         if plain is None:
             raise
         if _once(("plain", layer, spec.weight_format, spec.bits, spec.group_size)):
-            logger.info("{}{} not used, dense kernels instead ({})", where, weight.structure, exc)  # type: ignore[attr-defined]
+            # The plain form: dense for a 2:4 weight, the decoded blocks for a GGUF K-quant kept as stored.
+            logger.info("{}{} not used, its plain form instead ({})", where, weight.structure,  # type: ignore[attr-defined]
+                        exc)
         return build_linear(plain, bias, act_dtype, device_type, layer)
     check_dense_fallback(spec, kernel, rejected, layer)
     subject = weight.describe_layer(spec, kernel)
