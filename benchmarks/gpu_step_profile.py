@@ -71,7 +71,8 @@ def sync(device: str) -> None:
 
 def timed_steps(lm, batch_size: int, args: argparse.Namespace) -> dict:
     """Median host wall per decode step and device time per forward, graph or eager as loaded."""
-    batch = lm.make_batch(0, requests_for(batch_size, args.prompt_tokens, args.steps + args.warm_steps, args.vocab))
+    # + 2: the prefill makes the first token, and the last step must not end the batch
+    batch = lm.make_batch(0, requests_for(batch_size, args.prompt_tokens, args.steps + args.warm_steps + 2, args.vocab))
     _, batch, _ = lm.generate_token(batch)  # prefill
     for _ in range(args.warm_steps):
         _, batch, _ = lm.generate_token(batch)

@@ -54,7 +54,8 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
-    STEP, StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, scrape_steps, steps_delta,
+    STEP, StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio, scrape_steps,
+    steps_delta,
 )
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
@@ -281,10 +282,6 @@ async def measure(args: argparse.Namespace, ours: InProcess, servers: list[Serve
     return streamed, broken
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{b / a:.2f}x" if a and b is not None else "n/a"
-
-
 async def amain(args: argparse.Namespace) -> int:
     from text_generation_server.engine.standin import StandinStats
 
@@ -357,7 +354,7 @@ async def amain(args: argparse.Namespace) -> int:
                                 "r" * (2 + len(SERVED_COLUMNS))),
                   "", f"`{served.label}` / `serve` (below 1: less host time):", "",
                   *md_table(("batch", "X nominal µs", "served inter-token", "exposed host", "host CPU per step"),
-                            [[str(b), str(w), *(ratio(cells.median((b, w), name), cells.median((b, w, index), name))
+                            [[str(b), str(w), *(ratio(cells.median((b, w, index), name), cells.median((b, w), name))
                                                 for name in ("served inter-token µs", "exposed host µs",
                                                              "host CPU per step µs"))]
                              for w in waits for b in batches], "rrrrr")]

@@ -1,15 +1,17 @@
 """`serve --shard-in-process`: the one rank's model inside the launcher's process, driven by the
 router through direct calls of the shard service instead of gRPC over a unix socket.
 
-Why: on a CPU the router-to-rank hop is most of a decode step's host time. With the model
-replaced by canned logits (benchmarks/host_overhead.py), the router's scheduler driving the
-shard service in one process stepped a batch of 1 in ~0.3 ms, 8 in ~0.5 ms and 64 in ~2.5 ms;
-through the two processes and their gRPC stream it took ~1.0, ~1.8 and ~8.9 ms (BENCHMARKS.md,
-"Host overhead"). What the hop costs is the Python gRPC machinery on both sides, the protobuf
-encoding and decoding, and the thread hops in and out of the rank's event loop; what the two
-processes buy is that the router and the model's host work run on two cores and that a fault in
-the model does not take the client port with it. A rank serves the same service either way: the
-messages, the step logic, decode ahead, warmup and the kernels are the same code.
+Why: with a short forward the router-to-rank hop is a large part of a decode step's host time.
+With the model replaced by canned logits (benchmarks/host_overhead.py --compare-server-args=
+--shard-in-process, BENCHMARKS.md "The rank inside the router's process"), a batch-1 step took
+0.52 ms in one process against 1.07 ms over the rank's gRPC stream. At batch 8 and 64 it gained
+nothing: the client API's per-message gRPC work paces those steps, and in one process the
+router's event loop and the model thread's Python share the GIL, so decode ahead overlaps less.
+What the hop costs is the Python gRPC machinery on both sides, protobuf encoding and decoding,
+and the thread hops in and out of the rank's event loop; what two processes buy is two cores for
+that host work, and a launcher that survives its rank long enough to say how it died (an OOM
+kill, say). A rank serves the same service either way: the messages, the step logic, decode
+ahead, warmup and the kernels are the same code.
 
 Only one rank: tensor-parallel ranks each need their own process (`ServeArgs.validate` refuses
 --shard-in-process with --num-shard > 1 and with --shard-only).
@@ -65,8 +67,7 @@ class LocalShardClient:
         return False
 
     async def close(self) -> None:
-        self.service._executor.shutdown(wait=False, cancel_futures=True)
-        self.service._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.service.close()
 
     async def info(self) -> pb.InfoResponse:
         return await self._call("Info", pb.InfoRequest())
@@ -108,11 +109,9 @@ class LocalShardClient:
         return await self._call("Warmup", request)
 
     async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
-        # Our router's Prefill (each refused request answered alone), as ShardClient.prefill_request builds it.
-        request = pb.PrefillRequest(batch=batch, per_request_errors=True)
-        if cached is not None:
-            request.cached_batch.CopyFrom(cached)
-        return await self._call("Prefill", request)
+        from text_generation_server.router.client import ShardClient
+
+        return await self._call("Prefill", ShardClient.prefill_request(batch, cached))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return await self._call("Decode", pb.DecodeRequest(batches=batches))

@@ -444,8 +444,7 @@ class ServeArgs:
     )
     shard_in_process: bool = setting(  # launcher/in_process.py: no gRPC hop between router and rank
         False, "Run the one rank's model inside the router's process (one rank only): a decode step skips the "
-        "gRPC hop between them, most of its host time on a CPU; a fault in the model then stops the client "
-        "port too.",
+        "gRPC hop between them (half a batch-1 step's host time on a CPU; nothing at large batches).",
     )
     # -- the HTTP APIs (router/http/): OpenAI's and TGI's, beside the gRPC API on the same scheduler,
     # behind the same API keys and TLS files

@@ -151,6 +151,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         finally:
             self.busy_since = None
 
+    def close(self) -> None:
+        """Lets go of the model thread and the tokenizer pool (queued work is dropped): the service's end."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
     async def _run(self, fn, *args):
         """Runs `fn` on the model thread; raises its failure as a ShardError with a clear message.
 
@@ -617,8 +622,7 @@ async def serve_shard(
         await stop.wait()
     finally:
         await server.stop(grace=1.0)
-        service._executor.shutdown(wait=False, cancel_futures=True)
-        service._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        service.close()
         try:
             Path(path).unlink()
         except FileNotFoundError:
