@@ -240,6 +240,10 @@ class _Launch:
             finish_startup()
             logger.error("cannot start: {}", exc)
             return 2
+        except Exception as exc:  # noqa: BLE001: what a rank process would die of, reported as its exit is
+            finish_startup()
+            logger.opt(exception=exc).error("the rank failed while loading: {}: {}", type(exc).__name__, exc)
+            return 1
         if self.shutdown.is_set():
             finish_startup()
             logger.info("stopped during startup")
