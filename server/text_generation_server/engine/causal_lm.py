@@ -9,13 +9,19 @@ KV blocks assigned and given back, by `BatchBuilder` (engine/batch_builder.py); 
 prefill-shaped step's tokens are laid out by engine/prefill.py. A decode step's inputs go up in
 one copy and what the step needs back comes down in one transfer (engine/readback.py); a batch
 of greedy rows is chosen with the forward (in its CUDA graph when one serves it), so its step
-issues a handful of launches and one sync (tests/test_step_budget.py).
+issues a handful of launches and one sync (tests/test_step_budget.py). With decode graphs on CUDA,
+such a step also launches its successor as soon as its tokens are on the host (`LaunchedStep`,
+tests/test_launch_ahead.py): the device computes step N+1 while the host detokenizes, checks
+stopping and answers for step N, and the next `generate_token` takes it if its batch is the same
+rows as they now stand (rows finished and filtered out in between are skipped).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -30,7 +36,7 @@ from text_generation_server.layers.attention import AttentionMetadata, Attention
 from text_generation_server.layers.attention_backends import choose_attention_backend, log_choice
 from text_generation_server.engine.batch import Batch, BlockAllocator, RequestState
 from text_generation_server.engine.batch_builder import BatchBuilder
-from text_generation_server.engine.cuda_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
+from text_generation_server.engine.cuda_graphs import PAD_SLOT, CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from text_generation_server.engine.prefill import PromptSpan, advance_prompts, flatten_step, plan_chunks
 from text_generation_server.engine.readback import DeviceClock, Readback, UploadBuffer, to_host, unpack_choices
 from text_generation_server.engine.types import (
@@ -44,6 +50,35 @@ from text_generation_server.engine.types import (
 from text_generation_server.quantizers.dist import ProcessGroup
 from text_generation_server.engine.warmup import run_warmup
 from text_generation_server.models.adapters import AdapterSlots
+
+LAUNCH_AHEAD_ENV = "TGS_LAUNCH_AHEAD"  # "0": never enqueue a decode step before the last one's host work
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step enqueued on the device before the host did the step before it (launch ahead).
+
+    The outputs are views of the decode graphs' static buffers: the next replay overwrites them, so
+    a launched step is good only for the next `generate_token`, which takes it or drops it."""
+
+    request_ids: list[int]
+    lengths: list[int]  # each row's sequence length with the step's input token (0: a row left out)
+    inputs: list[int]  # each row's input token
+    tokens: torch.Tensor  # [rows] greedy ids (device)
+    picked: torch.Tensor  # [rows, 2] (id, logprob) pairs (device)
+    forward_ns: int = 0  # the launch's own time where the device is the host (a CPU emulating graphs)
+
+    def rows_for(self, batch: Batch) -> list[int] | None:
+        """Where each of the batch's rows sits in this step, or None when a row was not launched as
+        the batch now stands (another length or token: the batch moved on another way)."""
+        where = {rid: i for i, rid in enumerate(self.request_ids)}
+        rows = []
+        for state in batch.states:
+            i = where.get(state.request.id)
+            if i is None or self.lengths[i] != state.length or self.inputs[i] != state.last_token:
+                return None
+            rows.append(i)
+        return rows
 
 
 class CausalLM:
@@ -109,6 +144,17 @@ class CausalLM:
         self.readback = Readback(device)
         self.clock = DeviceClock(device)  # the forward's own time, reported as forward_ns
         self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
+        # Launch ahead (decode graphs on CUDA): once a greedy step's tokens are on the host, the next
+        # step is enqueued at once, and the Python work of this one (detokenizing, stopping, the
+        # answer, the shard's decode ahead) runs while the device computes it. Not on a CPU, where
+        # a launch is the forward itself and would only delay this step's answer.
+        self.launch_ahead = device.type == "cuda" and os.environ.get(LAUNCH_AHEAD_ENV, "1") not in ("0", "false", "no")
+        self._launched: LaunchedStep | None = None
+        self._launched_rows: UploadBuffer | None = None  # rows taken from a launched step (a filtered batch)
+        self.launched_taken = 0  # launched steps a decode step used, and dropped ones (logs, benchmarks, tests)
+        self.launched_dropped = 0
+        self.last_device_ns = 0  # the last step's forward on the device (DeviceClock), for benchmarks
+        self._launch_logged = False
         self.adapters: AdapterSlots | None = None  # LoRA slots (models/adapters.py enable_lora); None: off
         layout = self.kv_layout
         spec = AttentionSpec(
@@ -170,6 +216,7 @@ class CausalLM:
         """Lets go of the KV cache and of the graphs captured against it (warmup sizes a new one)."""
         if self.graphs is not None:
             self.graphs.release()  # captured against this cache; buffers and pool stay
+        self._launched = None
         self.kv_cache = None
         self.builder.allocator = None
 
@@ -231,22 +278,30 @@ class CausalLM:
         up to 1 + speculate of them); requests still prefilling compute their next prompt chunk and
         get a token only with their last one."""
         start = time.perf_counter_ns()
+        # A step launched ahead is good for this call only: any other forward overwrites its outputs.
+        launched, self._launched = self._launched, None
         # Grammar rows' masks fill on the compiler's worker while the forward runs.
         masks = self.builder.grammar_masks(batch.chooser)
-        self.clock.start()
-        chosen = None
-        try:
-            proposals = self._proposals(batch)
-            if batch.prefilling or proposals or (self._rope_switch is not None and
-                                                 any(map(self._recomputes, batch.states))):
-                logits, emit, prompt_spans, speculative = self._prefill_forward(batch, proposals)
-            else:
-                (logits, chosen), emit, prompt_spans, speculative = self._decode_forward(batch), None, [], None
-        except BaseException:
-            if masks is not None:
-                masks.done()  # the worker must let go of the matchers before anyone else steps them
-            raise
-        self.clock.stop()
+        taken = self._take_launched(launched, batch, masks is None) if launched is not None else None
+        chosen = picked_rows = None
+        if taken is not None:
+            # Its forward ran (or runs) on the device already; the clock holds its times.
+            chosen, picked_rows = taken
+            logits, emit, prompt_spans, speculative = None, None, [], None
+        else:
+            self.clock.start()
+            try:
+                proposals = self._proposals(batch)
+                if batch.prefilling or proposals or (self._rope_switch is not None and
+                                                     any(map(self._recomputes, batch.states))):
+                    logits, emit, prompt_spans, speculative = self._prefill_forward(batch, proposals)
+                else:
+                    (logits, chosen), emit, prompt_spans, speculative = self._decode_forward(batch), None, [], None
+            except BaseException:
+                if masks is not None:
+                    masks.done()  # the worker must let go of the matchers before anyone else steps them
+                raise
+            self.clock.stop()
 
         emitting = batch.states if emit is None else [batch.states[i] for i in emit]
         top_n = [s.request.top_n_tokens for s in emitting]
@@ -257,8 +312,13 @@ class CausalLM:
             next_ids, pairs = chosen
             self._append(batch, next_ids)
             next_list, chosen_logprobs = unpack_choices(self.readback.fetch(pairs))
+            if picked_rows is not None:  # a launched step ran rows this batch no longer has
+                next_list = [next_list[i] for i in picked_rows]
+                chosen_logprobs = [chosen_logprobs[i] for i in picked_rows]
             tops = None
             prompt_lps: list[list[float]] = []
+            device_ns = self.clock.elapsed_ns()  # read before the launch below restarts the clock
+            self._launched = self._launch_next(batch, next_list)
         else:
             if self._text_vocab < logits.shape[-1]:
                 logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
@@ -298,7 +358,10 @@ class CausalLM:
         end = time.perf_counter_ns()
         # The forward's device time (the readback above waited for it): on CUDA what the GPU spent,
         # not the host's time to enqueue it; the rest of the step's wall time is the host's.
-        forward_ns = min(self.clock.elapsed_ns(), end - start)
+        if chosen is None:
+            device_ns = self.clock.elapsed_ns()
+        self.last_device_ns = device_ns  # unclamped: a launched forward may have run before this call began
+        forward_ns = min(device_ns, end - start)
         timings = StepTimings(forward_ns=forward_ns, decode_ns=end - start - forward_ns, total_ns=end - start)
         return generations, (None if all_stopped else batch), timings
 
@@ -506,6 +569,70 @@ class CausalLM:
         logits = self.model(input_ids, positions_t, self.kv_cache, meta)
         return logits, (self._greedy_choice(logits) if greedy else None)
 
+    def _launch_next(self, batch: Batch, next_ids: list[int]) -> LaunchedStep | None:
+        """Enqueues the decode step that follows this one from the graph serving it, before this
+        step's host work, so the device never waits for that work (what SGLang's overlap scheduler
+        does; issue #31). Only a plain greedy decode qualifies: its inputs are known once the tokens
+        are (position, slot and length follow from each row's length). Rows this token ends by
+        length are padding rows (their next slot lies past their blocks); rows ending by EOS or a
+        stop sequence still run, and the batch that takes the step leaves them out: one row-step
+        of device work, not a wait. None when the step cannot be launched so; the next
+        `generate_token` then runs it as usual."""
+        graphs = self.graphs
+        if not self.launch_ahead or graphs is None or self._speculate or self._rope_switch is not None:
+            return None
+        states = batch.states
+        if len(states) > graphs.buckets[-1]:
+            return None
+        block_size = self.block_size
+        tokens, positions, slots, lengths = [], [], [], []
+        for state, token in zip(states, next_ids):
+            position = state.length  # the new token's position
+            slot = -1 if state.finished or state.stopping.current_tokens + 1 >= state.stopping.max_new_tokens \
+                else state.slot(position, block_size)
+            if slot < 0:
+                tokens.append(0), positions.append(0), slots.append(PAD_SLOT), lengths.append(0)
+            else:
+                tokens.append(token), positions.append(position), slots.append(slot), lengths.append(position + 1)
+        max_len = max(lengths)
+        if max_len == 0 or not graphs.fits(max_len):
+            return None
+        self._route(states, [1] * len(states), graph=True)
+        self.clock.start()
+        replayed = graphs.run(self.kv_cache, (tokens, positions, slots, lengths), batch.block_tables, max_len)
+        self.clock.stop()
+        if replayed is None:
+            return None
+        _, ids, picked = replayed
+        return LaunchedStep(request_ids=batch.request_ids, lengths=lengths, inputs=tokens, tokens=ids, picked=picked)
+
+    def _take_launched(self, launched: LaunchedStep, batch: Batch, plain: bool
+                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int] | None] | None:
+        """The launched step's (ids, pairs) for `batch`, and which of the pairs are the batch's
+        rows (None: all, in order), when the batch is a plain greedy decode (`plain`: no grammar
+        masks) of rows the step ran as they now stand; None otherwise (the step is dropped, and this
+        one runs its own forward)."""
+        rows = None
+        if plain and not (batch.prefilling or self._speculate or not batch.chooser.greedy_only
+                          or any(s.request.top_n_tokens for s in batch.states)):
+            rows = launched.rows_for(batch)
+        if rows is None:
+            self.launched_dropped += 1
+            return None
+        self.launched_taken += 1
+        count = len(rows)
+        if rows == list(range(len(launched.request_ids))):
+            return (launched.tokens, launched.picked), None
+        if rows == list(range(count)):
+            return (launched.tokens[:count], launched.picked), rows
+        # Rows left the batch (finished and filtered): the ids of the kept ones, gathered on the device
+        # with an index that goes up like the step's inputs (no synchronous torch.tensor(list)).
+        if self._launched_rows is None or self._launched_rows.tensor.shape[1] < count:
+            self._launched_rows = UploadBuffer((1, max(8, 1 << (count - 1).bit_length())), torch.long, self.device)
+        self._launched_rows.host()[0, :count] = rows
+        self._launched_rows.push()
+        return (launched.tokens.index_select(0, self._launched_rows.rows(count)[0]), launched.picked), rows
+
     def _greedy_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_choice` over the ids the tokenizer can decode (a padded vocabulary's tail is
         never chosen)."""
@@ -551,10 +678,15 @@ class CausalLM:
                 self._graph_capturer = CudaGraphCapturer(self.device)
             graphs = DecodeGraphs(buckets, max_total_tokens, self.block_size, self.device, self._graph_capturer)
         self.graphs = None  # not replayed while it captures (the probe forward runs eagerly)
+        self._launched = None
         if self.adapters is not None:
             self.adapters.routing.capture()  # every LoRA hook captures its per-row path
         grown = graphs.capture(self.model, self.kv_cache, self.attention, choose=self._greedy_choice)
         self.graphs = graphs
+        if self.launch_ahead and self.process_group.rank == 0 and not self._launch_logged:
+            self._launch_logged = True
+            logger.info("launch ahead: a greedy decode step's successor is enqueued from its graph before the "
+                        "step's host work ({}=0 turns it off)", LAUNCH_AHEAD_ENV)
         return grown
 
     # -- warmup ----------------------------------------------------------------
