@@ -1,4 +1,4 @@
-"""Launch ahead (engine/causal_lm.py): a greedy decode step's successor is enqueued from its graph as
+"""Launch ahead (engine/causal_lm.py): a decode step's successor is enqueued from its graph as
 soon as the step's tokens are on the host, before the step's Python work, and the next
 `generate_token` takes it when its batch is the rows it ran, as they now stand.
 
@@ -104,6 +104,31 @@ def test_rows_ending_by_eos_and_stop_sequences_are_left_out_of_the_launched_step
     assert lm.launched_taken > 0
 
 
+def test_rows_that_sample_or_ask_for_top_n_choose_from_the_launched_logits(folder):
+    """Seeded sampling with processors, and top-n alternatives: the chooser runs on the launched
+    step's logits when a batch takes it, so random streams advance only for steps taken, and a
+    seed gives the tokens of steps run one by one."""
+
+    def requests():
+        out = []
+        for rid, (new, top_n, seed) in enumerate([(9, 0, 11), (5, 3, None), (12, 0, 5), (7, 2, 9)]):
+            sampling = SamplingParams() if seed is None else SamplingParams(
+                do_sample=True, seed=seed, temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.2)
+            out.append(GenerationRequest(id=rid, inputs="", input_ids=request(rid, 5 + rid, new).input_ids,
+                                         max_new_tokens=new, ignore_eos_token=True, sampling=sampling, top_n_tokens=top_n))
+        return out
+
+    want = graphed(folder, ahead=False).generate(requests())
+    lm = graphed(folder)
+    got = lm.generate(requests())
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        for gs, ws in zip(g.steps, w.steps):
+            assert gs.tokens.logprobs == pytest.approx(ws.tokens.logprobs, abs=1e-5)
+            assert [t.ids for t in gs.top_tokens] == [t.ids for t in ws.top_tokens]
+    assert lm.launched_taken >= 8 and lm.launched_dropped == 0
+
+
 def test_a_batch_that_moved_on_drops_the_launch_and_steps_on_its_own(folder):
     """Newcomers merged in (a prefill-shaped step), a sampled row, and a fork that kept a row the
     launch left out: each drops the launched step, whose K/V writes the later steps overwrite."""
@@ -113,9 +138,9 @@ def test_a_batch_that_moved_on_drops_the_launch_and_steps_on_its_own(folder):
         batch = rec.steps(lm.make_batch(0, [request(0, 6, 20), request(1, 9, 20)]), 3)
         newcomers = rec.step(lm.make_batch(1, [request(5, 7, 20)]))  # drops the launch of batch 0
         batch = rec.steps(Batch.concatenate([batch, newcomers]), 3)
-        sampled = rec.step(lm.make_batch(2, [request(7, 5, 20, seed=3)]))  # not greedy: drops again
-        batch = rec.steps(Batch.concatenate([batch, sampled]), 2)
-        batch = rec.steps(lm.filter(batch, [0, 1, 5]), 3)  # greedy again: launches resume
+        sampled = rec.step(lm.make_batch(2, [request(7, 5, 20, seed=3)]))  # another prefill: drops again
+        batch = rec.steps(Batch.concatenate([batch, sampled]), 2)  # a sampled row: launches go on
+        batch = rec.steps(lm.filter(batch, [0, 1, 5]), 3)
         # The shard's decode ahead: the next step runs on a fork of the batch, and is taken there.
         fork = batch.fork(batch.request_ids)
         fork = rec.steps(fork, 2)
@@ -184,7 +209,8 @@ def test_a_launch_fits_a_batch_only_at_the_lengths_and_tokens_it_ran(folder):
     pairs = torch.zeros(2, 2, dtype=torch.float64)
 
     def launched(lengths, inputs, request_ids=(0, 1)):
-        return LaunchedStep(request_ids=list(request_ids), lengths=lengths, inputs=inputs, tokens=ids, picked=pairs)
+        return LaunchedStep(request_ids=list(request_ids), lengths=lengths, inputs=inputs, logits=pairs, tokens=ids,
+                            picked=pairs)
 
     now = [s.length for s in states]
     last = [s.last_token for s in states]
@@ -233,7 +259,7 @@ def test_the_shard_with_decode_ahead_gives_the_same_tokens_and_kv_pool(folder):
         return driver, lm
 
     for merge in (False, True):
-        for arrivals, least in ((greedy, 8), (scenario, 0)):  # scenario: test_decode_ahead's, sampled rows too
+        for arrivals, least in ((greedy, 8), (scenario, 5)):  # scenario: test_decode_ahead's, sampled rows too
             plain, _ = run(False, merge, arrivals)
             fast, lm = run(True, merge, arrivals)
             assert lm.launched_taken >= least, (lm.launched_taken, lm.launched_dropped)

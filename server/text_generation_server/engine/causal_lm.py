@@ -10,7 +10,7 @@ prefill-shaped step's tokens are laid out by engine/prefill.py. A decode step's 
 one copy and what the step needs back comes down in one transfer (engine/readback.py); a batch
 of greedy rows is chosen with the forward (in its CUDA graph when one serves it), so its step
 issues a handful of launches and one sync (tests/test_step_budget.py). With decode graphs on CUDA,
-such a step also launches its successor as soon as its tokens are on the host (`LaunchedStep`,
+a decode step also launches its successor as soon as its tokens are on the host (`LaunchedStep`,
 tests/test_launch_ahead.py): the device computes step N+1 while the host detokenizes, checks
 stopping and answers for step N, and the next `generate_token` takes it if its batch is the same
 rows as they now stand (rows finished and filtered out in between are skipped).
@@ -64,6 +64,7 @@ class LaunchedStep:
     request_ids: list[int]
     lengths: list[int]  # each row's sequence length with the step's input token (0: a row left out)
     inputs: list[int]  # each row's input token
+    logits: torch.Tensor  # [rows, vocab] (device): rows that sample, or ask for top-n, choose from them
     tokens: torch.Tensor  # [rows] greedy ids (device)
     picked: torch.Tensor  # [rows, 2] (id, logprob) pairs (device)
     forward_ns: int = 0  # the launch's own time where the device is the host (a CPU emulating graphs)
@@ -144,7 +145,7 @@ class CausalLM:
         self.readback = Readback(device)
         self.clock = DeviceClock(device)  # the forward's own time, reported as forward_ns
         self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
-        # Launch ahead (decode graphs on CUDA): once a greedy step's tokens are on the host, the next
+        # Launch ahead (decode graphs on CUDA): once a decode step's tokens are on the host, the next
         # step is enqueued at once, and the Python work of this one (detokenizing, stopping, the
         # answer, the shard's decode ahead) runs while the device computes it. Not on a CPU, where
         # a launch is the forward itself and would only delay this step's answer.
@@ -282,12 +283,12 @@ class CausalLM:
         launched, self._launched = self._launched, None
         # Grammar rows' masks fill on the compiler's worker while the forward runs.
         masks = self.builder.grammar_masks(batch.chooser)
-        taken = self._take_launched(launched, batch, masks is None) if launched is not None else None
+        taken = self._take_launched(launched, batch) if launched is not None else None
         chosen = picked_rows = None
         if taken is not None:
             # Its forward ran (or runs) on the device already; the clock holds its times.
-            chosen, picked_rows = taken
-            logits, emit, prompt_spans, speculative = None, None, [], None
+            logits, chosen, picked_rows = taken
+            emit, prompt_spans, speculative = None, [], None
         else:
             self.clock.start()
             try:
@@ -336,6 +337,9 @@ class CausalLM:
             self._append(batch, next_ids, emit_rows, lengths)
             next_list, chosen_logprobs, tops, prompt_lps = to_host(self.readback, next_ids, logprobs, top_n,
                                                                    [span.values for span in prompt_spans])
+            device_ns = self.clock.elapsed_ns()
+            if emit is None and speculative is None:  # a decode step: its successor's inputs are known
+                self._launched = self._launch_next(batch, next_list)
         seeds = chooser.seeds
         grammar_complete = chooser.accept(next_list)  # None without grammar rows
 
@@ -358,8 +362,6 @@ class CausalLM:
         end = time.perf_counter_ns()
         # The forward's device time (the readback above waited for it): on CUDA what the GPU spent,
         # not the host's time to enqueue it; the rest of the step's wall time is the host's.
-        if chosen is None:
-            device_ns = self.clock.elapsed_ns()
         self.last_device_ns = device_ns  # unclamped: a launched forward may have run before this call began
         forward_ns = min(device_ns, end - start)
         timings = StepTimings(forward_ns=forward_ns, decode_ns=end - start - forward_ns, total_ns=end - start)
@@ -572,8 +574,9 @@ class CausalLM:
     def _launch_next(self, batch: Batch, next_ids: list[int]) -> LaunchedStep | None:
         """Enqueues the decode step that follows this one from the graph serving it, before this
         step's host work, so the device never waits for that work (what SGLang's overlap scheduler
-        does; issue #31). Only a plain greedy decode qualifies: its inputs are known once the tokens
-        are (position, slot and length follow from each row's length). Rows this token ends by
+        does; issue #31). Any decode step without speculation qualifies: its inputs are known once
+        the tokens are (position, slot and length follow from each row's length), and rows that
+        sample choose from its logits when they take it, so their random streams advance only then. Rows this token ends by
         length are padding rows (their next slot lies past their blocks); rows ending by EOS or a
         stop sequence still run, and the batch that takes the step leaves them out: one row-step
         of device work, not a wait. None when the step cannot be launched so; the next
@@ -603,35 +606,40 @@ class CausalLM:
         self.clock.stop()
         if replayed is None:
             return None
-        _, ids, picked = replayed
-        return LaunchedStep(request_ids=batch.request_ids, lengths=lengths, inputs=tokens, tokens=ids, picked=picked)
+        logits, ids, picked = replayed
+        return LaunchedStep(request_ids=batch.request_ids, lengths=lengths, inputs=tokens, logits=logits, tokens=ids,
+                            picked=picked)
 
-    def _take_launched(self, launched: LaunchedStep, batch: Batch, plain: bool
-                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int] | None] | None:
-        """The launched step's (ids, pairs) for `batch`, and which of the pairs are the batch's
-        rows (None: all, in order), when the batch is a plain greedy decode (`plain`: no grammar
-        masks) of rows the step ran as they now stand; None otherwise (the step is dropped, and this
-        one runs its own forward)."""
-        rows = None
-        if plain and not (batch.prefilling or self._speculate or not batch.chooser.greedy_only
-                          or any(s.request.top_n_tokens for s in batch.states)):
-            rows = launched.rows_for(batch)
+    def _take_launched(self, launched: LaunchedStep, batch: Batch
+                       ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, list[int] | None] | None:
+        """What `_decode_forward` would give for `batch`, from the launched step, when the batch is a
+        decode of rows the step ran as they now stand: (logits, None, None) for a batch that samples,
+        has processors, grammar or top-n (its chooser runs on the logits as after any forward), or
+        (None, (ids, pairs), rows) for greedy rows, `rows` saying which of the pairs are the batch's
+        (None: all, in order). None otherwise: the step is dropped, and this one runs its own forward."""
+        rows = None if batch.prefilling or self._speculate else launched.rows_for(batch)
         if rows is None:
             self.launched_dropped += 1
             return None
         self.launched_taken += 1
         count = len(rows)
+        greedy = batch.chooser.greedy_only and not any(s.request.top_n_tokens for s in batch.states)
         if rows == list(range(len(launched.request_ids))):
-            return (launched.tokens, launched.picked), None
+            return (None, (launched.tokens, launched.picked), None) if greedy else (launched.logits, None, None)
         if rows == list(range(count)):
-            return (launched.tokens[:count], launched.picked), rows
-        # Rows left the batch (finished and filtered): the ids of the kept ones, gathered on the device
-        # with an index that goes up like the step's inputs (no synchronous torch.tensor(list)).
+            if greedy:
+                return None, (launched.tokens[:count], launched.picked), rows
+            return launched.logits[:count], None, None
+        # Rows left the batch (finished and filtered): the kept ones, gathered on the device with an
+        # index that goes up like the step's inputs (no synchronous torch.tensor(list)).
         if self._launched_rows is None or self._launched_rows.tensor.shape[1] < count:
             self._launched_rows = UploadBuffer((1, max(8, 1 << (count - 1).bit_length())), torch.long, self.device)
         self._launched_rows.host()[0, :count] = rows
         self._launched_rows.push()
-        return (launched.tokens.index_select(0, self._launched_rows.rows(count)[0]), launched.picked), rows
+        index = self._launched_rows.rows(count)[0]
+        if greedy:
+            return None, (launched.tokens.index_select(0, index), launched.picked), rows
+        return launched.logits.index_select(0, index), None, None
 
     def _greedy_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_choice` over the ids the tokenizer can decode (a padded vocabulary's tail is
@@ -685,7 +693,7 @@ class CausalLM:
         self.graphs = graphs
         if self.launch_ahead and self.process_group.rank == 0 and not self._launch_logged:
             self._launch_logged = True
-            logger.info("launch ahead: a greedy decode step's successor is enqueued from its graph before the "
+            logger.info("launch ahead: a decode step's successor is enqueued from its graph before the "
                         "step's host work ({}=0 turns it off)", LAUNCH_AHEAD_ENV)
         return grown
 
