@@ -482,10 +482,23 @@ def test_cuda_graph_tokens_equal_eager(folders, monkeypatch):
     assert lm.graphs.buckets == [1, 2, 4, 8]
     assert lm.graphs.stats.replays == {8: 1}  # warmup's decode step at max_batch_size
     lm.graphs.stats.replays.clear()
+    assert lm.launch_ahead  # on by default on CUDA (engine/causal_lm.py): first the steps one by one
+    lm.launch_ahead = False
     got, want = scenario(lm), scenario(eager_lm)
     for rid in want:
         assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
     assert lm.graphs.stats.replays == {8: 7, 4: 8, 1: 8}
+    assert not lm.graphs.stats.eager
+    # Launch ahead: each decode step's successor enqueued before its host work, taken by the next
+    # step, through both filters too (the launched step ran rows the filtered batch skips).
+    one_by_one = sum(lm.graphs.stats.replays.values())
+    lm.graphs.stats.replays.clear()
+    lm.launch_ahead = True
+    got = scenario(lm)
+    for rid in want:
+        assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
+    assert lm.launched_taken >= 18, (lm.launched_taken, lm.launched_dropped)
+    assert sum(lm.graphs.stats.replays.values()) <= one_by_one + 1  # no step ran twice
     assert not lm.graphs.stats.eager
     # The second capture reused the pool the first one measured.
     first, second = lm.graphs.stats.capture_bytes
