@@ -318,6 +318,11 @@ def test_masks_apply_after_an_emulated_cuda_graph_replay():
     graphed.capture_decode_graphs(256)
     assert scenario(graphed) == eager
     assert sum(graphed.graphs.stats.replays.values()) > 10
+    # Launch ahead (on by default on CUDA): each step's successor launched before the step's
+    # host work, its grammar rows masked when a step takes it.
+    graphed.launch_ahead = True
+    assert scenario(graphed) == eager
+    assert graphed.launched_taken > 5
 
 
 # -- the router and the shard --------------------------------------------------------------------

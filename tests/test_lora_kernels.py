@@ -171,6 +171,11 @@ def test_decode_graphs_replay_with_adapters_in_the_batch(model):
     got = _scenario(lm)
     assert sum(lm.graphs.stats.replays.values()) > 0 and not lm.graphs.stats.eager
     assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in eager.items()}
+    # Launch ahead (on by default on CUDA): a launched step routes its rows' adapters itself.
+    lm.launch_ahead = True
+    got = _scenario(lm)
+    assert lm.launched_taken > 0 and not lm.graphs.stats.eager
+    assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in eager.items()}
 
 
 @needs_gpu

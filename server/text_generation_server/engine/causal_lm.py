@@ -585,8 +585,6 @@ class CausalLM:
         if not self.launch_ahead or graphs is None or self._speculate or self._rope_switch is not None:
             return None
         states = batch.states
-        if len(states) > graphs.buckets[-1]:
-            return None
         block_size = self.block_size
         tokens, positions, slots, lengths = [], [], [], []
         for state, token in zip(states, next_ids):
@@ -598,8 +596,8 @@ class CausalLM:
             else:
                 tokens.append(token), positions.append(position), slots.append(slot), lengths.append(position + 1)
         max_len = max(lengths)
-        if max_len == 0 or not graphs.fits(max_len):
-            return None
+        if max_len == 0 or graphs.refusal(self.kv_cache, len(states), max_len) is not None:
+            return None  # the step runs as usual then, and counts why it could not replay
         self._route(states, [1] * len(states), graph=True)
         self.clock.start()
         replayed = graphs.run(self.kv_cache, (tokens, positions, slots, lengths), batch.block_tables, max_len)

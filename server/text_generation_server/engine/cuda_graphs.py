@@ -352,16 +352,7 @@ class DecodeGraphs:
         this step. The outputs are views of static buffers that the next replay overwrites.
         """
         rows = len(inputs[0])
-        reason = None
-        if not self._graphs:
-            reason = "no graphs captured"
-        elif self._cache is None or self._cache() is not kv_cache:
-            reason = "the KV cache was replaced after capture"
-        elif rows > self.buckets[-1]:
-            reason = f"batch larger than the largest graph ({self.buckets[-1]})"
-        elif max_seq_len > self.max_seq_len:
-            reason = (f"a sequence longer than the {self.max_seq_len} tokens the graphs were captured for "
-                      "(max_total_tokens)")
+        reason = self.refusal(kv_cache, rows, max_seq_len)
         if reason is not None:
             return self._eager(reason)
         bucket = next(b for b in self.buckets if b >= rows)
@@ -384,6 +375,20 @@ class DecodeGraphs:
         self._graphs[bucket].replay()
         self.stats.replays[bucket] += 1
         return self.logits[:rows], self.tokens[:rows], self.picked[:rows]
+
+    def refusal(self, kv_cache: KVCache, rows: int, max_seq_len: int) -> str | None:
+        """Why a decode step of `rows` rows up to `max_seq_len` tokens cannot replay a graph (None: it
+        can); `run` counts and logs it, a caller that only asks (launch ahead) does not."""
+        if not self._graphs:
+            return "no graphs captured"
+        if self._cache is None or self._cache() is not kv_cache:
+            return "the KV cache was replaced after capture"
+        if rows > self.buckets[-1]:
+            return f"batch larger than the largest graph ({self.buckets[-1]})"
+        if max_seq_len > self.max_seq_len:
+            return (f"a sequence longer than the {self.max_seq_len} tokens the graphs were captured for "
+                    "(max_total_tokens)")
+        return None
 
     def _pad(self, start: int, stop: int) -> None:
         self.inputs[:, start:stop].zero_()  # PAD_SLOT is 0
