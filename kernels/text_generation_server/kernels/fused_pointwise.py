@@ -1,5 +1,6 @@
 """Triton kernels for a decode step's small operations on CUDA: RMSNorm (with the residual add
-before it), rotary embedding, and SiLU-and-multiply, one launch each.
+before it), rotary embedding (with the K/V cache write after it), and SiLU-and-multiply, one
+launch each.
 
 Why: on an H200 the 1B shape's decode step launched 445 kernels inside its CUDA graph, and ~430
 of them were these small operations at 1.5-2.5 us each: about 0.7 ms of a 1.75 ms step, against
@@ -15,6 +16,8 @@ one to the last bit except for the order of the float32 sum of squares:
 - rotary: round(round(x * cos) + partner(x) * sin), partner being rotate_half's (the sign is in
   sin), as `torch.addcmul(x * cos, x.roll(d/2), sin)` does.
 - silu_mul: round(round(silu(g)) * u), as `F.silu(g) * u` does.
+- rotary_store: `rotary` of q and of k, then the rotated k and v copied into the paged cache at
+  each token's slot (what `KVCache.store` does with two `index_copy_`): four launches become one.
 
 They run only where `usable` says so: CUDA tensors of a 16-bit dtype, Triton installed,
 `TGS_DISABLE_FUSED_OPS` unset, and a check on first use on that device (each kernel against the
@@ -95,7 +98,41 @@ def _define() -> SimpleNamespace:
         act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * stride_out + offs, (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
-    return SimpleNamespace(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul)
+    @triton.jit
+    def rotary_store(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr, H, KVH, D,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_qot,
+                     stride_qoh, stride_kot, stride_koh, stride_cs, stride_ch,
+                     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One token: q and k rotated as `rotary` rounds, k and v written to the cache at its slot.
+        t = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        half = D // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        offs_h = tl.arange(0, BLOCK_H)
+        mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+        base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+        p = tl.load(base + partner[None, :], mask=mask, other=0.0)
+        a = (x.to(tl.float32) * c[None, :]).to(qo_ptr.dtype.element_ty)
+        out = (a.to(tl.float32) + p.to(tl.float32) * s[None, :]).to(qo_ptr.dtype.element_ty)
+        tl.store(qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :], out, mask=mask)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_KVH)
+        kmask = (offs_k[:, None] < KVH) & (offs_d[None, :] < D)
+        kbase = k_ptr + t * stride_kt + offs_k[:, None] * stride_kh
+        x = tl.load(kbase + offs_d[None, :], mask=kmask, other=0.0)
+        p = tl.load(kbase + partner[None, :], mask=kmask, other=0.0)
+        a = (x.to(tl.float32) * c[None, :]).to(ko_ptr.dtype.element_ty)
+        kr = (a.to(tl.float32) + p.to(tl.float32) * s[None, :]).to(ko_ptr.dtype.element_ty)
+        tl.store(ko_ptr + t * stride_kot + offs_k[:, None] * stride_koh + offs_d[None, :], kr, mask=kmask)
+        cache_at = slot * stride_cs + offs_k[:, None] * stride_ch + offs_d[None, :]
+        tl.store(kc_ptr + cache_at, kr, mask=kmask)
+        v = tl.load(v_ptr + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
+        tl.store(vc_ptr + cache_at, v, mask=kmask)
+
+    return SimpleNamespace(rms_norm=rms_norm, rotary=rotary, silu_mul=silu_mul, rotary_store=rotary_store)
 
 
 _kernels = LazyKernels(_define)
@@ -124,6 +161,26 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     _kernels().rotary[(tokens,)](x, cos, sin, out, heads, d, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
                                  out.stride(1), BLOCK_H=_pow2(heads), BLOCK_D=_pow2(d), num_warps=_warps(block))
     return out
+
+
+def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated q, rotated k) for q [T, H, D] and k, v [T, KVH, D] (any token and head strides, unit
+    stride in D), with the rotated k and v written into the caches [blocks, block_size, KVH, D]
+    (contiguous, k's dtype) at `slots` [T]: what `rotary` twice and two `index_copy_` do, in one
+    launch instead of four."""
+    tokens, heads, d = q.shape
+    kv_heads = k.shape[1]
+    q_out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, kv_heads, d, dtype=k.dtype, device=k.device)
+    block = (_pow2(heads) + _pow2(kv_heads)) * _pow2(d)
+    _kernels().rotary_store[(tokens,)](
+        q, k, v, cos, sin, q_out, k_out, key_cache, value_cache, slots, heads, kv_heads, d, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        k_out.stride(0), k_out.stride(1), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_H=_pow2(heads), BLOCK_KVH=_pow2(kv_heads), BLOCK_D=_pow2(d), num_warps=_warps(block))
+    return q_out, k_out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -182,6 +239,16 @@ def self_check(device: torch.device) -> tuple[bool, str]:
         gu = rand(3, 2 * 200)
         if not torch.allclose(silu_mul(gu).float(), silu_mul_torch(gu).float(), rtol=2e-3, atol=2e-3):
             return False, "silu_mul disagrees with torch's"
+        k, v = qkv[:, 5 * 48:6 * 48].view(3, 1, 48), qkv[:, 6 * 48:].view(3, 1, 48)
+        caches = [torch.zeros(4, 2, 1, 48, dtype=k.dtype, device=device) for _ in range(2)]
+        slots = torch.tensor([5, 0, 3], device=device)
+        got_q, got_k = rotary_store(q, k, v, cos, sin, *caches, slots)
+        want_k = rotary_torch(k, cos, sin)
+        if not (torch.allclose(got_q.float(), rotary_torch(q, cos, sin).float(), rtol=2e-3, atol=2e-3)
+                and torch.allclose(got_k.float(), want_k.float(), rtol=2e-3, atol=2e-3)
+                and torch.equal(caches[0].view(8, 1, 48)[slots], got_k)
+                and torch.equal(caches[1].view(8, 1, 48)[slots], v)):
+            return False, "rotary_store disagrees with torch's rotary and index_copy_"
     except Exception as exc:  # noqa: BLE001: a compiler or launch failure of any kind turns them off
         return False, f"{type(exc).__name__}: {exc}"
     return True, ""
@@ -209,7 +276,8 @@ def usable(x: torch.Tensor) -> bool:
         else:
             verdict, why = self_check(x.device)
             if verdict:
-                logger.info(f"fused decode kernels on {key}: RMSNorm (+ residual add), rotary, SiLU-and-multiply")
+                logger.info(f"fused decode kernels on {key}: RMSNorm (+ residual add), rotary (+ the K/V cache "
+                            "write), SiLU-and-multiply")
             else:
                 logger.warning(f"fused decode kernels off on {key}: {why}; torch's ops run")
         _checked[key] = verdict

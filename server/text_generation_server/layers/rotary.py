@@ -445,6 +445,24 @@ class RotaryEmbedding(torch.nn.Module):
         """x [tokens, heads, head_dim] rotated by cos/sin [tokens, 1, rotary_dim]."""
         return apply_rotary(x, cos, sin, self.config.interleaved)
 
+    def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, cache, layer: int, slots: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, k) rotated, with the rotated k and v written into `cache` (a KVCache) at `slots`, in
+        one fused launch (fused_pointwise.rotary_store) where it runs: CUDA, a 16-bit cache of the
+        layer's dtype (not fp8), full-width rotate-half rotary. None: the caller rotates and stores."""
+        if not (fused_pointwise.usable(q) and _fusable(q, cos, sin, self.config.interleaved) and
+                _fusable(k, cos, sin, False) and v.dim() == 3 and v.stride(-1) == 1 and v.shape == k.shape):
+            return None
+        if cache.scales_of(layer) is not None or cache.values[layer] is None:
+            return None
+        keys, values = cache.keys[layer], cache.values[layer]
+        if not (keys.dtype == values.dtype == k.dtype == v.dtype and keys.is_contiguous() and values.is_contiguous()
+                and keys.shape == values.shape and keys.shape[2:] == k.shape[1:] and slots.dtype == torch.long
+                and slots.shape == (k.shape[0],)):
+            return None
+        return fused_pointwise.rotary_store(q, k, v, cos, sin, keys, values, slots)
+
 
 def _partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Each dimension's rotation partner: i + d/2 (rotate_half) or its pair neighbour."""
@@ -453,13 +471,19 @@ def _partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return x.roll(x.shape[-1] // 2, dims=-1)
 
 
+def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> bool:
+    """Whether the fused rotary kernels take x [tokens, heads, head_dim] with these cos/sin."""
+    rot = cos.shape[-1]
+    return (not interleaved and rot == x.shape[-1] and rot % 2 == 0 and x.dim() == 3 and x.stride(-1) == 1
+            and cos.dtype == x.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], 1, rot)
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """transformers' x * cos + rotate(x) * sin, the rotation's sign folded into `sin`."""
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]
     rot = cos.shape[-1]
-    if (fused_pointwise.usable(x) and not interleaved and rot == x.shape[-1] and rot % 2 == 0 and x.dim() == 3
-            and x.stride(-1) == 1 and cos.dtype == x.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], 1, rot)
-            and cos.stride() == sin.stride() and cos.stride(-1) == 1):
+    if fused_pointwise.usable(x) and _fusable(x, cos, sin, interleaved):
         return fused_pointwise.rotary(x, cos, sin)  # one launch on CUDA instead of three
     if rot == x.shape[-1]:
         return torch.addcmul(x * cos, _partner(x, interleaved), sin)

@@ -247,12 +247,19 @@ class SelfAttention(torch.nn.Module):
                 k = self.k_norm(k.reshape(tokens, -1)).view_as(k)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            cos, sin = ctx.cos_sin(self.rotary)
-            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         meta: AttentionMetadata = ctx.meta
         cache: KVCache = ctx.cache
-        cache.store(self.layer_id, meta.slots, k, v)
+        stored = None
+        if self.rotary is not None:
+            cos, sin = ctx.cos_sin(self.rotary)
+            # On CUDA one launch rotates q and k and writes k and v into the cache (four otherwise).
+            stored = self.rotary.apply_and_store(q, k, v, cos, sin, cache, self.layer_id, meta.slots)
+            if stored is None:
+                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            else:
+                q, k = stored
+        if stored is None:
+            cache.store(self.layer_id, meta.slots, k, v)
         backend = meta.backend or DEFAULT_BACKEND
         key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
         # Passed only for an fp8 cache: backends written before it keep their signature.
