@@ -11,9 +11,10 @@
 #   tests         pytest: the CUDA tests (see select_cuda_tests below)
 #   kernels       benchmarks/kernels_cuda.py, then benchmarks/attention_cuda.py, then kernel-choice
 #   kernels-quick the first two with --quick, then kernel-choice
-#   step-profile  benchmarks/gpu_step_profile.py on the quick step's fp16 model (built if missing): each decode
-#                 step's host wall against the device's own time (CUDA events), and the kernels a graph step
-#                 launches, by device time (what the fused small kernels of kernels/fused_pointwise.py cut)
+#   step-profile  benchmarks/gpu_step_profile.py on the quick step's fp16 model (built if missing), batches 1, 8
+#                 and 64: each decode step's host wall against the device's own time (CUDA events), with launch
+#                 ahead and without (engine/causal_lm.py), then the kernels a graph step launches, by device time
+#                 (what the fused small kernels of kernels/fused_pointwise.py cut)
 #   kernel-choice benchmarks/kernel_choice.py: what warmup's kernel timing chooses per decode batch size
 #                 (triton-gemm or tinygemm) on the 1B shapes, the step time of each choice, and a second
 #                 start that reads the choices from the kernel cache instead of timing
@@ -272,7 +273,7 @@ show_kernel_choices() {
 
 step_profile() {
     run_step step_profile "$1" "$PY" benchmarks/gpu_step_profile.py --work-dir "${WORK}-quick/fp16" --out "$OUT" \
-        --no-eager --batches 1,8
+        --no-eager --batches 1,8,64
 }
 
 kernel_choice() {
