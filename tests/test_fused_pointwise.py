@@ -119,6 +119,7 @@ def fake_cuda(dtype=torch.float16, index=0):
 @pytest.fixture
 def fresh(monkeypatch):
     monkeypatch.setattr(fp, "_checked", {})
+    monkeypatch.setattr(fp, "_store_checked", {})
     monkeypatch.delenv(fp.DISABLE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls = []
@@ -184,6 +185,24 @@ def test_self_check_reports_a_kernel_that_disagrees(interpret, monkeypatch):
     monkeypatch.setattr(fp, "silu_mul", lambda gu: fp.silu_mul_torch(gu) + 1)
     ok, why = fp.self_check(torch.device("cpu"))
     assert not ok and "silu_mul" in why
+
+
+def test_the_store_kernel_is_checked_on_its_own(interpret, monkeypatch, fresh):
+    assert fp.self_check_store(torch.device("cpu")) == (True, "")
+    monkeypatch.setattr(fp, "rotary_store", lambda q, k, v, cos, sin, kc, vc, slots: (q, k))  # writes nothing
+    ok, why = fp.self_check_store(torch.device("cpu"))
+    assert not ok and "rotary_store" in why
+    # A failed store check warns once and keeps the other fused kernels on.
+    monkeypatch.setattr(fp, "self_check_store", lambda device: (False, "CompilationError: no"))
+    from loguru import logger
+
+    lines = []
+    sink = logger.add(lines.append, level="WARNING")
+    try:
+        assert fp.usable(fake_cuda()) and not fp.usable_store(fake_cuda()) and not fp.usable_store(fake_cuda())
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and "rotary + K/V cache write off" in lines[0]
 
 
 # -- the layers route through them ----------------------------------------------------------------

@@ -451,7 +451,7 @@ class RotaryEmbedding(torch.nn.Module):
         """(q, k) rotated, with the rotated k and v written into `cache` (a KVCache) at `slots`, in
         one fused launch (fused_pointwise.rotary_store) where it runs: CUDA, a 16-bit cache of the
         layer's dtype (not fp8), full-width rotate-half rotary. None: the caller rotates and stores."""
-        if not (fused_pointwise.usable(q) and _fusable(q, cos, sin, self.config.interleaved) and
+        if not (fused_pointwise.usable_store(q) and _fusable(q, cos, sin, self.config.interleaved) and
                 _fusable(k, cos, sin, False) and v.dim() == 3 and v.stride(-1) == 1 and v.shape == k.shape):
             return None
         if cache.scales_of(layer) is not None or cache.values[layer] is None:
