@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,6 +106,19 @@ class SchedulerLimits:
     max_waiting_tokens: int = 20
 
 
+PIPELINE_ENV = "TGS_DECODE_PIPELINE"  # "0": send each Decode only after the last step's tokens went out
+
+
+@dataclass
+class _InFlight:
+    """A Decode sent before the step before it was dispatched (`Scheduler._pipeline`)."""
+
+    call: asyncio.Future
+    batch: spb.CachedBatch
+    entries: list[Entry]
+    start: float
+
+
 class Scheduler:
     RETRY_AFTER_FAILED_STEP_S = 0.05
 
@@ -131,6 +145,12 @@ class Scheduler:
         self._evictions_seen = 0
         self.admitting = True
         self._labelled: dict[str, tuple] = {}  # method -> its step metrics (_step_metrics)
+        # Pipelined decode: when a step's answer leaves the batch as it was (no row finished, nobody
+        # waiting to be admitted), the next Decode goes out before this step's tokens are streamed,
+        # so the shards compute while the router works (`_pipeline`).
+        self.pipeline = os.environ.get(PIPELINE_ENV, "1") not in ("0", "false", "no")
+        self._in_flight: _InFlight | None = None
+        self.pipelined_steps = 0
         metrics.set_kv_blocks(pool.used, pool.free)
 
     # -- the client-facing side --------------------------------------------------------
@@ -251,6 +271,7 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        await self._drop_in_flight()
         for entry in list(self.queue) + list(self.running.values()):
             self._fail(entry, grpc.StatusCode.UNAVAILABLE, "the server stopped", "shutdown")
         while self._between:
@@ -326,17 +347,18 @@ class Scheduler:
     async def _run(self) -> None:
         cached: spb.CachedBatch | None = None
         while True:
-            if cached is None and not self.queue and not self._between:
+            if cached is None and not self.queue and not self._between and self._in_flight is None:
                 await self._wake.wait()
             self._wake.clear()
             try:
-                if self._between:
+                if self._between and self._in_flight is None:
                     await self._run_between()
                 cached = await self._step(cached)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let one bad step stop the server
                 logger.exception("scheduler step failed")
+                await self._drop_in_flight()
                 for entry in list(self.running.values()):
                     self.running.pop(entry.id, None)
                     self._fail(entry, grpc.StatusCode.INTERNAL, f"internal error: {exc}", "internal")
@@ -351,6 +373,9 @@ class Scheduler:
 
     async def _step(self, cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
         """One shard call: newcomers (with the running batch when the shards chunk), else a decode."""
+        if self._in_flight is not None:  # the Decode of `cached` already went out: its answer first
+            flight, self._in_flight = self._in_flight, None
+            return await self._decode_answer(flight.call, [flight.batch], flight.entries, flight.start)
         if self.support_chunking:
             current = cached.current_tokens if cached is not None else 0
             new = self._admit(self.limits.max_batch_prefill_tokens - current, len(self.running))
@@ -428,16 +453,57 @@ class Scheduler:
     async def _decode(self, batches: list[spb.CachedBatch]) -> spb.CachedBatch | None:
         entries = [self.running[i] for b in batches for i in b.request_ids if i in self.running]
         self.metrics.batch_inference_count.labels(method="decode").inc()
-        start = time.monotonic()
+        return await self._decode_answer(self.client.decode(batches), batches, entries, time.monotonic())
+
+    async def _decode_answer(self, call: Awaitable, batches: list[spb.CachedBatch], entries: list[Entry],
+                             start: float) -> spb.CachedBatch | None:
         try:
-            resp = await self.client.decode(batches)
+            resp = await call
         except grpc.aio.AioRpcError as exc:
             await self._step_failed("decode", [b.id for b in batches], entries, exc)
             return None
         filtering = time.monotonic()
+        await self._pipeline(resp)
         result = await self._dispatch(resp, entries_of_batch=entries)
         self._observe("decode", start, filtering, resp)
         return result
+
+    async def _pipeline(self, resp) -> None:
+        """Sends the next Decode now, before this step's tokens are streamed, when the step left the
+        batch exactly as the router will keep it: no row finished, failed or was cancelled, nobody is
+        queued for admission (a Prefill would take the batch instead) and no adapter call waits. The
+        shards then compute (with our shards: answer from the step they computed ahead) while this
+        step's tokens go out; the next `_step` takes the answer. Why: at a few hundred µs a step, the
+        router's streaming of a step's tokens was serial with the next shard call (issue #31). A
+        request arriving meanwhile is admitted after that step."""
+        if not (self.pipeline and self.admitting and resp.HasField("batch")) or self.queue or self._between:
+            return
+        if any(g.HasField("generated_text") or g.HasField("error") for g in resp.generations):
+            return
+        batch = resp.batch
+        entries = []
+        for rid in batch.request_ids:
+            entry = self.running.get(rid)
+            if entry is None or entry.cancelled or entry.done:
+                return
+            entries.append(entry)
+        self.metrics.batch_inference_count.labels(method="decode").inc()
+        self.pipelined_steps += 1
+        call = asyncio.ensure_future(self.client.decode([batch]))
+        self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic())
+        await asyncio.sleep(0)  # the call runs up to its send (a stream write, a hand-off to the model thread)
+
+    async def _drop_in_flight(self) -> None:
+        """Lets a Decode sent ahead finish or fail on its own, unread (the server stops, or the step
+        that sent it failed and the batch is gone)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        flight.call.cancel()
+        try:
+            await flight.call
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001: nobody reads this answer
+            pass
 
     def _observe(self, method: str, start: float, filtering: float, resp) -> None:
         """A successful step, timed as TGI does: inference = call + filtering, filter = after the call."""

@@ -1,0 +1,125 @@
+"""Pipelined decode in the router's scheduler: when a step's answer leaves the batch as the router
+keeps it, the next Decode goes out before the step's tokens are streamed (router/scheduler.py,
+`_pipeline`). Against a real shard in process: the same tokens with it as without, through
+arrivals, finishes, stop sequences, seeded sampling and a cancellation; the next call really goes
+out first; and it never goes out when a row finished, someone waits for admission, or the call
+before failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from test_scheduler_prefix import collect, generate_request, LIMITS, make, workload
+
+from text_generation_server.models.loader import get_model
+from text_generation_server.router.scheduler import StepFailed
+from text_generation_server.router.validation import validate
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return get_model(None)
+
+
+def test_the_same_tokens_with_and_without_pipelining(lm, monkeypatch):
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "0")
+    plain, _, _, plain_scheduler = asyncio.run(workload(lm, caching=True, max_prefill=2048))
+    assert plain_scheduler.pipelined_steps == 0
+    monkeypatch.delenv("TGS_DECODE_PIPELINE")
+    piped, _, _, scheduler = asyncio.run(workload(lm, caching=True, max_prefill=2048))
+    assert scheduler.pipelined_steps > 20
+    for name, (ids, text) in plain.items():
+        if name == "cancelled":  # cancelled after 3 tokens: it may see one more step before it leaves
+            assert piped[name][0][:3] == ids[:3]
+            continue
+        assert piped[name] == (ids, text), name
+
+
+def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm):
+    async def go():
+        scheduler, client, _, _ = make(lm, 200, True, 2048)
+        order: list[str] = []
+        decode = client.decode
+
+        async def logged(batches):
+            order.append("decode")
+            return await decode(batches)
+
+        client.decode = logged
+        scheduler.start()
+        try:
+            entry = scheduler.submit(validate(generate_request("def fibonacci(n):", 8), lm.tokenizer, LIMITS))
+            put = entry.events.put_nowait
+
+            def token(event):
+                order.append("token")
+                put(event)
+
+            entry.events.put_nowait = token
+            ids, _ = await collect(scheduler, entry)
+        finally:
+            await scheduler.stop()
+        return order, ids, scheduler
+
+    order, ids, scheduler = asyncio.run(go())
+    assert len(ids) == 8 and order.count("token") == 8
+    # The prefill's token, then the first Decode; from its answer on, each decode answer but the last
+    # (which finishes the request) sends the next Decode before its token goes to the client.
+    assert order == ["token", "decode"] + ["decode", "token"] * 6 + ["token"], order
+    assert scheduler.pipelined_steps == 6
+
+
+def test_no_decode_goes_out_ahead_of_a_finish_or_a_queued_request(lm):
+    async def go():
+        scheduler, client, _, _ = make(lm, 200, True, 2048)
+        scheduler.start()
+        try:
+            short = scheduler.submit(validate(generate_request("import os\n", 2), lm.tokenizer, LIMITS))
+            long = scheduler.submit(validate(generate_request("def main():", 6), lm.tokenizer, LIMITS))
+            short_ids, _ = await collect(scheduler, short)
+            late = scheduler.submit(validate(generate_request("class A:", 3), lm.tokenizer, LIMITS))
+            results = await asyncio.gather(collect(scheduler, long), collect(scheduler, late))
+        finally:
+            await scheduler.stop()
+        return short_ids, results, client.calls, scheduler
+
+    short_ids, (long_res, late_res), calls, scheduler = asyncio.run(go())
+    assert len(short_ids) == 2 and len(long_res[0]) == 6 and len(late_res[0]) == 3
+    assert "prefill+cached" in calls  # the late request joined the running batch in a Prefill
+    assert scheduler.pool.used == 0
+
+
+def test_a_failed_pipelined_decode_fails_its_requests_and_the_server_goes_on(lm):
+    async def go():
+        scheduler, client, _, _ = make(lm, 200, True, 2048)
+        decode = client.decode
+        calls = {"n": 0}
+
+        async def flaky(batches):
+            calls["n"] += 1
+            if calls["n"] == 3:  # a pipelined one: the first decode answers, the second went out ahead
+                raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="boom")
+            return await decode(batches)
+
+        client.decode = flaky
+        scheduler.start()
+        try:
+            entry = scheduler.submit(validate(generate_request("def fibonacci(n):", 10), lm.tokenizer, LIMITS))
+            with pytest.raises(StepFailed) as failed:
+                await collect(scheduler, entry)
+            again = scheduler.submit(validate(generate_request("def fibonacci(n):", 4), lm.tokenizer, LIMITS))
+            ids, _ = await collect(scheduler, again)
+        finally:
+            await scheduler.stop()
+        return failed.value, ids, scheduler
+
+    failed, ids, scheduler = asyncio.run(go())
+    assert failed.code == grpc.StatusCode.INTERNAL and "boom" in str(failed)
+    assert len(ids) == 4 and scheduler.pool.used == 0
