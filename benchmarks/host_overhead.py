@@ -32,6 +32,7 @@ fails instead of printing a table.
     python benchmarks/host_overhead.py                     # batch 1, 8, 64 x X = 0, 1000 µs
     python benchmarks/host_overhead.py --quick             # what tests/test_host_overhead.py runs
     python benchmarks/host_overhead.py --compare-server-args=--shard-in-process   # the rank in the router's process
+    python benchmarks/host_overhead.py --compare-env TGS_DECODE_PIPELINE=0          # the router without pipelining
 """
 
 from __future__ import annotations
@@ -296,17 +297,23 @@ async def amain(args: argparse.Namespace) -> int:
         tmp.cleanup()
         return 2
     flags = [*shlex.split(args.server_args), "--max-concurrent-requests", str(max(128, max(batches)))]
-    sides = [("serve", flags)]
-    if args.compare_server_args:
-        sides.append((f"serve {args.compare_server_args}", [*flags, *shlex.split(args.compare_server_args)]))
+    sides: list[tuple[str, list[str], dict[str, str]]] = [("serve", flags, {})]
+    bad = [item for item in args.compare_env.split(",") if item and "=" not in item]
+    if bad:
+        print(f"host_overhead: --compare-env takes VAR=VALUE items, got {bad}", file=sys.stderr)
+        return 2
+    compare_env = dict(item.split("=", 1) for item in args.compare_env.split(",") if item)
+    if args.compare_server_args or compare_env:
+        label = " ".join(["serve", *(f"{k}={v}" for k, v in compare_env.items()), args.compare_server_args]).strip()
+        sides.append((label, [*flags, *shlex.split(args.compare_server_args)], compare_env))
     servers: list[Served] = []
     cells = Cells()
     try:
-        for index, (label, side_flags) in enumerate(sides):
+        for index, (label, side_flags, side_env) in enumerate(sides):
             stats_path = served_stats_path.with_suffix(f".{index}")
             stats = StandinStats.create(stats_path, waits[0])
             servers.append(Served(label, StartedServer(args.model, side_flags, args.startup_timeout_s,
-                                                       env=standin_env(waits[0], stats_path)), stats))
+                                                       env={**standin_env(waits[0], stats_path), **side_env}), stats))
         for served in servers:
             await served.server.wait_ready()
         streamed, broken = await measure(args, ours, servers, batches, waits, cells)
@@ -332,7 +339,8 @@ async def amain(args: argparse.Namespace) -> int:
         f"`python benchmarks/host_overhead.py{quick} --model {args.model} --batches {args.batches} "
         f"--waits-us {args.waits_us} --new-tokens {args.new_tokens} --rounds {args.rounds}"
         f"{' --server-args ' + shlex.quote(args.server_args) if args.server_args else ''}"
-        f"{' --compare-server-args ' + shlex.quote(args.compare_server_args) if args.compare_server_args else ''}`, "
+        f"{' --compare-server-args ' + shlex.quote(args.compare_server_args) if args.compare_server_args else ''}"
+        f"{' --compare-env ' + shlex.quote(args.compare_env) if args.compare_env else ''}`, "
         f"{now_iso()}",
         "",
         machine_line(f"{ours.threads} torch thread(s) in-process"),
@@ -370,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a checkpoint folder both sides load (default: {EMBEDDED_MODEL_ID}, the embedded model)")
     parser.add_argument("--dtype", default=None, help="--dtype of both sides (default: serve's)")
     parser.add_argument("--server-args", default="", help="more serve flags")
+    parser.add_argument("--compare-env", default="",
+                        help="VAR=VALUE[,VAR=VALUE]: the compared server's extra environment (e.g. "
+                             "TGS_DECODE_PIPELINE=0), alone or with --compare-server-args")
     parser.add_argument("--compare-server-args", default="",
                         help="a second serve, these flags added, measured in the same rounds (e.g. --shard-in-process)")
     parser.add_argument("--batches", help=f"concurrent clients per cell (default {FULL['batches']})")
