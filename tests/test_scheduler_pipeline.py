@@ -75,24 +75,45 @@ def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm):
     assert scheduler.pipelined_steps == 6
 
 
-def test_no_decode_goes_out_ahead_of_a_finish_or_a_queued_request(lm):
+def test_finished_rows_are_filtered_out_in_the_call_sent_ahead_and_a_queued_request_waits(lm):
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
+        order: list[str] = []
+        for name in ("decode", "filter_batch", "prefill"):
+            real = getattr(client, name)
+
+            async def logged(*args, _real=real, _name=name):
+                order.append(_name)
+                return await _real(*args)
+
+            setattr(client, name, logged)
         scheduler.start()
         try:
-            short = scheduler.submit(validate(generate_request("import os\n", 2), lm.tokenizer, LIMITS))
-            long = scheduler.submit(validate(generate_request("def main():", 6), lm.tokenizer, LIMITS))
+            short = scheduler.submit(validate(generate_request("import os\n", 3), lm.tokenizer, LIMITS))
+            long = scheduler.submit(validate(generate_request("def main():", 8), lm.tokenizer, LIMITS))
+            put = short.events.put_nowait
+
+            def token(event):
+                order.append("short token")
+                put(event)
+
+            short.events.put_nowait = token
             short_ids, _ = await collect(scheduler, short)
+            # A newcomer while the long one runs: queued, so no Decode goes out ahead of its Prefill.
             late = scheduler.submit(validate(generate_request("class A:", 3), lm.tokenizer, LIMITS))
             results = await asyncio.gather(collect(scheduler, long), collect(scheduler, late))
         finally:
             await scheduler.stop()
-        return short_ids, results, client.calls, scheduler
+        return short_ids, results, order, client.calls, scheduler
 
-    short_ids, (long_res, late_res), calls, scheduler = asyncio.run(go())
-    assert len(short_ids) == 2 and len(long_res[0]) == 6 and len(late_res[0]) == 3
+    short_ids, (long_res, late_res), order, calls, scheduler = asyncio.run(go())
+    assert len(short_ids) == 3 and len(long_res[0]) == 8 and len(late_res[0]) == 3
+    # The short request's last token: the call that filters it out and steps the rest (FilterBatch,
+    # then Decode on its answer) went out before that token did.
+    last = len(order) - 1 - order[::-1].index("short token")
+    assert order[last - 1:last + 2] == ["filter_batch", "short token", "decode"], str(order)
     assert "prefill+cached" in calls  # the late request joined the running batch in a Prefill
-    assert scheduler.pool.used == 0
+    assert scheduler.pipelined_steps >= 4 and scheduler.pool.used == 0
 
 
 def test_a_failed_pipelined_decode_fails_its_requests_and_the_server_goes_on(lm):

@@ -117,6 +117,7 @@ class _InFlight:
     batch: spb.CachedBatch
     entries: list[Entry]
     start: float
+    filtered: bool = False  # the call filters the finished rows out first: the step's dispatch must not
 
 
 class Scheduler:
@@ -469,29 +470,45 @@ class Scheduler:
         return result
 
     async def _pipeline(self, resp) -> None:
-        """Sends the next Decode now, before this step's tokens are streamed, when the step left the
-        batch exactly as the router will keep it: no row finished, failed or was cancelled, nobody is
-        queued for admission (a Prefill would take the batch instead) and no adapter call waits. The
-        shards then compute (with our shards: answer from the step they computed ahead) while this
-        step's tokens go out; the next `_step` takes the answer. Why: at a few hundred µs a step, the
-        router's streaming of a step's tokens was serial with the next shard call (issue #31). A
-        request arriving meanwhile is admitted after that step."""
+        """Sends the next Decode now, before this step's tokens are streamed, when the step leaves a
+        batch to continue and nothing else must go first: nobody is queued for admission (a Prefill
+        would take the batch instead), no adapter call waits, no row was refused. Rows the step
+        finished (or the client cancelled) are filtered out first, in the same call. The shards then
+        compute (ours answer from the step they computed ahead) while this step's tokens go out; the
+        next `_step` takes the answer. Why: at a few hundred µs a step, the router's streaming of a
+        step's tokens was serial with the next shard call (issue #31). A request arriving meanwhile
+        is admitted after that step."""
         if not (self.pipeline and self.admitting and resp.HasField("batch")) or self.queue or self._between:
             return
-        if any(g.HasField("generated_text") or g.HasField("error") for g in resp.generations):
+        if any(g.HasField("error") for g in resp.generations):
             return
+        finished = {g.request_id for g in resp.generations if g.HasField("generated_text")}
         batch = resp.batch
-        entries = []
+        keep, entries = [], []
         for rid in batch.request_ids:
             entry = self.running.get(rid)
-            if entry is None or entry.cancelled or entry.done:
+            if entry is None or entry.done:
                 return
-            entries.append(entry)
+            if rid not in finished and not entry.cancelled:
+                keep.append(rid)
+                entries.append(entry)
+        if not keep:
+            return
         self.metrics.batch_inference_count.labels(method="decode").inc()
         self.pipelined_steps += 1
-        call = asyncio.ensure_future(self.client.decode([batch]))
-        self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic())
+        filtered = len(keep) != len(batch.request_ids)
+        call = asyncio.ensure_future(self._filter_then_decode(batch.id, keep) if filtered
+                                     else self.client.decode([batch]))
+        self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic(),
+                                    filtered=filtered)
         await asyncio.sleep(0)  # the call runs up to its send (a stream write, a hand-off to the model thread)
+
+    async def _filter_then_decode(self, batch_id: int, keep: list[int]):
+        batch = await self.client.filter_batch(batch_id, keep)
+        if batch is None:  # not ours: a shard that dropped every row it was asked to keep
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=f"FilterBatch of batch {batch_id} to {keep} left no batch")
+        return await self.client.decode([batch])
 
     async def _drop_in_flight(self) -> None:
         """Lets a Decode sent ahead finish or fail on its own, unread (the server stops, or the step
@@ -597,7 +614,9 @@ class Scheduler:
             self._refresh_gauges()
             return None
         keep = [i for i in batch.request_ids if i in self.running]
-        if len(keep) != len(batch.request_ids):
+        if self._in_flight is not None and self._in_flight.filtered:
+            pass  # the Decode sent ahead filters the batch first (`_pipeline`); `_step` reads its answer
+        elif len(keep) != len(batch.request_ids):
             if keep:
                 batch = await self.client.filter_batch(batch.id, keep)
             else:
