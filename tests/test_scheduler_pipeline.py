@@ -41,27 +41,38 @@ def test_the_same_tokens_with_and_without_pipelining(lm, monkeypatch):
         assert piped[name] == (ids, text), name
 
 
+def log_calls(client, order: list[str], names=("decode",)) -> None:
+    """Appends each named shard call's name to `order` as it goes out."""
+    for name in names:
+        real = getattr(client, name)
+
+        async def logged(*args, _real=real, _name=name):
+            order.append(_name)
+            return await _real(*args)
+
+        setattr(client, name, logged)
+
+
+def log_tokens(entry, order: list[str], label: str) -> None:
+    """Appends `label` to `order` as each of the request's events is handed to its stream."""
+    put = entry.events.put_nowait
+
+    def token(event):
+        order.append(label)
+        put(event)
+
+    entry.events.put_nowait = token
+
+
 def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm):
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
         order: list[str] = []
-        decode = client.decode
-
-        async def logged(batches):
-            order.append("decode")
-            return await decode(batches)
-
-        client.decode = logged
+        log_calls(client, order)
         scheduler.start()
         try:
             entry = scheduler.submit(validate(generate_request("def fibonacci(n):", 8), lm.tokenizer, LIMITS))
-            put = entry.events.put_nowait
-
-            def token(event):
-                order.append("token")
-                put(event)
-
-            entry.events.put_nowait = token
+            log_tokens(entry, order, "token")
             ids, _ = await collect(scheduler, entry)
         finally:
             await scheduler.stop()
@@ -79,25 +90,12 @@ def test_finished_rows_are_filtered_out_in_the_call_sent_ahead_and_a_queued_requ
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
         order: list[str] = []
-        for name in ("decode", "filter_batch", "prefill"):
-            real = getattr(client, name)
-
-            async def logged(*args, _real=real, _name=name):
-                order.append(_name)
-                return await _real(*args)
-
-            setattr(client, name, logged)
+        log_calls(client, order, ("decode", "filter_batch", "prefill"))
         scheduler.start()
         try:
             short = scheduler.submit(validate(generate_request("import os\n", 3), lm.tokenizer, LIMITS))
             long = scheduler.submit(validate(generate_request("def main():", 8), lm.tokenizer, LIMITS))
-            put = short.events.put_nowait
-
-            def token(event):
-                order.append("short token")
-                put(event)
-
-            short.events.put_nowait = token
+            log_tokens(short, order, "short token")
             short_ids, _ = await collect(scheduler, short)
             # A newcomer while the long one runs: queued, so no Decode goes out ahead of its Prefill.
             late = scheduler.submit(validate(generate_request("class A:", 3), lm.tokenizer, LIMITS))
