@@ -174,9 +174,10 @@ def test_no_launch_on_a_cpu_by_default_nor_past_the_graphs(folder, monkeypatch):
     lm.release(batch)
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 32])
 def test_a_steady_step_that_takes_a_launch_stays_within_the_budget(folder, rows):
-    lm = graphed(folder)
+    lm = load(folder, buckets=[1, 2, 4, 8, 16, 32], capturer=EagerReplayCapturer())
+    lm.launch_ahead = True
     capturer = lm.graphs.capturer
     batch = lm.make_batch(0, [request(i, 3 + i % 5, 12) for i in range(rows)])
     for _ in range(3):
