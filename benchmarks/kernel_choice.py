@@ -34,7 +34,7 @@ from text_generation_server.kernels.select import build_linear, shape_key
 from text_generation_server.kernels.tuning import cuda_timer, tune_kernels
 
 SHAPES_1B = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]  # qkv, o, gate+up, down (K in x N out)
-BATCHES = [1, 2, 4, 8, 16, 32]  # serve's default --cuda-graphs
+BATCHES = [1, 2, 4, 8, 16, 32]  # serve's default --cuda-graphs up to 32 (it goes on to 64 and 128)
 
 
 class Holder(torch.nn.Module):

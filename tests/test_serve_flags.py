@@ -460,7 +460,7 @@ def test_sharded_from_the_command_line(serve):
 
 # -- the new settings ----------------------------------------------------------------------------------
 def test_cuda_graphs_syntax():
-    assert parse_cuda_graphs("1,2,4,8,16,32") == list(DEFAULT_CUDA_GRAPHS)
+    assert parse_cuda_graphs("1,2,4,8,16,32,64,128") == list(DEFAULT_CUDA_GRAPHS)
     assert parse_cuda_graphs("0") == []
     assert parse_cuda_graphs(" 8, 2,2 ") == [2, 8]
     for text in ("0,4", "-1", "a", "1,,2", ""):

@@ -42,7 +42,9 @@ LM_HEAD_NONE = "none"
 LM_HEAD_CHOICES = (*LM_HEAD_QUANTIZATIONS, LM_HEAD_NONE)
 LM_HEAD_AUTO = "auto"  # what `serve` asks the loader for when the flag is not given
 # Batch sizes captured as CUDA graphs when --cuda-graphs is not given (TGI's default).
-DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
+# TGI's default stops at 32; decode batches of 33-128 rows then ran eagerly, a few hundred launches a step
+# (vLLM captures up to 512, SGLang up to 160). Warmup keeps only the buckets the batch limit can reach.
+DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128)
 # --speculate: the most n-gram tokens a request proposes per step (generation/speculation.py).
 # Beyond a handful a guess from an n-gram is rarely right all the way, while every proposed
 # position costs a token of compute.
@@ -384,7 +386,7 @@ class ServeArgs:
         tgi="use_prefix_caching", tgi_older=True,
     )
     cuda_graphs: list[int] | None = setting(  # batch sizes to capture; None = DEFAULT_CUDA_GRAPHS, [] = none
-        None, "Batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default 1,2,4,8,16,32; 0 disables).",
+        None, "Batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default 1,2,4,8,16,32,64,128, those up to the batch limit; 0 disables).",
         metavar="SIZES", option_type=Optional[str], parse=parse_cuda_graphs, check=_cuda_graphs,
     )
     attention_backend: str | None = setting(  # None = chosen for the device
