@@ -474,14 +474,21 @@ runpy.run_path(script, run_name='__main__')
 
 def ensure_gguf_bf16(llama: LlamaCpp, hf_dir: Path, out_dir: Path, root: Path | None = None) -> Path:
     """The checkpoint in bf16 GGUF, by llama.cpp's own converter (its source tree's gguf-py)."""
-    out = out_dir / "bf16.gguf"
+    return ensure_gguf_dense(llama, hf_dir, out_dir, "bf16", root)
+
+
+def ensure_gguf_dense(llama: LlamaCpp, hf_dir: Path, out_dir: Path, outtype: str, root: Path | None = None) -> Path:
+    """The checkpoint in an unquantized GGUF (`outtype`: bf16, f16 or f32), by llama.cpp's own converter."""
+    if outtype not in ("bf16", "f16", "f32"):
+        raise ValueError(f"outtype must be bf16, f16 or f32, got {outtype!r}")
+    out = out_dir / f"{outtype}.gguf"
     if out.is_file():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     deps = ensure_pydeps(root)
     tmp = out.with_name(out.name + ".partial")
     # The converter puts its own gguf-py first on sys.path; pydeps adds sentencepiece.
-    run_logged([sys.executable, "-c", CONVERT_WRAPPER, str(llama.converter), str(hf_dir), "--outtype", "bf16",
+    run_logged([sys.executable, "-c", CONVERT_WRAPPER, str(llama.converter), str(hf_dir), "--outtype", outtype,
                 "--outfile", str(tmp)], out_dir / "convert.log", env=python_env(deps))
     tmp.rename(out)
     return out
@@ -546,6 +553,7 @@ def gguf_tensors(path: Path, llama: LlamaCpp) -> list[tuple[str, int, int]]:
 
 SAFETENSORS_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                            "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what `serve --dtype` converts on load
 
 
 def parse_safetensors_header(blob: bytes) -> dict[str, tuple[str, list[int]]]:
@@ -576,13 +584,14 @@ LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.we
 
 
 def checkpoint_read_tensors(tensors: Mapping[str, tuple[str, list[int]]], int8_on_load: bool = False,
-                            head_int8: bool = False) -> list[tuple[str, int, int]]:
+                            head_int8: bool = False, float_bytes: int | None = None) -> list[tuple[str, int, int]]:
     """(name, bytes, rows) as the served model holds a checkpoint's tensors.
 
     `int8_on_load` (`--quantize eetq`): the decoder layers' linear weights become int8 with one
     float32 scale per output channel; everything else (embeddings, head, norms, biases) keeps its
     dtype. `head_int8` (`--quantize-lm-head int8`): a dense head likewise. A pre-quantized
-    checkpoint (GPTQ: qweight, scales, qzeros, g_idx) counts as stored."""
+    checkpoint (GPTQ: qweight, scales, qzeros, g_idx) counts as stored. `float_bytes`: floating-point
+    tensors held at that many bytes an element (`serve --dtype float32`: 4), not as stored."""
     out = []
     for name, (dtype, shape) in tensors.items():
         numel = 1
@@ -590,6 +599,8 @@ def checkpoint_read_tensors(tensors: Mapping[str, tuple[str, list[int]]], int8_o
             numel *= dim
         rows = shape[0] if shape else 1
         nbytes = numel * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
+        if float_bytes is not None and dtype in FLOAT_DTYPES:
+            nbytes = numel * float_bytes
         if len(shape) == 2 and ((int8_on_load and _matches(name, LINEAR_SUFFIXES))
                                 or (head_int8 and _matches(name, HEAD_NAMES))):
             nbytes = numel + 4 * shape[0]

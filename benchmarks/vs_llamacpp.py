@@ -3,6 +3,8 @@
 For each model and weight type, both engines serve the same checkpoint:
 
 - bf16: ours `serve --dtype bfloat16` / llama.cpp's bf16 GGUF (its own converter);
+- f32: ours `serve --dtype float32` / llama.cpp's F32 GGUF (its converter's --outtype f32): the
+  pairing for small models such as the embedded one, whose step is host work more than weights;
 - int8: ours `serve --quantize eetq` (int8 per channel, quantized on load) / llama.cpp Q8_0 with the
   head and the token embedding left bf16, as ours leaves them;
 - int4: ours `quantize --method rtn --bits 4 --groupsize 128` / llama.cpp Q4_0 twice: with the head
@@ -80,7 +82,8 @@ from bench_common import (  # noqa: E402
 )
 from prompts import CODE_PROMPTS  # noqa: E402
 
-WEIGHTS = ("bf16", "int8", "int4", "int8-head8", "int4-head8")
+WEIGHTS = ("bf16", "int8", "int4", "int8-head8", "int4-head8", "f32")
+DEFAULT_WEIGHTS = WEIGHTS[:-1]  # f32 on request: for small models (a 1.5B in float32 reads 6 GB a token)
 # Suffix of a weight type whose server also gets --quantize-lm-head int8 (the base type picks the weights).
 HEAD8 = "-head8"
 EMBEDDED = "tiny-pycoder"
@@ -89,16 +92,17 @@ EMBEDDED = "tiny-pycoder"
 # -- what is compared ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LlamaWeights:
-    """A llama.cpp GGUF variant: the bf16 conversion, or llama-quantize's `qtype` of it."""
+    """A llama.cpp GGUF variant: its converter's `dense` output, or llama-quantize's `qtype` of the bf16 one."""
 
-    qtype: str | None = None  # None: the bf16 conversion itself
+    qtype: str | None = None  # None: the converter's output itself
     output_type: str | None = None
     embedding_type: str | None = None
+    dense: str = "bf16"  # the converter's --outtype when qtype is None
 
     @property
     def label(self) -> str:
         if self.qtype is None:
-            return "BF16"
+            return self.dense.upper()
         pinned = " (head, embedding BF16)" if self.output_type or self.embedding_type else " (llama-quantize default)"
         return self.qtype.upper() + pinned
 
@@ -120,6 +124,9 @@ def pairings_for(weights: Sequence[str]) -> list[Pairing]:
     for w in weights:
         if w == "bf16":
             rows.append(Pairing("bf16", "bf16", "bf16", LlamaWeights()))
+        elif w == "f32":
+            # Small models (the embedded one), where a step is more host and dispatch than weights.
+            rows.append(Pairing("f32", "f32", "float32", LlamaWeights(dense="f32")))
         elif w == "int8":
             rows.append(Pairing("int8 vs Q8_0", "int8", "eetq int8 per-channel (on load)",
                                 LlamaWeights("Q8_0", "bf16", "bf16")))
@@ -727,10 +734,11 @@ def ensure_ours_int4(case: ModelCase) -> Path:
 
 
 def ours_server_args(weights: str, plan: Plan) -> list[str]:
-    """serve flags: bf16 activations, room for the single-stream prompt, batches up to the top level."""
+    """serve flags: bf16 activations (float32 for f32), room for the single-stream prompt, batches up to
+    the top level."""
     top = max(plan.concurrency)
     max_input = plan.prompt_tokens + 64
-    args = ["--dtype", "bfloat16", "--max-input-tokens", str(max_input),
+    args = ["--dtype", "float32" if weights == "f32" else "bfloat16", "--max-input-tokens", str(max_input),
             "--max-total-tokens", str(max_input + max(plan.decode_tokens, plan.new_tokens) + 8),
             "--max-batch-prefill-tokens", str(max_input), "--max-batch-size", str(top),
             "--max-concurrent-requests", str(max(128, 4 * top))]
@@ -738,7 +746,7 @@ def ours_server_args(weights: str, plan: Plan) -> list[str]:
         args += ["--quantize", "eetq"]
     if weights.endswith(HEAD8):
         args += ["--quantize-lm-head", "int8"]
-    elif weights != "bf16":
+    elif weights not in ("bf16", "f32"):
         # The matched pairings keep the head bf16 on both sides (serve's default for a quantized model
         # on the CPU is an int8 head: that is the -head8 pairing).
         args += ["--quantize-lm-head", "none"]
@@ -784,7 +792,8 @@ class OursSession:
         self.model = str(ensure_ours_int4(case)) if base == "int4" else case.serve_id
         folder = case.int4_dir() if base == "int4" else case.hf_dir
         self.bytes_per_step = lb.decode_read_bytes(lb.checkpoint_read_tensors(
-            lb.safetensors_tensors(folder), int8_on_load=base == "int8", head_int8=weights.endswith(HEAD8)))
+            lb.safetensors_tensors(folder), int8_on_load=base == "int8", head_int8=weights.endswith(HEAD8),
+            float_bytes=4 if weights == "f32" else None))
         self.server: StartedServer | None = None
         self.channel: Any = None
         self.stub: Any = None
@@ -1085,13 +1094,14 @@ async def run_case(case: ModelCase, llama: lb.LlamaCpp, pairings: Sequence[Pairi
     far after each of our weight types (a long run on a shared machine reports what it has)."""
     from transformers import AutoTokenizer
 
-    bf16 = lb.ensure_gguf_bf16(llama, case.hf_dir, case.cache / "gguf")
+    dense = {t: lb.ensure_gguf_dense(llama, case.hf_dir, case.cache / "gguf", t)
+             for t in {"bf16"} | {p.llama.dense for p in pairings if p.llama.qtype is None}}
     tokenizer = AutoTokenizer.from_pretrained(str(case.hf_dir))
     tokenizer.model_max_length = 10**9  # only counted here, never run through the model: no length warning
     text = corpus_text()
     pp_prompts = [prompt_of_tokens(tokenizer, text, plan.prompt_tokens, 20_000 * (r + 1)) for r in range(plan.repeats)]
-    ggufs = [bf16 if p.llama.qtype is None else lb.ensure_gguf_quantized(
-        llama, bf16, p.llama.qtype, p.llama.output_type, p.llama.embedding_type, threads) for p in pairings]
+    ggufs = [dense[p.llama.dense] if p.llama.qtype is None else lb.ensure_gguf_quantized(
+        llama, dense["bf16"], p.llama.qtype, p.llama.output_type, p.llama.embedding_type, threads) for p in pairings]
     groups: dict[str, list[int]] = {}  # our weight type -> its pairings (int4 pairs with two GGUFs)
     for i, pairing in enumerate(pairings):
         groups.setdefault(pairing.weights, []).append(i)
@@ -1165,7 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=f"{lb.QWEN_ALIAS},{EMBEDDED}",
                         help=f"comma-separated: {lb.QWEN_ALIAS}, {EMBEDDED}, or Hugging Face folders")
     parser.add_argument("--weights", default=None, help=f"comma-separated subset of {','.join(WEIGHTS)} "
-                        "(default all; with --quick: int4)")
+                        "(default all but f32; with --quick: int4)")
     parser.add_argument("--quick", action="store_true",
                         help="short run: concurrency 1 and 8, 32 new tokens, prefill 128/decode 32, int4 only")
     parser.add_argument("--concurrency", default=None, help="override the levels, e.g. 1,8,32")
@@ -1187,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
                         "prefill, decode c=1 and c=8 in interleaved rounds (benchmarks/vs_llamacpp_gguf.py)")
     args = parser.parse_args(argv)
     try:
-        weights = parse_weights(args.weights or ("int4" if args.quick else ",".join(WEIGHTS)))
+        weights = parse_weights(args.weights or ("int4" if args.quick else ",".join(DEFAULT_WEIGHTS)))
         plan = dataclasses.replace(QUICK if args.quick else FULL, avx2=args.avx2)
         if args.concurrency:
             plan = dataclasses.replace(plan, concurrency=tuple(parse_ints(args.concurrency, "--concurrency")))

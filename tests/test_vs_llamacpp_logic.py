@@ -99,6 +99,8 @@ def test_checkpoint_bytes_dense_and_int8_on_load():
     assert head8["lm_head.weight"] == (800 + 4 * 100, 100)  # --quantize-lm-head int8: codes + row scales
     assert head8["model.layers.0.mlp.up_proj.weight"] == (256, 16)  # the rest as stored
     assert head8["model.embed_tokens.weight"] == (1600, 100)
+    f32 = {n: (b, r) for n, b, r in lb.checkpoint_read_tensors(tensors, float_bytes=4)}  # serve --dtype float32
+    assert f32["model.layers.0.mlp.up_proj.weight"] == (16 * 8 * 4, 16) and f32["model.norm.weight"] == (32, 8)
 
 
 def test_safetensors_header_parse():
@@ -230,6 +232,9 @@ def test_pairings_and_weights_parsing():
     assert rows[1].llama == vl.LlamaWeights("Q8_0", "bf16", "bf16")
     assert rows[2].llama.output_type == "bf16" and rows[3].llama == vl.LlamaWeights("Q4_0")
     assert "default" in rows[3].llama.label and "BF16" in rows[2].llama.label
+    f32 = vl.pairings_for(["f32"])
+    assert [(p.weights, p.llama.qtype, p.llama.dense, p.llama.label) for p in f32] == [("f32", None, "f32", "F32")]
+    assert "f32" not in vl.DEFAULT_WEIGHTS and "f32" in vl.WEIGHTS
     head8 = vl.pairings_for(["int8-head8", "int4-head8"])
     assert [(p.weights, p.llama) for p in head8] == [("int8-head8", vl.LlamaWeights("Q8_0")),
                                                      ("int4-head8", vl.LlamaWeights("Q4_0"))]
@@ -268,6 +273,9 @@ def test_ours_server_args():
         matched = vl.ours_server_args(weights, vl.FULL)
         assert matched[matched.index("--quantize-lm-head") + 1] == "none"
     assert "--cpu-isa" not in int4_head8
+    f32 = vl.ours_server_args("f32", vl.FULL)
+    assert f32[f32.index("--dtype") + 1] == "float32" and "--quantize-lm-head" not in f32
+    assert vl.ours_server_args("bf16", vl.FULL)[1] == "bfloat16"
     avx2 = vl.ours_server_args("int4", dataclasses.replace(vl.QUICK, avx2=True))
     assert avx2[avx2.index("--cpu-isa") + 1] == "avx2"
 
