@@ -67,7 +67,6 @@ class LaunchedStep:
     logits: torch.Tensor  # [rows, vocab] (device): rows that sample, or ask for top-n, choose from them
     tokens: torch.Tensor  # [rows] greedy ids (device)
     picked: torch.Tensor  # [rows, 2] (id, logprob) pairs (device)
-    forward_ns: int = 0  # the launch's own time where the device is the host (a CPU emulating graphs)
 
     def rows_for(self, batch: Batch) -> list[int] | None:
         """Where each of the batch's rows sits in this step, or None when a row was not launched as
@@ -576,11 +575,12 @@ class CausalLM:
         step's host work, so the device never waits for that work (what SGLang's overlap scheduler
         does; issue #31). Any decode step without speculation qualifies: its inputs are known once
         the tokens are (position, slot and length follow from each row's length), and rows that
-        sample choose from its logits when they take it, so their random streams advance only then. Rows this token ends by
-        length are padding rows (their next slot lies past their blocks); rows ending by EOS or a
-        stop sequence still run, and the batch that takes the step leaves them out: one row-step
-        of device work, not a wait. None when the step cannot be launched so; the next
-        `generate_token` then runs it as usual."""
+        sample choose from its logits when they take it, so their random streams advance only then.
+        Rows this token ends by length are padding rows (their next slot lies past their blocks);
+        rows ending by EOS or a stop sequence still run, and the batch that takes the step leaves
+        them out: one row-step of device work, not a wait. None when the step cannot be launched
+        so; the next `generate_token` then runs it as usual. The clock times the launched forward
+        (on CUDA: its device time, read by the step that takes it after its readback)."""
         graphs = self.graphs
         if not self.launch_ahead or graphs is None or self._speculate or self._rope_switch is not None:
             return None
