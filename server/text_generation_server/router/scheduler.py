@@ -146,9 +146,9 @@ class Scheduler:
         self._evictions_seen = 0
         self.admitting = True
         self._labelled: dict[str, tuple] = {}  # method -> its step metrics (_step_metrics)
-        # Pipelined decode: when a step's answer leaves the batch as it was (no row finished, nobody
-        # waiting to be admitted), the next Decode goes out before this step's tokens are streamed,
-        # so the shards compute while the router works (`_pipeline`).
+        # Pipelined decode: when a step's answer leaves a batch to continue and nobody waits to be
+        # admitted, the next Decode (after a FilterBatch of the rows that step finished) goes out
+        # before this step's tokens are streamed, so the shards compute while the router works.
         self.pipeline = os.environ.get(PIPELINE_ENV, "1") not in ("0", "false", "no")
         self._in_flight: _InFlight | None = None
         self.pipelined_steps = 0
