@@ -8,7 +8,9 @@ request its next token and computes the newcomers' prompts. A prompt longer than
 goes in with `chunk_len` set; the shard computes its later chunks within the same budget in
 the following steps, interleaved with everyone's decode, so no stream stalls behind it. With
 nothing to admit, the step is a Decode. Finished and cancelled requests are filtered out
-between steps, their blocks released at once.
+between steps, their blocks released at once. With nothing to admit, the next Decode (behind a
+FilterBatch when rows ended) goes out as soon as a step's answer arrives, before its tokens are
+streamed to the clients (`_pipeline`; TGS_DECODE_PIPELINE=0 turns it off).
 
 Blocks are the router's to hand out (TGI v3, `BlockPool`): a request is admitted only when
 blocks for its input plus max_new_tokens (plus the shards' Info.speculate, as TGI's queue adds
