@@ -503,7 +503,10 @@ class Scheduler:
                                      else self.client.decode([batch]))
         self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic(),
                                     filtered=filtered)
-        await asyncio.sleep(0)  # the call runs up to its send (a stream write, a hand-off to the model thread)
+        # Two turns of the loop: the call runs up to its send (ShardClient gathers one task per rank, each
+        # writing to its rank's stream in its first turn; in-process, the hand-off to the model thread).
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     async def _filter_then_decode(self, batch_id: int, keep: list[int]):
         batch = await self.client.filter_batch(batch_id, keep)
