@@ -15,7 +15,8 @@ for 16-bit inputs the probabilities are rounded to the input type before they mu
 (their float32 values make the denominator); values accumulated in float32; the output is the
 accumulator times 1 / denominator, rounded to the input type at the end. Sums run in a fixed
 order per row: a row's result does not depend on the other rows of the batch or the thread count.
-Not bit-identical to torch's kernel (its GEMMs sum in another order and its exp is its own).
+Not bit-identical to torch's kernel (its GEMMs sum in another order and its exp is Sleef's; ours is
+`exp16` of cpu_native_pointwise_src.py).
 
 Layout: q [B, H, D]; caches [blocks, block_size, KVH, D] (the model's dtype); block_tables
 [B, max_blocks] int32/int64; seq_lens [B] int64; a row sees positions [max(0, L - window), L).
@@ -92,10 +93,15 @@ void decode_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
     float m = pg[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, pg[i]);
     float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(pg[i] - m);
-      sum += e;
-      pg[i] = round_probs ? bf16_bits_to_float(float_to_bf16_bits(e)) : e;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {  // exp16: cpu_native_pointwise_src.py
+      const vf e = tgs_pointwise::exp16(load_f(pg + i) - splat(m));
+      std::memcpy(pg + i, &e, sizeof(e));
+    }
+    for (; i < n; ++i) pg[i] = tgs_pointwise::exp1(pg[i] - m);
+    for (i = 0; i < n; ++i) {
+      sum += pg[i];
+      if (round_probs) pg[i] = bf16_bits_to_float(float_to_bf16_bits(pg[i]));
     }
     inv[g] = 1.f / sum;
   }
