@@ -154,17 +154,24 @@ def load(args: argparse.Namespace):
     return lm
 
 
-def decode_steps(lm, args: argparse.Namespace, seed: int) -> list[float]:
-    """Prefills one prompt, then decodes args.steps tokens; each step's wall time (seconds)."""
+def decode_steps(lm, args: argparse.Namespace, seed: int, clock: Clock | None = None) -> list[float]:
+    """Prefills one prompt, then decodes args.steps tokens with `clock` on (the prefill untimed);
+    each step's wall time (seconds)."""
     from helpers import ids_request, random_ids
 
     batch = lm.make_batch(seed, [ids_request(seed, random_ids(args.prompt, seed, 1000), args.steps + 2)])
     _, batch, _ = lm.generate_token(batch)
     times = []
-    while batch is not None and len(times) < args.steps:
-        t0 = time.perf_counter()
-        _, batch, _ = lm.generate_token(batch)
-        times.append(time.perf_counter() - t0)
+    if clock is not None:
+        clock.on = True
+    try:
+        while batch is not None and len(times) < args.steps:
+            t0 = time.perf_counter()
+            _, batch, _ = lm.generate_token(batch)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if clock is not None:
+            clock.on = False
     if batch is not None:
         lm.release(batch)
     return times
@@ -226,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(env)
             try:
                 clock.reset()
-                clock.on = True
-                times = decode_steps(lm, args, 10 + r)
-                clock.on = False
+                times = decode_steps(lm, args, 10 + r, clock)
             finally:
                 for k, v in old.items():
                     if v is None:
