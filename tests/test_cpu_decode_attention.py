@@ -3,6 +3,13 @@ torch's SDPA form (`padded_decode`), the path it replaces on the CPU (issue #32)
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,3 +136,41 @@ def test_bad_input_is_refused_by_name():
     meta.seq_lens[0] = 17  # past the row's one block
     with pytest.raises(RuntimeError, match="past its 1 blocks"):
         native_decode(q, key_cache, value_cache, meta, 0.2, None)
+
+
+AVX2_CHILD = r"""
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from text_generation_server.kernels import cpu_native
+from test_cpu_decode_attention import paged
+module = cpu_native.native()
+out = {"built": module is not None, "reason": cpu_native.unavailable_reason()}
+if module is not None:
+    kc, vc, meta = paged([3, 40, 130], 2, 80, torch.bfloat16, seed=11)
+    q = torch.randn(3, 6, 80, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    out["attn"] = module.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.1, 0).float().tolist()
+    gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    out["silu"] = module.silu_mul_bf16(gu, 100).float().tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
+def test_the_avx2_build_computes_what_this_one_does():
+    """The kernels' generic vector code compiled without AVX-512 (`--cpu-isa avx2`): the same
+    arithmetic, so the same results within float32 rounding."""
+    env = dict(os.environ) | {cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    got = json.loads(line[0].removeprefix("RESULT"))
+    assert got["built"], got["reason"]
+    kc, vc, meta = paged([3, 40, 130], 2, 80, torch.bfloat16, seed=11)
+    q = torch.randn(3, 6, 80, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    want = native_decode(q, kc, vc, meta, 0.1, None).float()
+    torch.testing.assert_close(torch.tensor(got["attn"]), want, atol=1e-2, rtol=1e-2)
+    gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(got["silu"]), cpu_native.native().silu_mul_bf16(gu, 100).float(),
+                               atol=1e-2, rtol=1e-2)
