@@ -94,8 +94,9 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def instrument(lm, clock: Clock) -> dict[str, int]:
-    """Wraps the model's parts with `clock`; returns the weight bytes per linear category."""
+def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
+    """Wraps the model's parts with `clock`; returns the weight bytes per linear category and a
+    function that puts back the class-level methods it wrapped (the model's own stay wrapped)."""
     from text_generation_server.layers import rotary as rotary_mod
     from text_generation_server.layers.attention import KVCache, TorchAttention
     from text_generation_server.layers.context import ForwardContext
@@ -134,12 +135,18 @@ def instrument(lm, clock: Clock) -> dict[str, int]:
             if hasattr(norm, "add_forward"):
                 norm.add_forward = clock.wrap("norms", norm.add_forward)
     # Class-level: rotary (cos/sin once a step, then q and k), the cache store, the attention.
-    ForwardContext.cos_sin = clock.wrap("rotary", ForwardContext.cos_sin)
-    rotary_mod.RotaryEmbedding.apply = clock.wrap("rotary", rotary_mod.RotaryEmbedding.apply)
-    KVCache.store = clock.wrap("kv cache store", KVCache.store)
-    TorchAttention.decode = clock.wrap("attention (paged decode)", TorchAttention.decode)
+    wrapped = [(ForwardContext, "cos_sin", "rotary"), (rotary_mod.RotaryEmbedding, "apply", "rotary"),
+               (KVCache, "store", "kv cache store"), (TorchAttention, "decode", "attention (paged decode)")]
+    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in wrapped]
+    for cls, name, category in wrapped:
+        setattr(cls, name, clock.wrap(category, getattr(cls, name)))
     lm.generate_token = clock.wrap("step host (sampling, bookkeeping)", lm.generate_token)
-    return dict(nbytes)
+
+    def restore() -> None:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+    return dict(nbytes), restore
 
 
 def load(args: argparse.Namespace):
@@ -208,16 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", default="",
                         help="ENV=VALUE[,ENV=VALUE...]: a second setting, measured interleaved with the first")
     parser.add_argument("--no-ops", action="store_true", help="skip the torch profiler pass")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="buffer of the bandwidth measurement (vs_llamacpp.py's: 1024 MiB)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start_load = os.getloadavg()[0]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vs_llamacpp import measure_bandwidth
 
-    bw = measure_bandwidth()
+    bw = measure_bandwidth(args.bandwidth_mib)
     lm = load(args)
     clock = Clock()
-    nbytes = instrument(lm, clock)
+    nbytes, restore = instrument(lm, clock)
     settings: list[tuple[str, dict[str, str]]] = [("as is", {})]
     if args.compare:
         pairs = [item.partition("=") for item in args.compare.split(",")]
@@ -243,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             n = len(times)
             per[name].append({k: v * 1000 / n for k, v in clock.exclusive.items()})
             steps_ms[name].append(sum(times) / n * 1000)
+    restore()
     ops = [] if args.no_ops else profile_ops(lm, args)
     end_load = os.getloadavg()[0]
 
     print(f"\n- command: `{command_line()}`")
     print(f"- {machine_line()}; threads {args.threads}; {load_line(end_load, start_load)}")
-    print(f"- date: {now_iso()}; memory bandwidth (torch sum over 1 GiB, all cores, best of 5): read "
-          f"{bw.read_gbs:.1f} GB/s")
+    print(f"- date: {now_iso()}; memory bandwidth (torch sum over {args.bandwidth_mib} MiB, all cores, best of 5): "
+          f"read {bw.read_gbs:.1f} GB/s")
     print(f"- {args.prompt}-token prompt, {args.steps} decode steps x {args.rounds} rounds; ms per step are the "
           "median over rounds of each round's mean; exclusive wall time of each part")
     for name, _ in settings:
