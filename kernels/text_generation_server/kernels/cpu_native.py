@@ -26,13 +26,17 @@ from types import ModuleType
 import torch
 from loguru import logger
 
+from text_generation_server.kernels.cpu_native_decode_src import with_decode_kernels
 from text_generation_server.kernels.cpu_native_group_src import with_group_kernels
 from text_generation_server.kernels.cpu_native_kquant_src import with_kquant_kernels
+from text_generation_server.kernels.cpu_native_pointwise_src import with_pointwise_kernels
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
 from text_generation_server.kernels.phase import pad_prompt_rows
 
 SOURCE, FUNCTIONS = with_group_kernels(SOURCE, FUNCTIONS)  # the group-int8 kernels (cpu_group_int8.py)
 SOURCE, FUNCTIONS = with_kquant_kernels(SOURCE, FUNCTIONS)  # GGUF Q4_K/Q6_K blocks in place (cpu_kquant.py)
+SOURCE, FUNCTIONS = with_pointwise_kernels(SOURCE, FUNCTIONS)  # a bf16 layer's norms, rotary, silu * up (layers/)
+SOURCE, FUNCTIONS = with_decode_kernels(SOURCE, FUNCTIONS)  # decode attention over the paged cache (layers/attention.py)
 
 ENV = "TGS_CPU_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -24,6 +24,7 @@ torch backend, which runs everywhere and is the reference for the others.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -465,6 +466,11 @@ class TorchAttention(AttentionBackend):
     def decode(self, q, key_cache, value_cache, meta, scale, window, softcap=None, sinks=None, kv_scales=None):
         if q.device.type == "cuda" and softcap is None and sinks is None:
             return blockwise_decode(q, key_cache, value_cache, meta, scale, window, kv_scales)
+        if softcap is None and sinks is None and kv_scales is None:
+            module = native_decode_module(q, key_cache, value_cache)
+            if module is not None:
+                return module.paged_decode_attention(q.contiguous(), key_cache, value_cache, meta.block_tables,
+                                                     meta.seq_lens, scale, window or 0)
         return padded_decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks, kv_scales)
 
     def decode_transient_bytes(self, kv_cache_bytes: int, num_layers: int) -> int:
@@ -474,6 +480,28 @@ class TorchAttention(AttentionBackend):
         if self.spec is not None and self.spec.kv_dtype is not None and is_fp8(self.spec.kv_dtype):
             widen = 1 + self.spec.dtype.itemsize
         return 2 * widen * kv_cache_bytes // max(num_layers, 1)
+
+
+NATIVE_DECODE_ENV = "TGS_CPU_NATIVE_ATTENTION"
+
+
+def native_decode_module(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The native CPU extension when it can run this decode step's attention, else None.
+
+    Why: torch's SDPA on a padded copy of the cache costs 0.4-0.8 ms a layer with bfloat16 and one
+    query row on the 2-core EPYC (more than the layer's int4 weights take to read);
+    `paged_decode_attention` (kernels/cpu_native_decode_src.py) reads the blocks in place, each KV
+    head once for its query heads. CPU only; bfloat16 or float32 caches of q's dtype (an fp8
+    cache, soft-capping and sinks keep the torch form). TGS_CPU_NATIVE_ATTENTION=0 keeps the torch
+    form everywhere (read per call, so a benchmark can switch it between steps)."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32) or key_cache.dtype != q.dtype
+            or value_cache.dtype != q.dtype or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
+        return None
+    if os.environ.get(NATIVE_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from text_generation_server.kernels import cpu_native
+
+    return cpu_native.native()
 
 
 def rows_as_decode(meta: AttentionMetadata, rows: list[int], starts: list[int], device: torch.device):

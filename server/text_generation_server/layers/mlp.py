@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.kernels import fused_pointwise
+from text_generation_server.kernels import cpu_pointwise, fused_pointwise
 from text_generation_server.layers.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
 from text_generation_server.quantizers.sources import CheckpointError
 from text_generation_server.quantizers.weights import Weights
@@ -81,6 +81,9 @@ class GatedMLP(torch.nn.Module):
         if (fused_pointwise.usable(gate_up) and self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1
                 and gate_up.shape[-1] == 2 * self.local):
             return self.down(fused_pointwise.silu_mul(gate_up))  # one launch on CUDA instead of two
+        native = cpu_pointwise.module_for(gate_up) if self.act is F.silu else None
+        if native is not None and cpu_pointwise.silu_mul_fits(gate_up, self.local):
+            return self.down(cpu_pointwise.silu_mul(native, gate_up, self.local))  # one call on the CPU (bfloat16)
         gate, up = gate_up.split(self.local, dim=-1)
         return self.down(self.act(gate) * up)
 

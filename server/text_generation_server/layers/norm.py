@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.kernels import fused_pointwise
+from text_generation_server.kernels import cpu_pointwise, fused_pointwise
 from text_generation_server.quantizers.sources import CheckpointError
 
 from text_generation_server.quantizers.weights import Weights
@@ -63,13 +63,21 @@ class RMSNorm(torch.nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if self._fusable(x):
             return fused_pointwise.rms_norm(x, self.weight, self.eps)[0]
+        native = cpu_pointwise.module_for(x)
+        if native is not None and cpu_pointwise.norm_fits(x, self.weight):
+            return cpu_pointwise.rms_norm(native, x, self.weight, self.eps)[0]  # one call, the same roundings
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add and the next norm in one launch
-        where the fused kernels run, else the same arithmetic in two steps."""
+        where the fused kernels run (CUDA; bfloat16 on the CPU: kernels/cpu_pointwise.py), else the
+        same arithmetic in two steps."""
         if self._fusable(x, residual):
             normed, summed = fused_pointwise.rms_norm(x, self.weight, self.eps, residual)
+            return normed, summed
+        native = cpu_pointwise.module_for(x) if self._scale32 is None else None
+        if native is not None and cpu_pointwise.norm_fits(x, self.weight, residual):
+            normed, summed = cpu_pointwise.rms_norm(native, x, self.weight, self.eps, residual)
             return normed, summed
         summed = x + residual
         return self(summed), summed

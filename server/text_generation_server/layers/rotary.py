@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from text_generation_server.kernels import fused_pointwise
+from text_generation_server.kernels import cpu_pointwise, fused_pointwise
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -485,6 +485,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     rot = cos.shape[-1]
     if fused_pointwise.usable(x) and _fusable(x, cos, sin, interleaved):
         return fused_pointwise.rotary(x, cos, sin)  # one launch on CUDA instead of three
+    native = cpu_pointwise.module_for(x)
+    if native is not None and rot == x.shape[-1] and cpu_pointwise.rotary_fits(x, cos, sin, interleaved):
+        return cpu_pointwise.rotary(native, x, cos, sin)  # one call on the CPU (bfloat16), the same bits
     if rot == x.shape[-1]:
         return torch.addcmul(x * cos, _partner(x, interleaved), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]

@@ -1,0 +1,190 @@
+"""C++ source of the native decode attention over the paged KV cache (built with cpu_native's).
+
+Why: a CPU decode step's attention went through torch's `scaled_dot_product_attention` on a
+padded copy of every sequence's blocks. With bfloat16 inputs and one query row, torch 2.13's CPU
+flash-attention kernel costs 0.4-0.8 ms a call on the 2-core EPYC VM at 160 cached tokens (float32:
+50-90 us), so on Qwen2.5-1.5B (28 layers) attention was a larger part of a single-stream step
+than the int4 layers' weights (BENCHMARKS.md, issue #32, fourth round). Here each (sequence, KV
+head) pair is one task that reads its keys and values where they lie in the cache blocks (no
+gathered copy, no mask), once for all the query heads that share them (grouped-query attention).
+
+Arithmetic, as torch's flash kernel does it for one query row (aten/src/ATen/native/cpu/
+FlashAttentionKernel.cpp, read for the order of operations, not copied): scores q.k in float32
+(inputs converted exactly), times the scale; a float32 softmax with the row's maximum subtracted;
+for 16-bit inputs the probabilities are rounded to the input type before they multiply the values
+(their float32 values make the denominator); values accumulated in float32; the output is the
+accumulator times 1 / denominator, rounded to the input type at the end. Sums run in a fixed
+order per row: a row's result does not depend on the other rows of the batch or the thread count.
+Not bit-identical to torch's kernel (its GEMMs sum in another order and its exp is Sleef's; ours is
+`exp16` of cpu_native_pointwise_src.py).
+
+Layout: q [B, H, D]; caches [blocks, block_size, KVH, D] (the model's dtype); block_tables
+[B, max_blocks] int32/int64; seq_lens [B] int64; a row sees positions [max(0, L - window), L).
+"""
+
+SOURCE = r"""
+namespace tgs_decode {
+
+inline float bf16_bits_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN kept a NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T> inline float elem(const T* p, int64_t i);
+template <> inline float elem<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float elem<uint16_t>(const uint16_t* p, int64_t i) { return bf16_bits_to_float(p[i]); }
+template <typename T> inline vf load16(const T* p);
+template <> inline vf load16<float>(const float* p) { return load_f(p); }
+template <> inline vf load16<uint16_t>(const uint16_t* p) { return load_bf16(p); }
+
+inline float lanes_sum(vf v) {  // a fixed order: pairs, then pairs of pairs
+  float s = 0.f;
+  float t[16];
+  std::memcpy(t, &v, sizeof(t));
+  for (int i = 0; i < 8; ++i) t[i] += t[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
+  s = (t[0] + t[2]) + (t[1] + t[3]);
+  return s;
+}
+
+template <typename T>
+void decode_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t L, int64_t window,
+                 int64_t bs, int64_t KVH, int64_t H, int64_t D, int64_t kvh, float scale, bool round_probs,
+                 std::vector<float>& qf, std::vector<float>& p, std::vector<float>& acc) {
+  const int64_t G = H / KVH;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+  const int64_t n = L - start;
+  const int64_t D16 = D - D % 16;
+  qf.resize(G * D);
+  acc.assign(G * D, 0.f);
+  p.resize(G * std::max<int64_t>(n, 1));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = elem(q + (kvh * G + g) * D, d);
+  if (n <= 0) {  // a row that sees no key: zeros, as the eager softmax form gives
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[(kvh * G + g) * D + d] = T(0);
+    return;
+  }
+  // Scores: each key row read once for the G query heads of its KV head.
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = start + i;
+    const T* k = kc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * D;
+      vf a = splat(0.f);
+      for (int64_t d = 0; d < D16; d += 16) a += load_f(qg + d) * load16(k + d);
+      float s = lanes_sum(a);
+      for (int64_t d = D16; d < D; ++d) s += qg[d] * elem(k, d);
+      p[g * n + i] = s * scale;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p.data() + g * n;
+    float m = pg[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, pg[i]);
+    float sum = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {  // exp16: cpu_native_pointwise_src.py
+      const vf e = tgs_pointwise::exp16(load_f(pg + i) - splat(m));
+      std::memcpy(pg + i, &e, sizeof(e));
+    }
+    for (; i < n; ++i) pg[i] = tgs_pointwise::exp1(pg[i] - m);
+    for (i = 0; i < n; ++i) {
+      sum += pg[i];
+      if (round_probs) pg[i] = bf16_bits_to_float(float_to_bf16_bits(pg[i]));
+    }
+    inv[g] = 1.f / sum;
+  }
+  // Values: each value row read once, accumulated into the G heads' float32 outputs.
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = start + i;
+    const T* v = vc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float* ag = acc.data() + g * D;
+      const vf w = splat(p[g * n + i]);
+      for (int64_t d = 0; d < D16; d += 16) {
+        vf a = load_f(ag + d) + w * load16(v + d);
+        std::memcpy(ag + d, &a, sizeof(a));
+      }
+      for (int64_t d = D16; d < D; ++d) ag[d] += p[g * n + i] * elem(v, d);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    T* o = out + (kvh * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float y = acc[g * D + d] * inv[g];
+      if constexpr (std::is_same<T, float>::value) o[d] = y; else o[d] = float_to_bf16_bits(y);
+    }
+  }
+}
+
+}  // namespace tgs_decode
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
+              "q must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
+              && value_cache.is_contiguous(), "caches must be contiguous [blocks, block_size, KVH, D] of one shape");
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
+              "caches must have q's dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = key_cache.size(1), KVH = key_cache.size(2), blocks = key_cache.size(0);
+  TORCH_CHECK(key_cache.size(3) == D, "cache head_dim ", key_cache.size(3), " != q's ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads ", H, " must be a multiple of the cache's KV heads ", KVH);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B, "block_tables must be [B, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == B && seq_lens.scalar_type() == torch::kLong,
+              "seq_lens must be int64 [B]");
+  auto table = block_tables.to(torch::kLong).contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t width = table.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= width * bs, "row ", b, ": length ", lp[b], " past its ", width, " blocks");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(0 <= tp[b * width + j] && tp[b * width + j] < blocks, "row ", b, ": block id out of range");
+  }
+  auto out = torch::empty_like(q);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf, p, acc;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / KVH, kvh = task % KVH;
+      if (bf16) {
+        const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + b * H * D;
+        tgs_decode::decode_task<uint16_t>(
+            qp, reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
+            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + b * H * D, tp + b * width, lp[b], window,
+            bs, KVH, H, D, kvh, float(scale), true, qf, p, acc);
+      } else {
+        tgs_decode::decode_task<float>(q.data_ptr<float>() + b * H * D, key_cache.data_ptr<float>(),
+                                       value_cache.data_ptr<float>(), out.data_ptr<float>() + b * H * D,
+                                       tp + b * width, lp[b], window, bs, KVH, H, D, kvh, float(scale), false, qf,
+                                       p, acc);
+      }
+    }
+  });
+  return out;
+}
+"""
+
+FUNCTIONS = ["paged_decode_attention"]
+
+
+def with_decode_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
+    """cpu_native's source and function list with the decode attention added (one extension, one build)."""
+    return source + SOURCE, [*functions, *FUNCTIONS]

@@ -1,0 +1,202 @@
+"""C++ source of the fused pointwise ops of a bfloat16 decoder layer on the CPU (built with cpu_native's).
+
+Why: at one decode row a Qwen2.5-1.5B layer ran ~25 small torch ops besides its linears and its
+attention (the RMSNorm alone is four: to float32, rms_norm, back, times the weight), each a few
+microseconds of dispatch and allocation for 1536 numbers, ~2 ms of a single-stream step on the
+2-core EPYC (BENCHMARKS.md, issue #32, fourth round). One call each here, in torch's roundings
+(layers/norm.py, layers/rotary.py and layers/mlp.py say which; the tests compare with them):
+
+- `rms_norm_bf16(x, weight, eps, residual)`: Llama's RMSNorm, weight * bf16(x * rsqrt(mean(x^2) +
+  eps)) with x in float32 and the product rounded to bfloat16; with a residual, x + residual is
+  rounded to bfloat16 first and returned too (the post-attention add). The mean's sum runs in
+  16 float32 lanes, then the lanes in a fixed order (torch's own order is its vectorised one: a
+  scale one float32 ulp apart, rarely a bfloat16 apart after the product's rounding).
+- `rotary_bf16(x, cos, sin)`: one rotation (q or k) in place of torch's four calls:
+  bf16(bf16(x * cos) + partner(x) * sin) over the rotate-half layout (`sin` carries the sign, as
+  RotaryEmbedding.cos_sin makes it). bfloat16 products are exact in float32, so this is torch's
+  `addcmul(x * cos, partner, sin)` bit for bit.
+- `silu_mul_bf16(gate_up, n)`: bf16(bf16(silu(g)) * u) over the [g | u] halves of gate_up,
+  silu(g) = g / (1 + exp(-g)) in float32 (`exp16` below and torch's Sleef exp differ in the last
+  float32 bit or two, rarely a bfloat16 apart after the rounding).
+
+Every row is computed alone (no reduction across rows), one thread per row block.
+"""
+
+SOURCE = r"""
+namespace tgs_pointwise {
+
+inline float bf(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t to_bf(float f) {  // round to nearest even, NaN kept a NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// exp over 16 float32 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two parts, p Cephes'
+// degree-7 polynomial for expf (about 1 float32 ulp; the constants are the published ones). Past
+// [-87.3, 88.37] the result is 0 or inf (denormal results are flushed to 0: no bfloat16 softmax
+// weight or silu here tells them apart).
+inline vf exp16(vf x0) {
+  const vf hi = splat(88.3762626647949f), lo = splat(-87.3365447504f);
+  vf x = x0 > hi ? hi : x0;
+  x = x < lo ? lo : x;
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500E-4f);
+  p = p * r + splat(1.3981999507E-3f);
+  p = p * r + splat(8.3334519073E-3f);
+  p = p * r + splat(4.1665795894E-2f);
+  p = p * r + splat(1.6666665459E-1f);
+  p = p * r + splat(5.0000001201E-1f);
+  p = p * r * r + r + splat(1.f);
+  vi32 e = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  p = p * scale;
+  p = x0 > hi ? splat(__builtin_inff()) : p;  // past float32's range: inf and 0, as expf gives
+  return x0 < lo ? splat(0.f) : p;
+}
+
+inline float exp1(float x) {  // the same arithmetic for one value (tails)
+  float lanes[16];
+  for (int i = 0; i < 16; ++i) lanes[i] = x;
+  vf v;
+  std::memcpy(&v, lanes, sizeof(v));
+  v = exp16(v);
+  std::memcpy(lanes, &v, sizeof(v));
+  return lanes[0];
+}
+
+inline const uint16_t* cbits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+inline uint16_t* bits(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kBFloat16 && t.stride(1) == 1,
+              name, " must be bfloat16 [rows, features] with unit feature stride, got ", t.sizes(), " ",
+              t.scalar_type());
+}
+
+}  // namespace tgs_pointwise
+
+std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
+                                         c10::optional<torch::Tensor> residual) {
+  using namespace tgs_pointwise;
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == torch::kBFloat16
+              && weight.is_contiguous(), "weight must be contiguous bfloat16 [", n, "]");
+  const bool add = residual.has_value();
+  torch::Tensor res;
+  if (add) {
+    res = *residual;
+    check_rows(res, "residual");
+    TORCH_CHECK(res.sizes() == x.sizes(), "residual ", res.sizes(), " must match x ", x.sizes());
+  }
+  auto normed = torch::empty({rows, n}, x.options());
+  auto summed = add ? torch::empty({rows, n}, x.options()) : torch::Tensor();
+  const uint16_t* wp = cbits(weight);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> h(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xp = cbits(x) + r * x.stride(0);
+      if (add) {
+        const uint16_t* rp = cbits(res) + r * res.stride(0);
+        uint16_t* sp = bits(summed) + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          sp[i] = to_bf(bf(xp[i]) + bf(rp[i]));
+          h[i] = bf(sp[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) h[i] = bf(xp[i]);
+      }
+      float lanes[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) lanes[j] += h[i + j] * h[i + j];
+      for (int64_t j = 0; i + j < n; ++j) lanes[j] += h[i + j] * h[i + j];
+      for (int j = 0; j < 8; ++j) lanes[j] += lanes[j + 8];
+      for (int j = 0; j < 4; ++j) lanes[j] += lanes[j + 4];
+      const float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+      const float scale = 1.f / std::sqrt(sum / float(n) + float(eps));
+      uint16_t* op = bits(normed) + r * n;
+      for (int64_t k = 0; k < n; ++k) op[k] = to_bf(bf(wp[k]) * bf(to_bf(h[k] * scale)));
+    }
+  });
+  if (add) return {normed, summed};
+  return {normed};
+}
+
+torch::Tensor rotary_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  using namespace tgs_pointwise;
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kBFloat16, "x must be bfloat16 [tokens, heads, head_dim]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && x.stride(2) == 1 && x.stride(1) == D, "x must have contiguous heads of an even head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
+              && cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16
+              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be bfloat16 [tokens, 1, head_dim]");
+  auto o = torch::empty({T, H, D}, x.options());
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* cp = cbits(cos) + t * cos.stride(0);
+      const uint16_t* sp = cbits(sin) + t * sin.stride(0);
+      for (int64_t h = 0; h < H; ++h) {
+        const uint16_t* xp = cbits(x) + t * x.stride(0) + h * D;
+        uint16_t* op = bits(o) + (t * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t p = d < half ? d + half : d - half;
+          const float xc = bf(to_bf(bf(xp[d]) * bf(cp[d])));
+          op[d] = to_bf(xc + bf(xp[p]) * bf(sp[d]));
+        }
+      }
+    }
+  });
+  return o;
+}
+
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
+  using namespace tgs_pointwise;
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) == 2 * n, "gate_up must be [rows, 2 * ", n, "], got ", gate_up.sizes());
+  const int64_t rows = gate_up.size(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* g = cbits(gate_up) + r * gate_up.stride(0);
+      const uint16_t* u = g + n;
+      uint16_t* o = bits(out) + r * n;
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const vf x = load_bf16(g + i);
+        const vf s = x / (splat(1.f) + exp16(-x));
+        float sf[16], uf[16];
+        std::memcpy(sf, &s, sizeof(sf));
+        const vf uv = load_bf16(u + i);
+        std::memcpy(uf, &uv, sizeof(uf));
+        for (int j = 0; j < 16; ++j) o[i + j] = to_bf(bf(to_bf(sf[j])) * uf[j]);
+      }
+      for (; i < n; ++i) {
+        const float x = bf(g[i]);
+        const float s = bf(to_bf(x / (1.f + exp1(-x))));
+        o[i] = to_bf(s * bf(u[i]));
+      }
+    }
+  });
+  return out;
+}
+"""
+
+FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16"]
+
+
+def with_pointwise_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
+    """cpu_native's source and function list with these ops added (one extension, one build)."""
+    return source + SOURCE, [*functions, *FUNCTIONS]

@@ -1,0 +1,65 @@
+"""A bfloat16 decoder layer's small ops on the CPU in one native call each (issue #32).
+
+At one decode row the RMSNorms, the rotary embedding and the MLP's silu * up were ~25 torch calls
+a layer on vectors of a few thousand numbers: their dispatch and allocations, not their arithmetic,
+cost ~2 ms of a single-stream Qwen2.5-1.5B step on the 2-core EPYC. The native ops
+(cpu_native_pointwise_src.py) round where the torch code rounds; the layers (layers/norm.py,
+rotary.py, mlp.py) call them for bfloat16 CPU tensors when the extension is built, and keep their
+torch code otherwise. TGS_CPU_NATIVE_POINTWISE=0 keeps the torch code everywhere (read per call,
+so a benchmark can switch it between steps).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from text_generation_server.kernels import cpu_native
+
+ENV = "TGS_CPU_NATIVE_POINTWISE"
+
+
+def module_for(x: torch.Tensor) -> cpu_native.Extension | None:
+    """The extension when `x` is a bfloat16 CPU tensor and the switch is on, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return None
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return cpu_native.native()
+
+
+def norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether `rms_norm` takes x [rows, n] (and residual) against `weight` [n]."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dim() == 1 and weight.dtype == torch.bfloat16
+            and weight.is_contiguous() and weight.shape[0] == x.shape[1] and weight.device.type == "cpu"
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1)))
+
+
+def rms_norm(module: cpu_native.Extension, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[weight * bf16(rms-normalised x)] or, with a residual, [norm(x + residual), x + residual]."""
+    return module.rms_norm_bf16(x, weight, eps, residual)
+
+
+def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> bool:
+    """Whether `rotary` takes x [tokens, heads, D] (rotate-half, every dimension rotated)."""
+    return (not interleaved and x.dim() == 3 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+            and x.stride(1) == x.shape[-1] and cos.dtype == sin.dtype == torch.bfloat16
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1]) and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def rotary(module: cpu_native.Extension, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by cos and the signed sin (RotaryEmbedding.cos_sin's layout): a new tensor."""
+    return module.rotary_bf16(x, cos, sin)
+
+
+def silu_mul_fits(gate_up: torch.Tensor, local: int) -> bool:
+    """Whether `silu_mul` takes gate_up [rows, 2 * local]."""
+    return gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[-1] == 2 * local
+
+
+def silu_mul(module: cpu_native.Extension, gate_up: torch.Tensor, local: int) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up) over gate_up's [gate | up] halves."""
+    return module.silu_mul_bf16(gate_up, local)

@@ -1,0 +1,176 @@
+"""The native CPU decode attention over the paged cache (kernels/cpu_native_decode_src.py) against
+torch's SDPA form (`padded_decode`), the path it replaces on the CPU (issue #32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from text_generation_server.kernels import cpu_native
+from text_generation_server.layers.attention import (
+    NATIVE_DECODE_ENV,
+    AttentionMetadata,
+    TorchAttention,
+    native_decode_module,
+    padded_decode,
+)
+
+pytestmark = pytest.mark.skipif(cpu_native.native() is None,
+                                reason=f"native CPU kernels not built here: {cpu_native.unavailable_reason()}")
+
+
+def paged(lengths: list[int], kv_heads: int, dim: int, dtype: torch.dtype, block_size: int = 16, seed: int = 0):
+    """Random caches with each sequence's blocks scattered (a shuffled pool), and its metadata."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [(n + block_size - 1) // block_size for n in lengths]
+    total = sum(per_row) + 3  # spare blocks nobody reads
+    key_cache = torch.randn(total, block_size, kv_heads, dim, generator=g).to(dtype)
+    value_cache = torch.randn(total, block_size, kv_heads, dim, generator=g).to(dtype)
+    order = torch.randperm(total, generator=g)
+    tables = torch.zeros(len(lengths), max(per_row), dtype=torch.long)
+    used = 0
+    for row, count in enumerate(per_row):
+        tables[row, :count] = order[used:used + count]
+        used += count
+    meta = AttentionMetadata(is_prefill=False, slots=torch.zeros(len(lengths), dtype=torch.long), block_tables=tables,
+                             seq_lens=torch.tensor(lengths, dtype=torch.long), max_seq_len=max(lengths))
+    return key_cache, value_cache, meta
+
+
+def native_decode(q, key_cache, value_cache, meta, scale, window):
+    return cpu_native.native().paged_decode_attention(q.contiguous(), key_cache, value_cache, meta.block_tables,
+                                                      meta.seq_lens, scale, window or 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (4, 4, 64), (6, 1, 80), (8, 2, 24)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_matches_torch_sdpa(dtype, heads, kv_heads, dim, window):
+    lengths = [1, 17, 160, 33]
+    key_cache, value_cache, meta = paged(lengths, kv_heads, dim, dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = dim ** -0.5
+    want = padded_decode(q, key_cache, value_cache, meta, scale, window).float()
+    got = native_decode(q, key_cache, value_cache, meta, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32: summation order only; bfloat16: both round the probabilities and the output to
+    # bfloat16, so they differ by an output rounding step (2^-8 relative) and its knock-ons.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    # Against a float64 reference of the same attention, the native kernel is as close as torch's.
+    ref = reference(q, key_cache, value_cache, meta, scale, window)
+    err_native = (got.double() - ref).abs().max().item()
+    err_torch = (want.double() - ref).abs().max().item()
+    assert err_native <= 1.5 * err_torch + 1e-6
+
+
+def reference(q, key_cache, value_cache, meta, scale, window) -> torch.Tensor:
+    """float64 attention of each row over its own positions."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    for row, length in enumerate(meta.seq_lens.tolist()):
+        blocks = meta.block_tables[row, : (length + bs - 1) // bs]
+        k = key_cache[blocks].reshape(-1, kv_heads, q.shape[2])[:length].double()
+        v = value_cache[blocks].reshape(-1, kv_heads, q.shape[2])[:length].double()
+        start = max(0, length - window) if window else 0
+        k, v = k[start:], v[start:]
+        for h in range(q.shape[1]):
+            scores = (k[:, h // group] @ q[row, h].double()) * scale
+            out[row, h] = torch.softmax(scores, 0) @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_does_not_depend_on_batch_or_threads(dtype):
+    lengths = [40, 9, 130]
+    key_cache, value_cache, meta = paged(lengths, 2, 64, dtype, seed=3)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    whole = native_decode(q, key_cache, value_cache, meta, 0.125, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = native_decode(q, key_cache, value_cache, meta, 0.125, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, one_thread)
+    for row in range(3):
+        alone = AttentionMetadata(is_prefill=False, slots=meta.slots[row:row + 1],
+                                  block_tables=meta.block_tables[row:row + 1].to(torch.int32),
+                                  seq_lens=meta.seq_lens[row:row + 1], max_seq_len=lengths[row])
+        assert torch.equal(native_decode(q[row:row + 1], key_cache, value_cache, alone, 0.125, None), whole[row:row + 1])
+
+
+def test_backend_takes_it_on_cpu_and_the_switch_turns_it_off(monkeypatch):
+    key_cache, value_cache, meta = paged([5, 20], 2, 32, torch.bfloat16, seed=7)
+    q = torch.randn(2, 4, 32).to(torch.bfloat16)
+    backend = TorchAttention()
+    assert native_decode_module(q, key_cache, value_cache) is not None
+    got = backend.decode(q, key_cache, value_cache, meta, 0.2, None)
+    assert torch.equal(got, native_decode(q, key_cache, value_cache, meta, 0.2, None))
+    monkeypatch.setenv(NATIVE_DECODE_ENV, "0")
+    assert native_decode_module(q, key_cache, value_cache) is None
+    assert torch.equal(backend.decode(q, key_cache, value_cache, meta, 0.2, None),
+                       padded_decode(q, key_cache, value_cache, meta, 0.2, None))
+    monkeypatch.delenv(NATIVE_DECODE_ENV)
+    # Soft-capping keeps the torch form (the kernel has no cap).
+    assert torch.equal(backend.decode(q, key_cache, value_cache, meta, 0.2, None, softcap=5.0),
+                       padded_decode(q, key_cache, value_cache, meta, 0.2, None, softcap=5.0))
+    # A cache in another dtype than q is not the kernel's.
+    assert native_decode_module(q, key_cache.float(), value_cache.float()) is None
+
+
+def test_bad_input_is_refused_by_name():
+    key_cache, value_cache, meta = paged([5], 2, 32, torch.float32)
+    q = torch.randn(1, 3, 32)  # 3 query heads over 2 KV heads
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        native_decode(q, key_cache, value_cache, meta, 0.2, None)
+    q = torch.randn(1, 4, 32)
+    meta.seq_lens[0] = 17  # past the row's one block
+    with pytest.raises(RuntimeError, match="past its 1 blocks"):
+        native_decode(q, key_cache, value_cache, meta, 0.2, None)
+
+
+AVX2_CHILD = r"""
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from text_generation_server.kernels import cpu_native
+from test_cpu_decode_attention import paged
+module = cpu_native.native()
+out = {"built": module is not None, "reason": cpu_native.unavailable_reason()}
+if module is not None:
+    kc, vc, meta = paged([3, 40, 130], 2, 80, torch.bfloat16, seed=11)
+    q = torch.randn(3, 6, 80, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    out["attn"] = module.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.1, 0).float().tolist()
+    gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    out["silu"] = module.silu_mul_bf16(gu, 100).float().tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
+def test_the_avx2_build_computes_what_this_one_does():
+    """The kernels' generic vector code compiled without AVX-512 (`--cpu-isa avx2`): the same
+    arithmetic, so the same results within float32 rounding."""
+    env = dict(os.environ) | {cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    got = json.loads(line[0].removeprefix("RESULT"))
+    assert got["built"], got["reason"]
+    kc, vc, meta = paged([3, 40, 130], 2, 80, torch.bfloat16, seed=11)
+    q = torch.randn(3, 6, 80, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    want = native_decode(q, kc, vc, meta, 0.1, None).float()
+    torch.testing.assert_close(torch.tensor(got["attn"]), want, atol=1e-2, rtol=1e-2)
+    gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(got["silu"]), cpu_native.native().silu_mul_bf16(gu, 100).float(),
+                               atol=1e-2, rtol=1e-2)
