@@ -299,3 +299,24 @@ def test_row_split_off_a_super_block_keeps_the_decoded_form(native, q4km, monkey
             got = (plain.qweight.float() - plain.zero_points().float()[plain.g_idx.long()]) * \
                 plain.scales.float()[plain.g_idx.long()]
             assert torch.equal(got, values[rank * share:(rank + 1) * share]), (world, rank)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_embedding_decodes_the_rows_it_looks_up_as_the_full_decode_does(native, qtype):
+    from text_generation_server.kernels.cpu_kquant import KQuantEmbedding
+
+    raw = blocks(qtype, 50, 768, seed=8)
+    full = kquant_dequant(native, raw, int(qtype))  # float32, the dense read's values before its cast
+    ids = torch.tensor([[3, 49, 0], [3, 17, 8]])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = KQuantEmbedding(raw, int(qtype), dtype)(ids)
+        assert got.dtype == dtype and got.shape == (2, 3, 768)
+        assert torch.equal(got, torch.nn.functional.embedding(ids, full.to(dtype))), dtype
+    # strided rows (a view that skips each row's first block)
+    table = KQuantEmbedding(raw[:, FORMATS[int(qtype)].block_bytes:], int(qtype), torch.float32)
+    assert table.embedding_dim == 512
+    assert torch.equal(table(ids[0]), full[ids[0]][:, 256:])
+    with pytest.raises(IndexError, match="50 rows"):
+        table(torch.tensor([50]))
+    with pytest.raises(ValueError, match="not a K-quant"):
+        KQuantEmbedding(raw, int(T.Q5_K), torch.float32)

@@ -162,6 +162,50 @@ class KQuantLinear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+class KQuantEmbedding(torch.nn.Module):
+    """A Q4_K / Q6_K token embedding kept as stored, rows decoded when looked up.
+
+    Why: decoding a whole GGUF embedding at load (Qwen2.5-Coder-1.5B's Q4_K 151936 x 1536) costs
+    1.4-2.7 s of a start and 445 MiB of bfloat16 (890 MiB of float32 on the way), for a step that
+    reads a few rows. The looked-up rows get the values the full decode gives, bit for bit: ggml's
+    roundings in float32, then (bfloat16 models) rounded to nearest even as torch rounds, or (float16)
+    converted by torch from float32, as the dense read's cast does (tests/test_gguf_kquant.py).
+    """
+
+    # ids: [tokens] -> [tokens, K]
+    def __init__(self, blocks: torch.Tensor, type_id: int, dtype: torch.dtype):
+        super().__init__()
+        if type_id not in KQUANT_TYPES:
+            raise ValueError(f"ggml type {type_id} is not a K-quant this module reads (Q4_K=12, Q6_K=14)")
+        if dtype not in _ACT_DTYPES:
+            raise ValueError(f"embedding dtype {dtype} not in bfloat16/float16/float32")
+        _, _, size, _ = KQUANT_TYPES[type_id]
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size or blocks.stride(1) != 1:
+            raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [rows, blocks * {size}] with contiguous "
+                             f"rows, got {blocks.dtype} {list(blocks.shape)}")
+        self.native = cpu_native.native()
+        if self.native is None:
+            raise ValueError(f"K-quant embedding: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        self.register_buffer("blocks", blocks)
+        self.type_id = type_id
+        self.dtype = dtype
+        self.embedding_dim = blocks.shape[1] // size * QK_K
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.blocks.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids outside the embedding's {self.num_embeddings} rows")
+        rows = self.blocks.index_select(0, flat)
+        out_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=out_dtype)
+        self.native.kquant_dequant(rows, self.type_id, 0, rows.shape[0], out)
+        return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
 class CpuKQuantKernel(QuantKernel):
     """GGUF Q4_K / Q6_K blocks multiplied in place with Q8_K activations (llama.cpp's arithmetic)."""
 
