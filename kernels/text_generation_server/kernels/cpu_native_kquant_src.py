@@ -129,10 +129,9 @@ inline void prefetch_block(const Args& a, const uint8_t* blk, int64_t bytes) {
 }
 
 #if defined(__AVX512BW__)
-// The block at `next` into L1, every line of it (a block is not line-aligned). The tiled code reads 16
-// weight rows in turn, a chunk of blocks each, and gathers each block's scales across the 16 first:
-// the hardware prefetcher does not follow that, so each block asks for the same block of the next
-// tile's row (one tile ahead).
+// The block at `next` into L1, every line of it (a block is not line-aligned). With several rows
+// the tiled code spends long enough on each tile that the hardware prefetcher falls behind, so each
+// block asks for the same block of the next tile's row (one tile ahead); at one row it hinders.
 inline void prefetch_next(const uint8_t* next, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(next);
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
@@ -365,60 +364,42 @@ template <int R>
 void q4k_tile512(const Args& a, const int32_t* pairs, int64_t n0, int nt, int64_t m0) {
   constexpr int BC = chunk_blocks<R>();
   alignas(64) int32_t isum[BC][R][TILE][16];
-  alignas(64) uint64_t scq[BC][TILE];  // each output's eight 6-bit scales, a byte each
-  alignas(64) int32_t mts[BC][4][16];  // [t] lane i: output i's minimums 2t, 2t + 1 as int16 pairs
-  alignas(64) float dvs[BC][16], dmvs[BC][16];
-  if (nt < TILE) std::memset(isum, 0, sizeof(isum));  // lanes past the tile's outputs: zeros, never stored
+  alignas(64) int32_t mp[BC][TILE][4];  // each output's eight minimums as int16 pairs
+  alignas(64) uint16_t dh[BC][TILE], mh[BC][TILE];  // each output's d and dmin (fp16)
+  if (nt < TILE) {  // lanes past the tile's outputs: zeros, never stored
+    std::memset(isum, 0, sizeof(isum));
+    std::memset(mp, 0, sizeof(mp));
+    std::memset(dh, 0, sizeof(dh));
+    std::memset(mh, 0, sizeof(mh));
+  }
   const __mmask16 keep = __mmask16((1u << nt) - 1);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  const __m512i low6 = _mm512_set1_epi32(0x3F3F3F3F), nib = _mm512_set1_epi32(0x0F0F0F0F);
-  const __m512i top2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(a.row_bytes)));
-  // dword 2i of the first vector: lane i of the low scales, 2i + 1: of the high ones (outputs 0-7; then 8-15)
-  const __m512i inter0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i inter1 = _mm512_add_epi32(inter0, _mm512_set1_epi32(8));
-  __m512i pick[4];
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i pick[4], idx[4];
   for (int p = 0; p < 4; ++p) {
     alignas(64) int16_t pk[32];  // int16 lane i of scale vector p takes sub-block 2p + i / 16
+    alignas(64) int32_t ix[16];  // lane i < 8: dword p of output i of two consecutive 4-output rows of mp
     for (int i = 0; i < 32; ++i) pk[i] = int16_t(2 * p + i / 16);
+    for (int i = 0; i < 16; ++i) ix[i] = 4 * (i % 8) + p;
     pick[p] = _mm512_load_si512(pk);
+    idx[p] = _mm512_load_si512(ix);
   }
   const uint8_t* tile = a.w + n0 * a.row_bytes;
   for (int64_t b0 = 0; b0 < a.nb; b0 += BC) {
     const int bn = int(std::min<int64_t>(BC, a.nb - b0));
-    for (int c = 0; c < bn; ++c) {
-      // The tile's d and dmin and its 12 bytes of packed scales and minimums, a lane per output,
-      // unpacked for the 16 at once (scale_min_k4's steps on 32-bit lanes).
-      const uint8_t* base = tile + (b0 + c) * Q4K_BYTES;
-      const __m512i dd = _mm512_mask_i32gather_epi32(zero, keep, rows, base, 1);
-      const __m512i w0 = _mm512_mask_i32gather_epi32(zero, keep, rows, base + 4, 1);
-      const __m512i w1 = _mm512_mask_i32gather_epi32(zero, keep, rows, base + 8, 1);
-      const __m512i w2 = _mm512_mask_i32gather_epi32(zero, keep, rows, base + 12, 1);
-      const __m512i s_lo = _mm512_and_si512(w0, low6);
-      const __m512i s_hi = _mm512_or_si512(_mm512_and_si512(w2, nib), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), top2), 4));
-      const __m512i m_lo = _mm512_and_si512(w1, low6);
-      const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), nib),
-                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), top2), 4));
-      _mm512_store_si512(scq[c], _mm512_permutex2var_epi32(s_lo, inter0, s_hi));
-      _mm512_store_si512(scq[c] + 8, _mm512_permutex2var_epi32(s_lo, inter1, s_hi));
-      for (int h = 0; h < 2; ++h) {
-        const __m512i m = h ? m_hi : m_lo;
-        _mm512_store_si512(mts[c][2 * h], _mm512_or_si512(_mm512_and_si512(m, ff), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(m, 8), ff), 16)));
-        _mm512_store_si512(mts[c][2 * h + 1], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(m, 16), ff), _mm512_slli_epi32(_mm512_srli_epi32(m, 24), 16)));
-      }
-      _mm512_store_ps(dvs[c], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
-      _mm512_store_ps(dmvs[c], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
-    }
     for (int i = 0; i < nt; ++i) {
       for (int c = 0; c < bn; ++c) {
         const int64_t b = b0 + c;
         const uint8_t* blk = tile + i * a.row_bytes + b * Q4K_BYTES;
         prefetch_block(a, blk, Q4K_BYTES);
-        prefetch_next(blk + TILE * a.row_bytes, Q4K_BYTES);
-        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scq[c] + i))));
+        if (R > 1) prefetch_next(blk + TILE * a.row_bytes, Q4K_BYTES);  // one row: the hardware's alone
+        std::memcpy(&dh[c][i], blk, 2);
+        std::memcpy(&mh[c][i], blk + 2, 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(blk + 4, sc, mn);
+        _mm_store_si128(reinterpret_cast<__m128i*>(mp[c][i]), _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
         __m512i q[4], s[4];
         for (int h = 0; h < 2; ++h) {
           const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
@@ -437,13 +418,21 @@ void q4k_tile512(const Args& a, const int32_t* pairs, int64_t n0, int nt, int64_
     }
     for (int c = 0; c < bn; ++c) {  // the chunk's blocks in order: the float steps' order
       const int64_t b = b0 + c;
-      const __m512 dv = _mm512_load_ps(dvs[c]), dmv = _mm512_load_ps(dmvs[c]);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh[c])));
+      const __m512 dmv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh[c])));
+      __m512i mt[4];  // lane i of mt[t]: output i's minimums 2t, 2t + 1
+      const int32_t* flat = &mp[c][0][0];
+      const __m512i z0 = _mm512_load_si512(flat), z1 = _mm512_load_si512(flat + 16);
+      const __m512i z2 = _mm512_load_si512(flat + 32), z3 = _mm512_load_si512(flat + 48);
+      for (int t = 0; t < 4; ++t)
+        mt[t] = _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(z0, idx[t], z1),
+                                     _mm512_permutex2var_epi32(z2, idx[t], z3), 0x44);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m512i I = lane_sums16(&isum[c][r][0][0]);
         const int32_t* bp = pairs + (m * a.nb + b) * 4;
         __m512i Mn = _mm512_setzero_si512();
-        for (int t = 0; t < 4; ++t) Mn = dot_pairs(Mn, _mm512_load_si512(mts[c][t]), _mm512_set1_epi32(bp[t]));
+        for (int t = 0; t < 4; ++t) Mn = dot_pairs(Mn, mt[t], _mm512_set1_epi32(bp[t]));
         const __m512 dy = _mm512_set1_ps(a.x.d[m * a.nb + b]);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I), acc[r]);
         acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmv, dy), _mm512_cvtepi32_ps(Mn), acc[r]);
