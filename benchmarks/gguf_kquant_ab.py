@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             q, d, s = ours.kquant_quantize_q8k(torch.randn(m, k))
             yt, yo = theirs.kquant_mm(q, d, s, raw, int(qtype), 0), ours.kquant_mm(q, d, s, raw, int(qtype), 0)
             diff = ((yt - yo).abs().max() / yt.abs().max()).item()
-            tt, to = [], []
+            tt: list[float] = []
+            to: list[float] = []
             for _ in range(args.calls):
                 for module, times in ((theirs, tt), (ours, to)):
                     start = time.perf_counter()

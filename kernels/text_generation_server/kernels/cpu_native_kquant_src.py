@@ -17,15 +17,20 @@ every 16 codes), and a weight block's product with it is formed in integers and 
   Q6_K: w = d * sc_g * (q - 32)        (q 6-bit, sc_g int8, g the 16-column group)
         dot = d * dy * (sum_g sc_g * sum(q * q8) - 32 * sum_g sc_g * bsum16_g)
 
-The integer sums are exact (|sum| < 2^31 for either format); the float terms are summed per block
-in 16 lanes (AVX-512BW) or 8 (AVX2) and the lanes in one fixed order. A row's result does not
-depend on the rows beside it, the number of rows or the thread split (each output's sums are one
-row's alone).
+The integer sums are exact (|sum| < 2^31 for either format) and each block's are scaled in one
+fixed order per row and output (the comment above q4k_rows writes it out), so every code path
+gives the same bits: a row's result does not depend on the rows beside it, the number of rows, the
+thread split or the instruction set (tests/test_gguf_kquant.py compares the AVX2 build with the
+AVX-512 one; the scalar build, compiled with -mno-avx2 -mno-fma, also matched it bit for bit when
+this was written).
 
-AVX-512BW code where the build has it (64 bytes of blocks per instruction; about twice the AVX2
-code's speed on Q6_K, the same on Q4_K at one thread of the 2-core EPYC), AVX2 code under __AVX2__
-(`--cpu-isa avx2`), elsewhere scalar loops of the same integer arithmetic (correct, slow:
-`kquant_native_isa` says which).
+AVX-512BW code where the build has it (VNNI's dpwssd / dpbusd where it has that too): outputs in
+tiles of 16, rows in passes of up to 8, each block's integer sums per output brought into one lane
+per output so the float steps serve 16 outputs at once; from GEMM_ROWS rows a tile's blocks are
+first decoded into a lane-per-output form that every row reads (prompts). AVX2 code under __AVX2__
+(`--cpu-isa avx2`: an output at a time, rows in passes of 8), elsewhere scalar loops of the same
+arithmetic (correct, slow: `kquant_native_isa` says which). BENCHMARKS.md "Round 3: tiled K-quant
+kernels" has the figures.
 `kquant_dequant` writes blocks as float32 or bfloat16 with ggml's dequantize_row_q4_K / q6_K
 roundings ((d * sc) * q, then minus dmin * m, each rounded: never fused), for dense reads
 (embeddings) and the float reference.
