@@ -9,8 +9,8 @@ super-block scales). Checked here:
   Q8_K dot products) within float32 summation error, and equals dequantize-then-matmul within the
   bound the activation rounding allows: |x - d * q| <= |d| / 2 per element, so
   |y - W x| <= sum_k |W[n, k]| * |d_block(k)| / 2 (plus float32 slack);
-- a row's result has the same bits whatever the rows beside it (1 to 11 rows), for odd N and K,
-  strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) stays within the same bound;
+- a row's result has the same bits whatever the rows beside it (1 to 40 rows: each code path), for odd N and K,
+  strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) gives the same bits;
 - loading a GGUF keeps the blocks as views of the file (no copy, nothing decoded), runs them on
   cpu-kquant, and falls back to the canonical form where the kernel is switched off;
 - a row-parallel split off the 256-wide super-block keeps the decoded form (quantizers/gguf.py's rule);
@@ -132,7 +132,7 @@ def test_kernel_equals_the_q8k_arithmetic_and_the_dequantized_matmul(native, qty
     gen = torch.Generator().manual_seed(1)
     for n, k in SHAPES:
         raw = blocks(qtype, n, k, seed=k)
-        for m in (1, 2, 3, 5, 8, 11):
+        for m in (1, 2, 3, 5, 8, 11, 19):
             x = torch.randn(m, k, generator=gen)
             y = kquant_mm(native, x, raw, int(qtype)).double()
             ref, scale = int_reference(qtype, raw, x)
@@ -147,12 +147,14 @@ def test_kernel_equals_the_q8k_arithmetic_and_the_dequantized_matmul(native, qty
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_batch_strides_or_parts(native, qtype):
-    n, k = 37, 1792
+    n, k = 37, 1792  # 37: two full tiles of 16 outputs and a part
     raw = blocks(qtype, n, k, seed=3)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([kquant_mm(native, x[i:i + 1], raw, int(qtype)) for i in range(11)])
-    for m in range(1, 12):
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kquant_mm(native, x[i:i + 1], raw, int(qtype)) for i in range(40)])
+    # 1-11 rows (passes of up to 8 on the tiled code), then past GEMM_ROWS (16: Q4_K's decoded-tile path)
+    for m in [*range(1, 12), 15, 16, 17, 25, 40]:
         assert torch.equal(kquant_mm(native, x[:m], raw, int(qtype)), alone[:m]), m
+    assert torch.equal(kquant_mm(native, x[21:40], raw, int(qtype)), alone[21:40])
     # a rank's columns (whole super-blocks) as a strided view of the stored rows
     size = FORMATS[int(qtype)].block_bytes
     view = raw[:, 2 * size:5 * size]
@@ -193,28 +195,47 @@ from test_gguf_kquant import blocks
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.cpu_kquant import kquant_mm
 module = cpu_native.native()
-x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
-out = {t.name: kquant_mm(module, x, blocks(t, 9, 768, seed=5), int(t)).tolist() for t in (T.Q4_K, T.Q6_K)}
+x = torch.randn(20, 768, generator=torch.Generator().manual_seed(4))
+out = {t.name: kquant_mm(module, x, blocks(t, 37, 768, seed=5), int(t)).tolist() for t in (T.Q4_K, T.Q6_K)}
 out["cflags"] = list(cpu_native.cflags())
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
-def test_the_avx2_build_computes_the_same_arithmetic(native):
-    """Built without AVX-512 (TGS_CPU_ISA=avx2) the kernel runs its AVX2 code: the same integer sums,
-    the float terms summed in 8 lanes instead of 16, so within the same bound of the Q8_K reference."""
+def test_the_avx2_build_gives_the_same_bits(native):
+    """Built without AVX-512 (TGS_CPU_ISA=avx2) the kernel runs its AVX2 code (an output at a time,
+    each block's integer sums reduced across lanes); this build runs the AVX-512 code (tiles of 16
+    outputs, and from 16 rows the decoded-tile path). Both form the same exact integer sums and take
+    the same float steps in the same order, so they give the same bits, within the Q8_K bound."""
     env = {**os.environ, cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert "-mno-avx512f" in got["cflags"]
-    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(20, 768, generator=torch.Generator().manual_seed(4))
     for t in (T.Q4_K, T.Q6_K):
-        raw = blocks(t, 9, 768, seed=5)
+        raw = blocks(t, 37, 768, seed=5)
         ref, scale = int_reference(t, raw, x)
-        for y in (torch.tensor(got[t.name]).double(), kquant_mm(native, x, raw, int(t)).double()):
-            assert ((y - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
+        ours = kquant_mm(native, x, raw, int(t))
+        assert torch.equal(torch.tensor(got[t.name], dtype=torch.float32), ours), t.name
+        assert ((ours.double() - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_half_precision_activations_are_read_as_they_are(native, qtype):
+    """bfloat16 / float16 rows are quantized from their exact float32 values (no conversion pass),
+    and a bfloat16 layer's output is the float32 product rounded as torch rounds it."""
+    raw = blocks(qtype, 40, 512, seed=6)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    for dtype in (torch.bfloat16, torch.float16):
+        got, want = quantize_q8k(native, x.to(dtype)), quantize_q8k(native, x.to(dtype).float())
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), dtype
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
+
+    layer = CpuKQuantKernel.build(KQuantBlocks((raw[:24], raw[24:]), int(qtype)), None, torch.bfloat16)
+    xb = x.bfloat16()
+    assert torch.equal(layer(xb).view(torch.int16), kquant_mm(native, xb.float(), raw, int(qtype)).bfloat16().view(torch.int16))
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +299,24 @@ def test_row_split_off_a_super_block_keeps_the_decoded_form(native, q4km, monkey
             got = (plain.qweight.float() - plain.zero_points().float()[plain.g_idx.long()]) * \
                 plain.scales.float()[plain.g_idx.long()]
             assert torch.equal(got, values[rank * share:(rank + 1) * share]), (world, rank)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_embedding_decodes_the_rows_it_looks_up_as_the_full_decode_does(native, qtype):
+    from text_generation_server.kernels.cpu_kquant import KQuantEmbedding
+
+    raw = blocks(qtype, 50, 768, seed=8)
+    full = kquant_dequant(native, raw, int(qtype))  # float32, the dense read's values before its cast
+    ids = torch.tensor([[3, 49, 0], [3, 17, 8]])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = KQuantEmbedding(raw, int(qtype), dtype)(ids)
+        assert got.dtype == dtype and got.shape == (2, 3, 768)
+        assert torch.equal(got, torch.nn.functional.embedding(ids, full.to(dtype))), dtype
+    # strided rows (a view that skips each row's first block)
+    table = KQuantEmbedding(raw[:, FORMATS[int(qtype)].block_bytes:], int(qtype), torch.float32)
+    assert table.embedding_dim == 512
+    assert torch.equal(table(ids[0]), full[ids[0]][:, 256:])
+    with pytest.raises(IndexError, match="50 rows"):
+        table(torch.tensor([50]))
+    with pytest.raises(ValueError, match="not a K-quant"):
+        KQuantEmbedding(raw, int(T.Q5_K), torch.float32)

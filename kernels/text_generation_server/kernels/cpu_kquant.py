@@ -10,9 +10,12 @@ on a GGUF file our numerics are llama.cpp's, the reference implementation of the
 float reference path (TGS_DISABLE_KERNELS=cpu-kquant,...) still decodes the blocks to the
 canonical form, which is what the exactness tests against transformers run.
 
-Every row, prompt or decode, takes the same kernel: a row's result does not depend on its batch
-or on how a prompt is chunked (kernels/phase.py), and the weight bytes come from memory once per
-call whatever the row count (each output's weight row serves its rows in passes of 8).
+Every row, prompt or decode, gets the same bits: the kernel's float steps are fixed per row and
+output (cpu_native_kquant_src.py: one order, whatever the code path), so a row's result does not
+depend on its batch or on how a prompt is chunked (kernels/phase.py). The weight bytes come from
+memory once per call whatever the row count: outputs go in tiles of 16, their rows in passes of 8;
+from 16 rows a tile's blocks are first decoded into a form VNNI's dot products read with nothing
+left to sum across lanes (prompts, large batches).
 
 The weight (`KQuantBlocks`) carries a way to build its canonical form (`plain`): where this kernel
 cannot run (no native build, a GPU, the kernel switched off), kernels/select.py builds that
@@ -103,8 +106,11 @@ class KQuantBlocks:
 
 
 def quantize_q8k(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> llama.cpp's Q8_K activations (codes, d per 256 columns, sums per 16)."""
-    return tuple(module.kquant_quantize_q8k(x.float().contiguous()))  # type: ignore[return-value]
+    """x [M, K] (float32, bfloat16 or float16) -> llama.cpp's Q8_K activations (codes, d per 256
+    columns, sums per 16); a bfloat16 or float16 x is read as it is (its float32 values, exactly)."""
+    if x.dtype not in _ACT_DTYPES:
+        x = x.float()
+    return tuple(module.kquant_quantize_q8k(x.contiguous()))  # type: ignore[return-value]
 
 
 def kquant_mm(module, x: torch.Tensor, blocks: torch.Tensor, type_id: int, prefetch: int = -1) -> torch.Tensor:
@@ -142,12 +148,62 @@ class KQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
-        outs = [self.native.kquant_mm(q, d, s, getattr(self, f"blocks{i}"), self.type_id, PREFETCH_BYTES)
-                for i in range(self.count)]
-        y = (outs[0] if self.count == 1 else torch.cat(outs, dim=1)).to(self.act_dtype)
+        # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
+        y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16
+                        else torch.float32)
+        col = 0
+        for i in range(self.count):
+            blocks = getattr(self, f"blocks{i}")
+            self.native.kquant_mm_into(q, d, s, blocks, self.type_id, PREFETCH_BYTES, y, col)
+            col += blocks.shape[0]
+        y = y.to(self.act_dtype)  # float16: rounded from float32 here (no copy otherwise)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+class KQuantEmbedding(torch.nn.Module):
+    """A Q4_K / Q6_K token embedding kept as stored, rows decoded when looked up.
+
+    Why: decoding a whole GGUF embedding at load (Qwen2.5-Coder-1.5B's Q4_K 151936 x 1536) costs
+    1.4-2.7 s of a start and 445 MiB of bfloat16 (890 MiB of float32 on the way), for a step that
+    reads a few rows. The looked-up rows get the values the full decode gives, bit for bit: ggml's
+    roundings in float32, then (bfloat16 models) rounded to nearest even as torch rounds, or (float16)
+    converted by torch from float32, as the dense read's cast does (tests/test_gguf_kquant.py).
+    """
+
+    # ids: [tokens] -> [tokens, K]
+    def __init__(self, blocks: torch.Tensor, type_id: int, dtype: torch.dtype):
+        super().__init__()
+        if type_id not in KQUANT_TYPES:
+            raise ValueError(f"ggml type {type_id} is not a K-quant this module reads (Q4_K=12, Q6_K=14)")
+        if dtype not in _ACT_DTYPES:
+            raise ValueError(f"embedding dtype {dtype} not in bfloat16/float16/float32")
+        _, _, size, _ = KQUANT_TYPES[type_id]
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size or blocks.stride(1) != 1:
+            raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [rows, blocks * {size}] with contiguous "
+                             f"rows, got {blocks.dtype} {list(blocks.shape)}")
+        self.native = cpu_native.native()
+        if self.native is None:
+            raise ValueError(f"K-quant embedding: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        self.register_buffer("blocks", blocks)
+        self.type_id = type_id
+        self.dtype = dtype
+        self.embedding_dim = blocks.shape[1] // size * QK_K
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.blocks.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids outside the embedding's {self.num_embeddings} rows")
+        rows = self.blocks.index_select(0, flat)
+        out_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=out_dtype)
+        self.native.kquant_dequant(rows, self.type_id, 0, rows.shape[0], out)
+        return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 class CpuKQuantKernel(QuantKernel):

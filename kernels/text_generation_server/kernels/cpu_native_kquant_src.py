@@ -38,6 +38,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -97,9 +98,25 @@ struct Act {  // activation rows quantized to Q8_K
 struct Args {
   Act x;
   const uint8_t* w;  // [N, row_bytes]
-  float* y;          // [M, N]
-  int64_t M, K, N, row_bytes, nb, prefetch;
+  float* y;          // [M, ldy] float32, or
+  uint16_t* yh;      // [M, ldy] bfloat16 (one of the two is set)
+  int64_t M, K, N, row_bytes, nb, prefetch, ldy;
 };
+
+// bfloat16 bits of f, rounded to nearest even as torch rounds float32 (a NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void store1(const Args& a, int64_t m, int64_t n, float v) {
+  if (a.yh)
+    a.yh[m * a.ldy + n] = to_bf16(v);
+  else
+    a.y[m * a.ldy + n] = v;
+}
 
 // Asks for the cache lines `prefetch` bytes past a block (0: none; cpu_kquant.PREFETCH_BYTES says why).
 inline void prefetch_block(const Args& a, const uint8_t* blk, int64_t bytes) {
@@ -111,26 +128,57 @@ inline void prefetch_block(const Args& a, const uint8_t* blk, int64_t bytes) {
 #endif
 }
 
-#if defined(__AVX2__)
-inline float hsum8(__m256 v) {  // lanes summed in one fixed order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+#if defined(__AVX512BW__)
+// The block at `next` into L1, every line of it (a block is not line-aligned). With several rows
+// the tiled code spends long enough on each tile that the hardware prefetcher falls behind, so each
+// block asks for the same block of the next tile's row (one tile ahead); at one row it hinders.
+inline void prefetch_next(const uint8_t* next, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(next);
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
+  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
 }
 #endif
 
-// Output n for rows m0 .. m0 + R - 1 (R <= 8): one pass over the weight row, shared by the rows.
+// The arithmetic every build computes, per activation row m and output n, in this order (so a row's
+// bits depend on nothing but its own values and the weights: not its batch, the thread split, the
+// tiling or the instruction set):
+//   acc = 0; for each block b in order:
+//     Q4_K: acc = fma(d * dy, float(I), acc); acc = fma(-(dmin * dy), float(Mn), acc)
+//     Q6_K: acc = fma(d * dy, float(I - 32 * C), acc)
+//   y = acc
+// I = sum_j sc_j * sum(q * q8) (sub-blocks j), Mn = sum_j m_j * bsum32_j, C = sum_g sc_g * bsum16_g:
+// exact integer sums, which each build forms its own way (lanes, tiles) without changing them.
+
+inline int32_t q4k_mins(const uint8_t* mn, const int32_t* bs) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += int32_t(mn[j]) * (bs[2 * j] + bs[2 * j + 1]);
+  return s;
+}
+
+inline int32_t q6k_offset(const int8_t* sc, const int32_t* bs) {
+  int32_t s = 0;
+  for (int g = 0; g < 16; ++g) s += int32_t(sc[g]) * bs[g];
+  return s;
+}
+
+#if defined(__AVX2__)
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// Output n for rows m0 .. m0 + R - 1 (R <= 8), AVX2 or scalar code: one pass over the weight row, each
+// block's codes unpacked once for the R rows, its integer sums scaled in the order above.
 template <int R>
 void q4k_rows(const Args& a, int64_t n, int64_t m0) {
   const uint8_t* row = a.w + n * a.row_bytes;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #if defined(__AVX2__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
-#else
-  float acc[R], mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = mins[r] = 0.f;
 #endif
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * Q4K_BYTES;
@@ -139,9 +187,10 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
     uint8_t sc[8], mn[8];
     scale_min_k4(blk + 4, sc, mn);
     const uint8_t* qs = blk + 16;
+    int32_t isum[R];
 #if defined(__AVX2__)
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i vsum[R];
+    for (int r = 0; r < R; ++r) vsum[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -152,64 +201,42 @@ void q4k_rows(const Args& a, int64_t n, int64_t m0) {
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
         const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
         const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
+        vsum[r] = _mm256_add_epi32(vsum[r], _mm256_add_epi32(p0, p1));
       }
     }
-#endif
-#if defined(__AVX2__)
-    // the minimums' term per 32-column sub-block: m_j * (sum of its 32 codes), in integers
-    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const float dy = a.x.d[m * a.nb + b];
-      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
-      const __m256i pairs = _mm256_permute4x64_epi64(
-          _mm256_hadd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8))), 0xD8);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dy), _mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, pairs)), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) isum[r] = hsum8_epi32(vsum[r]);
 #else
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const float dy = a.x.d[m * a.nb + b];
-      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
-      int32_t msum = 0;
-      for (int j = 0; j < 8; ++j) msum += int32_t(mn[j]) * (bs[2 * j] + bs[2 * j + 1]);
-      mins[r] += dmin * dy * float(msum);
-      const int8_t* xq = a.x.q + m * a.K + b * QK;
-      int32_t isum = 0;
+      const int8_t* xq = a.x.q + (m0 + r) * a.K + b * QK;
+      isum[r] = 0;
       for (int j = 0; j < 4; ++j) {
         int32_t s0 = 0, s1 = 0;
         for (int l = 0; l < 32; ++l) {
           s0 += int32_t(qs[32 * j + l] & 0xF) * xq[64 * j + l];
           s1 += int32_t(qs[32 * j + l] >> 4) * xq[64 * j + 32 + l];
         }
-        isum += s0 * sc[2 * j] + s1 * sc[2 * j + 1];
+        isum[r] += s0 * sc[2 * j] + s1 * sc[2 * j + 1];
       }
-      acc[r] += d * dy * float(isum);
     }
 #endif
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const float dy = a.x.d[m * a.nb + b];
+      const int32_t mins = q4k_mins(mn, a.x.s + m * (a.K / 16) + b * 16);
+      acc[r] = std::fma(d * dy, float(isum[r]), acc[r]);
+      acc[r] = std::fma(-(dmin * dy), float(mins), acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) {
-#if defined(__AVX2__)
-    a.y[(m0 + r) * a.N + n] = hsum8(acc[r]);
-#else
-    a.y[(m0 + r) * a.N + n] = acc[r] - mins[r];
-#endif
-  }
+  for (int r = 0; r < R; ++r) store1(a, m0 + r, n, acc[r]);
 }
 
 template <int R>
 void q6k_rows(const Args& a, int64_t n, int64_t m0) {
   const uint8_t* row = a.w + n * a.row_bytes;
-#if defined(__AVX2__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-#else
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#if defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
 #endif
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * Q6K_BYTES;
@@ -218,9 +245,10 @@ void q6k_rows(const Args& a, int64_t n, int64_t m0) {
     const uint8_t* qh = blk + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half_to_float(blk + 208);
+    int32_t isum[R];
 #if defined(__AVX2__)
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i vsum[R];
+    for (int r = 0; r < R; ++r) vsum[r] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
       const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
       const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
@@ -240,105 +268,192 @@ void q6k_rows(const Args& a, int64_t n, int64_t m0) {
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = a.x.q + (m0 + r) * a.K + b * QK + 128 * h + 32 * t;
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], x), s));
+          vsum[r] = _mm256_add_epi32(vsum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], x), s));
         }
       }
     }
-#endif
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const float dy = a.x.d[m * a.nb + b];
-      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
-      int32_t corr = 0;
-      for (int g = 0; g < 16; ++g) corr += int32_t(sc[g]) * bs[g];
-#if defined(__AVX2__)
-      // the codes' offset of 32, subtracted in integers (lane 0) before the block's one scaling
-      const __m256i total = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(total), acc[r]);
+    for (int r = 0; r < R; ++r) isum[r] = hsum8_epi32(vsum[r]);
 #else
-      const int8_t* xq = a.x.q + m * a.K + b * QK;
-      int32_t isum = 0;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = a.x.q + (m0 + r) * a.K + b * QK;
+      isum[r] = 0;
       for (int h = 0; h < 2; ++h)
         for (int t = 0; t < 4; ++t)
           for (int l = 0; l < 32; ++l) {
             const uint8_t lo = ql[64 * h + 32 * (t % 2) + l];
             const int32_t q = ((t < 2 ? lo : lo >> 4) & 0xF) | (((qh[32 * h + l] >> (2 * t)) & 3) << 4);
-            isum += q * xq[128 * h + 32 * t + l] * sc[8 * h + 2 * t + l / 16];
+            isum[r] += q * xq[128 * h + 32 * t + l] * sc[8 * h + 2 * t + l / 16];
           }
-      acc[r] += d * dy * float(isum - 32 * corr);
+    }
 #endif
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const float dy = a.x.d[m * a.nb + b];
+      const int32_t corr = q6k_offset(sc, a.x.s + m * (a.K / 16) + b * 16);
+      acc[r] = std::fma(d * dy, float(isum[r] - 32 * corr), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-#if defined(__AVX2__)
-    a.y[(m0 + r) * a.N + n] = hsum8(acc[r]);
-#else
-    a.y[(m0 + r) * a.N + n] = acc[r];
-#endif
-  }
+  for (int r = 0; r < R; ++r) store1(a, m0 + r, n, acc[r]);
 }
 
 #if defined(__AVX512BW__)
-// The same arithmetic 64 bytes at a time (AVX-512BW builds). Q4_K: a 64-byte load of nibbles holds
-// sub-blocks 2j (low nibbles, bytes 0-31) and 2j + 2 (32-63) and, in its high nibbles, 2j + 1 and 2j + 3;
-// 128-bit lanes are regrouped so one register holds two consecutive sub-blocks, against 64 contiguous
-// activation codes. Each sub-block's integer sum is scaled by its 6-bit scale in int16 x int16 -> int32
-// (madd), as in the AVX2 code; the block's sum is then scaled once.
+// AVX-512BW code: outputs in tiles of 16, rows in passes of up to 8. Each output's block is unpacked
+// once for the pass (64 bytes of codes per instruction) and multiplied with each row's codes into 16
+// int32 lanes; then, per row, the tile's 16 lane vectors are summed into one vector holding an output
+// per lane (lane_sums16), where the minimums' term (dpwssd on int16 pairs) and the block's float
+// scaling are one instruction for all 16 outputs instead of a dozen per output and row.
+constexpr int TILE = 16;
+
+// acc + the int16 pair sums of u8 codes q times s8 codes x (maddubs; |pair| <= 2 * 63 * 128 < 2^15),
+// each int16 times its scale s, pairs summed into int32 (VNNI's dpwssd where the build has it).
+inline __m512i dot64(__m512i acc, __m512i q, __m512i x, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), s));
+#endif
+}
+
+inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// v: 16 vectors of 16 int32 (64-byte aligned) -> lane i = the sum of vector i's lanes (integers: exact).
+inline __m512i lane_sums16(const int32_t* v) {
+  __m512i u[8], w[4];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3] of vectors 2k, 2k + 1
+    const __m512i A = _mm512_load_si512(v + 32 * k), B = _mm512_load_si512(v + 32 * k + 16);
+    u[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(A, B), _mm512_unpackhi_epi32(A, B));
+  }
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: that lane's sums of vectors 4k .. 4k + 3
+    w[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_epi64(u[2 * k], u[2 * k + 1]));
+  const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
+  const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x88), _mm512_shuffle_i32x4(w[2], w[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, 0x88), _mm512_shuffle_i32x4(x0, x1, 0xDD));
+}
+
+// Lanes `keep` of v to row m, outputs n0 ..: float32, or bfloat16 rounded as to_bf16 rounds.
+inline void store16(const Args& a, int64_t m, int64_t n0, __mmask16 keep, __m512 v) {
+  if (!a.yh) {
+    _mm512_mask_storeu_ps(a.y + m * a.ldy + n0, keep, v);
+    return;
+  }
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i bits = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_mask_storeu_epi16(a.yh + m * a.ldy + n0, keep, _mm512_cvtepi32_epi16(bits));
+}
+
+// Q4_K: a 64-byte load of nibbles holds sub-blocks 2j (low nibbles, bytes 0-31) and 2j + 2 (32-63) and,
+// in its high nibbles, 2j + 1 and 2j + 3; 128-bit lanes are regrouped so one register holds two
+// consecutive sub-blocks, against 64 contiguous activation codes. `pairs` holds each row's 32-column
+// code sums per block as int16 pairs ([M, nb, 4]: dword t = bsum32_2t | bsum32_2t+1 << 16).
+// Blocks a tile takes per chunk: each output's row is read a chunk at a time, in order (the hardware
+// prefetcher follows that, not 16 rows read a block each, which halved the Q6_K head's speed from
+// memory), while the chunk's integer sums wait in isum (32 KiB whatever R).
 template <int R>
-void q4k_rows512(const Args& a, int64_t n, int64_t m0) {
-  const uint8_t* row = a.w + n * a.row_bytes;
+constexpr int chunk_blocks() { return R == 1 ? 32 : (R == 2 ? 16 : (R <= 4 ? 8 : 4)); }
+
+template <int R>
+void q4k_tile512(const Args& a, const int32_t* pairs, int64_t n0, int nt, int64_t m0) {
+  constexpr int BC = chunk_blocks<R>();
+  alignas(64) int32_t isum[BC][R][TILE][16];
+  alignas(64) int32_t mp[BC][TILE][4];  // each output's eight minimums as int16 pairs
+  alignas(64) uint16_t dh[BC][TILE], mh[BC][TILE];  // each output's d and dmin (fp16)
+  if (nt < TILE) {  // lanes past the tile's outputs: zeros, never stored
+    std::memset(isum, 0, sizeof(isum));
+    std::memset(mp, 0, sizeof(mp));
+    std::memset(dh, 0, sizeof(dh));
+    std::memset(mh, 0, sizeof(mh));
+  }
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
-  // int16 lane i of scale vector p takes sub-block 2p + i / 16
-  __m512i pick[4];
+  __m512i pick[4], idx[4];
   for (int p = 0; p < 4; ++p) {
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 32; ++i) idx[i] = int16_t(2 * p + i / 16);
-    pick[p] = _mm512_load_si512(idx);
+    alignas(64) int16_t pk[32];  // int16 lane i of scale vector p takes sub-block 2p + i / 16
+    alignas(64) int32_t ix[16];  // lane i < 8: dword p of output i of two consecutive 4-output rows of mp
+    for (int i = 0; i < 32; ++i) pk[i] = int16_t(2 * p + i / 16);
+    for (int i = 0; i < 16; ++i) ix[i] = 4 * (i % 8) + p;
+    pick[p] = _mm512_load_si512(pk);
+    idx[p] = _mm512_load_si512(ix);
   }
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + b * Q4K_BYTES;
-    prefetch_block(a, blk, Q4K_BYTES);
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    uint8_t sc[8], mn[8];
-    scale_min_k4(blk + 4, sc, mn);
-    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-    __m512i q[4], s[4];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // sub-blocks 4h, 4h + 1
-      q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 4h + 2, 4h + 3
-    }
-    for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
-    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* xq = a.x.q + m * a.K + b * QK;
-      __m512i isum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], x), s[p]));
+  const uint8_t* tile = a.w + n0 * a.row_bytes;
+  for (int64_t b0 = 0; b0 < a.nb; b0 += BC) {
+    const int bn = int(std::min<int64_t>(BC, a.nb - b0));
+    for (int i = 0; i < nt; ++i) {
+      for (int c = 0; c < bn; ++c) {
+        const int64_t b = b0 + c;
+        const uint8_t* blk = tile + i * a.row_bytes + b * Q4K_BYTES;
+        prefetch_block(a, blk, Q4K_BYTES);
+        if (R > 1) prefetch_next(blk + TILE * a.row_bytes, Q4K_BYTES);  // one row: the hardware's alone
+        std::memcpy(&dh[c][i], blk, 2);
+        std::memcpy(&mh[c][i], blk + 2, 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(blk + 4, sc, mn);
+        _mm_store_si128(reinterpret_cast<__m128i*>(mp[c][i]), _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+        __m512i q[4], s[4];
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // sub-blocks 4h, 4h + 1
+          q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 4h + 2, 4h + 3
+        }
+        for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.x.q + (m0 + r) * a.K + b * QK;
+          __m512i v = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p) v = dot64(v, q[p], _mm512_loadu_si512(xq + 64 * p), s[p]);
+          _mm512_store_si512(isum[c][r][i], v);
+        }
       }
-      const float dy = a.x.d[m * a.nb + b];
-      const int32_t* bs = a.x.s + m * (a.K / 16) + b * 16;
-      const __m256i pairs = _mm256_permute4x64_epi64(
-          _mm256_hadd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8))), 0xD8);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * dy), _mm512_cvtepi32_ps(isum), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dy),
-                                _mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_mullo_epi32(mins, pairs))), acc[r]);
+    }
+    for (int c = 0; c < bn; ++c) {  // the chunk's blocks in order: the float steps' order
+      const int64_t b = b0 + c;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh[c])));
+      const __m512 dmv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh[c])));
+      __m512i mt[4];  // lane i of mt[t]: output i's minimums 2t, 2t + 1
+      const int32_t* flat = &mp[c][0][0];
+      const __m512i z0 = _mm512_load_si512(flat), z1 = _mm512_load_si512(flat + 16);
+      const __m512i z2 = _mm512_load_si512(flat + 32), z3 = _mm512_load_si512(flat + 48);
+      for (int t = 0; t < 4; ++t)
+        mt[t] = _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(z0, idx[t], z1),
+                                     _mm512_permutex2var_epi32(z2, idx[t], z3), 0x44);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512i I = lane_sums16(&isum[c][r][0][0]);
+        const int32_t* bp = pairs + (m * a.nb + b) * 4;
+        __m512i Mn = _mm512_setzero_si512();
+        for (int t = 0; t < 4; ++t) Mn = dot_pairs(Mn, mt[t], _mm512_set1_epi32(bp[t]));
+        const __m512 dy = _mm512_set1_ps(a.x.d[m * a.nb + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmv, dy), _mm512_cvtepi32_ps(Mn), acc[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
 }
 
 // Q6_K: a 64-byte load of low nibbles holds elements 128h + 0..63 (low nibbles) and 128h + 64..127
-// (high nibbles), in order; their high bit pairs come from the 32 bytes of qh, shifted per 32.
+// (high nibbles), in order; their high bit pairs come from the 32 bytes of qh, shifted per 32. The
+// codes' offset of 32 (-32 * C) starts each output's lanes, in integers.
 template <int R>
-void q6k_rows512(const Args& a, int64_t n, int64_t m0) {
-  const uint8_t* row = a.w + n * a.row_bytes;
+void q6k_tile512(const Args& a, int64_t n0, int nt, int64_t m0) {
+  constexpr int BC = chunk_blocks<R>();
+  alignas(64) int32_t isum[BC][R][TILE][16];
+  alignas(64) uint16_t dh[BC][TILE];
+  if (nt < TILE) {
+    std::memset(isum, 0, sizeof(isum));
+    std::memset(dh, 0, sizeof(dh));
+  }
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
@@ -348,47 +463,285 @@ void q6k_rows512(const Args& a, int64_t n, int64_t m0) {
     for (int i = 0; i < 32; ++i) idx[i] = int16_t(4 * p + i / 8);
     pick[p] = _mm512_load_si512(idx);
   }
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + b * Q6K_BYTES;
-    prefetch_block(a, blk, Q6K_BYTES);
-    const float d = half_to_float(blk + 208);
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-    const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
-    __m512i q[4], s[4];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i A = _mm512_loadu_si512(blk + 64 * h);
-      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
-      q[2 * h] = _mm512_or_si512(_mm512_and_si512(A, low), _mm512_slli_epi16(_mm512_and_si512(Hz, two), 4));
-      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low),
-                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), two), 4));
-    }
-    for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* xq = a.x.q + m * a.K + b * QK;
-      // the codes' offset of 32: 32 * sum_g sc_g * (sum of group g's 16 codes), subtracted in integers
-      const __m512i bs = _mm512_loadu_si512(a.x.s + m * (a.K / 16) + b * 16);
-      __m512i isum = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(sc32, bs), 5));
-      for (int p = 0; p < 4; ++p) {
-        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], x), s[p]));
+  const uint8_t* tile = a.w + n0 * a.row_bytes;
+  for (int64_t b0 = 0; b0 < a.nb; b0 += BC) {
+    const int bn = int(std::min<int64_t>(BC, a.nb - b0));
+    for (int i = 0; i < nt; ++i) {
+      for (int c = 0; c < bn; ++c) {
+        const int64_t b = b0 + c;
+        const uint8_t* blk = tile + i * a.row_bytes + b * Q6K_BYTES;
+        prefetch_block(a, blk, Q6K_BYTES);
+        if (R > 1) prefetch_next(blk + TILE * a.row_bytes, Q6K_BYTES);  // one row: the hardware's alone is faster
+        std::memcpy(&dh[c][i], blk + 208, 2);
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+        const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
+        __m512i q[4], s[4];
+        for (int h = 0; h < 2; ++h) {
+          const __m512i A = _mm512_loadu_si512(blk + 64 * h);
+          const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+          const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+          q[2 * h] = _mm512_or_si512(_mm512_and_si512(A, low), _mm512_slli_epi16(_mm512_and_si512(Hz, two), 4));
+          q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low),
+                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), two), 4));
+        }
+        for (int p = 0; p < 4; ++p) s[p] = _mm512_permutexvar_epi16(pick[p], sc16);
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          const int8_t* xq = a.x.q + m * a.K + b * QK;
+          const __m512i bs = _mm512_loadu_si512(a.x.s + m * (a.K / 16) + b * 16);
+          __m512i v = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(sc32, bs), 5));
+          for (int p = 0; p < 4; ++p) v = dot64(v, q[p], _mm512_loadu_si512(xq + 64 * p), s[p]);
+          _mm512_store_si512(isum[c][r][i], v);
+        }
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * a.x.d[m * a.nb + b]), _mm512_cvtepi32_ps(isum), acc[r]);
+    }
+    for (int c = 0; c < bn; ++c) {  // the chunk's blocks in order: the float steps' order
+      const int64_t b = b0 + c;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh[c])));
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 dy = _mm512_set1_ps(a.x.d[m * a.nb + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(lane_sums16(&isum[c][r][0][0])), acc[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(acc[r]);
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
+}
+
+// Dwords 16p .. 16p + 15 of 16 rows of 256 codes (U[i], 64-byte aligned) into out[16 * c + i] (c the
+// dword, i the row): a 16 x 16 transpose in four rounds of shuffles.
+inline void transpose_codes(const uint8_t (*U)[QK], int p, int32_t* out) {
+  __m512i r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(U[i] + 64 * p);
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + e], 128-bit lane L: dword 4L + e of rows 4k .. 4k + 3
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    _mm512_store_si512(out + 16 * (16 * p + e), _mm512_shuffle_i32x4(v0, v1, 0x88));
+    _mm512_store_si512(out + 16 * (16 * p + 4 + e), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+    _mm512_store_si512(out + 16 * (16 * p + 8 + e), _mm512_shuffle_i32x4(v2, v3, 0x88));
+    _mm512_store_si512(out + 16 * (16 * p + 12 + e), _mm512_shuffle_i32x4(v2, v3, 0xDD));
+  }
+}
+
+// Prompt-sized inputs (GEMM_ROWS rows or more; Q4_K here, Q6_K below): a tile's 16 weight rows are decoded once per call
+// into a lane-per-output form (dword kq of output i's codes at [kq][i]: 4 codes, so VNNI's dpbusd
+// multiplies 4 columns of 16 outputs against 4 activation codes broadcast, 64 products an instruction,
+// with nothing left to sum across lanes), the sub-block scales, minimum pairs, d and dmin beside
+// them; every row of the call then reads that form. The integer sums and the float steps are the
+// tiled code's (the same lanes, the same instructions), so a row's bits do not depend on which path
+// its batch took (tests/test_gguf_kquant.py checks it across the switch).
+constexpr int64_t GEMM_ROWS = 16;
+constexpr int64_t Q4_WORDS = 64 * 16 + 8 * 16 + 4 * 16 + 2 * 16;  // int32 words of one decoded block
+
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {  // acc + sums of 4 u8 x s8 products per lane
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+#endif
+}
+
+// Outputs n0 .. n0 + nt - 1's blocks into `out` (nb * Q4_WORDS words, 64-byte aligned): per block the
+// codes [64][16], scales [8][16], minimum pairs [4][16] (int32) and d, dmin [16] (float32).
+void q4k_tile_decode(const Args& a, int64_t n0, int nt, int32_t* out) {
+  alignas(64) uint8_t U[TILE][QK];  // the tile's codes for one block, a row per output
+  alignas(64) int32_t mp[TILE][4];
+  alignas(64) uint16_t dh[TILE], mh[TILE];
+  std::memset(U, 0, sizeof(U));
+  std::memset(mp, 0, sizeof(mp));
+  std::memset(dh, 0, sizeof(dh));
+  std::memset(mh, 0, sizeof(mh));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i idx[4];
+  for (int t = 0; t < 4; ++t) {
+    alignas(64) int32_t ix[16];
+    for (int i = 0; i < 16; ++i) ix[i] = 4 * (i % 8) + t;
+    idx[t] = _mm512_load_si512(ix);
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    int32_t* o = out + b * Q4_WORDS;
+    int32_t* S = o + 64 * 16;
+    std::memset(S, 0, 8 * 16 * sizeof(int32_t));
+    for (int i = 0; i < nt; ++i) {
+      const uint8_t* blk = a.w + (n0 + i) * a.row_bytes + b * Q4K_BYTES;
+      prefetch_next(blk + TILE * a.row_bytes, Q4K_BYTES);
+      std::memcpy(&dh[i], blk, 2);
+      std::memcpy(&mh[i], blk + 2, 2);
+      uint8_t sc[8], mn[8];
+      scale_min_k4(blk + 4, sc, mn);
+      for (int j = 0; j < 8; ++j) S[16 * j + i] = sc[j];
+      _mm_store_si128(reinterpret_cast<__m128i*>(mp[i]), _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        _mm512_store_si512(U[i] + 128 * h, _mm512_shuffle_i64x2(lo, hi, 0x44));
+        _mm512_store_si512(U[i] + 128 * h + 64, _mm512_shuffle_i64x2(lo, hi, 0xEE));
+      }
+    }
+    for (int p = 0; p < 4; ++p) transpose_codes(U, p, o);
+    const int32_t* flat = &mp[0][0];
+    const __m512i z0 = _mm512_load_si512(flat), z1 = _mm512_load_si512(flat + 16);
+    const __m512i z2 = _mm512_load_si512(flat + 32), z3 = _mm512_load_si512(flat + 48);
+    for (int t = 0; t < 4; ++t)
+      _mm512_store_si512(o + 64 * 16 + 8 * 16 + 16 * t,
+                         _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(z0, idx[t], z1),
+                                              _mm512_permutex2var_epi32(z2, idx[t], z3), 0x44));
+    float* D = reinterpret_cast<float*>(o + 64 * 16 + 8 * 16 + 4 * 16);
+    _mm512_store_ps(D, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh))));
+    _mm512_store_ps(D + 16, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh))));
+  }
+}
+
+template <int R>
+void q4k_gemm_pass(const Args& a, const int32_t* tile, const int32_t* pairs, int64_t n0, int nt, int64_t m0) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int32_t* o = tile + b * Q4_WORDS;
+    __m512i I[R];
+    for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int kk = 0; kk < 8; ++kk) {
+        const int kq = 8 * j + kk;
+        const __m512i w = _mm512_load_si512(o + 16 * kq);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, a.x.q + (m0 + r) * a.K + b * QK + 4 * kq, 4);
+          s[r] = dpbusd(s[r], w, _mm512_set1_epi32(x4));
+        }
+      }
+      const __m512i sc = _mm512_load_si512(o + 64 * 16 + 16 * j);
+      for (int r = 0; r < R; ++r) I[r] = _mm512_add_epi32(I[r], _mm512_mullo_epi32(s[r], sc));
+    }
+    const int32_t* mp = o + 64 * 16 + 8 * 16;
+    const float* D = reinterpret_cast<const float*>(o + 64 * 16 + 8 * 16 + 4 * 16);
+    const __m512 dv = _mm512_load_ps(D), dmv = _mm512_load_ps(D + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int32_t* bp = pairs + (m * a.nb + b) * 4;
+      __m512i Mn = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) Mn = dot_pairs(Mn, _mm512_load_si512(mp + 16 * t), _mm512_set1_epi32(bp[t]));
+      const __m512 dy = _mm512_set1_ps(a.x.d[m * a.nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmv, dy), _mm512_cvtepi32_ps(Mn), acc[r]);
+    }
+  }
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
+}
+
+// Q6_K the same way: codes (0-63) [64][16], group scales [16][16] (int32), d [16] (float32). A group's
+// sum starts at -32 * bsum16_g (the codes' offset), so sc_g * (its sum) is sc_g * sum((q - 32) * q8).
+constexpr int64_t Q6_WORDS = 64 * 16 + 16 * 16 + 16;
+
+void q6k_tile_decode(const Args& a, int64_t n0, int nt, int32_t* out) {
+  alignas(64) uint8_t U[TILE][QK];
+  alignas(64) uint16_t dh[TILE];
+  std::memset(U, 0, sizeof(U));
+  std::memset(dh, 0, sizeof(dh));
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    int32_t* o = out + b * Q6_WORDS;
+    int32_t* S = o + 64 * 16;
+    std::memset(S, 0, 16 * 16 * sizeof(int32_t));
+    for (int i = 0; i < nt; ++i) {
+      const uint8_t* blk = a.w + (n0 + i) * a.row_bytes + b * Q6K_BYTES;
+      prefetch_next(blk + TILE * a.row_bytes, Q6K_BYTES);
+      std::memcpy(&dh[i], blk + 208, 2);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int g = 0; g < 16; ++g) S[16 * g + i] = sc[g];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i A = _mm512_loadu_si512(blk + 64 * h);
+        const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        _mm512_store_si512(U[i] + 128 * h,
+                           _mm512_or_si512(_mm512_and_si512(A, low), _mm512_slli_epi16(_mm512_and_si512(Hz, two), 4)));
+        _mm512_store_si512(U[i] + 128 * h + 64,
+                           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), two), 4)));
+      }
+    }
+    for (int p = 0; p < 4; ++p) transpose_codes(U, p, o);
+    _mm512_store_ps(reinterpret_cast<float*>(o + 64 * 16 + 16 * 16),
+                    _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh))));
+  }
+}
+
+template <int R>
+void q6k_gemm_pass(const Args& a, const int32_t* tile, int64_t n0, int nt, int64_t m0) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int32_t* o = tile + b * Q6_WORDS;
+    __m512i I[R];
+    for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(-32 * a.x.s[(m0 + r) * (a.K / 16) + b * 16 + g]);
+#pragma GCC unroll 4
+      for (int kk = 0; kk < 4; ++kk) {
+        const int kq = 4 * g + kk;
+        const __m512i w = _mm512_load_si512(o + 16 * kq);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, a.x.q + (m0 + r) * a.K + b * QK + 4 * kq, 4);
+          s[r] = dpbusd(s[r], w, _mm512_set1_epi32(x4));
+        }
+      }
+      const __m512i sc = _mm512_load_si512(o + 64 * 16 + 16 * g);
+      for (int r = 0; r < R; ++r) I[r] = _mm512_add_epi32(I[r], _mm512_mullo_epi32(s[r], sc));
+    }
+    const __m512 dv = _mm512_load_ps(reinterpret_cast<const float*>(o + 64 * 16 + 16 * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dy = _mm512_set1_ps(a.x.d[(m0 + r) * a.nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I[r]), acc[r]);
+    }
+  }
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
+}
+
+template <bool Q4>
+void gemm_dispatch(const Args& a, const int32_t* tile, const int32_t* pairs, int64_t n0, int nt, int64_t m0, int64_t r) {
+#define TGS_KQ_CASE(R) case R: if (Q4) q4k_gemm_pass<R>(a, tile, pairs, n0, nt, m0); else q6k_gemm_pass<R>(a, tile, n0, nt, m0); break;
+  switch (r) {
+    TGS_KQ_CASE(1) TGS_KQ_CASE(2) TGS_KQ_CASE(3) TGS_KQ_CASE(4)
+    TGS_KQ_CASE(5) TGS_KQ_CASE(6) TGS_KQ_CASE(7) default: TGS_KQ_CASE(8)
+  }
+#undef TGS_KQ_CASE
+}
+
+template <bool Q4>
+void tile_dispatch(const Args& a, const int32_t* pairs, int64_t n0, int nt, int64_t m0, int64_t r) {
+#define TGS_KQ_CASE(R) case R: if (Q4) q4k_tile512<R>(a, pairs, n0, nt, m0); else q6k_tile512<R>(a, n0, nt, m0); break;
+  switch (r) {
+    TGS_KQ_CASE(1) TGS_KQ_CASE(2) TGS_KQ_CASE(3) TGS_KQ_CASE(4)
+    TGS_KQ_CASE(5) TGS_KQ_CASE(6) TGS_KQ_CASE(7) default: TGS_KQ_CASE(8)
+  }
+#undef TGS_KQ_CASE
 }
 #endif
 
 template <bool Q4>
 void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
-#if defined(__AVX512BW__)
-#define TGS_KQ_CASE(R) case R: if (Q4) q4k_rows512<R>(a, n, m0); else q6k_rows512<R>(a, n, m0); break;
-#else
 #define TGS_KQ_CASE(R) case R: if (Q4) q4k_rows<R>(a, n, m0); else q6k_rows<R>(a, n, m0); break;
-#endif
   switch (r) {
     TGS_KQ_CASE(1) TGS_KQ_CASE(2) TGS_KQ_CASE(3) TGS_KQ_CASE(4)
     TGS_KQ_CASE(5) TGS_KQ_CASE(6) TGS_KQ_CASE(7) default: TGS_KQ_CASE(8)
@@ -398,6 +751,46 @@ void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
 
 template <bool Q4>
 void run(const Args& a) {
+#if defined(__AVX512BW__)
+  // Tiles of 16 outputs split among threads; each tile's rows go in passes of up to 8 while its weight
+  // rows are in cache, so the weights come from memory once whatever the number of rows.
+  std::vector<int32_t> pairs;
+  if (Q4) {
+    pairs.resize(a.M * a.nb * 4);
+    for (int64_t i = 0; i < a.M * a.nb; ++i) {
+      const int32_t* bs = a.x.s + i * 16;
+      for (int t = 0; t < 4; ++t) {
+        const uint32_t lo = uint16_t(int16_t(bs[4 * t] + bs[4 * t + 1]));
+        const uint32_t hi = uint16_t(int16_t(bs[4 * t + 2] + bs[4 * t + 3]));
+        pairs[i * 4 + t] = int32_t(lo | (hi << 16));
+      }
+    }
+  }
+  const int64_t tiles = (a.N + TILE - 1) / TILE;
+  if (a.M >= GEMM_ROWS) {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<int32_t> buffer(a.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16);
+      int32_t* tile = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * TILE;
+        const int nt = int(std::min<int64_t>(TILE, a.N - n0));
+        if (Q4)
+          q4k_tile_decode(a, n0, nt, tile);
+        else
+          q6k_tile_decode(a, n0, nt, tile);
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8) gemm_dispatch<Q4>(a, tile, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE;
+      const int nt = int(std::min<int64_t>(TILE, a.N - n0));
+      for (int64_t m0 = 0; m0 < a.M; m0 += 8) tile_dispatch<Q4>(a, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+    }
+  });
+#else
   // Outputs split among threads; each output's rows go in passes of up to 8 while its weight row
   // is in cache, so the weights come from memory once whatever the number of rows.
   const int64_t grain = std::max<int64_t>(1, 16 / ((a.M + 7) / 8));
@@ -405,6 +798,7 @@ void run(const Args& a) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < a.M; m0 += 8) rows_dispatch<Q4>(a, n, m0, std::min<int64_t>(8, a.M - m0));
   });
+#endif
 }
 
 inline int64_t block_bytes(int64_t type) {
@@ -414,23 +808,41 @@ inline int64_t block_bytes(int64_t type) {
 
 }  // namespace tgs_kquant
 
-// x float32 [M, K] (K a multiple of 256) -> [codes int8 [M, K], d float32 [M, K / 256], sums of every
+// x float32, bfloat16 or float16 [M, K] (K a multiple of 256) -> [codes int8 [M, K], d float32 [M, K / 256], sums of every
 // 16 codes int32 [M, K / 16]]: ggml's Q8_K rule (see the module docstring).
 std::vector<torch::Tensor> kquant_quantize_q8k(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf),
+              "x must be contiguous float32, bfloat16 or float16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 256 == 0, "K = ", K, " is not a multiple of 256");
   auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  auto d = torch::empty({M, K / 256}, x.options());
+  auto d = torch::empty({M, K / 256}, x.options().dtype(torch::kFloat));
   auto s = torch::empty({M, K / 16}, x.options().dtype(torch::kInt));
-  const float* xp = x.data_ptr<float>();
+  const uint8_t* xp = reinterpret_cast<const uint8_t*>(x.data_ptr());
+  const int64_t esize = x.element_size();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   int32_t* sp = s.data_ptr<int32_t>();
   const int64_t nb = K / 256;
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* v = xp + i * 256;
+      float vals[256];  // the block as float32 (exactly: bfloat16 and float16 widen without rounding)
+      const uint8_t* raw = xp + i * 256 * esize;
+      if (dtype == torch::kFloat) {
+        std::memcpy(vals, raw, sizeof(vals));
+      } else if (dtype == torch::kBFloat16) {
+        for (int j = 0; j < 256; ++j) {
+          uint16_t h;
+          std::memcpy(&h, raw + 2 * j, 2);
+          const uint32_t u = uint32_t(h) << 16;
+          std::memcpy(&vals[j], &u, 4);
+        }
+      } else {
+        for (int j = 0; j < 256; ++j) vals[j] = tgs_kquant::half_to_float(raw + 2 * j);
+      }
+      const float* v = vals;
       int8_t* o = qp + i * 256;
       float amax = 0.f, max = 0.f;
       for (int j = 0; j < 256; ++j) {
@@ -459,11 +871,10 @@ std::vector<torch::Tensor> kquant_quantize_q8k(torch::Tensor x) {
   return {q, d, s};
 }
 
-// Q8_K activations (kquant_quantize_q8k's three tensors) @ W^T, W the K-quant blocks w [N, K / 256 *
-// block bytes] uint8 of `type` (12: Q4_K, 14: Q6_K): [M, N] float32, any M; weights prefetched
-// `prefetch` bytes ahead (0: not at all; the distance changes no bit of the result).
-torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor w, int64_t type,
-                        int64_t prefetch) {
+// kquant_mm's product written into columns col0 .. col0 + N of out (float32, or bfloat16 rounded to
+// nearest even as torch rounds): a fused layer's parts side by side, in the model's dtype, no copies.
+void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor w, int64_t type,
+                    int64_t prefetch, torch::Tensor out, int64_t col0) {
   const int64_t bytes = tgs_kquant::block_bytes(type);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "codes must be contiguous int8 [M, K]");
   const int64_t M = q.size(0), K = q.size(1), nb = K / 256;
@@ -474,14 +885,29 @@ torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch
               "blocks must be uint8 [N, ", nb * bytes, "] with contiguous rows");
   const int64_t N = w.size(0);
   TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
-  auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat));
-  if (M == 0 || N == 0) return y;
+  TORCH_CHECK(w.stride(0) >= 0 && w.stride(0) < (int64_t(1) << 26), "block rows ", w.stride(0), " bytes apart: too far for the kernel's 32-bit offsets");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
+              col0 >= 0 && col0 + N <= out.size(1),
+              "out must be float32 or bfloat16 [", M, ", >= ", col0 + N, "] with contiguous rows");
+  if (M == 0 || N == 0) return;
   tgs_kquant::Args a{{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, w.data_ptr<uint8_t>(),
-                     y.data_ptr<float>(), M, K, N, w.stride(0), nb, prefetch};
+                     bf16 ? nullptr : out.data_ptr<float>() + col0,
+                     bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + col0 : nullptr,
+                     M, K, N, w.stride(0), nb, prefetch, out.stride(0)};
   if (type == 12)
     tgs_kquant::run<true>(a);
   else
     tgs_kquant::run<false>(a);
+}
+
+// Q8_K activations (kquant_quantize_q8k's three tensors) @ W^T, W the K-quant blocks w [N, K / 256 *
+// block bytes] uint8 of `type` (12: Q4_K, 14: Q6_K): [M, N] float32, any M; weights prefetched
+// `prefetch` bytes ahead (0: not at all; the distance changes no bit of the result).
+torch::Tensor kquant_mm(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor w, int64_t type,
+                        int64_t prefetch) {
+  auto y = torch::empty({q.size(0), w.size(0)}, q.options().dtype(torch::kFloat));
+  kquant_mm_into(q, d, s, w, type, prefetch, y, 0);
   return y;
 }
 
@@ -507,6 +933,39 @@ void kquant_dequant(torch::Tensor w, int64_t type, int64_t n0, int64_t n1, torch
     for (int64_t n = a; n < b; ++n) {
       for (int64_t blk_i = 0; blk_i < nb; ++blk_i) {
         const uint8_t* blk = wp + n * stride + blk_i * bytes;
+#if defined(__AVX512BW__)
+        // the same products, 16 at a time (mul then sub, each rounded: this function is never fused)
+        if (type == 12) {
+          const float d = tgs_kquant::half_to_float(blk), dmin = tgs_kquant::half_to_float(blk + 2);
+          uint8_t sc[8], mn[8];
+          tgs_kquant::scale_min_k4(blk + 4, sc, mn);
+          for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles (low for even j) of bytes 32 * (j / 2) ..
+            const __m512 dj = _mm512_set1_ps(d * sc[j]), mj = _mm512_set1_ps(dmin * mn[j]);
+            for (int h = 0; h < 2; ++h) {
+              const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 32 * (j / 2) + 16 * h));
+              const __m128i c = (j % 2) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F))
+                                        : _mm_and_si128(v, _mm_set1_epi8(0x0F));
+              const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+              _mm512_storeu_ps(vals + 32 * j + 16 * h, _mm512_sub_ps(_mm512_mul_ps(dj, q), mj));
+            }
+          }
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          const float d = tgs_kquant::half_to_float(blk + 208);
+          for (int h = 0; h < 2; ++h)
+            for (int t = 0; t < 4; ++t)
+              for (int half = 0; half < 2; ++half) {  // 16 elements 128h + 32t + 16half .., one group
+                const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 * h + 32 * (t % 2) + 16 * half));
+                const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 32 * h + 16 * half));
+                const __m128i nib = t < 2 ? _mm_and_si128(lo, _mm_set1_epi8(0x0F))
+                                          : _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_set1_epi8(0x0F));
+                const __m128i top = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(2 * t)), _mm_set1_epi8(0x03));
+                const __m128i q = _mm_sub_epi8(_mm_or_si128(nib, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+                const __m512 ds = _mm512_set1_ps(d * float(sc[8 * h + 2 * t + half]));
+                _mm512_storeu_ps(vals + 128 * h + 32 * t + 16 * half, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+              }
+        }
+#else
         if (type == 12) {
           const float d = tgs_kquant::half_to_float(blk), dmin = tgs_kquant::half_to_float(blk + 2);
           uint8_t sc[8], mn[8];
@@ -530,13 +989,10 @@ void kquant_dequant(torch::Tensor w, int64_t type, int64_t n0, int64_t n1, torch
                 vals[128 * h + 32 * t + l] = (d * float(sc[8 * h + 2 * t + l / 16])) * float(q - 32);
               }
         }
+#endif
         const int64_t at_ = (n - n0) * K + blk_i * 256;
         if (bf16) {
-          for (int j = 0; j < 256; ++j) {
-            uint32_t u;
-            std::memcpy(&u, &vals[j], 4);
-            hp[at_ + j] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-          }
+          for (int j = 0; j < 256; ++j) hp[at_ + j] = tgs_kquant::to_bf16(vals[j]);
         } else {
           std::memcpy(op + at_, vals, sizeof(vals));
         }
@@ -555,7 +1011,7 @@ int64_t kquant_native_isa() {
 }
 """
 
-FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_dequant", "kquant_native_isa"]
+FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_dequant", "kquant_native_isa"]
 
 
 def with_kquant_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
