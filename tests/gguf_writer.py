@@ -140,9 +140,9 @@ def gguf_name(hf: str, arch: str = "qwen2") -> str:
 
 def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_type=None, tied: bool = True,
                name: str = "tiny", split_max_tensors: int = 0, rope_scaling: tuple[str, float] | None = None,
-               chat_template: str | None = None, head_type=None) -> Path:
+               chat_template: str | None = None, head_type=None, embedding_type=None) -> Path:
     """A tiny model: every linear in `qtype` (attn_v in `v_type` when given, as Q4_K_M files do),
-    norms and biases F32, the embedding F16 (an untied head F16, or `head_type`). With `split_max_tensors`, split files (the writer names
+    norms and biases F32, the embedding F16 (or `embedding_type`; an untied head F16, or `head_type`). With `split_max_tensors`, split files (the writer names
     them path-0000i-of-0000n.gguf); the first is returned."""
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary(ARCH_VOCAB.get(arch, 0))
@@ -194,6 +194,8 @@ def write_gguf(path: Path, arch: str = "qwen2", qtype=T.Q8_0, seed: int = 0, v_t
             writer.add_tensor(name_, w)
         elif hf == "lm_head.weight" and head_type is not None:
             add_matrix(writer, name_, w, head_type, rng)
+        elif hf == "model.embed_tokens.weight" and embedding_type is not None:
+            add_matrix(writer, name_, w, embedding_type, rng)
         elif hf in ("model.embed_tokens.weight", "lm_head.weight"):
             writer.add_tensor(name_, w.astype(np.float16))
         else:

@@ -320,3 +320,26 @@ def test_an_embedding_decodes_the_rows_it_looks_up_as_the_full_decode_does(nativ
         table(torch.tensor([50]))
     with pytest.raises(ValueError, match="not a K-quant"):
         KQuantEmbedding(raw, int(T.Q5_K), torch.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_k_quant_token_embedding_stays_as_stored_in_a_served_model(native, qtype, tmp_path, monkeypatch):
+    """serve/get_model of a GGUF whose token_embd is Q4_K or Q6_K: the embedding module keeps the file's
+    blocks (no dense table) and the model gives the tokens and logprobs of the table dequantized whole."""
+    from text_generation_server.kernels.cpu_kquant import KQuantEmbedding
+    from text_generation_server.layers.tensor_parallel import TensorParallelEmbedding
+    from text_generation_server.quantizers.gguf import GGUFConfig
+
+    monkeypatch.setenv(DISABLE_ENV, "")
+    path = write_gguf(tmp_path / "model.gguf", "qwen2", T.Q4_K, seed=3, tied=False, embedding_type=qtype)
+    lm = get_model(str(path), dtype="bfloat16")
+    embeddings = [m for m in lm.model.modules() if isinstance(m, TensorParallelEmbedding)]
+    assert len(embeddings) == 1 and isinstance(embeddings[0].stored, KQuantEmbedding) and embeddings[0].weight is None
+    mapped = open_gguf([path]).readers[0].data
+    ptr = embeddings[0].stored.blocks.data_ptr()
+    assert mapped.ctypes.data <= ptr < mapped.ctypes.data + mapped.nbytes, "a copy, not a view of the file"
+    monkeypatch.setattr(GGUFConfig, "quantized_embedding", lambda self, weights, prefix: None)
+    dense = get_model(str(path), dtype="bfloat16")
+    assert [m for m in dense.model.modules() if isinstance(m, TensorParallelEmbedding)][0].stored is None
+    assert greedy(lm, 8) == greedy(dense, 8)
+    assert torch.equal(prompt_logprobs(lm), prompt_logprobs(dense))

@@ -162,14 +162,22 @@ class TensorParallelEmbedding(torch.nn.Module):
             raise CheckpointError(
                 f"tensor '{name}' has shape {shape}, expected {[vocab_size, hidden_size]} (in {weights.files_of(name)})"
             )
+        self.process_group = pg
+        # A format may keep the table as stored and decode the rows looked up (GGUF K-quants on the CPU).
+        keeps = getattr(getattr(weights.loader, "config", None), "quantized_embedding", None)
+        self.stored = keeps(weights, prefix) if keeps is not None else None
+        if self.stored is not None:
+            self.min_id, self.max_id, self.weight = 0, vocab_size, None
+            return
         weight = weights.get_partial_sharded(name, dim=0)
         block = (vocab_size + pg.size - 1) // pg.size
         self.min_id = pg.rank * block
         self.max_id = self.min_id + weight.shape[0]
-        self.process_group = pg
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.stored is not None:
+            return self.stored(ids)
         if self.process_group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.min_id
