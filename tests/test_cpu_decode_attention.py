@@ -123,8 +123,9 @@ def test_backend_takes_it_on_cpu_and_the_switch_turns_it_off(monkeypatch):
     # Soft-capping keeps the torch form (the kernel has no cap).
     assert torch.equal(backend.decode(q, key_cache, value_cache, meta, 0.2, None, softcap=5.0),
                        padded_decode(q, key_cache, value_cache, meta, 0.2, None, softcap=5.0))
-    # A cache in another dtype than q is not the kernel's.
+    # A cache in another dtype than q is not the kernel's; float32 keeps SDPA (the exactness reference).
     assert native_decode_module(q, key_cache.float(), value_cache.float()) is None
+    assert native_decode_module(q.float(), key_cache.float(), value_cache.float()) is None
 
 
 def test_bad_input_is_refused_by_name():

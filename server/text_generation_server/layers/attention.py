@@ -491,10 +491,13 @@ def native_decode_module(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     Why: torch's SDPA on a padded copy of the cache costs 0.4-0.8 ms a layer with bfloat16 and one
     query row on the 2-core EPYC (more than the layer's int4 weights take to read);
     `paged_decode_attention` (kernels/cpu_native_decode_src.py) reads the blocks in place, each KV
-    head once for its query heads. CPU only; bfloat16 or float32 caches of q's dtype (an fp8
-    cache, soft-capping and sinks keep the torch form). TGS_CPU_NATIVE_ATTENTION=0 keeps the torch
-    form everywhere (read per call, so a benchmark can switch it between steps)."""
-    if (q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32) or key_cache.dtype != q.dtype
+    head once for its query heads. CPU only; bfloat16 caches of q's dtype (an fp8 cache,
+    soft-capping and sinks keep the torch form). float32 keeps SDPA: it is fast there (a tenth of
+    bfloat16's time) and it is the exactness tests' reference against transformers, whose greedy
+    tokens the kernel's other summation order can flip at a near tie (tests/test_fp8_activations.py
+    did). TGS_CPU_NATIVE_ATTENTION=0 keeps the torch form everywhere (read per call, so a benchmark
+    can switch it between steps)."""
+    if (q.device.type != "cpu" or q.dtype != torch.bfloat16 or key_cache.dtype != q.dtype
             or value_cache.dtype != q.dtype or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
         return None
     if os.environ.get(NATIVE_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
