@@ -128,7 +128,9 @@ def workload(server: ServeProcess, stop: str) -> tuple[dict[str, object], float]
     out["stop"] = generate(stub, request(SYSTEM + QUESTIONS[0], max_new_tokens=NEW, stop=[stop]))
 
     # A stream cancelled after two tokens: its blocks come back, nothing it computed is reused wrongly.
-    forced = request(SYSTEM + QUESTIONS[4], max_new_tokens=40, details=True)
+    # Long enough that the server cannot finish it before the cancel arrives (the stream runs ahead of
+    # the reads: 40 tokens sometimes all went out first, and a finished request is not cancelled).
+    forced = request(SYSTEM + QUESTIONS[4], max_new_tokens=180, details=True)
     stream = stub.GenerateStream(forced, timeout=60)
     out["cancelled"] = [next(stream).token.id, next(stream).token.id]
     stream.cancel()
