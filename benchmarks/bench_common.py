@@ -26,7 +26,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 # -- the run: command and date ------------------------------------------------------------------
 
@@ -365,3 +366,19 @@ async def stream_generate(stub: Any, request: Any) -> StreamedReply:
     except grpc.aio.AioRpcError as exc:
         reply.error = f"{exc.code().name}: {exc.details()}"
     return reply
+
+
+@contextmanager
+def environment(changes: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with `changes` while the block runs, restored after (a benchmark's switches must
+    not outlive it when a test runs it in the test's own process)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from bench_common import command_line, load_line, machine_line, md_table, now_iso  # noqa: E402
+from bench_common import command_line, environment, load_line, machine_line, md_table, now_iso  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -238,17 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     decode_steps(lm, args, 7)  # a first pass: the kernels' first calls, the allocator's first pages
     for r in range(args.rounds):
         for name, env in (settings if r % 2 == 0 else settings[::-1]):
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with environment(env):
                 clock.reset()
                 times = decode_steps(lm, args, 10 + r, clock)
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             n = len(times)
             per[name].append({k: v * 1000 / n for k, v in clock.exclusive.items()})
             steps_ms[name].append(sum(times) / n * 1000)

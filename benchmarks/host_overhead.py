@@ -45,18 +45,17 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
-    STEP, StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio, scrape_steps,
-    steps_delta,
+    STEP, StartedServer, environment, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio,
+    scrape_steps, steps_delta,
 )
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
@@ -64,22 +63,6 @@ QUICK = {"batches": "1,8", "waits_us": "0,1000", "new_tokens": 24, "rounds": 1}
 FULL = {"batches": "1,8,64", "waits_us": "0,1000", "new_tokens": 64, "rounds": 3}
 COLUMNS = ("batch", "X nominal µs", "in-process X µs", "in-process step µs", "in-process host µs", "served X µs",
            "served inter-token µs", "exposed host µs", "host CPU per step µs", "client CPU per step µs")
-
-
-@contextmanager
-def environment(changes: Mapping[str, str]) -> Iterator[None]:
-    """os.environ with `changes` while the block runs, restored after (the stand-in's switch must
-    not outlive the benchmark when a test runs it in its own process)."""
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def standin_env(wait_us: int, stats_path: Path) -> dict[str, str]:
