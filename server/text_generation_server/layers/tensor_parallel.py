@@ -153,7 +153,9 @@ class TensorParallelRowLinear(LinearSource, torch.nn.Module):
 
 class TensorParallelEmbedding(torch.nn.Module):
     # ids: [tokens] -> [tokens, hidden]
-    def __init__(self, weights: Weights, prefix: str, vocab_size: int, hidden_size: int):
+    def __init__(self, weights: Weights, prefix: str, vocab_size: int, hidden_size: int, keep_stored: bool = True):
+        """keep_stored: a format may keep the table as stored (GGUF K-quants on the CPU), so `weight` is
+        None; False where other code reads the weight (transformers' modeling code may tie it)."""
         super().__init__()
         pg = weights.process_group
         name = f"{prefix}.weight"
@@ -165,7 +167,7 @@ class TensorParallelEmbedding(torch.nn.Module):
         self.process_group = pg
         # A format may keep the table as stored and decode the rows looked up (GGUF K-quants on the CPU).
         keeps = getattr(getattr(weights.loader, "config", None), "quantized_embedding", None)
-        self.stored = keeps(weights, prefix) if keeps is not None else None
+        self.stored = keeps(weights, prefix) if keeps is not None and keep_stored else None
         if self.stored is not None:
             self.min_id, self.max_id, self.weight = 0, vocab_size, None
             return

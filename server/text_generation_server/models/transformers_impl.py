@@ -401,7 +401,7 @@ def _load(model: torch.nn.Module, weights: Weights, plan: dict[str, str], shard:
     embed_name = _embedding_name(model)
     if type(embedding) is torch.nn.Embedding and _tp_style(plan, embed_name) == "embedding_rowwise":
         _set(model, embed_name, TensorParallelEmbedding(weights, embed_name, embedding.num_embeddings,
-                                                         embedding.embedding_dim))
+                                                         embedding.embedding_dim, keep_stored=False))
         parallel += 1
     buffers = []
     for name, buffer in list(model.named_buffers()):

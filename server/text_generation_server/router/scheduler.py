@@ -516,8 +516,8 @@ class Scheduler:
         return await self.client.decode([batch])
 
     async def _drop_in_flight(self) -> None:
-        """Lets a Decode sent ahead finish or fail on its own, unread (the server stops, or the step
-        that sent it failed and the batch is gone)."""
+        """Stops waiting for a Decode sent ahead and drops its answer unread (the server stops, or the
+        step that sent it failed and the batch is gone); the shards finish the call on their own."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return
@@ -619,9 +619,9 @@ class Scheduler:
             self._refresh_gauges()
             return None
         keep = [i for i in batch.request_ids if i in self.running]
-        if self._in_flight is not None and self._in_flight.filtered:
-            pass  # the Decode sent ahead filters the batch first (`_pipeline`); `_step` reads its answer
-        elif len(keep) != len(batch.request_ids):
+        # A Decode sent ahead with a FilterBatch first (`_pipeline`) filters the batch; `_step` reads its answer.
+        filtered_ahead = self._in_flight is not None and self._in_flight.filtered
+        if len(keep) != len(batch.request_ids) and not filtered_ahead:
             if keep:
                 batch = await self.client.filter_batch(batch.id, keep)
             else:
