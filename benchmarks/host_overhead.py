@@ -54,7 +54,7 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
-    STEP, StartedServer, environment, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio,
+    FORWARD, StartedServer, environment, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio,
     scrape_steps, steps_delta,
 )
 
@@ -185,15 +185,16 @@ async def served_round(server: StartedServer, stats, stub, batch_size: int, wait
 
     stats.set_wait_us(wait_us)
     request = cpb.GenerateRequest(inputs=PROMPT, parameters=cpb.GenerateParameters(max_new_tokens=new_tokens))
-    steps_before = scrape_steps(server.metrics_url, (STEP,))
+    steps_before = scrape_steps(server.metrics_url, (FORWARD,))
     before, server_cpu, client_cpu = stats.read(), server.cpu_s(), time.process_time()
     streams = await asyncio.gather(*(stream(stub, request) for _ in range(batch_size)))
     client_cpu = time.process_time() - client_cpu
     server_cpu = server.cpu_s() - server_cpu
     after = stats.read()
-    # Decode steps the router ran (a decode-ahead fork that was dropped is not one, though the
-    # stand-in ran it).
-    steps = int(steps_delta(steps_before, scrape_steps(server.metrics_url, (STEP,))).get(STEP, (0, 0))[1])
+    # Decode steps the router took (a decode-ahead fork that was dropped is not one, though the
+    # stand-in ran it): the forward histogram's count, one per step even where an answer held a
+    # chain of several.
+    steps = int(steps_delta(steps_before, scrape_steps(server.metrics_url, (FORWARD,))).get(FORWARD, (0, 0))[1])
     standin_cpu = sum(after[k] - before[k] for k in ("decode_cpu_ns", "prefill_cpu_ns")) / 1e9
     out: dict[str, float | None] = {
         "served X µs": per_call_us(before, after),

@@ -125,9 +125,11 @@ async def served_round(server: StartedServer, new_tokens: int) -> dict[str, floa
     moved = steps_delta(before, scrape_steps(server.metrics_url, (STEP, FORWARD)))
     out: dict[str, float | None] = {
         "served client": step_ms(reply.stamps[-1] - reply.stamps[0], len(reply.stamps) - 1)}
-    for name, label in ((STEP, "served router step"), (FORWARD, "served forward")):
-        total, count = moved.get(name, (0.0, 0.0))
-        out[label] = step_ms(total, int(count))
+    # Per step: the forward histogram counts steps (an answer holding a chain of steps ahead is
+    # several), the inference histogram counts the router's calls.
+    steps = int(moved.get(FORWARD, (0.0, 0.0))[1])
+    out["served router step"] = step_ms(moved.get(STEP, (0.0, 0.0))[0], steps)
+    out["served forward"] = step_ms(moved.get(FORWARD, (0.0, 0.0))[0], steps)
     return out
 
 

@@ -42,7 +42,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 
@@ -87,6 +87,14 @@ class Entry:
     @property
     def prompt_done(self) -> bool:
         return self.first_token is not None
+
+
+def steps_in(generations) -> int:
+    """Steps an answer holds: the most Generations one request has in it (1 for a plain step)."""
+    if len(generations) < 2:
+        return 1
+    counts = Counter(g.request_id for g in generations)
+    return max(counts.values())
 
 
 class StepFailed(Exception):
@@ -534,8 +542,12 @@ class Scheduler:
         inference, filtered, forward, decode, success = self._step_metrics(method)
         inference.observe(now - start)
         filtered.observe(now - filtering)
-        forward.observe(resp.forward_ns / 1e9)
-        decode.observe(resp.decode_ns / 1e9)
+        # An answer from a chain of steps ahead (shard/service.py) holds several steps, one
+        # Generation per request each: the forward and decode histograms stay per step.
+        steps = steps_in(resp.generations)
+        for _ in range(steps):
+            forward.observe(resp.forward_ns / 1e9 / steps)
+            decode.observe(resp.decode_ns / 1e9 / steps)
         if resp.HasField("concat_ns"):  # TGI labels every concatenation "decode", prefill-time ones too
             m.batch_concat_duration.labels(method="decode").observe(resp.concat_ns / 1e9)
         success.inc()

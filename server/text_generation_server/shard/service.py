@@ -21,6 +21,18 @@ are those of a plain step: forks copy every piece of state a step advances. Ever
 sees the same RPCs in the same order, so every rank forks and commits alike and the
 collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
 
+Steps ahead in a chain (one rank, our router's Steps stream): when the router has not asked
+for anything by the time a step ahead is done, the model thread goes on to the step after it,
+up to TGS_DECODE_AHEAD_STEPS steps (default 8), and the Decode that arrives takes them all: one
+Generation per request per step, in step order, as if it had sent that many Decodes. The model
+thread never waits on the router's round trip (vLLM's multi-step scheduling makes the same
+trade): a router, a gRPC hop or a busy core slower than the forward costs throughput no more,
+only burstier streams. A chain stops as soon as any call waits for the model thread, so a
+FilterBatch, a newcomer's Prefill or a ClearCache waits one step at most; rows that finish inside
+a chain leave it at once, and the rows a client cancelled meanwhile run at most the chain's
+length for nothing. Ranks would have to agree on each chain's length (their collectives pair
+step by step), so with several ranks, and on TGI's unary Decode, a chain is one step long.
+
 Steps (not in TGI): our router sends the four state-changing calls over one stream per rank,
 answered in order with the unary calls' own messages or a StepError carrying the status the
 unary call would have failed with; the calls run exactly as their unary twins do.
@@ -60,6 +72,19 @@ def shard_uds(uds_path: str, rank: int) -> str:
     return f"{uds_path}-{rank}"
 
 
+def ahead_steps_setting(world_size: int) -> int:
+    """The longest chain of steps ahead (TGS_DECODE_AHEAD_STEPS, default DEFAULT_AHEAD_STEPS); one
+    step with several ranks, whose chains would have to end at the same step on every rank."""
+    raw = os.environ.get(AHEAD_STEPS_ENV, "").strip()
+    try:
+        steps = int(raw) if raw else DEFAULT_AHEAD_STEPS
+    except ValueError:
+        raise ValueError(f"{AHEAD_STEPS_ENV}={raw!r}: expected a whole number of steps >= 1") from None
+    if steps < 1:
+        raise ValueError(f"{AHEAD_STEPS_ENV}={raw!r}: expected a whole number of steps >= 1")
+    return steps if world_size == 1 else 1
+
+
 class ShardError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -67,6 +92,9 @@ class ShardError(Exception):
 
 
 DECODE_AHEAD_ENV = "TGS_DECODE_AHEAD"
+# Steps a chain of steps ahead may hold (module docstring); 1: one step ahead, as on TGI's wire.
+AHEAD_STEPS_ENV = "TGS_DECODE_AHEAD_STEPS"
+DEFAULT_AHEAD_STEPS = 8
 # The v3 InfoResponse has no field for kernels; they travel as trailing metadata, which a
 # TGI router ignores, so the message itself stays exactly TGI's.
 KERNELS_METADATA = "tgs-kernels"
@@ -87,10 +115,11 @@ class _Ahead:
 
     source: Batch  # the cached batch object it was forked from (identity shows it is unchanged)
     request_ids: list[int]
-    generations: list[Generation] | None = None
+    generations: list[Generation] | None = None  # every step's, in step order
     next_batch: Batch | None = None
     timings: StepTimings | None = None
     error: BaseException | None = None
+    steps: int = 0  # steps computed (a chain holds more than one)
 
     def restrict(self, batch: Batch) -> bool:
         """Follows a FilterBatch of the source: keeps the rows still wanted. False: unusable."""
@@ -139,6 +168,12 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.decode_ahead = os.environ.get(DECODE_AHEAD_ENV, "1") not in ("0", "false", "no")
+        self.ahead_steps = ahead_steps_setting(world_size)
+        # Calls queued for the model thread, counted by the two threads that each write one
+        # counter (sent: the event loop; started: the model thread): a chain stops when they differ.
+        self._calls_sent = 0
+        self._calls_started = 0
+        self.chained_steps = 0  # steps a chain computed past its first (counted; tests and logs)
         self._ahead: dict[int, _Ahead] = {}  # batch id -> its next step; touched on the model thread only
         self.ahead_hits = 0
         self.ahead_misses = 0
@@ -150,6 +185,14 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return fn(*args)
         finally:
             self.busy_since = None
+
+    def _call_on_model_thread(self, fn, *args):
+        self._calls_started += 1
+        return self._on_model_thread(fn, *args)
+
+    def _call_waiting(self) -> bool:
+        """Whether a call (not a step ahead) waits for the model thread: a chain of steps ahead ends."""
+        return self._calls_sent != self._calls_started
 
     def close(self) -> None:
         """Lets go of the model thread and the tokenizer pool (queued work is dropped): the service's end."""
@@ -164,8 +207,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         whatever its type, so a client never blames itself for a server fault.
         """
         loop = asyncio.get_running_loop()
+        self._calls_sent += 1
         try:
-            return await loop.run_in_executor(self._executor, self._on_model_thread, fn, *args)
+            return await loop.run_in_executor(self._executor, self._call_on_model_thread, fn, *args)
         except ShardError:
             raise
         except RequestError as exc:  # (an unknown or refused LoRA adapter names its own status: `code`)
@@ -338,7 +382,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request, context):
         return await self._unary(context, self._prefill(request))
 
-    async def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+    async def _prefill(self, request: pb.PrefillRequest, chain: int = 1) -> pb.PrefillResponse:
+        """`chain`: the most steps ahead the model thread may compute after this one (module docstring)."""
         # Our router asks for each refused request to be answered on its own (per_request_errors);
         # a TGI router gets TGI's contract: one refused request fails the call.
         refused: dict[int, RequestError] | None = {} if request.per_request_errors else None
@@ -368,7 +413,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             if cached_id is None:
                 generations, next_batch, timings = self._generate(batch) if batch is not None else \
                     ([], None, StepTimings(0, 0, 0))
-                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None, refused)
+                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None, refused,
+                                           chain=chain)
             # TGI's contract: one token for the cached batch and the new one. A step computed ahead
             # for the cached batch is that token; otherwise both run as one forward, on a fork of the
             # cached batch: if the step fails, only the new requests are lost, and the cached batch
@@ -405,7 +451,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise
             del self.cache[cached_id]
             return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
-                                       timings, concat_ns, refused)
+                                       timings, concat_ns, refused, chain=chain)
 
         return (await self._run(prefill))()
 
@@ -415,7 +461,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def Decode(self, request, context):
         return await self._unary(context, self._decode(request))
 
-    async def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+    async def _decode(self, request: pb.DecodeRequest, chain: int = 1) -> pb.DecodeResponse:
+        """`chain`: the most steps ahead the model thread may compute after this one (module docstring)."""
         def decode():
             if not request.batches:
                 raise RequestError("Decode needs at least one batch")
@@ -430,7 +477,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             if not ready:
                 generations, next_batch, timings = self._generate(Batch.concatenate(batches))
                 return self._step_response(pb.DecodeResponse, generations, self._renumber(next_batch, ids[0]),
-                                           timings, None)
+                                           timings, None, chain=chain)
             # Batches without a step ready (just prefilled) join without a token this time: running
             # them alone would cost a forward of its own, and the next step carries every row.
             generations, parts, timings = [], [], StepTimings(0, 0, 0)
@@ -444,7 +491,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 parts += kept
                 timings = timings + step
             next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
-            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None)
+            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None, chain=chain)
 
         return (await self._run(decode))()
 
@@ -462,6 +509,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         "filter_batch": "_filter_batch",
         "clear_cache": "_clear_cache",
     }
+    # The calls whose step may be followed by a chain of steps ahead (module docstring).
+    _CHAINED_CALLS = frozenset({"prefill", "decode"})
 
     async def Steps(self, request_iterator, context):
         """The state-changing calls over one stream, answered in order (not in TGI: our router's
@@ -472,8 +521,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             try:
                 if kind is None:
                     raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "a StepCall carries no call")
-                answer = pb.StepAnswer(seq=call.seq, **{kind: await getattr(self, self._STEP_CALLS[kind])(
-                    getattr(call, kind))})
+                handler = getattr(self, self._STEP_CALLS[kind])
+                message = getattr(call, kind)
+                result = await (handler(message, chain=self.ahead_steps) if kind in self._CHAINED_CALLS
+                                else handler(message))
+                answer = pb.StepAnswer(seq=call.seq, **{kind: result})
             except ShardError as exc:
                 answer = pb.StepAnswer(seq=call.seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
             except Exception as exc:  # never lose the stream (and every later call) to one call's fault
@@ -512,6 +564,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if ahead.next_batch is None:
             self.model.release(batch)  # every row finished; the fork owned no blocks
             return list(ahead.generations), [], ahead.timings
+        present = set(ahead.next_batch.request_ids)
+        if len(present) != len(batch.request_ids):
+            # Rows that finished inside a chain left it: their blocks go back as a FilterBatch's would.
+            batch = self.model.filter(batch, [rid for rid in batch.request_ids if rid in present])
         ahead.next_batch.adopt_blocks(batch)
         return list(ahead.generations), [ahead.next_batch], ahead.timings
 
@@ -522,13 +578,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             batch.batch_id = batch_id
         return batch
 
-    def _schedule_ahead(self, batch: Batch) -> None:
-        """Queues the batch's next step behind this call on the model thread."""
+    def _schedule_ahead(self, batch: Batch, chain: int = 1) -> None:
+        """Queues the batch's next step (and up to `chain` - 1 after it) behind this call on the model thread."""
         if not self.decode_ahead:
             return
-        self._executor.submit(self._on_model_thread, self._run_ahead, batch)
+        self._executor.submit(self._on_model_thread, self._run_ahead, batch, chain)
 
-    def _run_ahead(self, batch: Batch) -> None:
+    def _run_ahead(self, batch: Batch, chain: int = 1) -> None:
         if self.cache.get(batch.batch_id) is not batch or batch.batch_id in self._ahead:
             return  # cleared, filtered or merged before the model thread got here
         alive = [s.request.id for s in batch.states if not s.finished]
@@ -537,10 +593,32 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         ahead = _Ahead(source=batch, request_ids=alive)
         try:
             ahead.generations, ahead.next_batch, ahead.timings = self.model.generate_token(batch.fork(alive))
+            ahead.steps = 1
+            while ahead.steps < chain and ahead.next_batch is not None and not self._call_waiting():
+                if not self._chain_step(ahead):
+                    break
         except Exception as exc:  # kept for the call that commits this step (a replay would fail alike)
             logger.debug("decode ahead of batch {} failed: {!r}", batch.batch_id, exc)
             ahead.error = exc
         self._ahead[batch.batch_id] = ahead
+
+    def _chain_step(self, ahead: "_Ahead") -> bool:
+        """One more step ahead on the chain's own batch, its finished rows left out first (a
+        step must not run them again). False: nothing to step (every row is done, or a row is
+        still prefilling: prompt chunks are the router's to budget). A step that raises fails
+        the whole chain: its batch is half-updated, as a plain step's would be."""
+        batch = ahead.next_batch
+        alive = [s.request.id for s in batch.states if not s.finished]
+        if not alive or batch.prefilling:
+            return False
+        if len(alive) != len(batch.states):
+            batch = batch.filter(alive, None)  # the chain's rows own no blocks (the cached batch does)
+        generations, ahead.next_batch, timings = self.model.generate_token(batch)
+        ahead.generations += generations
+        ahead.timings = ahead.timings + timings
+        ahead.steps += 1
+        self.chained_steps += 1
+        return True
 
     def _pop(self, batch_id: int) -> Batch:
         batch = self.cache.pop(batch_id, None)
@@ -549,7 +627,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return batch
 
     def _step_response(self, cls, generations, next_batch, timings: StepTimings, concat_ns,
-                       refused: dict[int, RequestError] | None = None):
+                       refused: dict[int, RequestError] | None = None, chain: int = 1):
         """Caches the step's next batch and queues its step ahead; returns what builds the answer.
 
         The message is built by the caller, on the event loop's thread, while the model thread
@@ -565,7 +643,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if next_batch is not None:
             self.cache[next_batch.batch_id] = next_batch
             info = next_batch.info()
-            self._schedule_ahead(next_batch)
+            self._schedule_ahead(next_batch, chain)
 
         def message():
             resp = cls(
