@@ -5,7 +5,8 @@ the router is far slower than a step, so the rank chains steps and its answers c
 steps each. A server with chains of 8 and one with chains of 1 get the same concurrent workload:
 every stream, every text, finish and token count must be the same on both, one message per
 token, and the chained server's /metrics must show the steps (forwards) outnumbering the router's
-Decode calls, where the other shows one step per call.
+Decode calls, where the other shows one step per call. A third server runs its rank inside the
+router's process (`--shard-in-process`), whose calls chain too.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def servers(tmp_path_factory):
     sock_dir, log_dir = tmp_path_factory.mktemp("sock"), tmp_path_factory.mktemp("logs")
     chained = launch_serve(None, sock_dir, log_dir, name="chained", env={**STANDIN, AHEAD_STEPS_ENV: "8"})
     single = launch_serve(None, sock_dir, log_dir, name="single", env={**STANDIN, AHEAD_STEPS_ENV: "1"})
+    local = launch_serve(None, sock_dir, log_dir, "--shard-in-process", name="local",
+                         env={**STANDIN, AHEAD_STEPS_ENV: "8"})
     try:
-        chained.wait_serving(timeout_s=120)
-        single.wait_serving(timeout_s=120)
-        yield chained, single
+        for server in (chained, single, local):
+            server.wait_serving(timeout_s=120)
+        yield chained, single, local
     finally:
-        chained.cleanup()
-        single.cleanup()
+        for server in (chained, single, local):
+            server.cleanup()
 
 
 def view(messages):
@@ -61,7 +64,7 @@ def decode_counts(server) -> tuple[float, float]:
 
 
 def test_chained_answers_stream_as_steps_one_by_one(servers):
-    chained, single = servers
+    chained, single, local = servers
     plain = workload(single, None)
     # A stop sequence in the middle of the first stream's canned text: it ends inside a chain.
     text = plain[0][2]
@@ -70,11 +73,13 @@ def test_chained_answers_stream_as_steps_one_by_one(servers):
         want = workload(single, stop)
         got = workload(chained, stop)
         assert got == want, f"round {round_}"
+        assert workload(local, stop) == want, f"round {round_}, in-process"
     for (ids, _, text, _, generated, finishes), n in zip(want, NEW + [64]):
         assert finishes == 1 and len(ids) == generated
     assert [len(v[0]) for v in want[:-1]] == NEW
     assert len(want[-1][0]) < 64 and want[-1][2].endswith(stop)
-    steps, calls = decode_counts(chained)
-    assert steps > 1.5 * calls, (steps, calls)  # chains formed
+    for server in (chained, local):
+        steps, calls = decode_counts(server)
+        assert steps > 1.5 * calls, (steps, calls)  # chains formed
     steps, calls = decode_counts(single)
     assert steps == calls, (steps, calls)

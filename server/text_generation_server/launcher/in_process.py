@@ -111,10 +111,15 @@ class LocalShardClient:
     async def prefill(self, batch: pb.Batch, cached: pb.CachedBatch | None = None) -> pb.PrefillResponse:
         from text_generation_server.router.client import ShardClient
 
-        return await self._call("Prefill", ShardClient.prefill_request(batch, cached))
+        return await self._chained(self.service._prefill, ShardClient.prefill_request(batch, cached))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._call("Decode", pb.DecodeRequest(batches=batches))
+        return await self._chained(self.service._decode, pb.DecodeRequest(batches=batches))
+
+    async def _chained(self, handler, request) -> Any:
+        """A Prefill or Decode as the Steps stream runs it: its step may be followed by a chain of
+        steps ahead (shard/service.py), which the next call takes."""
+        return await self.service._unary(_Context(), handler(request, chain=self.service.ahead_steps))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch | None:
         resp = await self._call("FilterBatch", pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids))
