@@ -21,7 +21,7 @@ are those of a plain step: forks copy every piece of state a step advances. Ever
 sees the same RPCs in the same order, so every rank forks and commits alike and the
 collectives stay in step. TGS_DECODE_AHEAD=0 turns it off.
 
-Steps ahead in a chain (one rank, our router's Steps stream): when the router has not asked
+Steps ahead in a chain (one rank, our router's Steps stream or its in-process calls): when the router has not asked
 for anything by the time a step ahead is done, the model thread goes on to the step after it,
 up to TGS_DECODE_AHEAD_STEPS steps (default 8), and the Decode that arrives takes them all: one
 Generation per request per step, in step order, as if it had sent that many Decodes. The model
