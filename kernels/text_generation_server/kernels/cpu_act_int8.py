@@ -101,13 +101,31 @@ def int4_q8_mm(module: cpu_native.Extension | None, x: torch.Tensor, packed: tor
 
     W = q * scales + offsets per group (float32 [K / group_size, N]); the native kernel where there is
     one, else `reference` (the same arithmetic in torch)."""
-    x = x.float().contiguous()
     if module is None:
-        return reference(x, packed, scales, offsets, group_size, block).float()
+        return reference(x.float(), packed, scales, offsets, group_size, block).float()
+    if x.dtype != torch.bfloat16:  # bfloat16 is read as it is (its float32 values, exactly)
+        x = x.float()
     rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
-    return module.int4_q8_mm(x, packed, scales, offsets, group_size, block, rows,
+    return module.int4_q8_mm(x.contiguous(), packed, scales, offsets, group_size, block, rows,
                              cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch,
                              grain or cpu_native.INT4_BLOCK_GRAIN)
+
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+
+
+def int4_q8_linear(module: cpu_native.Extension, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                   offsets: torch.Tensor, bias: torch.Tensor | None, group_size: int, block: int,
+                   variant: str = Q8) -> torch.Tensor:
+    """The layer's whole product for bfloat16 x [M, K]: int4_q8_mm's result rounded to bfloat16 (+ bias,
+    bfloat16 [N] or None), in one native call, with the bits of `int4_q8_mm(...).to(bfloat16) + bias`.
+
+    Why one call: at one decode row the q/k/v and o projections read 1-2 MiB each, and the float32 copy
+    of x, the rounding of y and the bias add were each a torch op of a few microseconds around them."""
+    rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
+    return module.int4_q8_linear(x.contiguous(), packed, scales, offsets, _NO_BIAS if bias is None else bias,
+                                 group_size, block, rows, cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch,
+                                 grain or cpu_native.INT4_BLOCK_GRAIN)
 
 
 # The int8 kernel's names (rows per pass, prefetch bytes; -1: cpu_native.PREFETCH_BYTES): the same bits.
