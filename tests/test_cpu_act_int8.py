@@ -177,6 +177,48 @@ def test_a_layer_runs_every_row_count_and_phase_on_the_same_arithmetic(native, m
     assert float((prompt.float() - exact).norm() / exact.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(256, 192, 64), (1536, 256, 128), (96, 64, 32)], ids=str)
+def test_the_one_call_layer_path_has_the_bits_of_the_torch_ops_it_replaces(native, monkeypatch, shape, bias):
+    """int4_q8_linear (bfloat16 in, bfloat16 out, the bias added) equals int4_q8_mm's float32 result
+    rounded by torch and the bias added by torch, bit for bit; the layer's forward takes it where it can
+    and gives the general path's bits at every row count and in both phases."""
+    monkeypatch.setenv(cpu_act_int8.ENV, "on")
+    k, n, gs = shape
+    w = make_weight(k, n, 4, gs, False, False, seed=k + n + bias)
+    b = torch.randn(n) * 4 if bias else None
+    module = cpu.CpuInt4PackQ8Kernel.build(w, b, torch.bfloat16)
+    assert module.direct_q8
+    block = cpu_native.int4_block()
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(9, k, generator=g) * 3).bfloat16()
+    x[1, :32] = 0  # a zero block
+    for rows in (1, 2, 3, 8, 9):
+        for variant in cpu_act_int8.VARIANTS:
+            want = cpu_act_int8.int4_q8_mm(native, x[:rows].float(), module.packed, module.scales_f32,
+                                           module.offsets_f32, gs, block, variant).bfloat16()
+            if b is not None:
+                want = want + module.bias
+            got = cpu_act_int8.int4_q8_linear(native, x[:rows], module.packed, module.scales_f32, module.offsets_f32,
+                                              module.bias, gs, block, variant)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (rows, variant)
+    # bfloat16 x is read as it is: int4_q8_mm gives the bits of its float32 copy
+    assert torch.equal(cpu_act_int8.int4_q8_mm(native, x, module.packed, module.scales_f32, module.offsets_f32, gs,
+                                               block), cpu_act_int8.int4_q8_mm(native, x.float(), module.packed,
+                                                                               module.scales_f32, module.offsets_f32,
+                                                                               gs, block))
+    general = cpu.CpuInt4PackQ8Kernel.build(w, b, torch.bfloat16)
+    general.direct_q8 = False
+    with torch.inference_mode():
+        for prefill in (True, False):
+            with forward_phase(prefill=prefill):
+                assert torch.equal(module(x), general(x))
+                assert torch.equal(module(x[:1].reshape(1, 1, k)), general(x[:1]).reshape(1, 1, n))
+    with pytest.raises(RuntimeError, match="bias must be empty or bfloat16"):
+        native.int4_q8_linear(x, module.packed, module.scales_f32, module.offsets_f32, torch.zeros(n + 1).bfloat16(),
+                              gs, block, 2, 0, 1)
+
+
 def _model(tmp_path, monkeypatch, mode: str):
     from helpers import write_checkpoint
     from test_quant_e2e import VARIANTS, write_variant

@@ -168,6 +168,40 @@ def test_a_rows_result_does_not_depend_on_its_batch_strides_or_parts(native, qty
     torch.testing.assert_close(layer(x), alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
+    """KQuantLinear's one native call (quantize into scratch, the parts side by side, the bias) equals
+    quantize_q8k, kquant_mm_into per part and torch's `y + bias` in the layer's dtype, bit for bit."""
+    from text_generation_server.kernels.cpu_kquant import PREFETCH_BYTES, CpuKQuantKernel
+
+    n, k = 53, 1280
+    raw = blocks(qtype, n, k, seed=7)
+    weight = KQuantBlocks((raw[:16], raw[16:21], raw[21:]), int(qtype))
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(n, generator=gen) * 8
+    x = (torch.randn(19, k, generator=gen) * 3).to(dtype)
+    x[2, 256:512] = 0
+    for b in (None, bias):
+        layer = CpuKQuantKernel.build(weight, b, dtype)
+        for m in (1, 2, 8, 19):
+            q, d, s = quantize_q8k(native, x[:m])
+            want = torch.empty(m, n, dtype=dtype)
+            col = 0
+            for part in weight.parts:
+                native.kquant_mm_into(q, d, s, part, int(qtype), PREFETCH_BYTES, want, col)
+                col += part.shape[0]
+            if b is not None:
+                want = want + b.to(dtype)
+            with torch.inference_mode():
+                got = layer(x[:m])
+            assert got.dtype == dtype and torch.equal(got, want), (m, b is None)
+        with torch.inference_mode():
+            assert torch.equal(layer(x[:3].reshape(3, 1, k)), layer(x[:3]).reshape(3, 1, n))
+    with pytest.raises(RuntimeError, match="bias must be empty"):
+        native.kquant_linear(x[:1], list(weight.parts), int(qtype), torch.zeros(n + 1, dtype=dtype), 0)
+
+
 def cpu_kquant_layer(weight: KQuantBlocks) -> torch.nn.Module:
     from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
 

@@ -28,7 +28,7 @@ import torch
 
 from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
-from text_generation_server.kernels.phase import run_rows
+from text_generation_server.kernels.phase import choose_variant, run_rows
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,6 +109,8 @@ class Int4PackLinear(torch.nn.Module):
         self.native = cpu_native.native()
         self.measured: dict[int, str] = {}  # row bucket -> variant, from measurements (kernels/cpu_tuning.py)
         self.int8_activations = False  # use_int8_activations()
+        self.direct_q8 = False  # use_int8_activations(): forward's one-call path
+        self.block = cpu_native.int4_block() or 64
         # For the native kernel reading the packed bytes in place (cpu_native.int4pack_mm): the
         # scales and offsets (W = q * s + c, c = z - 8 s) in float32 [Kp/g, N], 8 bytes per group and
         # output (an eighth more than the packed codes at g=128).
@@ -127,6 +129,10 @@ class Int4PackLinear(torch.nn.Module):
             self.scales_f32 = sz[..., 0].contiguous()
             self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
         self.int8_activations = True
+        self.block = cpu_native.int4_block() or 64
+        self.direct_q8 = (self.native is not None and not self.padded and self.perm is None
+                          and self.compute_dtype == self.act_dtype == torch.bfloat16
+                          and (self.bias is None or self.bias.dtype == torch.bfloat16))
 
     # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
     # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row
@@ -169,6 +175,9 @@ class Int4PackLinear(torch.nn.Module):
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
         if variant in cpu_act_int8.VARIANTS:
+            if self.native is not None and x.dtype == torch.bfloat16 == self.compute_dtype:
+                return cpu_act_int8.int4_q8_linear(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                                   None, self.group_size, self.block, variant)
             return cpu_act_int8.int4_q8_mm(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
                                            self.group_size, cpu_native.int4_block() or 64, variant
                                            ).to(self.compute_dtype)
@@ -184,6 +193,14 @@ class Int4PackLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
+        if self.direct_q8 and x.dtype == torch.bfloat16:
+            # int8 activations, bfloat16 throughout, no permutation: one native call with the bias, one
+            # variant for every row (they all give a row the same bits, so a prefill that carries
+            # decoding rows needs no split), the bits of the general path below
+            y = cpu_act_int8.int4_q8_linear(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                            self.bias, self.group_size, self.block,
+                                            choose_variant(self, x.shape[0]))
+            return y.reshape(*lead, self.out_features)
         if self.padded:
             x = torch.nn.functional.pad(x, (0, 1))
         if self.perm is not None:

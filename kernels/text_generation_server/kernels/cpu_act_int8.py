@@ -38,7 +38,13 @@ BLOCK = 32  # activation values per int8 scale (llama.cpp's Q8_0 block)
 # the same bits under each, so warmup's measurement may pick any per shape and row bucket.
 Q8 = "q8"
 VARIANTS: dict[str, tuple[int, int, int]] = {Q8: (2, -1, 0), "q8-r1": (1, -1, 0), "q8-r4": (4, -1, 0),
-                                             "q8-pf0": (2, 0, 0)}
+                                             "q8-pf0": (2, 0, 0), "q8-pf16k": (2, 16384, 0)}
+# Bytes the int4 x int8 kernel prefetches ahead of its reads under the names above that say -1. One
+# row, cold weights, Qwen2.5-1.5B's qkv / gate_up / down shapes, one thread (2-core EPYC shared with
+# other jobs, load ~2, 2026-12-06, median of 7): 20.5-22.2 GB/s at 1 KiB and 20.6-21.4 with none,
+# against 17.2-18.1 at cpu_native.PREFETCH_BYTES (16 KiB, the bfloat16/int8 kernels' distance) and 16-17.5
+# at 64 KiB: this kernel's lines come 128 bytes a step, and a far prefetch only evicts them.
+PREFETCH_BYTES = 1024
 _warned: set[str] = set()
 
 
@@ -101,13 +107,31 @@ def int4_q8_mm(module: cpu_native.Extension | None, x: torch.Tensor, packed: tor
 
     W = q * scales + offsets per group (float32 [K / group_size, N]); the native kernel where there is
     one, else `reference` (the same arithmetic in torch)."""
-    x = x.float().contiguous()
     if module is None:
-        return reference(x, packed, scales, offsets, group_size, block).float()
+        return reference(x.float(), packed, scales, offsets, group_size, block).float()
+    if x.dtype != torch.bfloat16:  # bfloat16 is read as it is (its float32 values, exactly)
+        x = x.float()
     rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
-    return module.int4_q8_mm(x, packed, scales, offsets, group_size, block, rows,
-                             cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch,
+    return module.int4_q8_mm(x.contiguous(), packed, scales, offsets, group_size, block, rows,
+                             PREFETCH_BYTES if prefetch < 0 else prefetch,
                              grain or cpu_native.INT4_BLOCK_GRAIN)
+
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+
+
+def int4_q8_linear(module: cpu_native.Extension, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                   offsets: torch.Tensor, bias: torch.Tensor | None, group_size: int, block: int,
+                   variant: str = Q8) -> torch.Tensor:
+    """The layer's whole product for bfloat16 x [M, K]: int4_q8_mm's result rounded to bfloat16 (+ bias,
+    bfloat16 [N] or None), in one native call, with the bits of `int4_q8_mm(...).to(bfloat16) + bias`.
+
+    Why one call: at one decode row the q/k/v and o projections read 1-2 MiB each, and the float32 copy
+    of x, the rounding of y and the bias add were each a torch op of a few microseconds around them."""
+    rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
+    return module.int4_q8_linear(x.contiguous(), packed, scales, offsets, _NO_BIAS if bias is None else bias,
+                                 group_size, block, rows, PREFETCH_BYTES if prefetch < 0 else prefetch,
+                                 grain or cpu_native.INT4_BLOCK_GRAIN)
 
 
 # The int8 kernel's names (rows per pass, prefetch bytes; -1: cpu_native.PREFETCH_BYTES): the same bits.

@@ -146,9 +146,28 @@ class KQuantLinear(torch.nn.Module):
         self.act_dtype = act_dtype
         self.out_features = sum(p.shape[0] for p in parts)
         self.in_features = parts[0].shape[1] // KQUANT_TYPES[type_id][2] * QK_K
+        self._direct = self.act_dtype in (torch.bfloat16, torch.float32)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
+        tensor): building them per call cost several microseconds of a one-row layer's ~10."""
+        self._parts = [getattr(self, f"blocks{i}") for i in range(self.count)]
+        self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
+
+    def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
+        out = super()._apply(fn, recurse)
+        self._refresh()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        if self._direct and x.dtype == self.act_dtype:
+            # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
+            # added as torch adds it (the bits of the steps below, without their tensors and ops)
+            y = self.native.kquant_linear(x.reshape(-1, self.in_features), self._parts, self.type_id,
+                                          self._bias_arg, PREFETCH_BYTES)
+            return y.reshape(*lead, self.out_features)
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
         y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16

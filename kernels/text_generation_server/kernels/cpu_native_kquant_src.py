@@ -813,6 +813,96 @@ inline int64_t block_bytes(int64_t type) {
 
 }  // namespace tgs_kquant
 
+namespace tgs_kquant {
+// One 256-wide block of activations (float32 values) to Q8_K: ggml's rule (see the module docstring):
+// the value of largest magnitude (the first such) sets iscale = -127 / it, codes round(iscale * v) to
+// nearest even, at most 127; the sums of every 16 codes; d = 1 / iscale (0 for an all-zero block).
+inline void q8k_block(const float* v, int8_t* o, float* d, int32_t* sums) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // The same steps 16 values at a time: the maximum of |v| (a NaN lane yields the running maximum, as
+  // `ax > amax` skips a NaN), the first value of that magnitude found by a scalar scan, vcvtps2dq's
+  // rounding to nearest even (nearbyint's in the default mode), exact integer sums: the scalar bits.
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 mx = _mm512_setzero_ps();
+  for (int j = 0; j < 256; j += 16) mx = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + j), abs_mask), mx);
+  const float amax = _mm512_reduce_max_ps(mx);
+  if (!(amax > 0.f)) {
+    *d = 0.f;
+    std::memset(o, 0, 256);
+    for (int g = 0; g < 16; ++g) sums[g] = 0;
+    return;
+  }
+  float max = 0.f;
+  for (int j = 0; j < 256; ++j)
+    if (std::fabs(v[j]) == amax) { max = v[j]; break; }
+  const float iscale = -127.f / max;
+  const __m512 is = _mm512_set1_ps(iscale);
+  const __m512i top = _mm512_set1_epi32(127);
+  for (int g = 0; g < 16; ++g) {
+    const __m512i c = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(is, _mm512_loadu_ps(v + 16 * g))), top);
+    const __m128i c8 = _mm512_cvtepi32_epi8(c);  // int8_t(c): truncation
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16 * g), c8);
+    sums[g] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(c8));  // the stored codes' sum
+  }
+  *d = 1.f / iscale;
+#else
+  float amax = 0.f, max = 0.f;
+  for (int j = 0; j < 256; ++j) {
+    const float ax = std::fabs(v[j]);
+    if (ax > amax) { amax = ax; max = v[j]; }
+  }
+  if (amax == 0.f) {
+    *d = 0.f;
+    std::memset(o, 0, 256);
+    for (int g = 0; g < 16; ++g) sums[g] = 0;
+    return;
+  }
+  const float iscale = -127.f / max;
+  for (int j = 0; j < 256; ++j) {
+    const int c = int(std::nearbyint(iscale * v[j]));  // to nearest even (the default rounding mode)
+    o[j] = int8_t(c < 127 ? c : 127);
+  }
+  for (int g = 0; g < 16; ++g) {
+    int32_t sum = 0;
+    for (int l = 0; l < 16; ++l) sum += o[16 * g + l];
+    sums[g] = sum;
+  }
+  *d = 1.f / iscale;
+#endif
+}
+
+// x [M, K] (float32, bfloat16 or float16 at xp, element size esize) to Q8_K codes, d and sums.
+void q8k_quantize(const uint8_t* xp, c10::ScalarType dtype, int64_t esize, int64_t M, int64_t K, int8_t* qp, float* dp,
+                  int32_t* sp) {
+  const int64_t nb = K / 256;
+  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      alignas(64) float vals[256];  // the block as float32 (exactly: bfloat16 and float16 widen without rounding)
+      const uint8_t* raw = xp + i * 256 * esize;
+      if (dtype == torch::kFloat) {
+        std::memcpy(vals, raw, sizeof(vals));
+      } else if (dtype == torch::kBFloat16) {
+#if defined(__AVX512F__)
+        for (int j = 0; j < 256; j += 16)
+          _mm512_store_ps(vals + j, _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw + 2 * j))), 16)));
+#else
+        for (int j = 0; j < 256; ++j) {
+          uint16_t h;
+          std::memcpy(&h, raw + 2 * j, 2);
+          const uint32_t u = uint32_t(h) << 16;
+          std::memcpy(&vals[j], &u, 4);
+        }
+#endif
+      } else {
+        for (int j = 0; j < 256; ++j) vals[j] = half_to_float(raw + 2 * j);
+      }
+      q8k_block(vals, qp + i * 256, dp + i, sp + i * 16);
+    }
+  });
+}
+}  // namespace tgs_kquant
+
 // x float32, bfloat16 or float16 [M, K] (K a multiple of 256) -> [codes int8 [M, K], d float32 [M, K / 256], sums of every
 // 16 codes int32 [M, K / 16]]: ggml's Q8_K rule (see the module docstring).
 std::vector<torch::Tensor> kquant_quantize_q8k(torch::Tensor x) {
@@ -825,56 +915,29 @@ std::vector<torch::Tensor> kquant_quantize_q8k(torch::Tensor x) {
   auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto d = torch::empty({M, K / 256}, x.options().dtype(torch::kFloat));
   auto s = torch::empty({M, K / 16}, x.options().dtype(torch::kInt));
-  const uint8_t* xp = reinterpret_cast<const uint8_t*>(x.data_ptr());
-  const int64_t esize = x.element_size();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  int32_t* sp = s.data_ptr<int32_t>();
-  const int64_t nb = K / 256;
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float vals[256];  // the block as float32 (exactly: bfloat16 and float16 widen without rounding)
-      const uint8_t* raw = xp + i * 256 * esize;
-      if (dtype == torch::kFloat) {
-        std::memcpy(vals, raw, sizeof(vals));
-      } else if (dtype == torch::kBFloat16) {
-        for (int j = 0; j < 256; ++j) {
-          uint16_t h;
-          std::memcpy(&h, raw + 2 * j, 2);
-          const uint32_t u = uint32_t(h) << 16;
-          std::memcpy(&vals[j], &u, 4);
-        }
-      } else {
-        for (int j = 0; j < 256; ++j) vals[j] = tgs_kquant::half_to_float(raw + 2 * j);
-      }
-      const float* v = vals;
-      int8_t* o = qp + i * 256;
-      float amax = 0.f, max = 0.f;
-      for (int j = 0; j < 256; ++j) {
-        const float ax = std::fabs(v[j]);
-        if (ax > amax) { amax = ax; max = v[j]; }
-      }
-      if (amax == 0.f) {
-        dp[i] = 0.f;
-        std::memset(o, 0, 256);
-        for (int g = 0; g < 16; ++g) sp[i * 16 + g] = 0;
-        continue;
-      }
-      const float iscale = -127.f / max;
-      for (int j = 0; j < 256; ++j) {
-        const int c = int(std::nearbyint(iscale * v[j]));  // to nearest even (the default rounding mode)
-        o[j] = int8_t(c < 127 ? c : 127);
-      }
-      for (int g = 0; g < 16; ++g) {
-        int32_t sum = 0;
-        for (int l = 0; l < 16; ++l) sum += o[16 * g + l];
-        sp[i * 16 + g] = sum;
-      }
-      dp[i] = 1.f / iscale;
-    }
-  });
+  tgs_kquant::q8k_quantize(reinterpret_cast<const uint8_t*>(x.data_ptr()), dtype, x.element_size(), M, K,
+                           q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
   return {q, d, s};
 }
+
+namespace tgs_kquant {
+// The blocks w's product with the Q8_K rows `act` into columns col0 .. of y (float32) or yh (bfloat16).
+void mm_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& w, int64_t type, int64_t prefetch, float* y,
+             uint16_t* yh, int64_t ldy, int64_t col0) {
+  const int64_t bytes = block_bytes(type), nb = K / 256;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) == nb * bytes && w.stride(1) == 1,
+              "blocks must be uint8 [N, ", nb * bytes, "] with contiguous rows");
+  TORCH_CHECK(w.stride(0) >= 0 && w.stride(0) < (int64_t(1) << 26), "block rows ", w.stride(0), " bytes apart: too far for the kernel's 32-bit offsets");
+  const int64_t N = w.size(0);
+  if (M == 0 || N == 0) return;
+  Args a{act, w.data_ptr<uint8_t>(), y ? y + col0 : nullptr, yh ? yh + col0 : nullptr, M, K, N, w.stride(0), nb,
+         prefetch, ldy};
+  if (type == 12)
+    run<true>(a);
+  else
+    run<false>(a);
+}
+}  // namespace tgs_kquant
 
 // kquant_mm's product written into columns col0 .. col0 + N of out (float32, or bfloat16 rounded to
 // nearest even as torch rounds): a fused layer's parts side by side, in the model's dtype, no copies.
@@ -890,20 +953,71 @@ void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Te
               "blocks must be uint8 [N, ", nb * bytes, "] with contiguous rows");
   const int64_t N = w.size(0);
   TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
-  TORCH_CHECK(w.stride(0) >= 0 && w.stride(0) < (int64_t(1) << 26), "block rows ", w.stride(0), " bytes apart: too far for the kernel's 32-bit offsets");
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
               col0 >= 0 && col0 + N <= out.size(1),
               "out must be float32 or bfloat16 [", M, ", >= ", col0 + N, "] with contiguous rows");
   if (M == 0 || N == 0) return;
-  tgs_kquant::Args a{{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, w.data_ptr<uint8_t>(),
-                     bf16 ? nullptr : out.data_ptr<float>() + col0,
-                     bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + col0 : nullptr,
-                     M, K, N, w.stride(0), nb, prefetch, out.stride(0)};
-  if (type == 12)
-    tgs_kquant::run<true>(a);
-  else
-    tgs_kquant::run<false>(a);
+  tgs_kquant::mm_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, w, type, prefetch,
+                      bf16 ? nullptr : out.data_ptr<float>(),
+                      bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
+}
+
+// The layer's whole product in one call (cpu_kquant.KQuantLinear): x float32 or bfloat16 [M, K] quantized to
+// Q8_K into this thread's scratch, each part of the fused layer (K-quant blocks of `type`, stacked along
+// N) written side by side into one [M, N] output of x's dtype, then, where bias (x's dtype, [N]) has
+// elements, the bias added as torch adds it in that dtype (bfloat16: the rounded product plus the bias,
+// rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`, without the tensors
+// and torch ops between them (their fixed cost at one decode row).
+torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, int64_t type, torch::Tensor bias,
+                            int64_t prefetch) {
+  x = x.contiguous();
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16), "x must be float32 or bfloat16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 256 == 0 && K > 0, "K = ", K, " is not a positive multiple of 256");
+  TORCH_CHECK(!parts.empty(), "a K-quant layer needs at least one part");
+  int64_t N = 0;
+  for (const auto& w : parts) N += w.size(0);
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.is_contiguous() && bias.numel() == N),
+              "bias must be empty or ", dtype, " [", N, "]");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  thread_local std::vector<int8_t> qs;
+  thread_local std::vector<float> ds;
+  thread_local std::vector<int32_t> ss;
+  qs.resize(M * K);
+  ds.resize(M * (K / 256));
+  ss.resize(M * (K / 16));
+  tgs_kquant::q8k_quantize(reinterpret_cast<const uint8_t*>(x.data_ptr()), dtype, x.element_size(), M, K, qs.data(),
+                           ds.data(), ss.data());
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const bool bf16 = dtype == torch::kBFloat16;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  uint16_t* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
+  int64_t col = 0;
+  for (const auto& w : parts) {
+    tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, w, type, prefetch, yf, yh, N, col);
+    col += w.size(0);
+  }
+  if (bias.numel()) {
+    if (dtype == torch::kBFloat16) {
+      uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+      const uint16_t* bp = reinterpret_cast<const uint16_t*>(bias.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          const uint32_t a = uint32_t(yp[m * N + n]) << 16, b = uint32_t(bp[n]) << 16;
+          float fa, fb; std::memcpy(&fa, &a, 4); std::memcpy(&fb, &b, 4);
+          yp[m * N + n] = tgs_kquant::to_bf16(fa + fb);
+        }
+    } else {
+      float* yp = y.data_ptr<float>();
+      const float* bp = bias.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+    }
+  }
+  return y;
 }
 
 // Q8_K activations (kquant_quantize_q8k's three tensors) @ W^T, W the K-quant blocks w [N, K / 256 *
@@ -1016,7 +1130,7 @@ int64_t kquant_native_isa() {
 }
 """
 
-FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_dequant", "kquant_native_isa"]
+FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_linear", "kquant_dequant", "kquant_native_isa"]
 
 
 def with_kquant_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:

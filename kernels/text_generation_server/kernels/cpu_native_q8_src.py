@@ -25,29 +25,105 @@ namespace {
 // ---- int4 codes x int8 activations ---------------------------------------------------------------
 constexpr int64_t Q8_BLOCK = 32;
 
-// x [M, K] float32 -> xq int8 [M, K], dx float32 [M, K / 32], xs float32 [M, K / gs] (see the header).
-void q8_quantize(const float* x, int8_t* xq, float* dx, float* xs, int64_t M, int64_t K, int64_t gs) {
+// An activation as float32: float32 as it is, bfloat16 bits widened (exactly).
+inline float q8_in(const float* x, int64_t i) { return x[i]; }
+inline float q8_in(const uint16_t* x, int64_t i) {
+  const uint32_t u = uint32_t(x[i]) << 16;
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 q8_load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 q8_load16(const uint16_t* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+#endif
+
+// One 32-wide block: dst = round-half-even(src * (1 / d)), d = max|src| / 127; returns d, *sum = the codes' sum.
+// The AVX-512 form is the scalar one's steps (the max ignores NaN as std::max does, vcvtps2dq rounds half
+// to even as nearbyint does in the default mode, int8 codes by truncation as the int8_t cast): the same bits.
+template <typename T>
+inline float q8_block_quantize(const T* src, int8_t* dst, int32_t* sum) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 v0 = q8_load16(src), v1 = q8_load16(src + 16);
+  __m512 m = _mm512_setzero_ps();
+  m = _mm512_max_ps(_mm512_and_ps(v0, sign), m);  // a NaN operand yields the second: m
+  m = _mm512_max_ps(_mm512_and_ps(v1, sign), m);
+  const float amax = _mm512_reduce_max_ps(m);
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m512 idv = _mm512_set1_ps(id);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return d;
+#else
+  float amax = 0.f;
+  for (int j = 0; j < Q8_BLOCK; ++j) amax = std::max(amax, std::fabs(q8_in(src, j)));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  int32_t total = 0;
+  for (int j = 0; j < Q8_BLOCK; ++j) {
+    const int32_t q = int32_t(std::nearbyint(q8_in(src, j) * id));  // round half to even (default mode)
+    dst[j] = int8_t(q);
+    total += q;
+  }
+  *sum = total;
+  return d;
+#endif
+}
+
+// x [M, K] float32 or bfloat16 -> xq int8 [M, K], dx float32 [M, K / 32], xs float32 [M, K / gs] (see the header).
+template <typename T>
+void q8_quantize(const T* x, int8_t* xq, float* dx, float* xs, int64_t M, int64_t K, int64_t gs) {
   const int64_t nblk = K / Q8_BLOCK, per_group = gs / Q8_BLOCK;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nblk; ++b) {
-      const float* src = x + m * K + b * Q8_BLOCK;
-      int8_t* dst = xq + m * K + b * Q8_BLOCK;
-      float amax = 0.f;
-      for (int j = 0; j < Q8_BLOCK; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int j = 0; j < Q8_BLOCK; ++j) {
-        const int32_t q = int32_t(std::nearbyint(src[j] * id));  // round half to even (default mode)
-        dst[j] = int8_t(q);
-        sum += q;
-      }
+      int32_t sum;
+      const float d = q8_block_quantize(x + m * K + b * Q8_BLOCK, xq + m * K + b * Q8_BLOCK, &sum);
       dx[m * nblk + b] = d;
       if (b % per_group == 0) xs[m * (K / gs) + b / per_group] = 0.f;
       float& acc = xs[m * (K / gs) + b / per_group];
       acc = std::fma(d, float(sum), acc);
     }
   }
+}
+
+// Where the int4 x int8 kernels put a row's results: float32 y [M, N], or bfloat16 yh [M, N] rounded
+// to nearest even as torch's .to(bfloat16) rounds, then (bias bfloat16 [N], optional) the bias added
+// and rounded again, as torch's bfloat16 `y + bias` does: the bits of the torch ops it replaces.
+struct Q8Out {
+  float* y;
+  uint16_t* yh;
+  const uint16_t* bias;
+  int64_t N;
+};
+inline uint16_t q8_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void q8_store1(const Q8Out& out, int64_t m, int64_t n, float v) {
+  if (out.y) {
+    out.y[m * out.N + n] = v;
+    return;
+  }
+  uint16_t h = q8_bf16(v);
+  if (out.bias) {
+    const uint32_t a = uint32_t(h) << 16, b = uint32_t(out.bias[n]) << 16;
+    float fa, fb; std::memcpy(&fa, &a, 4); std::memcpy(&fb, &b, 4);
+    h = q8_bf16(fa + fb);
+  }
+  out.yh[m * out.N + n] = h;
+}
+inline void q8_store(const Q8Out& out, int64_t m, int64_t n0, const float* v, int count) {
+  if (out.y) {
+    std::memcpy(out.y + m * out.N + n0, v, count * sizeof(float));
+    return;
+  }
+  for (int i = 0; i < count; ++i) q8_store1(out, m, n0 + i, v[i]);
 }
 
 // The products of one 4-input-row step ("quad": input rows k .. k + 3) for the block's outputs, as
@@ -98,10 +174,10 @@ inline void q8_block_end(float* t, const q8acc* acc, int V, float dx) {
 inline void q8_group_end(float* yrow, const float* t, const float* s, const float* c, float xs, int64_t n0, int B) {
   const __m512 sum = _mm512_set1_ps(xs);
   for (int j = 0; j < B; j += 16) {
-    __m512 acc = _mm512_loadu_ps(yrow + n0 + j);
+    __m512 acc = _mm512_loadu_ps(yrow + j);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(t + j), _mm512_loadu_ps(s + n0 + j), acc);
     acc = _mm512_fmadd_ps(sum, _mm512_loadu_ps(c + n0 + j), acc);
-    _mm512_storeu_ps(yrow + n0 + j, acc);
+    _mm512_storeu_ps(yrow + j, acc);
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -145,25 +221,28 @@ inline void q8_block_end(float* t, const q8acc* acc, int V, float dx) {
 inline void q8_group_end(float* yrow, const float* t, const float* s, const float* c, float xs, int64_t n0, int B) {
   const __m256 sum = _mm256_set1_ps(xs);
   for (int j = 0; j < B; j += 8) {
-    __m256 acc = _mm256_loadu_ps(yrow + n0 + j);
+    __m256 acc = _mm256_loadu_ps(yrow + j);
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(t + j), _mm256_loadu_ps(s + n0 + j), acc);
     acc = _mm256_fmadd_ps(sum, _mm256_loadu_ps(c + n0 + j), acc);
-    _mm256_storeu_ps(yrow + n0 + j, acc);
+    _mm256_storeu_ps(yrow + j, acc);
   }
 }
 #endif
 
 #if defined(Q8_ISA)
-// R rows (m0..m0+R) of one B-output block nb, the codes regrouped on the fly, quad by quad in k order.
+// R rows (m0..m0+R) of one B-output block nb, the codes regrouped on the fly, quad by quad in k order;
+// each row's B results summed in `yl` (the same float steps as into y), then stored through `out`.
 template <int B, int R>
 void q8_block(const int8_t* xq, const float* dx, const float* xs, const uint8_t* packed, const float* s,
-              const float* c, float* y, int64_t K, int64_t N, int64_t gs, int64_t nb, int64_t m0, int64_t prefetch) {
+              const float* c, const Q8Out& out, int64_t K, int64_t N, int64_t gs, int64_t nb, int64_t m0,
+              int64_t prefetch) {
   constexpr int V = B / Q8_LANES;
   const int64_t stride = B / 2, nblk = K / Q8_BLOCK, G = K / gs;
   const uint8_t* src = packed + nb * K * stride;
   const int64_t n0 = nb * B;
   alignas(64) float t[R][B];
-  for (int r = 0; r < R; ++r) std::memset(y + (m0 + r) * N + n0, 0, B * sizeof(float));
+  alignas(64) float yl[R][B];
+  std::memset(yl, 0, sizeof(yl));
   for (int64_t g = 0; g < G; ++g) {
     std::memset(t, 0, sizeof(t));
     for (int64_t b = g * (gs / Q8_BLOCK); b < (g + 1) * (gs / Q8_BLOCK); ++b) {
@@ -186,13 +265,14 @@ void q8_block(const int8_t* xq, const float* dx, const float* xs, const uint8_t*
       for (int r = 0; r < R; ++r) q8_block_end(t[r], acc[r], V, dx[(m0 + r) * nblk + b]);
     }
     for (int r = 0; r < R; ++r)
-      q8_group_end(y + (m0 + r) * N, t[r], s + g * N, c + g * N, xs[(m0 + r) * G + g], n0, B);
+      q8_group_end(yl[r], t[r], s + g * N, c + g * N, xs[(m0 + r) * G + g], n0, B);
   }
+  for (int r = 0; r < R; ++r) q8_store(out, m0 + r, n0, yl[r], B);
 }
 
 template <int B, int R>
 void q8_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp, const float* sp, const float* cp,
-             float* yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
+             const Q8Out& yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
   for (int64_t nb = b0; nb < b1; ++nb) {
     int64_t m = 0;
     for (; m + R <= M; m += R) q8_block<B, R>(xq, dx, xs, pp, sp, cp, yp, K, N, gs, nb, m, prefetch);
@@ -202,7 +282,7 @@ void q8_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t* 
 
 template <int B>
 void q8_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp,
-               const float* sp, const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t gs,
+               const float* sp, const float* cp, const Q8Out& yp, int64_t M, int64_t K, int64_t N, int64_t gs,
                int64_t prefetch, int64_t block_grain) {
   at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
     switch (rows_per_pass) {
@@ -216,7 +296,7 @@ void q8_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const f
 
 // The generic build (aarch64, x86-64 without AVX2): the same steps, one output at a time.
 void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp, const float* sp,
-                const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block) {
+                const float* cp, const Q8Out& yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block) {
   const int64_t half = block / 2, nblk = K / Q8_BLOCK, G = K / gs;
   at::parallel_for(0, N, block, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; ++n) {
@@ -236,7 +316,7 @@ void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_
           y = std::fma(t, sp[g * N + n], y);
           y = std::fma(xs[m * G + g], cp[g * N + n], y);
         }
-        yp[m * N + n] = y;
+        q8_store1(yp, m, n, y);
       }
     }
   });
@@ -381,63 +461,107 @@ void i8q8_prepare(const float* x, int8_t* xq, float* dl, int32_t* nc, int64_t M,
 
 }  // namespace
 
-// x [M, K] float32 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), x rounded to int8 per
-// 32-wide block first (cpu_native_q8_src.py: the arithmetic). s, c float32 [K / gs, N], W = q * s + c;
-// gs a multiple of 32. block, rows_per_pass (1, 2 or 4), prefetch and block_grain as int4pack_mm's:
-// none of the last three changes a bit of the result.
-torch::Tensor int4_q8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
-                         int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+namespace {
+// Checks int4_q8_mm's arguments; returns (N, K, G, M).
+std::array<int64_t, 4> q8_check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& s,
+                                const torch::Tensor& c, int64_t gs, int64_t block) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2, "packed must be uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   check_block(block, N);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16)
+              && x.is_contiguous(), "x must be contiguous float32 or bfloat16 [M, ", K, "], got ", x.sizes(), " ",
+              x.scalar_type());
   TORCH_CHECK(gs > 0 && gs % Q8_BLOCK == 0 && K % gs == 0, "group size ", gs, " must be a multiple of 32 dividing K=", K);
-  const int64_t G = K / gs, M = x.size(0);
+  const int64_t G = K / gs;
   TORCH_CHECK(s.scalar_type() == torch::kFloat && c.scalar_type() == torch::kFloat && s.is_contiguous() &&
               c.is_contiguous() && s.numel() == G * N && c.numel() == G * N, "s and c must be float32 [K / gs, N]");
-  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  auto dx_t = torch::empty({M, K / Q8_BLOCK}, x.options());
-  auto xs_t = torch::empty({M, G}, x.options());
-  int8_t* xq = xq_t.data_ptr<int8_t>();
-  float* dx = dx_t.data_ptr<float>();
-  float* xs = xs_t.data_ptr<float>();
-  q8_quantize(x.data_ptr<float>(), xq, dx, xs, M, K, gs);
+  return {N, K, G, x.size(0)};
+}
+
+// x's int8 form in this thread's scratch (reused call to call: a decode step's small layers allocate nothing).
+struct Q8Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs;
+};
+Q8Scratch& q8_scratch(const torch::Tensor& x, int64_t M, int64_t K, int64_t gs) {
+  thread_local Q8Scratch scratch;
+  scratch.xq.resize(M * K);
+  scratch.dx.resize(M * (K / Q8_BLOCK));
+  scratch.xs.resize(M * (K / gs));
+  if (x.scalar_type() == torch::kBFloat16)
+    q8_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr()), scratch.xq.data(), scratch.dx.data(),
+                scratch.xs.data(), M, K, gs);
+  else
+    q8_quantize(x.data_ptr<float>(), scratch.xq.data(), scratch.dx.data(), scratch.xs.data(), M, K, gs);
+  return scratch;
+}
+
+void q8_run(const Q8Scratch& q, const torch::Tensor& packed, const torch::Tensor& s, const torch::Tensor& c,
+            const Q8Out& out, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block, int64_t rows_per_pass,
+            int64_t prefetch, int64_t block_grain, bool generic) {
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
 #if defined(Q8_ISA)
-  if (block == 64)
-    q8_blocks<64>(rows_per_pass, xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, prefetch, block_grain);
-  else
-    q8_blocks<32>(rows_per_pass, xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, prefetch, block_grain);
-#else
-  q8_generic(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, block);
+  if (!generic) {
+    if (block == 64)
+      q8_blocks<64>(rows_per_pass, q.xq.data(), q.dx.data(), q.xs.data(), pp, sp, cp, out, M, K, N, gs, prefetch,
+                    block_grain);
+    else
+      q8_blocks<32>(rows_per_pass, q.xq.data(), q.dx.data(), q.xs.data(), pp, sp, cp, out, M, K, N, gs, prefetch,
+                    block_grain);
+    return;
+  }
 #endif
+  q8_generic(q.xq.data(), q.dx.data(), q.xs.data(), pp, sp, cp, out, M, K, N, gs, block);
+}
+}  // namespace
+
+// x [M, K] float32 or bfloat16 @ W^T for torch's CPU int4 layout (see int4pack_dequant_t), x rounded to
+// int8 per 32-wide block first (cpu_native_q8_src.py: the arithmetic), float32 [M, N]. s, c float32
+// [K / gs, N], W = q * s + c; gs a multiple of 32. block, rows_per_pass (1, 2 or 4), prefetch and
+// block_grain as int4pack_mm's: none of the last three changes a bit of the result.
+torch::Tensor int4_q8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
+                         int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+  const auto [N, K, G, M] = q8_check(x, packed, s, c, gs, block);
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0) return y;
+  const Q8Scratch& q = q8_scratch(x, M, K, gs);
+  q8_run(q, packed, s, c, Q8Out{y.data_ptr<float>(), nullptr, nullptr, N}, M, K, N, gs, block, rows_per_pass,
+         prefetch, block_grain, false);
+  return y;
+}
+
+// The layer's product in one call (kernels/cpu.py, Int4PackLinear with int8 activations): x [M, K]
+// bfloat16 -> bfloat16 [M, N], int4_q8_mm's float32 result rounded as torch's .to(bfloat16) and, when
+// bias (bfloat16 [N]) has elements, plus the bias as torch's bfloat16 add: the bits of those ops, without
+// the float32 copies of x and y or the separate passes (the fixed cost of a decode step's small layers).
+torch::Tensor int4_q8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c,
+                             torch::Tensor bias, int64_t gs, int64_t block, int64_t rows_per_pass, int64_t prefetch,
+                             int64_t block_grain) {
+  const auto [N, K, G, M] = q8_check(x, packed, s, c, gs, block);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
+              bias.numel() == N), "bias must be empty or bfloat16 [", N, "]");
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Q8Scratch& q = q8_scratch(x, M, K, gs);
+  const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
+  q8_run(q, packed, s, c, Q8Out{nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), bp, N}, M, K, N, gs, block,
+         rows_per_pass, prefetch, block_grain, false);
   return y;
 }
 
 // The same product through the generic loops whatever the build (tests compare the builds' bits).
 torch::Tensor int4_q8_mm_generic(torch::Tensor x, torch::Tensor packed, torch::Tensor s, torch::Tensor c, int64_t gs,
                                  int64_t block) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_block(block, N);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(), "bad x");
-  TORCH_CHECK(gs > 0 && gs % Q8_BLOCK == 0 && K % gs == 0 && s.numel() == (K / gs) * N && c.numel() == s.numel(),
-              "bad group size or scales");
-  const int64_t M = x.size(0), G = K / gs;
-  auto y = torch::empty({M, N}, x.options());
+  const auto [N, K, G, M] = q8_check(x, packed, s, c, gs, block);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
-  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  auto dx_t = torch::empty({M, K / Q8_BLOCK}, x.options());
-  auto xs_t = torch::empty({M, G}, x.options());
-  q8_quantize(x.data_ptr<float>(), xq_t.data_ptr<int8_t>(), dx_t.data_ptr<float>(), xs_t.data_ptr<float>(), M, K, gs);
-  q8_generic(xq_t.data_ptr<int8_t>(), dx_t.data_ptr<float>(), xs_t.data_ptr<float>(), packed.data_ptr<uint8_t>(),
-             s.data_ptr<float>(), c.data_ptr<float>(), y.data_ptr<float>(), M, K, N, gs, block);
+  const Q8Scratch& q = q8_scratch(x, M, K, gs);
+  q8_run(q, packed, s, c, Q8Out{y.data_ptr<float>(), nullptr, nullptr, N}, M, K, N, gs, block, 1, 0, 1, true);
   return y;
 }
 
@@ -503,4 +627,4 @@ int64_t int8_q8_isa() {
 }
 """
 
-FUNCTIONS = ["int4_q8_mm", "int4_q8_mm_generic", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
+FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
