@@ -1,9 +1,11 @@
 """The `dense` kernel: unquantized weights, chosen through the kernel table like the others.
 
 A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py picks per forward):
-- "gemv": on the CPU, a decode-sized input against bfloat16 weights runs the native
+- "gemv": on the CPU, a decode-sized input against bfloat16 or float32 weights runs the native
   matrix-vector product, which streams the weights faster than torch's GEMM there
-  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS rows);
+  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS or F32_GEMV_MAX_ROWS rows). For float32 it
+  matters most on small models: torch's GEMM costs tens of microseconds a call in fixed work on a
+  0.5 MiB matrix at one row, most of a step of the embedded model (BENCHMARKS.md, session 7);
 - "gemm": torch's F.linear;
 - "padded-gemm": the prompt path, F.linear with the smallest inputs padded so each row has the
   bits it has inside a larger call (every prefill forward, whatever its row count).
@@ -22,8 +24,8 @@ from text_generation_server.kernels.phase import prompt_linear, run_rows
 
 
 def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
-    """The native CPU extension when `weight` is bfloat16 on the CPU (built at load), else None."""
-    return cpu_native.for_bf16_weight(weight)
+    """The native CPU extension when `weight` is bfloat16 or float32 on the CPU (built at load), else None."""
+    return cpu_native.for_dense_weight(weight)
 
 
 class DenseProduct:
@@ -36,19 +38,19 @@ class DenseProduct:
     measured: dict[int, str]
 
     def variants(self, rows: int) -> tuple[str, ...]:
-        gemv = self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight)
+        gemv = self.native is not None and cpu_native.dense_gemv_fits(rows, self.weight)
         return ("gemv", "gemm", "padded-gemm") if gemv else ("gemm", "padded-gemm")
 
     def prompt_variant(self) -> str:
         return "padded-gemm"
 
     def static_variant(self, rows: int) -> str:
-        return "gemv" if self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight) else "gemm"
+        return "gemv" if self.native is not None and cpu_native.dense_gemv_fits(rows, self.weight) else "gemm"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if variant == "gemv":
-            return cpu_native.bf16_gemv(self.native, x, self.weight, self.bias)
+            return cpu_native.dense_gemv(self.native, x, self.weight, self.bias)
         if variant == "padded-gemm":
             return prompt_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -98,7 +100,7 @@ def dense_spec(weight: torch.Tensor, act_dtype: torch.dtype, device_type: str) -
 
 
 class DenseKernel(QuantKernel):
-    """Unquantized weights as they are: torch's GEMM, the native bf16 matrix-vector product for decode rows."""
+    """Unquantized weights as they are: torch's GEMM, the native bf16/f32 matrix-vector product for decode rows."""
 
     name = "dense"
     family = "dense"
