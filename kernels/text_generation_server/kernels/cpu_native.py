@@ -289,17 +289,21 @@ def for_dense_weight(weight: torch.Tensor) -> Extension | None:
     return native()
 
 
-def dense_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a native matrix-vector product (bfloat16 or float32 weights) can run `rows` rows."""
+def dense_gemv_max_rows(weight: torch.Tensor) -> int:
+    """Rows up to which a native matrix-vector product (bfloat16 or float32 weights) runs `weight`
+    (0: it cannot: another dtype or device, or a weight not contiguous)."""
     if weight.dtype == torch.float32:
-        return f32_gemv_fits(rows, weight)
-    return bf16_gemv_fits(rows, weight)
+        return F32_GEMV_MAX_ROWS if f32_gemv_fits(1, weight) else 0
+    return BF16_GEMV_MAX_ROWS if bf16_gemv_fits(1, weight) else 0
 
 
 def dense_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The native matrix-vector product for `weight`'s dtype (`dense_gemv_fits` said it runs)."""
     if weight.dtype == torch.float32:
-        return f32_gemv(module, x, weight, bias)
+        if x.dtype != torch.float32:
+            raise ValueError(f"the float32 matrix-vector product takes float32 inputs, got {x.dtype}")
+        # f32_gemv's work without its Python layers (a small model makes tens of these calls a step)
+        return module.f32_gemv(x.contiguous(), weight, bias, PREFETCH_BYTES, F32_PARALLEL_MIN_BYTES)
     return bf16_gemv(module, x, weight, bias)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantKernel
-from text_generation_server.kernels.phase import prompt_linear, run_rows
+from text_generation_server.kernels.phase import PREFILL, current_phase, decode_variant, prompt_linear, run_rows
 
 
 def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
@@ -30,38 +30,56 @@ def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
 
 class DenseProduct:
     """x @ weight^T (+ bias) for a module holding `weight` [N, K], `bias` and `native` (the extension
-    or None): DenseLinear and the tensor-parallel head share it (phase.RowVariantLayer)."""
+    or None): DenseLinear and the tensor-parallel head share it (phase.RowVariantLayer).
+
+    A decode step of a small model calls this tens of times, each product a few microseconds of
+    arithmetic, so the decode path keeps its Python short: the rows the native product takes are
+    worked out when `native` is set (the layer's construction and every `.to()`), not per call."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    native: cpu_native.Extension | None
     measured: dict[int, str]
+    _native: cpu_native.Extension | None = None
+    _gemv_rows = 0  # rows up to which the native product runs this weight (0: never)
+
+    @property
+    def native(self) -> cpu_native.Extension | None:
+        return self._native
+
+    @native.setter
+    def native(self, module: cpu_native.Extension | None) -> None:
+        self._native = module
+        self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(self.weight)
 
     def variants(self, rows: int) -> tuple[str, ...]:
-        gemv = self.native is not None and cpu_native.dense_gemv_fits(rows, self.weight)
-        return ("gemv", "gemm", "padded-gemm") if gemv else ("gemm", "padded-gemm")
+        return ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_rows else ("gemm", "padded-gemm")
 
     def prompt_variant(self) -> str:
         return "padded-gemm"
 
     def static_variant(self, rows: int) -> str:
-        return "gemv" if self.native is not None and cpu_native.dense_gemv_fits(rows, self.weight) else "gemm"
+        return "gemv" if 0 < rows <= self._gemv_rows else "gemm"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if variant == "gemv":
-            return cpu_native.dense_gemv(self.native, x, self.weight, self.bias)
+            return cpu_native.dense_gemv(self._native, x, self.weight, self.bias)
         if variant == "padded-gemm":
             return prompt_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        weight = self.weight
         k = x.shape[-1]
-        flat = x.reshape(-1, k)
-        if flat.device.type != "cpu" or k != self.weight.shape[1]:
-            return F.linear(x, self.weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
-        return run_rows(self, flat).reshape(*x.shape[:-1], self.weight.shape[0])
+        if x.device.type != "cpu" or k != weight.shape[1]:
+            return F.linear(x, weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
+        flat = x if x.dim() == 2 else x.reshape(-1, k)
+        if current_phase() == PREFILL:
+            y = run_rows(self, flat)
+        else:  # decode rows, or no phase: run_rows without its prompt split
+            y = self.run(flat, decode_variant(self, flat.shape[0]))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class DenseLinear(DenseProduct, torch.nn.Module):
