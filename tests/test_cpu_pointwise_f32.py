@@ -95,7 +95,7 @@ def test_rotary_is_torchs_bits(monkeypatch, recorder, tokens, heads, dim):
     assert not cpu_pointwise.rotary_f32_fits(x, cos, sin, interleaved=True)
 
 
-@pytest.mark.parametrize("rows,n", [(1, 768), (4, 40), (2, 23), (1, 100), (3, 4864)])
+@pytest.mark.parametrize("rows,n", [(1, 768), (4, 40), (2, 23), (1, 100), (1, 48), (3, 4864)])
 def test_silu_mul(monkeypatch, recorder, rows, n):
     from text_generation_server.layers.mlp import GatedMLP
 
