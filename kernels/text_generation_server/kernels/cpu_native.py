@@ -69,8 +69,9 @@ INT8_DEQUANT_MIN_ROWS = 32
 BF16_GEMV_MAX_ROWS = 2
 # float32 weights (serve's CPU default dtype): rows up to which the matrix-vector product runs instead
 # of torch's GEMM, and the weight bytes from which it splits the outputs over the threads (below, a
-# fork/join of the pool costs more than the second core saves). Measured on the embedded model's
-# shapes (K = 256..768, 0.25-4 MiB) and Qwen2.5-0.5B's, 2-core EPYC (BENCHMARKS.md, session 7).
+# fork/join of the pool costs more than the second core saves). On the embedded model's shapes
+# (K = 256..768, 0.25-4 MiB, weights hot, one thread, 2-core EPYC) the product took 0.8x torch's
+# time at 1 row, 0.45-0.8x at 2-4, the same at 8 and 1.2x at 16 (BENCHMARKS.md, session 7).
 F32_GEMV_MAX_ROWS = 8
 F32_PARALLEL_MIN_BYTES = 262144
 # int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes. The bound

@@ -365,15 +365,28 @@ void f32_dispatch(int64_t M, const float* xp, const float* wp, const float* bp, 
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const float* x = xp + m0 * K;
     float* y = yp + m0 * N;
+    // Tiles by registers: AVX-512 has 32 vectors of 16 floats (up to 16 accumulators here), AVX2
+    // two registers a vector out of 16. The tile changes no bit of a row's result.
     switch (std::min<int64_t>(8, M - m0)) {
+#if defined(__AVX512F__)
       case 1: f32_impl<1, 4>(x, wp, bp, y, K, N, pf, parallel); break;
       case 2: f32_impl<2, 4>(x, wp, bp, y, K, N, pf, parallel); break;
-      case 3: f32_impl<3, 2>(x, wp, bp, y, K, N, pf, parallel); break;
-      case 4: f32_impl<4, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 3: f32_impl<3, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 4: f32_impl<4, 4>(x, wp, bp, y, K, N, pf, parallel); break;
       case 5: f32_impl<5, 2>(x, wp, bp, y, K, N, pf, parallel); break;
       case 6: f32_impl<6, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 7: f32_impl<7, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      default: f32_impl<8, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+#else
+      case 1: f32_impl<1, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 2: f32_impl<2, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 3: f32_impl<3, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 4: f32_impl<4, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 5: f32_impl<5, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 6: f32_impl<6, 1>(x, wp, bp, y, K, N, pf, parallel); break;
       case 7: f32_impl<7, 1>(x, wp, bp, y, K, N, pf, parallel); break;
       default: f32_impl<8, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+#endif
     }
   }
 }
