@@ -274,14 +274,6 @@ def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, 
     return torch.cat(parts, dim=1)[:rows].to(out_dtype)
 
 
-def for_bf16_weight(weight: torch.Tensor) -> Extension | None:
-    """The extension for a dense layer whose `weight` is bfloat16 on the CPU (built now, at load,
-    not on the first request); None for any other weight or when it cannot be built."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return None
-    return native()
-
-
 def for_dense_weight(weight: torch.Tensor) -> Extension | None:
     """The extension for a dense layer whose `weight` is bfloat16 or float32 on the CPU (built now,
     at load, not on the first request); None for any other weight or when it cannot be built."""
@@ -299,7 +291,7 @@ def dense_gemv_max_rows(weight: torch.Tensor) -> int:
 
 
 def dense_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native matrix-vector product for `weight`'s dtype (`dense_gemv_fits` said it runs)."""
+    """The native matrix-vector product for `weight`'s dtype (`dense_gemv_max_rows` said it runs)."""
     if weight.dtype == torch.float32:
         if x.dtype != torch.float32:
             raise ValueError(f"the float32 matrix-vector product takes float32 inputs, got {x.dtype}")
