@@ -144,3 +144,19 @@ def test_float32_layers_keep_torchs_gemm_when_native_kernels_are_off(fresh_nativ
     layer = DenseLinear(w, None)
     x = torch.randn(1, 16)
     assert layer.native is None and torch.equal(layer(x), F.linear(x, w))
+
+
+def test_a_float32_layer_looks_the_extension_up_on_its_first_decode_call(fresh_native):
+    """A float32 model that never decodes (quantize's calibration) neither builds nor logs the extension."""
+    w = torch.randn(32, 16)
+    layer = DenseLinear(w, None)
+    assert layer.native is None and not cpu_native.loaded()[0]
+    with forward_phase(prefill=True):
+        layer(torch.randn(3, 16))
+    assert layer.native is None and not cpu_native.loaded()[0]
+    x = torch.randn(1, 16)
+    got = layer(x)
+    decided, module = cpu_native.loaded()
+    assert decided and layer.native is module
+    if module is not None:
+        assert close_to_exact(got, x, w, None) < TOLERANCE

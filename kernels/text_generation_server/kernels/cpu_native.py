@@ -274,6 +274,12 @@ def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, 
     return torch.cat(parts, dim=1)[:rows].to(out_dtype)
 
 
+def loaded() -> tuple[bool, Extension | None]:
+    """(whether this process has decided on the extension yet, the extension or None); never builds."""
+    with _lock:
+        return "module" in _state, _state.get("module")  # type: ignore[return-value]
+
+
 def for_dense_weight(weight: torch.Tensor) -> Extension | None:
     """The extension for a dense layer whose `weight` is bfloat16 or float32 on the CPU (built now,
     at load, not on the first request); None for any other weight or when it cannot be built."""

@@ -23,8 +23,19 @@ from text_generation_server.kernels.base import LinearSpec, QuantKernel
 from text_generation_server.kernels.phase import PREFILL, current_phase, decode_variant, prompt_linear, run_rows
 
 
+def _deferred(weight: torch.Tensor) -> bool:
+    """Whether a float32 CPU weight waits for its first decode call to look the extension up."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and not cpu_native.loaded()[0])
+
+
 def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
-    """The native CPU extension when `weight` is bfloat16 or float32 on the CPU (built at load), else None."""
+    """The native CPU extension for a bfloat16 CPU weight (built at load); for a float32 one, the
+    extension if this process has it already, else None and the layer looks it up on its first decode
+    call (`DenseProduct.native`): a float32 model that never decodes (`quantize`'s calibration)
+    builds and logs nothing it does not use."""
+    if _deferred(weight):
+        return None
     return cpu_native.for_dense_weight(weight)
 
 
@@ -41,6 +52,7 @@ class DenseProduct:
     measured: dict[int, str]
     _native: cpu_native.Extension | None = None
     _gemv_rows = 0  # rows up to which the native product runs this weight (0: never)
+    _pending = False  # float32: the extension is looked up on the first decode call (native_for)
 
     @property
     def native(self) -> cpu_native.Extension | None:
@@ -49,6 +61,7 @@ class DenseProduct:
     @native.setter
     def native(self, module: cpu_native.Extension | None) -> None:
         self._native = module
+        self._pending = module is None and _deferred(self.weight)
         self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(self.weight)
 
     def variants(self, rows: int) -> tuple[str, ...]:
@@ -78,6 +91,8 @@ class DenseProduct:
         if current_phase() == PREFILL:
             y = run_rows(self, flat)
         else:  # decode rows, or no phase: run_rows without its prompt split
+            if self._pending:
+                self.native = cpu_native.for_dense_weight(weight)  # loads (or builds) it once per process
             y = self.run(flat, decode_variant(self, flat.shape[0]))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
