@@ -67,6 +67,13 @@ INT8_DEQUANT_MIN_ROWS = 32
 # instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
 # 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
 BF16_GEMV_MAX_ROWS = 2
+# float32 weights (serve's CPU default dtype): rows up to which the matrix-vector product runs instead
+# of torch's GEMM, and the weight bytes from which it splits the outputs over the threads (below, a
+# fork/join of the pool costs more than the second core saves). On the embedded model's shapes
+# (K = 256..768, 0.25-4 MiB, weights hot, one thread, 2-core EPYC) the product took 0.8x torch's
+# time at 1 row, 0.45-0.8x at 2-4, the same at 8 and 1.2x at 16 (BENCHMARKS.md, session 7).
+F32_GEMV_MAX_ROWS = 8
+F32_PARALLEL_MIN_BYTES = 262144
 # int4: dequantizing was already 1.5x torch's op at 32 rows on Qwen2.5-1.5B's MLP shapes. The bound
 # was moved to 64 when prompts still followed it (d05298c: a 32-row chunk and a shorter cached
 # remainder took differently rounded paths); prompts now take one path whatever their chunking (the
@@ -267,12 +274,53 @@ def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, 
     return torch.cat(parts, dim=1)[:rows].to(out_dtype)
 
 
-def for_bf16_weight(weight: torch.Tensor) -> Extension | None:
-    """The extension for a dense layer whose `weight` is bfloat16 on the CPU (built now, at load,
-    not on the first request); None for any other weight or when it cannot be built."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+def loaded() -> tuple[bool, Extension | None]:
+    """(whether this process has decided on the extension yet, the extension or None); never builds."""
+    with _lock:
+        return "module" in _state, _state.get("module")  # type: ignore[return-value]
+
+
+def for_dense_weight(weight: torch.Tensor) -> Extension | None:
+    """The extension for a dense layer whose `weight` is bfloat16 or float32 on the CPU (built now,
+    at load, not on the first request); None for any other weight or when it cannot be built."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
         return None
     return native()
+
+
+def dense_gemv_max_rows(weight: torch.Tensor) -> int:
+    """Rows up to which a native matrix-vector product (bfloat16 or float32 weights) runs `weight`
+    (0: it cannot: another dtype or device, or a weight not contiguous)."""
+    if weight.dtype == torch.float32:
+        return F32_GEMV_MAX_ROWS if f32_gemv_fits(1, weight) else 0
+    return BF16_GEMV_MAX_ROWS if bf16_gemv_fits(1, weight) else 0
+
+
+def dense_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The native matrix-vector product for `weight`'s dtype (`dense_gemv_max_rows` said it runs)."""
+    if weight.dtype == torch.float32:
+        if x.dtype != torch.float32:
+            raise ValueError(f"the float32 matrix-vector product takes float32 inputs, got {x.dtype}")
+        # f32_gemv's work without its Python layers (a small model makes tens of these calls a step)
+        return module.f32_gemv(x.contiguous(), weight, bias, PREFETCH_BYTES, F32_PARALLEL_MIN_BYTES)
+    return bf16_gemv(module, x, weight, bias)
+
+
+def f32_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the float32 matrix-vector product can run `rows` rows against `weight` [N, K]."""
+    return (0 < rows <= F32_GEMV_MAX_ROWS and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.dim() == 2 and weight.is_contiguous())
+
+
+def f32_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             prefetch: int = -1) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K] float32 ^T (+ bias) -> [M, N] float32, the weights read once
+    per 8 rows; a row's bits do not depend on M (prefetched `prefetch` bytes ahead; -1: PREFETCH_BYTES)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the float32 matrix-vector product takes float32 inputs, got {x.dtype}")
+    b = None if bias is None else bias.float().contiguous()
+    return module.f32_gemv(x.contiguous(), weight, b, PREFETCH_BYTES if prefetch < 0 else prefetch,
+                           F32_PARALLEL_MIN_BYTES)
 
 
 def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:

@@ -20,6 +20,19 @@ microseconds of dispatch and allocation for 1536 numbers, ~2 ms of a single-stre
   float32 bit or two, rarely a bfloat16 apart after the rounding).
 
 Every row is computed alone (no reduction across rows), one thread per row block.
+
+float32 forms (a float32 model's decode, serve's CPU default; the embedded model's step ran ~60
+small torch ops a step around its linears, BENCHMARKS.md session 7), in the float32 path's own
+arithmetic:
+- `rotary_f32`: addcmul(x * cos, partner, sin): x * cos rounded, then one fused multiply-add of
+  partner * sin onto it, as torch's addcmul kernel computes it: torch's bits.
+- `silu_mul_f32`: silu(g) * u with silu(g) = g / (1 + exp(-g)) and exp the same SLEEF routine
+  torch's vectorised silu calls at AVX-512 and AVX2 (exported by libtorch_cpu): torch's bits
+  there; elsewhere `exp16` (a float32 ulp or two apart).
+- `rms_norm_f32`: x * rsqrt(mean(x^2) + eps) * weight, with the residual add (x + residual, one
+  rounding, returned too). The only one not bit for bit: torch's mean sums in its own cascade
+  order, this in 16 lanes then a tree (the scale a float32 ulp apart in about half the rows); the
+  exactness tests against transformers judge it (tests/test_cpu_pointwise_f32.py says how far).
 """
 
 SOURCE = r"""
@@ -192,9 +205,166 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
   });
   return out;
 }
+
+// ---- float32 ---------------------------------------------------------------------------------------
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <sleef.h>
+#endif
+
+namespace tgs_pointwise {
+
+// torch's vectorised exp for float32 at this build's instruction set (SLEEF, from libtorch_cpu).
+inline vf exp16_torch(vf x) {
+#if defined(__AVX512F__)
+  __m512 v; std::memcpy(&v, &x, 64);
+  v = Sleef_expf16_u10(v);
+  vf r; std::memcpy(&r, &v, 64); return r;
+#elif defined(__AVX2__)
+  __m256 lo, hi; std::memcpy(&lo, &x, 32); std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+  lo = Sleef_expf8_u10(lo); hi = Sleef_expf8_u10(hi);
+  vf r; std::memcpy(&r, &lo, 32); std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32); return r;
+#else
+  return exp16(x);
+#endif
+}
+
+void check_rows_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.stride(1) == 1,
+              name, " must be float32 [rows, features] with unit feature stride, got ", t.sizes(), " ",
+              t.scalar_type());
+}
+
+}  // namespace tgs_pointwise
+
+std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, double eps,
+                                        c10::optional<torch::Tensor> residual) {
+  using namespace tgs_pointwise;
+  check_rows_f32(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == torch::kFloat
+              && weight.is_contiguous(), "weight must be contiguous float32 [", n, "]");
+  const bool add = residual.has_value();
+  torch::Tensor res;
+  if (add) {
+    res = *residual;
+    check_rows_f32(res, "residual");
+    TORCH_CHECK(res.sizes() == x.sizes(), "residual ", res.sizes(), " must match x ", x.sizes());
+  }
+  auto normed = torch::empty({rows, n}, x.options());
+  auto summed = add ? torch::empty({rows, n}, x.options()) : torch::Tensor();
+  const float* wp = weight.data_ptr<float>();
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* h = x.data_ptr<float>() + r * x.stride(0);
+      if (add) {
+        const float* rp = res.data_ptr<float>() + r * res.stride(0);
+        float* sp = summed.data_ptr<float>() + r * n;
+        for (int64_t i = 0; i < n; ++i) sp[i] = h[i] + rp[i];
+        h = sp;
+      }
+      float lanes[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) lanes[j] += h[i + j] * h[i + j];
+      for (int64_t j = 0; i + j < n; ++j) lanes[j] += h[i + j] * h[i + j];
+      for (int j = 0; j < 8; ++j) lanes[j] += lanes[j + 8];
+      for (int j = 0; j < 4; ++j) lanes[j] += lanes[j + 4];
+      const float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+      const float scale = 1.f / std::sqrt(sum / float(n) + float(eps));
+      float* op = normed.data_ptr<float>() + r * n;
+      for (int64_t k = 0; k < n; ++k) op[k] = (h[k] * scale) * wp[k];
+    }
+  };
+  if (rows > 1) at::parallel_for(0, rows, 16, body);  // one row: no fork of the pool
+  else body(0, rows);
+  if (add) return {normed, summed};
+  return {normed};
+}
+
+namespace tgs_pointwise {
+// Rows t0..t1 of the float32 rotation as torch rounds it: x * cos rounded, then addcmul's one fused
+// multiply-add of partner * sin onto it (measured against torch 2.x on AVX-512; no other FMA
+// contraction in this function, whatever -march allows).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rotary_f32_rows(const float* xb, const float* cb, const float* sb, float* ob, int64_t t0, int64_t t1,
+                     int64_t H, int64_t D, int64_t xs, int64_t cs, int64_t ss) {
+  const int64_t half = D / 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* cp = cb + t * cs;
+    const float* sp = sb + t * ss;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xp = xb + t * xs + h * D;
+      float* op = ob + (t * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t p = d < half ? d + half : d - half;
+        const float xc = xp[d] * cp[d];
+        op[d] = __builtin_fmaf(xp[p], sp[d], xc);
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+}  // namespace tgs_pointwise
+
+torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat, "x must be float32 [tokens, heads, head_dim]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0 && x.stride(2) == 1 && x.stride(1) == D, "x must have contiguous heads of an even head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
+              && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat
+              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be float32 [tokens, 1, head_dim]");
+  auto o = torch::empty({T, H, D}, x.options());
+  const float* xb = x.data_ptr<float>();
+  const float* cb = cos.data_ptr<float>();
+  const float* sb = sin.data_ptr<float>();
+  float* ob = o.data_ptr<float>();
+  auto body = [&](int64_t t0, int64_t t1) {
+    tgs_pointwise::rotary_f32_rows(xb, cb, sb, ob, t0, t1, H, D, x.stride(0), cos.stride(0), sin.stride(0));
+  };
+  if (T > 1) at::parallel_for(0, T, 16, body);
+  else body(0, T);
+  return o;
+}
+
+torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
+  using namespace tgs_pointwise;
+  check_rows_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) == 2 * n, "gate_up must be [rows, 2 * ", n, "], got ", gate_up.sizes());
+  const int64_t rows = gate_up.size(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
+      const float* u = g + n;
+      float* o = out.data_ptr<float>() + r * n;
+      // torch's vectorised loop takes two of its vectors at a time (32 floats at AVX-512, 16 at AVX2)
+      // and the rest one by one, with std::exp.
+#if defined(__AVX512F__)
+      const int64_t vectors = n / 32 * 32;
+#else
+      const int64_t vectors = n / 16 * 16;
+#endif
+      int64_t i = 0;
+      for (; i < vectors; i += 16) {
+        const vf xv = load_f(g + i);
+        const vf s = xv / (splat(1.f) + exp16_torch(-xv));
+        const vf y = s * load_f(u + i);
+        std::memcpy(o + i, &y, sizeof(y));
+      }
+      for (; i < n; ++i) {
+        const float s = g[i] / (1.f + std::exp(-g[i]));
+        o[i] = s * u[i];
+      }
+    }
+  };
+  if (rows > 1) at::parallel_for(0, rows, 4, body);
+  else body(0, rows);
+  return out;
+}
 """
 
-FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16"]
+FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16", "rms_norm_f32", "rotary_f32", "silu_mul_f32"]
 
 
 def with_pointwise_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:

@@ -294,6 +294,103 @@ torch::Tensor gemv_any(torch::Tensor x, const T* wp, const float* sp, int64_t N,
   return y;
 }
 
+// ---- float32 weights: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) -----------------------------
+// The decode path of a float32 model (serve's CPU default): torch's GEMM spends ~100 us a call on
+// the embedded model's 0.25-1.5 MiB matrices at one row, where reading them takes a few. Per output
+// one 16-lane accumulator over k in steps of 16 (a fixed FMA), lanes summed pairwise (a tree, not a
+// chain: rounding errors grow with log2(16), not 16), then the k % 16 tail, then the bias: the same
+// operations whatever the tile, the row count or the thread split, so a row's bits never depend on
+// the rows beside it. NB outputs per pass give NB independent FMA chains for one row.
+inline float hsum_tree(vf v) {
+  float a[8];
+  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
+  for (int j = 0; j < 4; ++j) a[j] = a[j] + a[j + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+template <int M, int NB>
+inline void f32_rows(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n,
+                     int64_t prefetch) {
+  vf acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    if (prefetch)
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < 256; line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+                             PREFETCH_LOCALITY);
+    for (int64_t kk = k; kk < k + 64; kk += 16) {
+      vf wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = load_f(w + (n + b) * K + kk);
+      for (int m = 0; m < M; ++m) {
+        vf xv = load_f(x + m * K + kk);
+        for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
+      }
+    }
+  }
+  for (; k + 16 <= K; k += 16) {
+    vf wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load_f(w + (n + b) * K + k);
+    for (int m = 0; m < M; ++m) {
+      vf xv = load_f(x + m * K + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      float t = hsum_tree(acc[m][b]);
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], w[(n + b) * K + kk], t);
+      y[m * N + n + b] = bias ? t + bias[n + b] : t;
+    }
+}
+
+// Output blocks of NB split over the threads, or run on this one when `parallel` is false (a small
+// matrix: forking the pool costs more than the second core saves).
+template <int M, int NB>
+void f32_impl(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t prefetch,
+              bool parallel) {
+  const int64_t blocks = N / NB;
+  auto body = [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) f32_rows<M, NB>(x, w, bias, y, K, N, i * NB, prefetch);
+  };
+  if (parallel) at::parallel_for(0, blocks, 8, body);
+  else body(0, blocks);
+  for (int64_t n = blocks * NB; n < N; ++n) f32_rows<M, 1>(x, w, bias, y, K, N, n, prefetch);
+}
+
+void f32_dispatch(int64_t M, const float* xp, const float* wp, const float* bp, float* yp, int64_t K, int64_t N,
+                  int64_t pf, bool parallel) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const float* x = xp + m0 * K;
+    float* y = yp + m0 * N;
+    // Tiles by registers: AVX-512 has 32 vectors of 16 floats (up to 16 accumulators here), AVX2
+    // two registers a vector out of 16. The tile changes no bit of a row's result.
+    switch (std::min<int64_t>(8, M - m0)) {
+#if defined(__AVX512F__)
+      case 1: f32_impl<1, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 2: f32_impl<2, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 3: f32_impl<3, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 4: f32_impl<4, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 5: f32_impl<5, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 6: f32_impl<6, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 7: f32_impl<7, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      default: f32_impl<8, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+#else
+      case 1: f32_impl<1, 4>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 2: f32_impl<2, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 3: f32_impl<3, 2>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 4: f32_impl<4, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 5: f32_impl<5, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 6: f32_impl<6, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      case 7: f32_impl<7, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+      default: f32_impl<8, 1>(x, wp, bp, y, K, N, pf, parallel); break;
+#endif
+    }
+  }
+}
+
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.is_contiguous(),
@@ -325,6 +422,29 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, int64_t prefetch) {
   check_x(x, K);
   return gemv_any<uint16_t>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), nullptr, N, K,
                             prefetch);
+}
+
+// x [M, K] float32 (chunks of up to 8 rows, each reading the weights once) @ w [N, K] float32 ^T
+// (+ bias [N] float32) -> [M, N] float32. Both threads when the weights take at least
+// `parallel_min_bytes`, this one below.
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t prefetch,
+                       int64_t parallel_min_bytes) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous(), "w must be contiguous float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(0) >= 1, "x must have at least one row, got ", x.size(0));
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "bias must be contiguous float32 [", N, "]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), N}, x.options());
+  f32_dispatch(x.size(0), x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), K, N, prefetch,
+               N * K * int64_t(sizeof(float)) >= parallel_min_bytes);
+  return y;
 }
 
 // Rows n0..n1 of the int8 weight as bfloat16 [n1 - n0, K]: w * s.
@@ -387,4 +507,4 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
 }
 """ + INT4_SOURCE + Q8_SOURCE
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS, *Q8_FUNCTIONS]
+FUNCTIONS = ["int8_gemv", "bf16_gemv", "f32_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS, *Q8_FUNCTIONS]

@@ -63,3 +63,46 @@ def silu_mul_fits(gate_up: torch.Tensor, local: int) -> bool:
 def silu_mul(module: cpu_native.Extension, gate_up: torch.Tensor, local: int) -> torch.Tensor:
     """bf16(bf16(silu(gate)) * up) over gate_up's [gate | up] halves."""
     return module.silu_mul_bf16(gate_up, local)
+
+
+# ---- float32 (serve's CPU default dtype): the forms cpu_native_pointwise_src.py describes ----------------
+
+
+def module_for_f32(x: torch.Tensor) -> cpu_native.Extension | None:
+    """The extension when `x` is a float32 CPU tensor and the switch is on, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return cpu_native.native()
+
+
+def norm_f32_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether `rms_norm_f32` takes x [rows, n] float32 (and residual) against `weight` [n] float32."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dim() == 1 and weight.dtype == torch.float32
+            and weight.is_contiguous() and weight.shape[0] == x.shape[1] and weight.device.type == "cpu"
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1)))
+
+
+def rms_norm_f32(module: cpu_native.Extension, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[x * rsqrt(mean(x^2) + eps) * weight] or, with a residual, [norm(x + residual), x + residual]."""
+    return module.rms_norm_f32(x, weight, eps, residual)
+
+
+def rotary_f32_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> bool:
+    """Whether `rotary_f32` takes x [tokens, heads, D] float32 (rotate-half, every dimension rotated)."""
+    return (not interleaved and x.dim() == 3 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+            and x.stride(1) == x.shape[-1] and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1]) and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def rotary_f32(module: cpu_native.Extension, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by cos and the signed sin, torch's addcmul(x * cos, partner, sin) bit for bit: a new tensor."""
+    return module.rotary_f32(x, cos, sin)
+
+
+def silu_mul_f32(module: cpu_native.Extension, gate_up: torch.Tensor, local: int) -> torch.Tensor:
+    """silu(gate) * up over gate_up's [gate | up] float32 halves (torch's bits at AVX-512 and AVX2)."""
+    return module.silu_mul_f32(gate_up, local)

@@ -41,8 +41,10 @@ TUNING_ENV = "TGS_CPU_TUNING"
 # Decode batch sizes measured (rows 3, 5-7 share the buckets of 4 and 8), and the prompt bucket.
 DECODE_ROWS = (1, 2, 4, 8)
 TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
-# The CPU kernels whose layers offer variants worth timing (dense bfloat16 layers and the head
-# have one native variant, up to 2 rows, measured in BENCHMARKS.md; not timed per machine).
+# The CPU kernels whose layers offer variants worth timing (dense bfloat16 and float32 layers and
+# the head have one native variant each, up to 2 and 8 rows, measured in BENCHMARKS.md; not timed
+# per machine: torch's GEMM is their alternative, and a float32 decode row's bits would then depend
+# on the machine's timings, where the exactness tests pin one path).
 TUNED_KERNELS = ("cpu-int4pack", "cpu-int8")
 FALLBACK = "op"  # torch's weight-only op: where a failed measurement leaves a bucket
 # Shapes whose weights take more than this many bytes (a vocabulary-sized head) are measured at the

@@ -1,9 +1,11 @@
 """The `dense` kernel: unquantized weights, chosen through the kernel table like the others.
 
 A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py picks per forward):
-- "gemv": on the CPU, a decode-sized input against bfloat16 weights runs the native
+- "gemv": on the CPU, a decode-sized input against bfloat16 or float32 weights runs the native
   matrix-vector product, which streams the weights faster than torch's GEMM there
-  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS rows);
+  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS or F32_GEMV_MAX_ROWS rows). For float32 it
+  matters most on small models: torch's GEMM costs tens of microseconds a call in fixed work on a
+  0.5 MiB matrix at one row, most of a step of the embedded model (BENCHMARKS.md, session 7);
 - "gemm": torch's F.linear;
 - "padded-gemm": the prompt path, F.linear with the smallest inputs padded so each row has the
   bits it has inside a larger call (every prefill forward, whatever its row count).
@@ -18,48 +20,81 @@ import torch.nn.functional as F
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantKernel
-from text_generation_server.kernels.phase import prompt_linear, run_rows
+from text_generation_server.kernels.phase import PREFILL, current_phase, decode_variant, prompt_linear, run_rows
+
+
+def _deferred(weight: torch.Tensor) -> bool:
+    """Whether a float32 CPU weight waits for its first decode call to look the extension up."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and not cpu_native.loaded()[0])
 
 
 def native_for(weight: torch.Tensor) -> cpu_native.Extension | None:
-    """The native CPU extension when `weight` is bfloat16 on the CPU (built at load), else None."""
-    return cpu_native.for_bf16_weight(weight)
+    """The native CPU extension for a bfloat16 CPU weight (built at load); for a float32 one, the
+    extension if this process has it already, else None and the layer looks it up on its first decode
+    call (`DenseProduct.native`): a float32 model that never decodes (`quantize`'s calibration)
+    builds and logs nothing it does not use."""
+    if _deferred(weight):
+        return None
+    return cpu_native.for_dense_weight(weight)
 
 
 class DenseProduct:
     """x @ weight^T (+ bias) for a module holding `weight` [N, K], `bias` and `native` (the extension
-    or None): DenseLinear and the tensor-parallel head share it (phase.RowVariantLayer)."""
+    or None): DenseLinear and the tensor-parallel head share it (phase.RowVariantLayer).
+
+    A decode step of a small model calls this tens of times, each product a few microseconds of
+    arithmetic, so the decode path keeps its Python short: the rows the native product takes are
+    worked out when `native` is set (the layer's construction and every `.to()`), not per call."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    native: cpu_native.Extension | None
     measured: dict[int, str]
+    _native: cpu_native.Extension | None = None
+    _gemv_rows = 0  # rows up to which the native product runs this weight (0: never)
+    _pending = False  # float32: the extension is looked up on the first decode call (native_for)
+
+    @property
+    def native(self) -> cpu_native.Extension | None:
+        return self._native
+
+    @native.setter
+    def native(self, module: cpu_native.Extension | None) -> None:
+        self._native = module
+        self._pending = module is None and _deferred(self.weight)
+        self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(self.weight)
 
     def variants(self, rows: int) -> tuple[str, ...]:
-        gemv = self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight)
-        return ("gemv", "gemm", "padded-gemm") if gemv else ("gemm", "padded-gemm")
+        return ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_rows else ("gemm", "padded-gemm")
 
     def prompt_variant(self) -> str:
         return "padded-gemm"
 
     def static_variant(self, rows: int) -> str:
-        return "gemv" if self.native is not None and cpu_native.bf16_gemv_fits(rows, self.weight) else "gemm"
+        return "gemv" if 0 < rows <= self._gemv_rows else "gemm"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if variant == "gemv":
-            return cpu_native.bf16_gemv(self.native, x, self.weight, self.bias)
+            return cpu_native.dense_gemv(self._native, x, self.weight, self.bias)
         if variant == "padded-gemm":
             return prompt_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        weight = self.weight
         k = x.shape[-1]
-        flat = x.reshape(-1, k)
-        if flat.device.type != "cpu" or k != self.weight.shape[1]:
-            return F.linear(x, self.weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
-        return run_rows(self, flat).reshape(*x.shape[:-1], self.weight.shape[0])
+        if x.device.type != "cpu" or k != weight.shape[1]:
+            return F.linear(x, weight, self.bias)  # nothing to choose off the CPU (or a shape error to raise)
+        flat = x if x.dim() == 2 else x.reshape(-1, k)
+        if current_phase() == PREFILL:
+            y = run_rows(self, flat)
+        else:  # decode rows, or no phase: run_rows without its prompt split
+            if self._pending:
+                self.native = cpu_native.for_dense_weight(weight)  # loads (or builds) it once per process
+            y = self.run(flat, decode_variant(self, flat.shape[0]))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class DenseLinear(DenseProduct, torch.nn.Module):
@@ -98,7 +133,7 @@ def dense_spec(weight: torch.Tensor, act_dtype: torch.dtype, device_type: str) -
 
 
 class DenseKernel(QuantKernel):
-    """Unquantized weights as they are: torch's GEMM, the native bf16 matrix-vector product for decode rows."""
+    """Unquantized weights as they are: torch's GEMM, the native bf16/f32 matrix-vector product for decode rows."""
 
     name = "dense"
     family = "dense"

@@ -84,6 +84,9 @@ class GatedMLP(torch.nn.Module):
         native = cpu_pointwise.module_for(gate_up) if self.act is F.silu else None
         if native is not None and cpu_pointwise.silu_mul_fits(gate_up, self.local):
             return self.down(cpu_pointwise.silu_mul(native, gate_up, self.local))  # one call on the CPU (bfloat16)
+        native = cpu_pointwise.module_for_f32(gate_up) if self.act is F.silu else None
+        if native is not None and cpu_pointwise.silu_mul_fits(gate_up, self.local):
+            return self.down(cpu_pointwise.silu_mul_f32(native, gate_up, self.local))  # float32, the same bits
         gate, up = gate_up.split(self.local, dim=-1)
         return self.down(self.act(gate) * up)
 

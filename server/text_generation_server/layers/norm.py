@@ -60,6 +60,9 @@ class RMSNorm(torch.nn.Module):
                 self._scale32 = self._scale32.to(x.device)
             return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * self._scale32).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            native = cpu_pointwise.module_for_f32(x)
+            if native is not None and cpu_pointwise.norm_f32_fits(x, self.weight):
+                return cpu_pointwise.rms_norm_f32(native, x, self.weight, self.eps)[0]  # one call for ~8 ops
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if self._fusable(x):
             return fused_pointwise.rms_norm(x, self.weight, self.eps)[0]
@@ -78,6 +81,10 @@ class RMSNorm(torch.nn.Module):
         native = cpu_pointwise.module_for(x) if self._scale32 is None else None
         if native is not None and cpu_pointwise.norm_fits(x, self.weight, residual):
             normed, summed = cpu_pointwise.rms_norm(native, x, self.weight, self.eps, residual)
+            return normed, summed
+        native = cpu_pointwise.module_for_f32(x) if self._scale32 is None else None
+        if native is not None and cpu_pointwise.norm_f32_fits(x, self.weight, residual):
+            normed, summed = cpu_pointwise.rms_norm_f32(native, x, self.weight, self.eps, residual)
             return normed, summed
         summed = x + residual
         return self(summed), summed

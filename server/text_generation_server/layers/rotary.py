@@ -488,6 +488,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     native = cpu_pointwise.module_for(x)
     if native is not None and rot == x.shape[-1] and cpu_pointwise.rotary_fits(x, cos, sin, interleaved):
         return cpu_pointwise.rotary(native, x, cos, sin)  # one call on the CPU (bfloat16), the same bits
+    native = cpu_pointwise.module_for_f32(x)
+    if native is not None and rot == x.shape[-1] and cpu_pointwise.rotary_f32_fits(x, cos, sin, interleaved):
+        return cpu_pointwise.rotary_f32(native, x, cos, sin)  # one call on the CPU (float32), the same bits
     if rot == x.shape[-1]:
         return torch.addcmul(x * cos, _partner(x, interleaved), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
