@@ -123,10 +123,13 @@ def test_the_native_kernels_are_built_as_a_phase_only_where_layers_use_them(tmp_
     from text_generation_server.launcher.rank import needs_native_kernels
     from text_generation_server.settings.serve_args import ServeArgs
 
-    assert not needs_native_kernels(ServeArgs())  # the embedded model in float32: torch's ops
+    # The embedded model in float32 (serve's CPU default): its dense layers decode natively too.
+    assert needs_native_kernels(ServeArgs())
+    assert needs_native_kernels(ServeArgs(dtype="float32"))
     assert needs_native_kernels(ServeArgs(dtype="bfloat16"))
     assert needs_native_kernels(ServeArgs(quantize="eetq"))
+    assert not needs_native_kernels(ServeArgs(dtype="float16"))  # float16 layers keep torch's ops
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    assert needs_native_kernels(ServeArgs(model=str(tmp_path)))
+    assert needs_native_kernels(ServeArgs(model=str(tmp_path), dtype="float16"))
     (tmp_path / "config.json").write_text("{}")
-    assert not needs_native_kernels(ServeArgs(model=str(tmp_path)))
+    assert not needs_native_kernels(ServeArgs(model=str(tmp_path), dtype="float16"))

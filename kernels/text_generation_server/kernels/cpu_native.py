@@ -199,10 +199,11 @@ def native() -> Extension | None:
             logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
                         "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
                         "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
-                        "to {} rows (K up to {}), bf16 ones up to {} rows, int8 layers through dequantized bf16 "
-                        "GEMMs from {} rows; torch's ops otherwise (each a default this machine's measurements "
-                        "may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS, INT8_GEMV_MAX_ROWS,
-                        INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, INT8_DEQUANT_MIN_ROWS)
+                        "to {} rows (K up to {}), bf16 ones up to {} rows, float32 ones up to {} rows, int8 "
+                        "layers through dequantized bf16 GEMMs from {} rows; torch's ops otherwise (each a default "
+                        "this machine's measurements may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS,
+                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, F32_GEMV_MAX_ROWS,
+                        INT8_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
         _state["module"], _state["reason"] = module, reason

@@ -252,14 +252,16 @@ def log_rank_settings(args: ServeArgs, model: "CausalLM", device: "torch.device"
 
 
 def needs_native_kernels(args: ServeArgs) -> bool:
-    """Whether a CPU rank's layers will use the native CPU kernels (bfloat16 or quantized weights),
-    so their build (a minute once per machine, under a second cached) is a phase of its own
-    rather than a silent part of loading the weights."""
+    """Whether a CPU rank's layers will use the native CPU kernels (float32, bfloat16 or quantized
+    weights: float32 and bfloat16 layers decode through its matrix-vector products and fused small
+    ops), so their build (a minute once per machine, under a second cached) is a phase of its own
+    rather than a silent part of the first forward. Only float16 layers of an unquantized model
+    keep torch's ops alone."""
     import json
 
     from text_generation_server.utils.locate import resolve_model
 
-    if args.dtype == "bfloat16" or args.quantize:
+    if args.dtype in (None, "float32", "bfloat16") or args.quantize:
         return True
     try:
         _, folder = resolve_model(args.model)
