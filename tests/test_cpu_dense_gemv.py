@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.kernels.phase import forward_phase
+from test_cpu_native import Recorder, fresh_native  # noqa: F401 (a fixture)
 
 torch.set_num_threads(2)
 
@@ -28,31 +29,6 @@ def native():
     if module is None:  # test_cpu_native's build test fails on such a machine and says why
         pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
     return module
-
-
-@pytest.fixture
-def fresh_native():
-    """Each test decides availability anew and leaves the process as it found it."""
-    cpu_native.reset()
-    yield
-    cpu_native.reset()
-
-
-class Recorder:
-    """The extension's functions, counted per call."""
-
-    def __init__(self, module):
-        self.module = module
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.module, name)
-
-        def counted(*args):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return fn(*args)
-
-        return counted
 
 
 def close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> float:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from text_generation_server.kernels import cpu_native, cpu_pointwise
 from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import apply_rotary
+from test_cpu_native import Recorder
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None,
                                 reason=f"native CPU kernels not built here: {cpu_native.unavailable_reason()}")
@@ -20,23 +21,6 @@ pytestmark = pytest.mark.skipif(cpu_native.native() is None,
 # silu's exp is torch's own SLEEF routine where the extension is built for AVX-512 or AVX2 (x86-64);
 # elsewhere the extension's exp16, a float32 ulp or two apart.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-class Recorder:
-    """The extension's functions, counted per call."""
-
-    def __init__(self, module):
-        self.module = module
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.module, name)
-
-        def counted(*args):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return fn(*args)
-
-        return counted
 
 
 @pytest.fixture
