@@ -4,7 +4,7 @@ With the benchmark-only stand-in forward at X = 0 (engine/standin.py: canned log
 the router is far slower than a step, so the rank chains steps and its answers carry several
 steps each. A server with chains of 8 and one with chains of 1 get the same concurrent workload:
 every stream, every text, finish and token count must be the same on both, one message per
-token, and the chained server's /metrics must show the steps (forwards) outnumbering the router's
+token, and the chained servers' /metrics must show the steps (forwards) outnumbering the router's
 Decode calls, where the other shows one step per call. A third server runs its rank inside the
 router's process (`--shard-in-process`), whose calls chain too.
 """
@@ -80,6 +80,7 @@ def test_chained_answers_stream_as_steps_one_by_one(servers):
     assert len(want[-1][0]) < 64 and want[-1][2].endswith(stop)
     for server in (chained, local):
         steps, calls = decode_counts(server)
-        assert steps > 1.5 * calls, (steps, calls)  # chains formed
+        # Some answers held chains (how many depends on how far the router lags: 1.16-3x seen).
+        assert steps > calls, (steps, calls)
     steps, calls = decode_counts(single)
     assert steps == calls, (steps, calls)
