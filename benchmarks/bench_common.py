@@ -187,6 +187,19 @@ def cli_entry() -> list[str]:
     return [launcher] if launcher else [sys.executable, "-m", "text_generation_server.cli"]
 
 
+def _threads_cpu_ns(proc_dir: Path) -> int | None:
+    """The summed on-CPU nanoseconds of a process's live threads (schedstat's first field), or None
+    where the kernel does not keep schedstat."""
+    total, seen = 0, False
+    for path in proc_dir.glob("task/*/schedstat"):
+        try:
+            total += int(path.read_text().split()[0])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total if seen else None
+
+
 class StartedServer:
     """`text-generation-server serve MODEL` on free local ports; always stopped by `stop()` (or a `with`).
 
@@ -254,17 +267,25 @@ class StartedServer:
         raise RuntimeError(f"the server was not SERVING after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def cpu_s(self) -> float:
-        """CPU seconds (user + system) of the processes in its session now: unlike wall time, barely
-        moved by other jobs on the machine. Processes that already ended are not counted."""
-        sid, total = self.proc.pid, 0
+        """CPU seconds of the processes in its session now: unlike wall time, barely moved by other
+        jobs on the machine. Processes that already ended are not counted.
+
+        Each live thread's on-CPU nanoseconds (/proc/<pid>/task/<tid>/schedstat) where the kernel keeps
+        them: utime + stime count 10 ms clock ticks, too coarse for a cell of a few milliseconds (a
+        short cell's difference could come out below the stand-in's own CPU, i.e. negative host CPU).
+        Where schedstat is missing, the ticks; threads that ended are then counted too."""
+        sid, total = self.proc.pid, 0.0
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue  # a process that ended meanwhile
-            if int(fields[3]) == sid:
-                total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
-        return total / os.sysconf("SC_CLK_TCK")
+            if int(fields[3]) != sid:
+                continue
+            ns = _threads_cpu_ns(stat.parent)
+            total += ns / 1e9 if ns is not None else \
+                (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, ticks
+        return total
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to the whole session after 30 s; removes the log. Safe to call twice."""

@@ -1,12 +1,11 @@
 """Chains of steps ahead through real `serve` processes (shard/service.py, TGS_DECODE_AHEAD_STEPS).
 
 With the benchmark-only stand-in forward at X = 0 (engine/standin.py: canned logits at no cost)
-the router is far slower than a step, so the rank chains steps and its answers carry several
-steps each. A server with chains of 8 and one with chains of 1 get the same concurrent workload:
+the router is slower than a step, so the rank chains steps whenever the router lags (how often
+depends on the machine's load). A server with chains of 8 and one with chains of 1 get the same concurrent workload:
 every stream, every text, finish and token count must be the same on both, one message per
-token, and the chained servers' /metrics must show the steps (forwards) outnumbering the router's
-Decode calls, where the other shows one step per call. A third server runs its rank inside the
-router's process (`--shard-in-process`), whose calls chain too.
+token; the server with chains of 1 shows one step per Decode call in /metrics. A third server
+runs its rank inside the router's process (`--shard-in-process`), whose calls chain too.
 """
 
 from __future__ import annotations
@@ -80,7 +79,9 @@ def test_chained_answers_stream_as_steps_one_by_one(servers):
     assert len(want[-1][0]) < 64 and want[-1][2].endswith(stop)
     for server in (chained, local):
         steps, calls = decode_counts(server)
-        # Some answers held chains (how many depends on how far the router lags: 1.16-3x seen).
-        assert steps > calls, (steps, calls)
+        # Whether answers held chains depends on how far the router lags behind a free step: on a
+        # busy machine 1.2-3x more steps than calls, on a quiet one as few as none (tests/test_decode_chain.py
+        # forces chains of known length). Never fewer steps than calls.
+        assert steps >= calls > 0, (steps, calls)
     steps, calls = decode_counts(single)
     assert steps == calls, (steps, calls)
