@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.kernels.phase import forward_phase
+from test_cpu_int8_rows import native  # noqa: F401 (a fixture)
 from test_cpu_native import Recorder, fresh_native  # noqa: F401 (a fixture)
 
 torch.set_num_threads(2)
@@ -21,14 +22,6 @@ torch.set_num_threads(2)
 # Both sides sum float32 products, in different orders: each result is within a few float32 roundings
 # of the exact sum, relative to the sum of the products' magnitudes.
 TOLERANCE = 1e-5
-
-
-@pytest.fixture
-def native():
-    module = cpu_native.native()
-    if module is None:  # test_cpu_native's build test fails on such a machine and says why
-        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
-    return module
 
 
 def close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> float:

@@ -14,6 +14,7 @@ from text_generation_server.kernels import cpu_native, cpu_pointwise
 from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import apply_rotary
 from test_cpu_native import Recorder
+from test_cpu_pointwise import g, torch_form
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None,
                                 reason=f"native CPU kernels not built here: {cpu_native.unavailable_reason()}")
@@ -29,19 +30,6 @@ def recorder(monkeypatch):
     rec = Recorder(cpu_native.native())
     monkeypatch.setattr(cpu_pointwise.cpu_native, "native", lambda: rec)
     return rec
-
-
-def torch_form(monkeypatch, fn):
-    """fn() with the native ops switched off: the layers' torch code."""
-    monkeypatch.setenv(cpu_pointwise.ENV, "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv(cpu_pointwise.ENV)
-
-
-def g(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 256), (3, 896), (17, 40), (2, 7)])

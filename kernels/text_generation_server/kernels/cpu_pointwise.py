@@ -20,18 +20,19 @@ from text_generation_server.kernels import cpu_native
 ENV = "TGS_CPU_NATIVE_POINTWISE"
 
 
-def module_for(x: torch.Tensor) -> cpu_native.Extension | None:
-    """The extension when `x` is a bfloat16 CPU tensor and the switch is on, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+def module_for(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> cpu_native.Extension | None:
+    """The extension when `x` is a CPU tensor of `dtype` and the switch is on, else None."""
+    if x.device.type != "cpu" or x.dtype != dtype:
         return None
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     return cpu_native.native()
 
 
-def norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    """Whether `rms_norm` takes x [rows, n] (and residual) against `weight` [n]."""
-    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dim() == 1 and weight.dtype == torch.bfloat16
+def norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `rms_norm` (`rms_norm_f32` for float32) takes x [rows, n] (and residual) against `weight` [n]."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dim() == 1 and weight.dtype == dtype
             and weight.is_contiguous() and weight.shape[0] == x.shape[1] and weight.device.type == "cpu"
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.stride(-1) == 1)))
@@ -43,10 +44,12 @@ def rms_norm(module: cpu_native.Extension, x: torch.Tensor, weight: torch.Tensor
     return module.rms_norm_bf16(x, weight, eps, residual)
 
 
-def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> bool:
-    """Whether `rotary` takes x [tokens, heads, D] (rotate-half, every dimension rotated)."""
+def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `rotary` (`rotary_f32` for float32) takes x [tokens, heads, D] (rotate-half, every
+    dimension rotated)."""
     return (not interleaved and x.dim() == 3 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
-            and x.stride(1) == x.shape[-1] and cos.dtype == sin.dtype == torch.bfloat16
+            and x.stride(1) == x.shape[-1] and cos.dtype == sin.dtype == dtype
             and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1]) and cos.stride(-1) == 1 and sin.stride(-1) == 1)
 
 
@@ -69,20 +72,11 @@ def silu_mul(module: cpu_native.Extension, gate_up: torch.Tensor, local: int) ->
 
 
 def module_for_f32(x: torch.Tensor) -> cpu_native.Extension | None:
-    """The extension when `x` is a float32 CPU tensor and the switch is on, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    return cpu_native.native()
+    return module_for(x, torch.float32)
 
 
 def norm_f32_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    """Whether `rms_norm_f32` takes x [rows, n] float32 (and residual) against `weight` [n] float32."""
-    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dim() == 1 and weight.dtype == torch.float32
-            and weight.is_contiguous() and weight.shape[0] == x.shape[1] and weight.device.type == "cpu"
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.stride(-1) == 1)))
+    return norm_fits(x, weight, residual, torch.float32)
 
 
 def rms_norm_f32(module: cpu_native.Extension, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -92,10 +86,7 @@ def rms_norm_f32(module: cpu_native.Extension, x: torch.Tensor, weight: torch.Te
 
 
 def rotary_f32_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> bool:
-    """Whether `rotary_f32` takes x [tokens, heads, D] float32 (rotate-half, every dimension rotated)."""
-    return (not interleaved and x.dim() == 3 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
-            and x.stride(1) == x.shape[-1] and cos.dtype == sin.dtype == torch.float32
-            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1]) and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+    return rotary_fits(x, cos, sin, interleaved, torch.float32)
 
 
 def rotary_f32(module: cpu_native.Extension, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
