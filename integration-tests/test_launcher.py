@@ -192,6 +192,7 @@ def test_sighup_to_the_process_group_reloads_and_keeps_serving(tiny_model, start
         (["--revision", "main"], "--revision: models are local folders"),
         (["--sharded", "maybe"], "--sharded"),
         (["--cuda-graphs", "0,8"], "--cuda-graphs"),
+        (["--cpu-affinity", "numa"], "--cpu-affinity"),
         (["--max-input-tokens", "10", "--max-input-length", "20"], "--max-input-length"),
     ],
 )
@@ -263,3 +264,41 @@ def test_configured_by_tgi_environment_variables_alone(tiny_model, tmp_path):
         assert server.wait_exit(30) == 0
     finally:
         server.cleanup()
+
+
+def _masks(pid: int) -> set[tuple[int, ...]]:
+    """Every thread's CPU mask in a process."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return out
+
+
+def test_cpu_rank_and_router_run_on_the_cores_the_affinity_rule_gives(tiny_model, start_serve):
+    """--cpu-affinity auto (the default): the rank's threads on their own cores, the router on what
+    they leave; what the log says is what /proc shows. The machine's core count decides which
+    (launcher/cpu_affinity.py): the expectation is computed from this process's own mask."""
+    import re
+
+    from text_generation_server.launcher.cpu_affinity import rank_cpus, router_cpus
+
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]  # the tests' default; a user who sets it chooses the threads and nothing is pinned
+    server = start_serve(tiny_model, env=env)
+    server.wait_serving()
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    reply = stub.Generate(cpb.GenerateRequest(inputs=PROMPTS[0], parameters=cpb.GenerateParameters(
+        max_new_tokens=4)), timeout=60)
+    assert reply.generated_text
+    threads = int(re.search(r"(\d+) torch thread\(s\) per rank", server.log()).group(1))
+    available = sorted(os.sched_getaffinity(0))
+    expected_rank = rank_cpus(available, 0, 1, threads)
+    rank_pid = server.shard_pids()[0]
+    assert _masks(rank_pid) == {tuple(expected_rank or available)}
+    expected_router = router_cpus(available, [expected_rank or available])
+    assert _masks(server.pid) == {tuple(expected_router or available)}
+    if expected_rank is not None:
+        assert "pinned to core(s)" in server.log()

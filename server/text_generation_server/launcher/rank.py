@@ -25,6 +25,7 @@ from loguru import logger
 
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import StartupProgress, finish_startup, startup_phase
+from text_generation_server.launcher.cpu_affinity import available_cpus, pin_rank
 from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
 from text_generation_server.settings.serve_args import CPU_INT8_ACTIVATIONS_ENV, LM_HEAD_AUTO, ServeArgs
 from text_generation_server.settings.serve_flags import (
@@ -184,17 +185,19 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
     return 0
 
 
-def load_rank(args: ServeArgs, rank: int, world_size: int) -> tuple["CausalLM", "torch.device"]:
+def load_rank(args: ServeArgs, rank: int, world_size: int, pin: bool = True) -> tuple["CausalLM", "torch.device"]:
     """One rank's device, torch threads, native kernels, model and LoRA slots: everything a rank
     does before its service starts, in a rank process or (--shard-in-process) in the launcher's.
-    Raises ValueError (CheckpointError among them) for bad settings or checkpoints."""
+    `pin`: a CPU rank binds its process to its cores (launcher/cpu_affinity.py); not in the
+    launcher's process, which the router shares. Raises ValueError (CheckpointError among them)
+    for bad settings or checkpoints."""
     device = _shard_device(args, int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         limit_cuda_memory(args.cuda_memory_fraction, device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        torch.set_num_threads(cpu_threads_per_rank(os.cpu_count() or 1, world_size))
+        torch.set_num_threads(cpu_threads_per_rank(len(available_cpus()), world_size))
     from text_generation_server.models.loader import get_model
     from text_generation_server.quantizers.dist import initialize_process_group
 
@@ -225,12 +228,15 @@ def load_rank(args: ServeArgs, rank: int, world_size: int) -> tuple["CausalLM", 
         import torch
 
         weight_bytes = weight_bytes_of(model.model)
-        threads = cpu_threads_per_rank(os.cpu_count() or 1, world_size, weight_bytes)
+        cores = len(available_cpus())
+        threads = cpu_threads_per_rank(cores, world_size, weight_bytes)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         if rank == 0:
             logger.info("{} torch thread(s) per rank ({:.0f} MiB of weights on this rank, {} cores)", threads,
-                        weight_bytes / 2**20, os.cpu_count())
+                        weight_bytes / 2**20, cores)
+        if pin:
+            pin_rank(args.cpu_affinity, rank, world_size, threads)
     return model, device
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from loguru import logger
 
+from text_generation_server.launcher.cpu_affinity import pin_router
 from text_generation_server.launcher.process_exit import hard_exit_later
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import finish_startup
@@ -206,6 +207,8 @@ class _Launch:
                 return 1
             await asyncio.sleep(0.1)
         logger.info("all {} rank(s) listening", self.args.num_shard)
+        # CPU ranks pinned themselves before listening; the router takes a core they left over.
+        pin_router(self.args.cpu_affinity, [p.pid for p in shards.procs])
         return None
 
     async def _run_in_process(self) -> int:
@@ -224,7 +227,7 @@ class _Launch:
         except ImportError as exc:
             logger.error("the router cannot be imported: {}", exc)
             return 1
-        loading = asyncio.ensure_future(asyncio.to_thread(load_rank, self.args, 0, 1))
+        loading = asyncio.ensure_future(asyncio.to_thread(load_rank, self.args, 0, 1, False))
         forced = asyncio.ensure_future(self.forced.wait())
         try:
             await asyncio.wait({loading, forced}, return_when=asyncio.FIRST_COMPLETED)

@@ -128,6 +128,8 @@ class Flag:
 # holds them equal; the kernels module imports torch, which the launcher's argument check must not).
 CPU_INT8_ACTIVATIONS_ENV = "TGS_CPU_INT8_ACTIVATIONS"
 CPU_INT8_ACTIVATIONS_MODES = ("auto", "on", "off")
+CPU_AFFINITY_MODES = ("auto", "off")  # launcher/cpu_affinity.py
+CPU_AFFINITY_ENV = "TGS_CPU_AFFINITY"
 
 
 def setting(default: Any, help: str, *, repr: bool = True, **flag: Any) -> Any:
@@ -408,6 +410,11 @@ class ServeArgs:
         "llama.cpp does (faster decode, ~0.2-0.5% relative error per product): auto (where the CPU has AVX2 or "
         "AVX512-VNNI integer dot products), on, or off (exact bfloat16 activations).",
         choices=CPU_INT8_ACTIVATIONS_MODES, env=(CPU_INT8_ACTIVATIONS_ENV,),
+    )
+    cpu_affinity: str = setting(  # launcher/cpu_affinity.py: each CPU rank pins itself, the router takes what is left
+        "auto", "CPU ranks: auto binds each rank's threads to cores of their own and the router to a core the ranks "
+        "leave over (when they leave one); off leaves placement to the OS scheduler.",
+        choices=CPU_AFFINITY_MODES, env=(CPU_AFFINITY_ENV,),
     )
     disable_grammar_support: bool = setting(  # requests with parameters.grammar are refused (TGI's flag)
         False, "Refuse requests with parameters.grammar (JSON schema / regex constrained output).",
