@@ -145,18 +145,9 @@ def _check_torch_isa() -> None:
                            os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
 
 
-def _module_source() -> str:
-    """The extension's source with its Python bindings, each of which lets go of the GIL for the
-    call: a rank's event-loop thread (gRPC, answers) then runs beside the model thread's kernels
-    instead of waiting for them, as it does beside torch's own ops, which release it likewise. The
-    functions take and return tensors only (converted while the GIL is held); none touches Python."""
-    binds = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' for f in FUNCTIONS)
-    return f"{SOURCE}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"
-
-
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (_module_source(), " ".join(cflags() + LDFLAGS), torch.__version__, cpu_signature()):
+    for part in (SOURCE, " ".join(cflags() + LDFLAGS), torch.__version__, cpu_signature()):
         digest.update(part.encode())
     return f"tgs_cpu_native_{digest.hexdigest()[:16]}"
 
@@ -194,7 +185,7 @@ def native() -> Extension | None:
                 _check_torch_isa()
                 logger.info("native CPU kernels: loading {} for the {} instruction set (built once per machine, "
                             "about a minute)", name, "AVX2" if isa() == "avx2" else "native")
-                module = Extension(load_inline(name, cpp_sources=[_module_source()],
+                module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
                                                extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
                                                verbose=False))
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
