@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from loguru import logger
 
+from text_generation_server.utils import event_loop
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import StartupProgress, finish_startup, startup_phase
 from text_generation_server.launcher.cpu_affinity import available_cpus, pin_rank
@@ -179,7 +180,7 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
 
     startup_phase("waiting for the router's warmup")
     try:
-        asyncio.run(serve())
+        event_loop.run(serve())
     finally:
         finish_startup()
     return 0

@@ -29,6 +29,7 @@ from loguru import logger
 
 from text_generation_server.launcher.cpu_affinity import pin_router
 from text_generation_server.launcher.process_exit import hard_exit_later
+from text_generation_server.utils import event_loop
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import finish_startup
 from text_generation_server.settings.serve_args import ServeArgs
@@ -112,7 +113,7 @@ def launch(args: ServeArgs, startup_timeout_s: float = 600.0, warnings: Sequence
     except ValueError as exc:  # CheckpointError is a ValueError
         logger.error("{}", exc)
         return 2
-    return asyncio.run(_Launch(args, import_router, startup_timeout_s).run())
+    return event_loop.run(_Launch(args, import_router, startup_timeout_s).run())
 
 
 RunRouter = Callable[[ServeArgs, list[str], asyncio.Event, asyncio.Event], Awaitable[None]]
