@@ -15,7 +15,7 @@ from text_generation_server.settings.serve_args import ServeArgs
 def test_a_rank_that_raises_while_loading_exits_1_naming_the_error(monkeypatch):
     monkeypatch.setenv("TGS_CPU_INT8_ACTIVATIONS", "off")  # restored after: the launch sets the rank's variables
 
-    def load_rank(args, rank_index, world_size):
+    def load_rank(args, rank_index, world_size, pin=True):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     routed = []

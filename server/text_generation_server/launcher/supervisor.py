@@ -228,7 +228,7 @@ class _Launch:
         except ImportError as exc:
             logger.error("the router cannot be imported: {}", exc)
             return 1
-        loading = asyncio.ensure_future(asyncio.to_thread(load_rank, self.args, 0, 1, False))
+        loading = asyncio.ensure_future(asyncio.to_thread(load_rank, self.args, 0, 1, pin=False))
         forced = asyncio.ensure_future(self.forced.wait())
         try:
             await asyncio.wait({loading, forced}, return_when=asyncio.FIRST_COMPLETED)
