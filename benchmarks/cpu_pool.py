@@ -3,8 +3,8 @@
 Issue #32: with another process on the second core, every two-thread native kernel under
 at::parallel_for (OpenMP: a static split and a fork/join barrier) waited for a thread the scheduler
 had not run, 0.2-1.9 GB/s instead of ~20. The extension can switch its split at run time
-(cpu_native.set_parallel_mode), so both are measured on the same layers, interleaved call by call
-(each round: every layer under each split, the order alternating), quiet and `--contended` (a busy
+(cpu_native.set_parallel_mode), so both are measured on the same layers, interleaved (each round:
+every layer under one split, then under the other, the order alternating), quiet and `--contended` (a busy
 Python loop pinned with taskset to the last core, nice 0, for the whole setting):
 
 - layers: one decode row through the layers' own forward (build_linear / DenseLinear, as a model
@@ -111,7 +111,9 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def time_layers(formats: list[str], splits: list[str], threads: list[int], loads: list[bool], rounds: int,
-                working_set: int) -> list[list[str]]:
+                working_set: int, torch_op: Callable[[], object] | None = None) -> list[list[str]]:
+    """The layer table; `torch_op`: called untimed before each layer (a torch op with an OpenMP
+    region, whose idle threads then spin, GOMP_SPINCOUNT, while the layer runs)."""
     from text_generation_server.kernels import cpu_native
     from text_generation_server.kernels.phase import forward_phase
 
@@ -143,13 +145,16 @@ def time_layers(formats: list[str], splits: list[str], threads: list[int], loads
                         set_split(native, s)
                         mods[0](x[inner[label]])
                 for r in range(rounds):
-                    for label, mods in layers.items():
-                        m = mods[r % len(mods)]
-                        xi = x[inner[label]]
-                        for s in (splits if r % 2 == 0 else splits[::-1]):
-                            set_split(native, s)
+                    # Each split runs every layer in a row, as a model's step does (a split's idle
+                    # workers then meet the next call of their own split, not the other's).
+                    for s in (splits if r % 2 == 0 else splits[::-1]):
+                        set_split(native, s)
+                        for label, mods in layers.items():
+                            m = mods[r % len(mods)]
+                            if torch_op is not None:
+                                torch_op()
                             t0 = time.perf_counter()
-                            m(xi)
+                            m(x[inner[label]])
                             times[(label, s)].append(time.perf_counter() - t0)
                 end = os.getloadavg()[0]
             set_split(native, "pool")
@@ -214,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a busy loop pinned to the last core: off, on, or both (quiet first)")
     ap.add_argument("--rounds", type=int, default=30, help="layer rounds (each: every layer once under each split)")
     ap.add_argument("--working-set-mib", type=int, default=640)
+    ap.add_argument("--torch-op", action="store_true",
+                    help="before each layer call a torch op that forks OpenMP (a sum over 4 MiB of float32), as "
+                         "a step's torch ops do: its threads' spin-wait then meets the layer")
     ap.add_argument("--model", default="", help="checkpoint folder: also time whole decode steps")
     ap.add_argument("--step-threads", type=int, default=2)
     ap.add_argument("--step-rounds", type=int, default=6)
@@ -234,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             ap.error(f"--layers: unknown {unknown}; choose from {FORMATS}")
+        big = torch.randn(1 << 20)
+        print(f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+              f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}; torch op between layers: {args.torch_op}")
         time_layers(formats, splits, [int(t) for t in args.threads.split(",")], loads, args.rounds,
-                    args.working_set_mib << 20)
+                    args.working_set_mib << 20, (lambda: big.sum()) if args.torch_op else None)
     if args.model:
         time_steps(os.path.expanduser(args.model), splits, args.step_threads, loads, args.step_rounds, args.steps,
                    args.quantize_lm_head)

@@ -60,7 +60,7 @@ typedef void (*ChunkFn)(void* ctx, int64_t begin, int64_t end);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
+  __builtin_ia32_pause();  // no header needed: builds without AVX2 include no immintrin.h
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
