@@ -217,6 +217,12 @@ def native() -> Extension | None:
                 module.set_parallel_mode(0, -1, -1, -1)
                 logger.info("native CPU kernels: {}={}: threads split by at::parallel_for (OpenMP), not the pool",
                             POOL_ENV, os.environ.get(POOL_ENV))
+            elif "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                # Measured (BENCHMARKS.md, issue #32 session 8): torch's OpenMP threads spin for
+                # milliseconds after each of torch's own parallel regions and take the pool's core.
+                logger.info("native CPU kernels: OMP_WAIT_POLICY is unset, so torch's idle OpenMP threads spin "
+                            "after torch's own ops and compete with the kernels' thread pool; OMP_WAIT_POLICY="
+                            "passive, set before the process starts, avoids that (BENCHMARKS.md, issue #32 session 8)")
             _state["int4_native"] = bool(module.int4_native_isa())
             if not _state["int4_native"]:
                 logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "
