@@ -27,42 +27,24 @@ omp (at::parallel_for).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench_common import command_line, load_line, machine_line, md_table, now_iso  # benchmarks/ is on sys.path here
+from kernels_cpu import contended, random_weight
 
 # (name, K, N, bias) of one Qwen2.5-1.5B layer's linears
 SHAPES = [("qkv", 1536, 2048, True), ("o_proj", 1536, 1536, False), ("gate_up", 1536, 17920, False),
           ("down", 8960, 1536, False)]
 FORMATS = ("int4-q8", "int4", "int8", "bf16")
-BUSY = "while True: pass"
-
-
-@contextlib.contextmanager
-def contended(on: bool, core: int | None = None) -> Iterator[str]:
-    """A busy Python loop pinned to one core (the last by default) while the block runs."""
-    if not on:
-        yield "quiet"
-        return
-    core = (os.cpu_count() or 1) - 1 if core is None else core
-    process = subprocess.Popen(["taskset", "-c", str(core), "nice", "-n", "0", sys.executable, "-c", BUSY])
-    time.sleep(0.3)
-    try:
-        yield f"busy loop on core {core}"
-    finally:
-        process.kill()
-        process.wait()
 
 
 def set_split(module, split: str) -> None:
@@ -80,8 +62,6 @@ def set_split(module, split: str) -> None:
 
 
 def build_layer(fmt: str, k: int, n: int, bias: bool) -> torch.nn.Module:
-    from kernels_cpu import random_weight
-
     from text_generation_server.kernels import cpu_act_int8
     from text_generation_server.kernels.dense import DenseLinear
     from text_generation_server.kernels.select import build_linear
