@@ -150,3 +150,18 @@ def test_same_bits_while_every_core_is_busy(module):
             process.kill()
         for process in busy:
             process.wait()
+
+
+def test_switched_off_the_kernels_split_with_at_parallel_for(monkeypatch):
+    monkeypatch.setenv(cpu_native.POOL_ENV, "off")
+    cpu_native.reset()
+    try:
+        m = cpu_native.native()
+        assert m is not None
+        # the previous mode, as the switch left it: 0, at::parallel_for
+        assert cpu_native.set_parallel_mode(m, True) is False
+        assert cpu_native.set_parallel_mode(m, True) is True
+    finally:
+        monkeypatch.delenv(cpu_native.POOL_ENV)
+        cpu_native.reset()
+        cpu_native.native()

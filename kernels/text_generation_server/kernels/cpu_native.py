@@ -213,8 +213,8 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
+            module.set_parallel_mode(1 if pool_enabled() else 0, -1, -1, -1)  # the library's state outlives reset()
             if not pool_enabled():
-                module.set_parallel_mode(0, -1, -1, -1)
                 logger.info("native CPU kernels: {}={}: threads split by at::parallel_for (OpenMP), not the pool",
                             POOL_ENV, os.environ.get(POOL_ENV))
             elif "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

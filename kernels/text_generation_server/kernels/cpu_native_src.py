@@ -11,6 +11,12 @@ onto one AVX-512 register, two AVX2 registers or four NEON ones, so one source s
 aarch64.
 
 int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output row.
+
+Every kernel splits its output over the threads with `tgs::parallel_for` (defined first in SOURCE, so
+the sources appended after it can call it too): at::parallel_for's signature, but a persistent pool
+whose threads claim chunks of the range, so a thread that another process keeps off its core delays a
+call by at most the chunk it claimed (the comment above it says how; BENCHMARKS.md, issue #32
+session 8, has the measurements).
 """
 
 from text_generation_server.kernels.cpu_native_int4_src import FUNCTIONS as INT4_FUNCTIONS
