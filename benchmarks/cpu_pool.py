@@ -45,6 +45,7 @@ from kernels_cpu import contended, random_weight
 SHAPES = [("qkv", 1536, 2048, True), ("o_proj", 1536, 1536, False), ("gate_up", 1536, 17920, False),
           ("down", 8960, 1536, False)]
 FORMATS = ("int4-q8", "int4", "int8", "bf16")
+SETTLE_S = 0.05  # idle time between two splits' blocks of calls
 
 
 def set_split(module, split: str) -> None:
@@ -129,6 +130,9 @@ def time_layers(formats: list[str], splits: list[str], threads: list[int], loads
                     # workers then meet the next call of their own split, not the other's).
                     for s in (splits if r % 2 == 0 else splits[::-1]):
                         set_split(native, s)
+                        # libgomp's threads spin for milliseconds after the omp split's last region
+                        # (OMP_WAIT_POLICY unset): let that end, so no split starts beside the other's
+                        time.sleep(SETTLE_S)
                         for label, mods in layers.items():
                             m = mods[r % len(mods)]
                             if torch_op is not None:
