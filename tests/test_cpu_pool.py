@@ -165,3 +165,31 @@ def test_switched_off_the_kernels_split_with_at_parallel_for(monkeypatch):
         monkeypatch.delenv(cpu_native.POOL_ENV)
         cpu_native.reset()
         cpu_native.native()
+
+
+def test_a_forked_child_starts_its_own_pool(module):
+    """The parent's workers do not exist in a child (os.fork, multiprocessing's default on Linux):
+    the child's first call starts a new pool instead of waiting on threads that are gone."""
+    torch.set_num_threads(2)
+    assert int(module.parallel_probe(4096, 1, 500, -1)[:, 1].sum()) >= 0  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when every index ran once, on more than one thread
+        code = 1
+        try:
+            torch.set_num_threads(2)
+            runs = [module.parallel_probe(4096, 1, 2000, -1) for _ in range(20)]
+            once = all(torch.equal(out[:, 0], torch.arange(4096)) for out in runs)
+            code = 0 if once and sum(int(out[:, 1].sum()) for out in runs) > 0 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's kernel call did not return in 60 s")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
