@@ -8,6 +8,11 @@ the same interleaved rounds, so the ratios share the machine's state.
 
 Formats (--formats picks a subset; fp32 and bf16 dense always run):
   int4-sym, int4-asym, int4-act   4-bit g128 codes through build_linear (cpu-int4pack)
+  bf16-gemv                       a dense bfloat16 layer as models build it (kernels/dense.py: the
+                                  native matrix-vector product at 1-2 rows)
+  read                            torch's float32 sum over a bf16 copy of the weight's bytes on the same threads: a
+                                  plain read of the bytes, the denominator of the bandwidth shares
+                                  printed when it runs
   int8                            8-bit per-channel codes through build_linear (cpu-int8)
   int4-prompt                     int4-sym inside a prefill forward: the prompt path at every batch
                                   (the native kernel reading the packed codes, kernels/cpu.py)
@@ -42,6 +47,10 @@ bf16 leaves the rounds, so it does not starve the others of samples.
     python benchmarks/kernels_cpu.py                     # 4 shapes x batch 1, 4, 16, 64
     python benchmarks/kernels_cpu.py --quick             # 4096x4096 at batch 1 and 16
     python benchmarks/kernels_cpu.py --formats int4-sym,marlin4,nf4 --threads 1
+    python benchmarks/kernels_cpu.py --qwen15b --formats bf16-gemv,read      # bf16's share of bandwidth
+    python benchmarks/kernels_cpu.py --qwen15b --formats bf16-gemv,read --contended
+
+--contended runs a busy Python loop pinned to the last core while timing (another process on a core).
 
 On a machine shared with other jobs prefer --threads 1: with every core's thread in each call,
 a call waits for the scheduler to run all of them, and on a loaded 2-core VM the medians of
@@ -57,6 +66,8 @@ import datetime
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -74,6 +85,7 @@ from text_generation_server.quantizers.exl2 import Exl2Weight
 from text_generation_server.quantizers.fp8 import Fp8LinearWeight, channel_scales, quantize_e4m3
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336)]  # (in K, out N)
+QWEN15B_SHAPES = [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]  # qkv, o_proj, gate_up, down
 BATCHES = [1, 4, 16, 64]
 ACT = torch.bfloat16
 DENSE = ("fp32", "bf16")
@@ -93,6 +105,26 @@ def kernels_disabled(names: list[str]) -> Iterator[None]:
             del os.environ[DISABLE_ENV]
         else:
             os.environ[DISABLE_ENV] = old
+
+
+BUSY = "while True: pass"
+
+
+@contextlib.contextmanager
+def contended(on: bool, core: int | None = None) -> Iterator[str]:
+    """A busy Python loop pinned with taskset to one core (the last by default), nice 0, while the
+    block runs: another process holding a core, as on a shared machine or beside serve's router."""
+    if not on:
+        yield "no busy loop"
+        return
+    core = (os.cpu_count() or 1) - 1 if core is None else core
+    process = subprocess.Popen(["taskset", "-c", str(core), "nice", "-n", "0", sys.executable, "-c", BUSY])
+    time.sleep(0.3)
+    try:
+        yield f"busy loop on core {core}"
+    finally:
+        process.kill()
+        process.wait()
 
 
 def layer(k: int, n: int) -> str:
@@ -188,6 +220,39 @@ def exl2_format(widths: tuple[int, ...], rows: int = 32) -> Callable[[int, int],
     return build
 
 
+def bf16_gemv_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The dense bfloat16 layer as a model builds it (kernels/dense.py): the native matrix-vector
+    product at 1-2 rows, torch's GEMM above."""
+    from text_generation_server.kernels.dense import DenseLinear
+
+    dense = dense_weight(k, n)
+    module = DenseLinear(dense.to(torch.bfloat16), None)
+    module.kernel_name = "dense (native gemv)"
+    return module, dense.to(torch.bfloat16).float()
+
+
+class PlainRead(torch.nn.Module):
+    """Reads a bfloat16 weight's bytes once a call (torch's sum, on the same threads): what the
+    memory gives a kernel reading that many bytes, the denominator of a bandwidth share."""
+
+    kernel_name = "torch sum (plain read)"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bytes as float32 (each a bfloat16 pair: normal numbers of the weights' magnitude, so no
+        # slow denormals): torch's float32 sum streams at memory speed, its bfloat16 sum does not
+        # (1.4 GB/s on a 52 MiB weight here: the conversion, not the memory).
+        return self.weight.view(torch.float32).sum()
+
+
+def read_format(k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    dense = dense_weight(k, n)
+    return PlainRead(dense.to(torch.bfloat16)), dense
+
+
 class Prefill(torch.nn.Module):
     """A layer called inside a prefill forward (kernels/phase.py): its prompt path at every batch,
     as prompts of that many rows (a chat turn after a cached prefix, a short prompt) run it."""
@@ -230,6 +295,8 @@ FORMATS = [
     Format("int4-prompt", "int4 g128 sym, prompt path", prompt_path(int_format(4, 128, True, False))),
     Format("int4-dequant", "int4 g128 sym, prompt path dequantized*",
            prompt_path(int_format(4, 128, True, False), "dequant")),
+    Format("bf16-gemv", "bf16 dense layer (native gemv)", bf16_gemv_format),
+    Format("read", "plain read of a bf16 weight*", read_format),
     Format("int8", "int8 per-channel", int_format(8, None, True, False)),
     Format("int8-torch", "int8 per-channel, torch op only*", int_format(8, None, True, False, torch_ops_only=True)),
     Format("marlin4", "marlin 4-bit g128 sym*", int_format(4, 128, True, False, ("cpu-int4pack", "cpu-int8", "reference"))),
@@ -285,6 +352,8 @@ def relative_error(module: torch.nn.Module, truth: torch.Tensor, x: torch.Tensor
     with torch.inference_mode():
         y = module(x.to(ACT)).float()
         ref = F.linear(x.to(ACT).float(), truth)
+    if y.shape != ref.shape:  # the plain read computes no product
+        return float("nan")
     return float((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
 
@@ -377,6 +446,22 @@ def print_table(res: ShapeResult, formats: list[Format], stat: Callable[[list[fl
     print()
 
 
+def print_shares(results: list[ShapeResult], formats: list[Format]) -> None:
+    """GB/s of each module's resident bytes at batch 1 (median), and its share of the plain read's GB/s."""
+    head = ["K x N", "read GB/s"] + [f"{f.key} GB/s (share)" for f in formats]
+    rows = []
+    for res in results:
+        if 1 not in res.times:
+            continue
+        gbs = {lbl: res.nbytes[lbl] / statistics.median(t) / 1e9 for lbl, t in res.times[1].items()}
+        rows.append([f"{res.k} x {res.n}", f"{gbs['read']:.1f}"]
+                    + [f"{gbs[f.key]:.1f} ({gbs[f.key] / gbs['read']:.0%})" for f in formats])
+    print("Bandwidth at batch 1 (resident bytes / median time) and its share of the plain read's:")
+    print()
+    print("\n".join(md_table(head, rows, "l" + "r" * (len(head) - 1))))
+    print()
+
+
 def parse_formats(spec: str) -> list[Format]:
     by_key = {f.key: f for f in FORMATS}
     if spec == "all":
@@ -401,9 +486,15 @@ def main() -> None:
                     help="weights read between two reads of one copy (cold weights)")
     ap.add_argument("--hot", action="store_true", help="reuse one copy of the weights (cache-resident)")
     ap.add_argument("--quick", action="store_true", help="4096x4096, batch 1 and 16")
+    ap.add_argument("--qwen15b", action="store_true",
+                    help="Qwen2.5-1.5B's layer shapes (qkv, o_proj, gate_up, down) at batch 1")
+    ap.add_argument("--contended", action="store_true",
+                    help="a busy Python loop pinned to the last core while timing (a shared machine)")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.batches = "4096x4096", "1,16"
+    if args.qwen15b:
+        args.shapes, args.batches = ",".join(f"{k}x{n}" for k, n in QWEN15B_SHAPES), "1"
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     formats = parse_formats(args.formats)
@@ -411,7 +502,9 @@ def main() -> None:
     working_set = 0 if args.hot else args.working_set_mib << 20
 
     started = time.time()
-    results = [run_shape(k, n, formats, batches, working_set, args.budget, args.reps) for k, n in shapes]
+    with contended(args.contended) as how:
+        start_load = os.getloadavg()[0]
+        results = [run_shape(k, n, formats, batches, working_set, args.budget, args.reps) for k, n in shapes]
 
     print()
     print(f"Command: `{command_line(script='benchmarks/kernels_cpu.py')}`")
@@ -420,7 +513,8 @@ def main() -> None:
               f"({', '.join(f'{r.k}x{r.n}: {r.copies} copies' for r in results)})")
     threads = torch.get_num_threads()
     print(f"Machine: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''} ({os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}); torch {torch.__version__}; {datetime.date.today().isoformat()}; "
+          f"{start_load:.2f} -> {os.getloadavg()[0]:.2f}; {how}); torch {torch.__version__}; "
+          f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}; "
           f"weights {regime}; bf16 activations; up to {args.reps} interleaved rounds (formats over "
           f"{SLOW_FACTOR:g}x slower than bf16 dense: {MIN_ROUNDS}); "
           f"run took {time.time() - started:.0f} s.")
@@ -434,6 +528,11 @@ def main() -> None:
               "(torch's weight-only op at every batch).")
     if any(f.key == "fp8-resident" for f in formats):
         print(f"* fp8-resident: built with {DISABLE_ENV}=fp8-dense (fp8-dequant keeps the weight in e4m3).")
+    if any(f.key == "read" for f in formats):
+        print("* read: torch's float32 sum over a bf16 copy of the weight's bytes (the same bytes, the same threads): "
+              "the memory's rate for that many bytes.")
+        print()
+        print_shares(results, [f for f in formats if f.key != "read"])
     print()
     for stat, name in ((statistics.median, "Median"), (min, "Minimum")):
         for res in results:

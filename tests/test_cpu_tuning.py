@@ -165,3 +165,101 @@ def test_warmups_kernel_timing_tunes_cpu_layers(native, monkeypatch):
                         seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store, skip))
     result = tune_kernels(m, [])  # on a CPU warmup passes no CUDA graph sizes
     assert len(seen) == 3 and result[shape_key(m[0].linear_spec)][1] == "native-r2"
+
+
+@pytest.fixture
+def int8_activations(native, monkeypatch):
+    """The int8-activation layers (kernels/cpu_act_int8.py) for int4 and int8 weights alike."""
+    from text_generation_server.kernels import cpu_act_int8
+
+    monkeypatch.setenv(cpu_act_int8.ENV, "on")
+    if cpu_act_int8.native_isa(native) < 0:
+        pytest.skip("no native int8-activation kernels")
+    watch_q8_calls(cpu_act_int8, monkeypatch)
+    return cpu_act_int8
+
+
+def watch_q8_calls(cpu_act_int8, monkeypatch) -> None:
+    """The int4 layer's one-call path names its variant to cpu_act_int8.int4_q8_linear, not to `run`."""
+    real = cpu_act_int8.int4_q8_linear
+
+    def recorded(*args, **kwargs):
+        RAN.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_act_int8, "int4_q8_linear", recorded)
+
+
+def q8_model(seed: int = 0) -> torch.nn.Module:
+    """An int4 layer and an int8 layer taking int8 activations, and a second int4 one of the same shape."""
+    int4 = lambda s: watched(build_linear(make_weight(256, 128, 4, 64, False, False, seed=s), None,
+                                          torch.bfloat16, "cpu"))
+    return torch.nn.ModuleList([
+        int4(seed), int4(seed + 1),
+        watched(build_linear(make_weight(128, 64, 8, 128, True, False, seed=seed + 2), None, torch.bfloat16, "cpu")),
+    ])
+
+
+def q8_seconds(variant: str, rows: int) -> float:
+    # Stand-ins: one row per pass fastest at 1 row, the far prefetch at 2, two rows (the static name)
+    # at 4-8, four rows per pass at 64.
+    table = {"q8-r1": 0.1 if rows == 1 else 5.0, "q8-pf0": 0.2 if rows == 2 else 5.0,
+             "q8-r4": 0.3 if rows >= 64 else 6.0, "q8": 1.0}
+    return table.get(variant, 3.0)
+
+
+def test_int8_activation_layers_are_measured_and_take_the_winners(int8_activations):
+    m = q8_model()
+    assert [layer.kernel_name for layer in m] == ["cpu-int4pack-q8", "cpu-int4pack-q8", "cpu-int8-q8"]
+    chosen = tune_cpu_layers(m, timer=stand_in_timer(q8_seconds))
+    int4_key, int8_key = (f"{shape_key(m[i].linear_spec)} {int8_activations.SCOPE}" for i in (0, 2))
+    assert chosen[int4_key] == chosen[int8_key] == {1: "q8-r1", 2: "q8-pf0", 4: "q8", 8: "q8", 64: "q8-r4"}
+    assert m[0].measured == m[1].measured == chosen[int4_key]
+    RAN.clear()
+    x = torch.randn(1, 256).bfloat16()
+    with forward_phase(prefill=False):
+        m[1](x)
+        m[1](torch.randn(5, 256).bfloat16())
+    with forward_phase(prefill=True):
+        m[1](torch.randn(3, 256).bfloat16())  # prompts: the name measured at the prompt bucket, any length
+        m[2](torch.randn(3, 128).bfloat16())
+    assert RAN == ["q8-r1", "q8", "q8-r4", "q8-r4"]
+    assert choose_variant(m[1], 1) == "q8-r1" and choose_variant(m[1], 5) == "q8"
+    with forward_phase(prefill=True):
+        assert choose_variant(m[1], 300) == choose_variant(m[2], 3) == "q8-r4"
+    # The file keeps them under their own scope, every name timed at decode sizes, the prompt bucket
+    # only the default and the longest passes.
+    data = json.loads(preferences("cpu").path.read_text())["choices"][shape_key(m[0].linear_spec)]
+    assert set(data) == {f"q8 rows<={b}" for b in (1, 2, 4, 8, 64)}
+    assert set(data["q8 rows<=1"]["ms"]) == set(int8_activations.VARIANTS)
+    assert set(data["q8 rows<=64"]["ms"]) == {"q8", "q8-r4"}
+    # Every name gives the same bits (the check tune_rows makes against the static choice passed).
+    with forward_phase(prefill=False):
+        outs = []
+        for name in int8_activations.VARIANTS:
+            m[0].measured[1] = name
+            outs.append(m[0](x))
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
+def test_exact_and_int8_activation_choices_of_one_shape_stay_apart(native, monkeypatch):
+    from text_generation_server.kernels import cpu_act_int8
+
+    if cpu_act_int8.native_isa(native) < 0:
+        pytest.skip("no native int8-activation kernels")
+    exact = model(seed=13)  # the suite's policy: exact activations
+    tune_cpu_layers(exact, timer=stand_in_timer(int4_seconds))
+    monkeypatch.setenv(cpu_act_int8.ENV, "on")
+    watch_q8_calls(cpu_act_int8, monkeypatch)
+    q8 = q8_model(seed=13)
+    calls: list[int] = []
+    chosen = tune_cpu_layers(q8, timer=stand_in_timer(q8_seconds, calls))
+    assert calls and chosen[f"{shape_key(q8[0].linear_spec)} q8"][1] == "q8-r1"  # measured, not the exact names
+    assert choose_variant(q8[0], 1) == "q8-r1"
+    monkeypatch.setenv(cpu_act_int8.ENV, "off")
+    select._PREFERENCES.clear()
+    again = model(seed=13)
+    calls.clear()
+    # the exact layers read their own choices back and measure nothing
+    assert tune_cpu_layers(again, timer=stand_in_timer(int4_seconds, calls))[shape_key(again[0].linear_spec)][1] \
+        == "native-r2" and calls == []

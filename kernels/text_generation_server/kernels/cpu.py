@@ -129,6 +129,8 @@ class Int4PackLinear(torch.nn.Module):
             self.scales_f32 = sz[..., 0].contiguous()
             self.offsets_f32 = (sz[..., 1] - 8.0 * sz[..., 0]).contiguous()
         self.int8_activations = True
+        # its measured names (cpu_act_int8.VARIANTS) kept apart from the exact layer's of the same shape
+        self.preference_scope = cpu_act_int8.SCOPE
         self.block = cpu_native.int4_block() or 64
         self.direct_q8 = (self.native is not None and not self.padded and self.perm is None
                           and self.compute_dtype == self.act_dtype == torch.bfloat16
@@ -357,6 +359,7 @@ class Int8Linear(torch.nn.Module):
         """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
         one arithmetic for a row whatever its batch or its prompt's chunking (row-invariant)."""
         self.int8_activations = self.row_invariant = True
+        self.preference_scope = cpu_act_int8.SCOPE  # as Int4PackLinear's
 
     def keep_rows_invariant(self) -> bool:
         """Runs every row count, decode and prompt alike, on the matrix-vector kernel (chunks of
@@ -385,7 +388,9 @@ class Int8Linear(torch.nn.Module):
 
     def prompt_variant(self) -> str:
         if self.int8_activations:
-            return cpu_act_int8.Q8
+            # the name measured for prompt-sized inputs (the same bits under each)
+            chosen = self.measured.get(cpu_native.INT4_PROMPT_BUCKET, "")
+            return chosen if chosen in cpu_act_int8.INT8_VARIANTS else cpu_act_int8.Q8
         if self.row_invariant:
             return self.static_variant(cpu_native.INT8_GEMV_MAX_ROWS)
         return "dequant" if self._native_ok() else "op"

@@ -37,6 +37,8 @@ BLOCK = 32  # activation values per int8 scale (llama.cpp's Q8_0 block)
 # Names of the kernel's ways to run (rows per pass, prefetch bytes, blocks per task; 0 / -1: defaults):
 # the same bits under each, so warmup's measurement may pick any per shape and row bucket.
 Q8 = "q8"
+# The preference scope the layers keep these names' measurements under (kernels/cpu_tuning.py).
+SCOPE = "q8"
 VARIANTS: dict[str, tuple[int, int, int]] = {Q8: (2, -1, 0), "q8-r1": (1, -1, 0), "q8-r4": (4, -1, 0),
                                              "q8-pf0": (2, 0, 0), "q8-pf16k": (2, 16384, 0)}
 # Bytes the int4 x int8 kernel prefetches ahead of its reads under the names above that say -1. One

@@ -104,6 +104,27 @@ INT4_PROMPT_BUCKET = 64
 # K=1536) so a prompt never allocates a dense copy of a layer (the lm_head would be 0.5 GiB).
 DEQUANT_ROWS = 1024
 
+# How the kernels split a call over the threads (cpu_native_src.py, tgs::parallel_for): a persistent
+# pool whose workers and the calling thread claim chunks of the output from one counter, so a thread
+# another process keeps off its core delays a call by the chunks it claimed, not by a scheduler time
+# slice as at::parallel_for's fork/join did (BENCHMARKS.md, issue #32 session 8). TGS_CPU_POOL=off
+# goes back to at::parallel_for (the same bits either way).
+POOL_ENV = "TGS_CPU_POOL"
+
+
+def pool_enabled() -> bool:
+    """False when TGS_CPU_POOL is 0/false/no/off."""
+    return os.environ.get(POOL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_parallel_mode(module: Extension, pool: bool, spin_us: int = -1, wait_spin_us: int = -1,
+                      chunks_per_thread: int = -1) -> bool:
+    """Switches the loaded extension's split between the pool and at::parallel_for (benchmarks
+    compare both in one process) and sets the pool's spins (microseconds) and chunks per thread
+    (negative: unchanged); returns whether the pool was in use before."""
+    return bool(module.set_parallel_mode(1 if pool else 0, spin_us, wait_spin_us, chunks_per_thread))
+
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -192,6 +213,16 @@ def native() -> Extension | None:
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
         if module is not None:
+            module.set_parallel_mode(1 if pool_enabled() else 0, -1, -1, -1)  # the library's state outlives reset()
+            if not pool_enabled():
+                logger.info("native CPU kernels: {}={}: threads split by at::parallel_for (OpenMP), not the pool",
+                            POOL_ENV, os.environ.get(POOL_ENV))
+            elif "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                # Measured (BENCHMARKS.md, issue #32 session 8): torch's OpenMP threads spin for
+                # milliseconds after each of torch's own parallel regions and take the pool's core.
+                logger.info("native CPU kernels: OMP_WAIT_POLICY is unset, so torch's idle OpenMP threads spin "
+                            "after torch's own ops and compete with the kernels' thread pool; OMP_WAIT_POLICY="
+                            "passive, set before the process starts, avoids that (BENCHMARKS.md, issue #32 session 8)")
             _state["int4_native"] = bool(module.int4_native_isa())
             if not _state["int4_native"]:
                 logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "

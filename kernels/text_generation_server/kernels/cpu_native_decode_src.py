@@ -159,7 +159,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
   }
   auto out = torch::empty_like(q);
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
+  tgs::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, p, acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;

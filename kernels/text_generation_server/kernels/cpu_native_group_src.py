@@ -106,7 +106,7 @@ inline void tile(const Args& a, int64_t n) {
 template <int M, int NB, bool OFFSET>
 void run_tiles(const Args& a) {
   const int64_t tiles = a.N / NB;
-  at::parallel_for(0, tiles, 16 / NB, [&](int64_t t0, int64_t t1) {
+  tgs::parallel_for(0, tiles, 16 / NB, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) tile<M, NB, OFFSET>(a, t * NB);
   });
   for (int64_t n = tiles * NB; n < a.N; ++n) tile<M, 1, OFFSET>(a, n);
@@ -176,7 +176,7 @@ void group_int8_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor c, int64
   const float* cp = c.numel() ? c.data_ptr<float>() : nullptr;
   float* op = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* hp = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+  tgs::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
       const int8_t* qr = qp + n * K;
       const int64_t row = (n - n0) * K;

@@ -243,7 +243,7 @@ template <int B>
 void int4_blocks(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
                  const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs, int64_t prefetch,
                  int64_t block_grain) {
-  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+  tgs::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
     switch (rows_per_pass) {
       case 1: int4_rows<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
       case 2: int4_rows<B, 2>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch); break;
@@ -388,7 +388,7 @@ template <int B>
 void int4_blocks_avx2(int64_t rows_per_pass, const float* x, const float* xs, const uint8_t* pp, const float* sp,
                       const float* cp, float* yp, int64_t M, int64_t K, int64_t N, int64_t G, int64_t gs,
                       int64_t prefetch, int64_t block_grain) {
-  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+  tgs::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
     if (rows_per_pass == 1)
       avx2_rows<B, 1>(x, xs, pp, sp, cp, yp, M, K, N, G, gs, b0, b1, prefetch);
     else

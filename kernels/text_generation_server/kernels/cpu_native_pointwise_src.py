@@ -117,7 +117,7 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, 
   auto normed = torch::empty({rows, n}, x.options());
   auto summed = add ? torch::empty({rows, n}, x.options()) : torch::Tensor();
   const uint16_t* wp = cbits(weight);
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  tgs::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> h(n);
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* xp = cbits(x) + r * x.stride(0);
@@ -157,7 +157,7 @@ torch::Tensor rotary_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
               && cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16
               && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be bfloat16 [tokens, 1, head_dim]");
   auto o = torch::empty({T, H, D}, x.options());
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  tgs::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* cp = cbits(cos) + t * cos.stride(0);
       const uint16_t* sp = cbits(sin) + t * sin.stride(0);
@@ -181,7 +181,7 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
   TORCH_CHECK(gate_up.size(1) == 2 * n, "gate_up must be [rows, 2 * ", n, "], got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0);
   auto out = torch::empty({rows, n}, gate_up.options());
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+  tgs::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* g = cbits(gate_up) + r * gate_up.stride(0);
       const uint16_t* u = g + n;
@@ -275,7 +275,7 @@ std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, d
       for (int64_t k = 0; k < n; ++k) op[k] = (h[k] * scale) * wp[k];
     }
   };
-  if (rows > 1) at::parallel_for(0, rows, 16, body);  // one row: no fork of the pool
+  if (rows > 1) tgs::parallel_for(0, rows, 16, body);  // one row: no fork of the pool
   else body(0, rows);
   if (add) return {normed, summed};
   return {normed};
@@ -322,7 +322,7 @@ torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) 
   auto body = [&](int64_t t0, int64_t t1) {
     tgs_pointwise::rotary_f32_rows(xb, cb, sb, ob, t0, t1, H, D, x.stride(0), cos.stride(0), sin.stride(0));
   };
-  if (T > 1) at::parallel_for(0, T, 16, body);
+  if (T > 1) tgs::parallel_for(0, T, 16, body);
   else body(0, T);
   return o;
 }
@@ -358,7 +358,7 @@ torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
       }
     }
   };
-  if (rows > 1) at::parallel_for(0, rows, 4, body);
+  if (rows > 1) tgs::parallel_for(0, rows, 4, body);
   else body(0, rows);
   return out;
 }

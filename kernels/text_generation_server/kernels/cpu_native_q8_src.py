@@ -284,7 +284,7 @@ template <int B>
 void q8_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp,
                const float* sp, const float* cp, const Q8Out& yp, int64_t M, int64_t K, int64_t N, int64_t gs,
                int64_t prefetch, int64_t block_grain) {
-  at::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+  tgs::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
     switch (rows_per_pass) {
       case 1: q8_rows<B, 1>(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, b0, b1, prefetch); break;
       case 4: q8_rows<B, 4>(xq, dx, xs, pp, sp, cp, yp, M, K, N, gs, b0, b1, prefetch); break;
@@ -298,7 +298,7 @@ void q8_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const f
 void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_t* pp, const float* sp,
                 const float* cp, const Q8Out& yp, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block) {
   const int64_t half = block / 2, nblk = K / Q8_BLOCK, G = K / gs;
-  at::parallel_for(0, N, block, [&](int64_t n_begin, int64_t n_end) {
+  tgs::parallel_for(0, N, block, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; ++n) {
       const int64_t nb = n / block, j = n % block;
       const int shift = j < half ? 0 : 4;
@@ -429,7 +429,7 @@ void i8q8_rows(const int8_t* w, const int8_t* xq, const float* dl, const int32_t
 // The generic build: the same lanes and steps, one output at a time.
 void i8q8_generic(const int8_t* w, const int8_t* xq, const float* dl, const float* s, float* y, int64_t M, int64_t K,
                   int64_t N) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  tgs::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float f[16] = {0.f};
@@ -602,7 +602,7 @@ torch::Tensor int8_q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, in
   float* yp = y.data_ptr<float>();
 #if defined(I8Q8_ISA)
   if (!generic) {
-    at::parallel_for(0, N / 4, 16, [&](int64_t b0, int64_t b1) {
+    tgs::parallel_for(0, N / 4, 16, [&](int64_t b0, int64_t b1) {
       const int64_t n1 = b1 == N / 4 ? N : 4 * b1;  // the last task takes N % 4 too
       switch (rows_per_pass) {
         case 1: i8q8_rows<1>(wp, xq, dl, nc, sp, yp, M, K, N, 4 * b0, n1, prefetch); break;

@@ -11,6 +11,12 @@ onto one AVX-512 register, two AVX2 registers or four NEON ones, so one source s
 aarch64.
 
 int8 layout: w [N, K] int8 codes centred on zero, one float32 scale per output row.
+
+Every kernel splits its output over the threads with `tgs::parallel_for` (defined first in SOURCE, so
+the sources appended after it can call it too): at::parallel_for's signature, but a persistent pool
+whose threads claim chunks of the range, so a thread that another process keeps off its core delays a
+call by at most the chunk it claimed (the comment above it says how; BENCHMARKS.md, issue #32
+session 8, has the measurements).
 """
 
 from text_generation_server.kernels.cpu_native_int4_src import FUNCTIONS as INT4_FUNCTIONS
@@ -23,12 +29,255 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <pthread.h>
+#include <sched.h>
+
+// ---- tgs::parallel_for: a thread split that survives a contended core ----------------------------
+// at::parallel_for (OpenMP here: a static split of the range over the team and a fork/join barrier)
+// makes every call wait for its slowest thread. When another process holds the second core, that
+// thread may not run for a scheduler time slice (milliseconds), and a two-thread one-row kernel that
+// reads 1.7 MiB in ~0.1 ms took ~8 ms (0.2-1.9 GB/s; BENCHMARKS.md, issue #32 session 7). Here the
+// calling thread and a small persistent pool claim chunks of the range from one atomic counter: a
+// thread that is not running claims nothing, so the others (the caller at least) take its share,
+// and the caller waits only for chunks already claimed. Chunks are output ranges the kernels compute
+// whole, so a result's bits never depend on the split or on who ran a chunk (the same guarantee the
+// kernels gave at::parallel_for's split). Same signature as at::parallel_for:
+//   tgs::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { ... });
+// Threads: at::get_num_threads() (torch.set_num_threads / OMP_NUM_THREADS still rule); a range of at
+// most `grain`, one thread, or a call from inside a chunk or an OpenMP region runs on the caller's
+// thread. A second caller while a job runs (another Python thread) runs its range on its own thread.
+// tgs::set_parallel_mode(0) (Python: cpu_native.set_parallel_mode) sends every call to
+// at::parallel_for instead (benchmarks compare the two in one process; TGS_CPU_POOL=off).
+namespace tgs {
+
+typedef void (*ChunkFn)(void* ctx, int64_t begin, int64_t end);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();  // no header needed: builds without AVX2 include no immintrin.h
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+class Pool {
+ public:
+  // Idle workers spin this long for the next job before they sleep: a decode step calls the kernels
+  // every few to tens of microseconds, and a sleeping worker takes tens of microseconds to wake.
+  std::atomic<int64_t> spin_ns{50000};
+  // The caller waits for claimed chunks spinning this long, then sleeps (its core idle, the kernel's
+  // load balancer may move a preempted worker there).
+  std::atomic<int64_t> wait_spin_ns{20000};
+  // Chunks per thread a range is cut into (bounded below by the call's grain).
+  std::atomic<int64_t> chunks_per_thread{8};
+
+  // Runs fn(ctx, b, e) over [begin, end) in chunks of `chunk`, with up to `threads` - 1 workers.
+  void run(int64_t begin, int64_t end, int64_t chunk, int threads, ChunkFn fn, void* ctx) {
+    const int64_t nchunks = (end - begin + chunk - 1) / chunk;
+    ensure_workers(threads - 1);
+    const uint64_t gen = (counter_.load(std::memory_order_relaxed) >> 32) + 1;
+    // Closed first: a worker still holding the last job's fields cannot claim from the new count.
+    counter_.store(pack(gen, CLOSED), std::memory_order_seq_cst);
+    fn_.store(fn, std::memory_order_release);
+    ctx_.store(ctx, std::memory_order_release);
+    begin_.store(begin, std::memory_order_release);
+    end_.store(end, std::memory_order_release);
+    chunk_.store(chunk, std::memory_order_release);
+    nchunks_.store(nchunks, std::memory_order_release);
+    active_.store(threads - 1, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    counter_.store(pack(gen, 0), std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      work_cv_.notify_all();
+    }
+    work(gen, fn, ctx, begin, end, chunk, nchunks);
+    // Wait for the chunks the workers claimed.
+    if (done_.load(std::memory_order_acquire) < nchunks) {
+      const int64_t limit = now_ns() + wait_spin_ns.load(std::memory_order_relaxed);
+      int spins = 0;
+      while (done_.load(std::memory_order_acquire) < nchunks) {
+        cpu_relax();
+        if (++spins % 64 == 0 && now_ns() > limit) break;
+      }
+      if (done_.load(std::memory_order_acquire) < nchunks) {
+        std::unique_lock<std::mutex> lock(mu_);
+        caller_waiting_.store(true, std::memory_order_seq_cst);
+        done_cv_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst) >= nchunks; });
+        caller_waiting_.store(false, std::memory_order_relaxed);
+      }
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  static Pool& get() {
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &Pool::after_fork); });
+    Pool* p = instance_.load(std::memory_order_acquire);
+    if (p == nullptr) {
+      std::lock_guard<std::mutex> lock(create_mu());
+      p = instance_.load(std::memory_order_relaxed);
+      if (p == nullptr) {
+        p = new Pool();  // never freed: detached workers wait on it until the process ends
+        instance_.store(p, std::memory_order_release);
+      }
+    }
+    return *p;
+  }
+
+  std::mutex submit;  // one job at a time
+
+  int workers() const { return int(threads_); }
+
+ private:
+  static constexpr uint64_t CLOSED = 0xFFFFFFFFull;
+  static uint64_t pack(uint64_t gen, uint64_t index) { return (gen << 32) | index; }
+  static uint64_t gen_of(uint64_t v) { return v >> 32; }
+  static uint64_t index_of(uint64_t v) { return v & 0xFFFFFFFFull; }
+
+  static std::mutex& create_mu() { static std::mutex m; return m; }
+  // A forked child has none of the parent's threads: it starts a new pool (the old one is leaked,
+  // its locks perhaps held by threads that do not exist there).
+  static void after_fork() { instance_.store(nullptr, std::memory_order_relaxed); }
+  static inline std::atomic<Pool*> instance_{nullptr};
+
+  void ensure_workers(int wanted) {
+    while (int(threads_) < wanted) {
+      const int index = int(threads_);
+      // the generation it has seen: the current one, before the caller opens its job
+      const uint64_t seen = gen_of(counter_.load(std::memory_order_acquire));
+      std::thread([this, index, seen] { worker(index, seen); }).detach();
+      threads_ = index + 1;
+    }
+  }
+
+  // Claims and runs chunks of job `gen` until none is left (or the job is no longer current).
+  int64_t work(uint64_t gen, ChunkFn fn, void* ctx, int64_t begin, int64_t end, int64_t chunk, int64_t nchunks) {
+    int64_t ran = 0;
+    uint64_t v = counter_.load(std::memory_order_acquire);
+    for (;;) {
+      if (gen_of(v) != gen || int64_t(index_of(v)) >= nchunks) return ran;
+      if (!counter_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      const int64_t b = begin + int64_t(index_of(v)) * chunk;
+      try {
+        fn(ctx, b, std::min(end, b + chunk));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      ++ran;
+      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == nchunks
+          && caller_waiting_.load(std::memory_order_seq_cst)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_cv_.notify_all();
+      }
+      v = counter_.load(std::memory_order_acquire);
+    }
+  }
+
+  void worker(int index, uint64_t seen) {
+    inside() = true;
+    for (;;) {
+      uint64_t v = counter_.load(std::memory_order_acquire);
+      if (gen_of(v) == seen) {
+        const int64_t limit = now_ns() + spin_ns.load(std::memory_order_relaxed);
+        int spins = 0;
+        while (gen_of(v = counter_.load(std::memory_order_acquire)) == seen) {
+          cpu_relax();
+          if (++spins % 64 == 0 && now_ns() > limit) break;
+        }
+        if (gen_of(v) == seen) {
+          std::unique_lock<std::mutex> lock(mu_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          work_cv_.wait(lock, [&] { return gen_of(counter_.load(std::memory_order_seq_cst)) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_relaxed);
+          v = counter_.load(std::memory_order_acquire);
+        }
+      }
+      if (index_of(v) == CLOSED) {  // the caller is still writing the job: wait for it to open
+        while (index_of(v = counter_.load(std::memory_order_acquire)) == CLOSED) cpu_relax();
+      }
+      const uint64_t gen = gen_of(v);
+      seen = gen;
+      // The fields may belong to a later job if this one ended meanwhile; then the counter's
+      // generation has moved on and `work` claims nothing.
+      ChunkFn fn = fn_.load(std::memory_order_acquire);
+      void* ctx = ctx_.load(std::memory_order_acquire);
+      const int64_t begin = begin_.load(std::memory_order_acquire), end = end_.load(std::memory_order_acquire);
+      const int64_t chunk = chunk_.load(std::memory_order_acquire), nchunks = nchunks_.load(std::memory_order_acquire);
+      if (index >= active_.load(std::memory_order_acquire)) continue;  // fewer threads asked for this job
+      work(gen, fn, ctx, begin, end, chunk, nchunks);
+    }
+  }
+
+ public:
+  static bool& inside() { static thread_local bool in = false; return in; }
+
+ private:
+  std::atomic<uint64_t> counter_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<ChunkFn> fn_{nullptr};
+  std::atomic<void*> ctx_{nullptr};
+  std::atomic<int64_t> begin_{0}, end_{0}, chunk_{1}, nchunks_{0};
+  std::atomic<int> active_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> caller_waiting_{false};
+  std::exception_ptr error_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::atomic<int> threads_{0};
+};
+
+// 1: the pool; 0: at::parallel_for (set_parallel_mode).
+inline std::atomic<int>& parallel_mode() { static std::atomic<int> mode{1}; return mode; }
+
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  if (parallel_mode().load(std::memory_order_relaxed) == 0) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t range = end - begin;
+  const int threads = std::min<int64_t>(at::get_num_threads(), (range + grain - 1) / grain);
+  if (threads <= 1 || Pool::inside() || at::in_parallel_region()) {
+    f(begin, end);
+    return;
+  }
+  Pool& pool = Pool::get();
+  std::unique_lock<std::mutex> lock(pool.submit, std::try_to_lock);
+  if (!lock.owns_lock()) {  // another thread's job runs: this one on its own thread
+    f(begin, end);
+    return;
+  }
+  const int64_t per = pool.chunks_per_thread.load(std::memory_order_relaxed);
+  const int64_t chunk = std::max<int64_t>(grain, (range + threads * per - 1) / (threads * per));
+  Pool::inside() = true;
+  struct Reset { ~Reset() { Pool::inside() = false; } } reset;
+  pool.run(begin, end, chunk, threads, [](void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); },
+           const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+}  // namespace tgs
 
 namespace {
 
@@ -172,7 +421,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
 template <int M, int NB, typename T>
 void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
   const int64_t blocks = N / NB;
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+  tgs::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) gemv_rows<M, NB>(x, w, s, y, K, N, i * NB, prefetch);
   });
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
@@ -250,7 +499,7 @@ inline void gemv_rows_bx(const uint16_t* x, const T* w, const float* s, float* y
 template <int M, int NB, typename T>
 void gemv_impl_bx(const uint16_t* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
   const int64_t blocks = N / NB;
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+  tgs::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) gemv_rows_bx<M, NB>(x, w, s, y, K, N, i * NB, prefetch);
   });
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows_bx<M, 1>(x, w, s, y, K, N, n, prefetch);
@@ -355,7 +604,7 @@ void f32_impl(const float* x, const float* w, const float* bias, float* y, int64
   auto body = [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) f32_rows<M, NB>(x, w, bias, y, K, N, i * NB, prefetch);
   };
-  if (parallel) at::parallel_for(0, blocks, 8, body);
+  if (parallel) tgs::parallel_for(0, blocks, 8, body);
   else body(0, blocks);
   for (int64_t n = blocks * NB; n < N; ++n) f32_rows<M, 1>(x, w, bias, y, K, N, n, prefetch);
 }
@@ -447,6 +696,38 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
   return y;
 }
 
+// The split the kernels use (1: tgs::parallel_for's pool, 0: at::parallel_for) and the pool's
+// settings (idle workers' spin and the caller's wait spin in microseconds, chunks per thread; a
+// negative value keeps the setting); returns the previous mode.
+int64_t set_parallel_mode(int64_t mode, int64_t spin_us, int64_t wait_spin_us, int64_t chunks_per_thread) {
+  TORCH_CHECK(mode == 0 || mode == 1, "mode must be 0 (at::parallel_for) or 1 (the pool), got ", mode);
+  TORCH_CHECK(chunks_per_thread != 0, "chunks_per_thread must be positive (or negative to keep it)");
+  tgs::Pool& pool = tgs::Pool::get();
+  if (spin_us >= 0) pool.spin_ns.store(spin_us * 1000);
+  if (wait_spin_us >= 0) pool.wait_spin_ns.store(wait_spin_us * 1000);
+  if (chunks_per_thread > 0) pool.chunks_per_thread.store(chunks_per_thread);
+  return tgs::parallel_mode().exchange(int(mode));
+}
+
+// Runs out[i] = i over [0, n) in tgs::parallel_for chunks of at least `grain` (the tests: every
+// index once, whatever the threads and chunks), and records which thread (0: the caller) ran each;
+// index `fail_at` raises (an error in any thread reaches the caller).
+torch::Tensor parallel_probe(int64_t n, int64_t grain, int64_t spin_iterations, int64_t fail_at) {
+  auto out = torch::full({n, 2}, -1, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  const auto caller = std::this_thread::get_id();
+  tgs::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    volatile int64_t sink = 0;
+    for (int64_t i = b; i < e; ++i) {
+      TORCH_CHECK(i != fail_at, "parallel_probe: index ", i, " fails as asked");
+      for (int64_t j = 0; j < spin_iterations; ++j) sink = sink + j;
+      op[2 * i] = op[2 * i] == -1 ? i : -2;  // -2: an index run twice
+      op[2 * i + 1] = std::this_thread::get_id() == caller ? 0 : 1;
+    }
+  });
+  return out;
+}
+
 // Rows n0..n1 of the int8 weight as bfloat16 [n1 - n0, K]: w * s.
 torch::Tensor int8_dequant(torch::Tensor w, torch::Tensor s, int64_t n0, int64_t n1) {
   const int64_t K = w.size(1);
@@ -455,7 +736,7 @@ torch::Tensor int8_dequant(torch::Tensor w, torch::Tensor s, int64_t n0, int64_t
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+  tgs::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
       const float scale = sp[n];
       const vf scale_v = splat(scale);
@@ -485,7 +766,7 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
   const float* sp = s.data_ptr<float>();
   const float* zp = z.data_ptr<float>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
+  tgs::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t g = k / gs;
       for (int64_t nb = nb0; nb < nb1; ++nb) {
@@ -507,4 +788,4 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor s, torch::T
 }
 """ + INT4_SOURCE + Q8_SOURCE
 
-FUNCTIONS = ["int8_gemv", "bf16_gemv", "f32_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS, *Q8_FUNCTIONS]
+FUNCTIONS = ["set_parallel_mode", "parallel_probe", "int8_gemv", "bf16_gemv", "f32_gemv", "int8_dequant", "int4pack_dequant_t", *INT4_FUNCTIONS, *Q8_FUNCTIONS]

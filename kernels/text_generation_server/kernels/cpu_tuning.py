@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from loguru import logger
 
-from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec
 from text_generation_server.kernels.phase import row_bucket
 from text_generation_server.kernels.select import Preferences, Timer, preferences, shape_key, tune_rows, wall_timer
@@ -45,7 +45,11 @@ TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
 # the head have one native variant each, up to 2 and 8 rows, measured in BENCHMARKS.md; not timed
 # per machine: torch's GEMM is their alternative, and a float32 decode row's bits would then depend
 # on the machine's timings, where the exactness tests pin one path).
-TUNED_KERNELS = ("cpu-int4pack", "cpu-int8")
+# The int8-activation layers (kernels/cpu_act_int8.py) offer their own names (rows per pass, prefetch
+# distance: the same bits under each) and keep their choices under their own scope in the file
+# (Int4PackLinear/Int8Linear.preference_scope "q8"), so a machine that ran the exact layers of a shape
+# before does not hand their names to these, nor these theirs back.
+TUNED_KERNELS = ("cpu-int4pack", "cpu-int8", "cpu-int4pack-q8", "cpu-int8-q8")
 FALLBACK = "op"  # torch's weight-only op: where a failed measurement leaves a bucket
 # Shapes whose weights take more than this many bytes (a vocabulary-sized head) are measured at the
 # decode buckets only: at 64 rows each of their variants costs tenths of a second a call.
@@ -56,10 +60,13 @@ REPEAT = 3  # timed calls per variant (after one warm-up call and one checked ag
 def not_worth_timing(bucket: int, variant: str) -> bool:
     """Variants a bucket leaves untimed, to keep a first start short: the dequantized GEMM for decode
     batches of up to 8 rows (it dequantizes the whole layer per call: 10-30x slower there), and at
-    the prompt bucket the native kernel's names but its default and its 6-row passes (the names give
-    the same bits; at 64 rows each costs tens of milliseconds a call)."""
+    the prompt bucket the native kernels' names but their default and their longest passes (int4:
+    6 rows, int8 activations: 4; the names give the same bits; at 64 rows each costs tens of
+    milliseconds a call, and the prefetch distance matters least there)."""
     if bucket <= max(DECODE_ROWS):
         return variant == "dequant"
+    if variant in cpu_act_int8.VARIANTS or variant in cpu_act_int8.INT8_VARIANTS:
+        return variant not in (cpu_act_int8.Q8, "q8-r4")
     return variant in cpu_native.INT4_NATIVE_VARIANTS and variant not in (cpu_native.INT4_NATIVE, "native-r6")
 
 
@@ -77,23 +84,30 @@ def tuning_enabled() -> bool:
     return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _scope(layer: Any) -> str:
+    return getattr(layer, "preference_scope", "")
+
+
 def _tuned_layers(model: torch.nn.Module) -> dict[str, list[tuple[LinearSpec, Any]]]:
-    """Shape key -> (spec, layer) for the model's CPU layers of that shape whose kernel offers
-    measured variants (phase.RowVariantLayer)."""
+    """Key -> (spec, layer) for the model's CPU layers of one shape and preference scope whose kernel
+    offers measured variants (phase.RowVariantLayer); the key is the shape key, followed by the
+    scope where the layer has one ("q8": int8 activations)."""
     groups: dict[str, list[tuple[LinearSpec, Any]]] = {}
     for module in model.modules():
         spec = getattr(module, "linear_spec", None)
         if (isinstance(spec, LinearSpec) and spec.device_type == "cpu"
                 and getattr(module, "kernel_name", None) in TUNED_KERNELS
                 and isinstance(getattr(module, "measured", None), dict)):
-            groups.setdefault(shape_key(spec), []).append((spec, module))
+            key = shape_key(spec) + (f" {_scope(module)}" if _scope(module) else "")
+            groups.setdefault(key, []).append((spec, module))
     return groups
 
 
 def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, timer: Timer | None = None,
                     prefs: Preferences | None = None) -> dict[str, dict[int, str]]:
     """Chooses each CPU layer shape's variant per row bucket (module docstring) and puts the choices
-    into every layer of that shape; returns them per shape key. Never raises for a kernel's sake."""
+    into every layer of that shape; returns them per shape key (with the layers' preference scope
+    after it where they have one: "KEY q8"). Never raises for a kernel's sake."""
     buckets = sorted({row_bucket(r) for r in rows if r > 0})
     result: dict[str, dict[int, str]] = {}
     enabled = tuning_enabled()
@@ -101,7 +115,9 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
         for key, found in _tuned_layers(model).items():
             spec, layers = found[0][0], [layer for _, layer in found]
             store = prefs or preferences("cpu")
-            known = {b: c for b, c in store.row_choices(spec).items() if b in buckets}
+            # a name this layer cannot run (the file edited, or another kernel's) counts as unmeasured
+            known = {b: c for b, c in store.row_choices(spec, _scope(layers[0])).items()
+                     if b in buckets and c in layers[0].variants(b)}
             large = _weight_bytes(layers[0]) > LARGE_BYTES
             missing = [b for b in buckets if b not in known and not (large and b > max(DECODE_ROWS))] \
                 if enabled else []
