@@ -287,6 +287,8 @@ def test_cpu_rank_and_router_run_on_the_cores_the_affinity_rule_gives(tiny_model
 
     env = clean_env()
     del env["OMP_NUM_THREADS"]  # the tests' default; a user who sets it chooses the threads and nothing is pinned
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # a user's own OpenMP waits are kept
+        env.pop(name, None)
     server = start_serve(tiny_model, env=env)
     server.wait_serving()
     stub = cpb_grpc.TextGenerationStub(server.channel())
@@ -302,3 +304,6 @@ def test_cpu_rank_and_router_run_on_the_cores_the_affinity_rule_gives(tiny_model
     assert _masks(server.pid) == {tuple(expected_router or available)}
     if expected_rank is not None:
         assert "pinned to core(s)" in server.log()
+    # torch's idle OpenMP threads sleep in a rank (settings/serve_flags.openmp_environment)
+    with open(f"/proc/{rank_pid}/environ", "rb") as f:
+        assert b"OMP_WAIT_POLICY=passive" in f.read().split(b"\0")

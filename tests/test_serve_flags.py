@@ -624,3 +624,11 @@ def test_shard_in_process_runs_one_rank_and_a_router():
         ServeArgs(shard_in_process=True, num_shard=2).validate()
     with pytest.raises(ValueError, match="--shard-in-process and --shard-only contradict"):
         ServeArgs(shard_in_process=True, shard_only=True).validate()
+
+
+def test_ranks_start_with_passive_openmp_waits_unless_the_user_set_one():
+    from text_generation_server.settings.serve_flags import openmp_environment
+
+    assert openmp_environment({}) == {"OMP_WAIT_POLICY": "passive"}
+    assert openmp_environment({"OMP_WAIT_POLICY": "active"}) == {}
+    assert openmp_environment({"GOMP_SPINCOUNT": "1000"}) == {}

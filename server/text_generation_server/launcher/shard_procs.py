@@ -23,7 +23,7 @@ from loguru import logger
 
 from text_generation_server.launcher.rank import LAUNCHER_PID_ENV, SERVE_ARGS_ENV
 from text_generation_server.settings.serve_args import ServeArgs
-from text_generation_server.settings.serve_flags import cpu_isa_environment
+from text_generation_server.settings.serve_flags import cpu_isa_environment, openmp_environment
 
 _UNIX_PATH_MAX = 107
 
@@ -152,6 +152,7 @@ class ShardProcesses:
                 "MASTER_PORT": str(self.master_port),
             })
             env.update(cpu_isa_environment(self.args.cpu_isa))  # before the rank imports torch
+            env.update(openmp_environment(env))
             cmd = [sys.executable, "-m", "text_generation_server.cli", "serve", "--shard-only"]
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             logger.debug("started rank {} as pid {}", rank, self.procs[-1].pid)

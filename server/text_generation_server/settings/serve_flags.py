@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Callable
 
 # Kernels of our own (Triton) that --disable-custom-kernels switches off; the names are the
@@ -44,6 +45,17 @@ def cpu_isa_environment(isa: str) -> dict[str, str]:
     if isa != "avx2":
         return {}
     return {CPU_ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def openmp_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """OpenMP's settings a rank process starts with, unless the user set their own: idle OpenMP
+    threads sleep at once (OMP_WAIT_POLICY=passive) instead of spinning for milliseconds after each
+    of torch's parallel ops, where they took the core the native kernels' pool and the router need
+    (kernels/cpu_native_src.py's tgs::parallel_for; BENCHMARKS.md, issue #32 session 8: an int4 decode
+    step 1.18-1.21x faster). libgomp reads it when torch loads, so it is set at the process's start."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "passive"}
 
 # TGI's level names (tracing's, lower case) and loguru's, to loguru's. tracing's "off" has no
 # loguru twin: CRITICAL, the quietest level, is the nearest.
