@@ -47,6 +47,10 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # at 4 KiB (36.3 ms for the previous kernel); at 8 rows no distance changed the time. On cache-resident
 # single layers (2026-11-28) 1-16 KiB changed nothing.
 PREFETCH_BYTES = 1024
+# The same for the packed form (KQuantLinear on AVX-512 builds), whose tiles a thread reads as one
+# sequential stream: at one row, cold weights, one thread (2026-12-07, benchmarks/gguf_kquant_packed.py)
+# 1 KiB ahead was no faster than none on the Q6_K head and Q4_K gate_up, and slower on a Q6_K 37888 x 1536.
+PACKED_PREFETCH_BYTES = 0
 
 
 @dataclass
@@ -131,16 +135,31 @@ def kquant_dequant(module, blocks: torch.Tensor, type_id: int, dtype: torch.dtyp
 
 
 class KQuantLinear(torch.nn.Module):
+    """Where the build has AVX-512BW, each part is converted at load to the packed form
+    (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
+    bytes than Q4_K's blocks, 1% more than Q6_K's) and the stored blocks are let go: at one row the
+    kernel on the file's layout was compute-bound (BENCHMARKS.md "One-row quantized decode"), the
+    packed one reads at memory speed, with the same bits. Elsewhere the blocks are read as stored."""
+
     # x: [..., K] -> [..., N]
     def __init__(self, parts: tuple[torch.Tensor, ...], type_id: int, bias: torch.Tensor | None,
-                 act_dtype: torch.dtype):
+                 act_dtype: torch.dtype, packed: bool | None = None):
         super().__init__()
         self.native = cpu_native.native()
         if self.native is None:
             raise ValueError(f"cpu-kquant: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        available = bool(self.native.kquant_packed_isa())
+        if packed and not available:
+            raise ValueError("cpu-kquant: the packed form needs native kernels built with AVX-512BW")
+        self.packed = available if packed is None else packed
         self.count = len(parts)
+        # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
+        self._ns = [p.shape[0] for p in parts] if self.packed else []
         for i, part in enumerate(parts):
-            self.register_buffer(f"blocks{i}", part)
+            if self.packed:
+                self.register_buffer(f"packed{i}", self.native.kquant_pack(part, type_id))
+            else:
+                self.register_buffer(f"blocks{i}", part)
         self.register_buffer("bias", bias)
         self.type_id = type_id
         self.act_dtype = act_dtype
@@ -152,7 +171,8 @@ class KQuantLinear(torch.nn.Module):
     def _refresh(self) -> None:
         """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
         tensor): building them per call cost several microseconds of a one-row layer's ~10."""
-        self._parts = [getattr(self, f"blocks{i}") for i in range(self.count)]
+        self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
+        self._prefetch = PACKED_PREFETCH_BYTES if self.packed else PREFETCH_BYTES
         self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
@@ -166,17 +186,20 @@ class KQuantLinear(torch.nn.Module):
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
             y = self.native.kquant_linear(x.reshape(-1, self.in_features), self._parts, self.type_id,
-                                          self._bias_arg, PREFETCH_BYTES)
+                                          self._bias_arg, self._prefetch, self._ns)
             return y.reshape(*lead, self.out_features)
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
         y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16
                         else torch.float32)
         col = 0
-        for i in range(self.count):
-            blocks = getattr(self, f"blocks{i}")
-            self.native.kquant_mm_into(q, d, s, blocks, self.type_id, PREFETCH_BYTES, y, col)
-            col += blocks.shape[0]
+        for i, part in enumerate(self._parts):
+            if self.packed:
+                self.native.kquant_mm_packed_into(q, d, s, part, self._ns[i], self.type_id, self._prefetch, y, col)
+                col += self._ns[i]
+            else:
+                self.native.kquant_mm_into(q, d, s, part, self.type_id, self._prefetch, y, col)
+                col += part.shape[0]
         y = y.to(self.act_dtype)  # float16: rounded from float32 here (no copy otherwise)
         if self.bias is not None:
             y = y + self.bias
