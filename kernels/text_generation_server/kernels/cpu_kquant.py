@@ -47,10 +47,13 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # at 4 KiB (36.3 ms for the previous kernel); at 8 rows no distance changed the time. On cache-resident
 # single layers (2026-11-28) 1-16 KiB changed nothing.
 PREFETCH_BYTES = 1024
-# The same for the packed form (KQuantLinear on AVX-512 builds), whose tiles a thread reads as one
-# sequential stream: at one row, cold weights, one thread (2026-12-07, benchmarks/gguf_kquant_packed.py)
-# 1 KiB ahead was no faster than none on the Q6_K head and Q4_K gate_up, and slower on a Q6_K 37888 x 1536.
-PACKED_PREFETCH_BYTES = 0
+# The same for the packed form (KQuantLinear on AVX-512 builds). One row, cold weights, one thread
+# (2026-12-07, benchmarks/gguf_kquant_packed.py, busy 2-core EPYC, load ~5): 1 KiB ahead read Q4_K
+# gate_up 1.3x and Q6_K down 1.2x faster than none, 4 KiB faster again (1.4x, 1.7x), while the Q6_K head
+# (191 MB) ran best with none (7.3 ms; 8.2 at 1 KiB, 9.3 at 4 KiB). Over a whole decode step of the
+# Qwen2.5-Coder-1.5B Q4_K_M file (in-process, 2 threads, 6 interleaved rounds) none / 1 KiB / 4 KiB /
+# 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise.
+PACKED_PREFETCH_BYTES = 1024
 
 
 @dataclass
