@@ -1122,36 +1122,41 @@ void q6k_packed_decode(const uint8_t* tile, int64_t nb, int32_t* out) {
   }
 }
 
-// a.w: the packed form. Tiles split among threads (one range each); each tile's rows go in passes of up
-// to 8 while the tile is in cache, so the weights come from memory once whatever the number of rows.
+// parts[i].w: a packed weight, parts[i].y / yh already at its first output column (a fused layer's parts
+// side by side). The parts' tiles are numbered one after another and split among threads in one
+// parallel region (one range each: a fused qkv is one dispatch, not three); each tile's rows go in
+// passes of up to 8 while the tile is in cache, so the weights come from memory once whatever the
+// number of rows.
 template <bool Q4>
-void run_packed(const Args& a) {
+void run_packed(const std::vector<Args>& parts) {
+  const Args& a0 = parts[0];
   std::vector<int32_t> pairs;
-  if (Q4) pairs = q4k_pairs(a);
-  const int64_t tiles = (a.N + PTILE - 1) / PTILE, tile_bytes = a.nb * (Q4 ? Q4P_BYTES : Q6P_BYTES);
-  if (a.M >= GEMM_ROWS) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<int32_t> buffer(a.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16);
-      int32_t* words = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * PTILE;
-        const int nt = int(std::min<int64_t>(PTILE, a.N - n0));
+  if (Q4) pairs = q4k_pairs(a0);
+  const int64_t tile_bytes = a0.nb * (Q4 ? Q4P_BYTES : Q6P_BYTES);
+  std::vector<int64_t> first(parts.size() + 1, 0);  // the parts' first tile numbers
+  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + PTILE - 1) / PTILE;
+  const bool gemm = a0.M >= GEMM_ROWS;
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> buffer(gemm ? a0.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16 : 0);
+    int32_t* words = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    size_t i = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[i + 1]) ++i;
+      const Args& a = parts[i];
+      const int64_t n0 = (t - first[i]) * PTILE;
+      const int nt = int(std::min<int64_t>(PTILE, a.N - n0));
+      const uint8_t* tile = a.w + (t - first[i]) * tile_bytes;
+      if (gemm) {
         if (Q4)
-          q4k_packed_decode(a.w + t * tile_bytes, a.nb, words);
+          q4k_packed_decode(tile, a.nb, words);
         else
-          q6k_packed_decode(a.w + t * tile_bytes, a.nb, words);
+          q6k_packed_decode(tile, a.nb, words);
         for (int64_t m0 = 0; m0 < a.M; m0 += 8)
           gemm_dispatch<Q4>(a, words, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+      } else {
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8)
+          packed_dispatch<Q4>(a, tile, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
       }
-    });
-    return;
-  }
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * PTILE;
-      const int nt = int(std::min<int64_t>(PTILE, a.N - n0));
-      for (int64_t m0 = 0; m0 < a.M; m0 += 8)
-        packed_dispatch<Q4>(a, a.w + t * tile_bytes, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
     }
   });
 }
@@ -1284,11 +1289,38 @@ void mm_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& w, int64
     run<false>(a);
 }
 
+void check_packed(const torch::Tensor& pack, int64_t N, int64_t type, int64_t K);
+
 // The same product with w in the packed form (kquant_pack of an [N, K] weight): the bits mm_into gives.
-void mm_packed_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& pack, int64_t N, int64_t type,
-                    int64_t prefetch, float* y, uint16_t* yh, int64_t ldy, int64_t col0) {
-  const int64_t nb = K / 256;
+// Parts side by side: packs[i] ([ns[i], K]) into columns from col0 on, all in one parallel region.
+void mm_packed_into(const Act& act, int64_t M, int64_t K, const std::vector<torch::Tensor>& packs,
+                    const std::vector<int64_t>& ns, int64_t type, int64_t prefetch, float* y, uint16_t* yh, int64_t ldy,
+                    int64_t col0) {
   block_bytes(type);
+  std::vector<Args> parts;
+  int64_t col = col0;
+  for (size_t i = 0; i < packs.size(); ++i) {
+    check_packed(packs[i], ns[i], type, K);
+    if (ns[i])
+      parts.push_back(Args{act, packs[i].data_ptr<uint8_t>() + PACK_HEADER, y ? y + col : nullptr, yh ? yh + col : nullptr,
+                           M, K, ns[i], 0, K / 256, prefetch, ldy});
+    col += ns[i];
+  }
+#if defined(__AVX512BW__)
+  if (M == 0 || parts.empty()) return;
+  if (type == 12)
+    run_packed<true>(parts);
+  else
+    run_packed<false>(parts);
+#else
+  (void)prefetch; (void)ldy;
+  TORCH_CHECK(false, "the packed K-quant form needs a build with AVX-512BW (kquant_packed_isa() is 0)");
+#endif
+}
+
+// pack holds the packed form of an [N, K] weight of `type`, or a clear error says what it holds.
+void check_packed(const torch::Tensor& pack, int64_t N, int64_t type, int64_t K) {
+  const int64_t nb = K / 256;
   TORCH_CHECK(N >= 0 && pack.scalar_type() == torch::kByte && pack.is_contiguous() &&
               pack.numel() == packed_bytes(type, N, nb),
               "packed blocks must be contiguous uint8 of ", packed_bytes(type, N, nb), " bytes for N = ", N, ", K = ", K,
@@ -1299,17 +1331,6 @@ void mm_packed_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& p
   TORCH_CHECK(head[0] == PACK_MAGIC && head[1] == type && head[2] == N && head[3] == nb,
               "packed blocks hold type ", head[1], ", N = ", head[2], ", ", head[3], " super-blocks a row (magic ",
               head[0] == PACK_MAGIC ? "ok" : "wrong", "), not type ", type, ", N = ", N, ", K = ", K);
-#if defined(__AVX512BW__)
-  if (M == 0 || N == 0) return;
-  Args a{act, pack.data_ptr<uint8_t>() + PACK_HEADER, y ? y + col0 : nullptr, yh ? yh + col0 : nullptr, M, K, N, 0, nb, prefetch, ldy};
-  if (type == 12)
-    run_packed<true>(a);
-  else
-    run_packed<false>(a);
-#else
-  (void)act; (void)M; (void)prefetch; (void)y; (void)yh; (void)ldy; (void)col0;
-  TORCH_CHECK(false, "the packed K-quant form needs a build with AVX-512BW (kquant_packed_isa() is 0)");
-#endif
 }
 }  // namespace tgs_kquant
 
@@ -1376,12 +1397,10 @@ torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, i
     if (packed_n.empty()) {
       tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, parts[i], type, prefetch, yf, yh, N, col);
       col += parts[i].size(0);
-    } else {
-      tgs_kquant::mm_packed_into({qs.data(), ds.data(), ss.data()}, M, K, parts[i], packed_n[i], type, prefetch, yf, yh, N,
-                                 col);
-      col += packed_n[i];
     }
   }
+  if (!packed_n.empty())
+    tgs_kquant::mm_packed_into({qs.data(), ds.data(), ss.data()}, M, K, parts, packed_n, type, prefetch, yf, yh, N, 0);
   if (bias.numel()) {
     if (dtype == torch::kBFloat16) {
       uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -1415,7 +1434,7 @@ void kquant_mm_packed_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, to
   TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
               col0 >= 0 && col0 + n <= out.size(1),
               "out must be float32 or bfloat16 [", M, ", >= ", col0 + n, "] with contiguous rows");
-  tgs_kquant::mm_packed_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, pack, n, type,
+  tgs_kquant::mm_packed_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, {pack}, {n}, type,
                              prefetch, bf16 ? nullptr : out.data_ptr<float>(),
                              bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
 }
