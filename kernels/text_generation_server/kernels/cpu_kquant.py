@@ -52,8 +52,11 @@ PREFETCH_BYTES = 1024
 # gate_up 1.3x and Q6_K down 1.2x faster than none, 4 KiB faster again (1.4x, 1.7x), while the Q6_K head
 # (191 MB) ran best with none (7.3 ms; 8.2 at 1 KiB, 9.3 at 4 KiB). Over a whole decode step of the
 # Qwen2.5-Coder-1.5B Q4_K_M file (in-process, 2 threads, 6 interleaved rounds) none / 1 KiB / 4 KiB /
-# 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise.
-PACKED_PREFETCH_BYTES = 1024
+# 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise; two
+# threads, the fastest calls of down and gate_up were again at 4 KiB (Q6_K down 0.132 ms against 0.154
+# at 1 KiB, 0.313 with none). So 4 KiB, and none for a layer of more than PACKED_PREFETCH_MAX_BYTES.
+PACKED_PREFETCH_BYTES = 4096
+PACKED_PREFETCH_MAX_BYTES = 64 << 20
 
 
 @dataclass
@@ -175,7 +178,11 @@ class KQuantLinear(torch.nn.Module):
         """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
         tensor): building them per call cost several microseconds of a one-row layer's ~10."""
         self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
-        self._prefetch = PACKED_PREFETCH_BYTES if self.packed else PREFETCH_BYTES
+        if self.packed:
+            size = sum(p.numel() for p in self._parts)
+            self._prefetch = PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
+        else:
+            self._prefetch = PREFETCH_BYTES
         self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
