@@ -208,6 +208,8 @@ def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
         stored = KQuantLinear(weight.parts, int(qtype), bias.to(dtype), dtype, packed=False)
         packed = CpuKQuantKernel.build(weight, bias, dtype)
         assert packed.packed and not stored.packed
+        described = weight.describe_layer(weight.spec(dtype, "cpu"), CpuKQuantKernel)
+        assert described == f"{qtype.name} blocks packed at load (16 outputs interleaved)", described
         with torch.inference_mode():
             assert torch.equal(stored(x), packed(x))
 

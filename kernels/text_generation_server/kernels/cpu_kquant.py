@@ -17,6 +17,13 @@ memory once per call whatever the row count: outputs go in tiles of 16, their ro
 from 16 rows a tile's blocks are first decoded into a form VNNI's dot products read with nothing
 left to sum across lanes (prompts, large batches).
 
+On AVX-512 builds each layer converts its blocks at load into a packed form (16 outputs' blocks
+interleaved, so VNNI keeps one output per lane at any row count: no transposes, no lane sums, the
+sub-block scales unpacked once), the same bits as the stored layout, read at memory speed at one
+row; the stored bytes are then let go. The trade: a copy of the K-quant weights in anonymous memory
+(2.8% / 1% larger than the Q4_K / Q6_K blocks) and ~0.5 s more load on the 1.5B file
+(BENCHMARKS.md "K-quant layers packed at load").
+
 The weight (`KQuantBlocks`) carries a way to build its canonical form (`plain`): where this kernel
 cannot run (no native build, a GPU, the kernel switched off), kernels/select.py builds that
 instead, so every other kernel sees an ordinary integer weight.
@@ -114,6 +121,10 @@ class KQuantBlocks:
                           device_type=device_type, weight_format=fmt)
 
     def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        if kernel is CpuKQuantKernel:  # what the startup log and Info.kernels say the layer reads
+            module = cpu_native.native()
+            if module is not None and module.kquant_packed_isa():
+                return f"{self.ggml} blocks packed at load (16 outputs interleaved)"
         return f"{self.ggml} blocks in place"
 
 

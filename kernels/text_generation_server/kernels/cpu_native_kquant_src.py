@@ -24,7 +24,11 @@ thread split or the instruction set (tests/test_gguf_kquant.py compares the AVX2
 AVX-512 one; the scalar build, compiled with -mno-avx2 -mno-fma, also matched it bit for bit when
 this was written).
 
-AVX-512BW code where the build has it (VNNI's dpwssd / dpbusd where it has that too): outputs in
+AVX-512BW builds also read a packed form (kquant_pack, converted at load by cpu_kquant.KQuantLinear;
+pack_blocks below says the layout): 16 outputs' blocks interleaved so that dpbusd keeps one output per
+lane at every row count, which reads at memory speed at one row where the tiled code on the file's
+layout was compute-bound; from GEMM_ROWS rows its tiles are widened into the prompt path's form.
+On the file's layout, AVX-512BW code where the build has it (VNNI's dpwssd / dpbusd where it has that too): outputs in
 tiles of 16, rows in passes of up to 8, each block's integer sums per output brought into one lane
 per output so the float steps serve 16 outputs at once; from GEMM_ROWS rows a tile's blocks are
 first decoded into a lane-per-output form that every row reads (prompts). AVX2 code under __AVX2__
