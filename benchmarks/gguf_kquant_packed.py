@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7, help="passes over the copies (one call per copy and variant)")
     parser.add_argument("--cold-mb", type=float, default=160.0, help="the copies of a case total at least this")
-    parser.add_argument("--stored-prefetch", type=int, default=1024, help="the stored layout's distance (PREFETCH_BYTES)")
+    parser.add_argument("--stored-prefetch", type=int, default=1024,
+                        help="the stored layout's distance (PREFETCH_BYTES)")
     parser.add_argument("--packed-prefetch", default="0,1024", help="the packed form's distances to time")
     parser.add_argument("--cases", default=CASES, help=f"type:layer pairs, layers among {','.join(SHAPES)}")
     args = parser.parse_args(argv)
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("this build has no packed kernel (needs AVX-512BW)")
     distances = [int(v) for v in args.packed_prefetch.split(",")]
     names = [f"stored pf{args.stored_prefetch}"] + [f"packed pf{v}" for v in distances]
-    print(f"# cpu-kquant packed vs stored, {args.threads} thread(s), cold weights (>= {args.cold_mb:.0f} MB of copies), "
+    print(f"# cpu-kquant packed vs stored, {args.threads} thread(s), cold weights "
+          f"(>= {args.cold_mb:.0f} MB of copies), "
           f"median (min) ms per call of {args.rounds} rounds; 1-min load {os.getloadavg()[0]:.2f}\n")
     print("| type | layer (N x K) | rows | " + " | ".join(f"{n} ms" for n in names) + " | stored / best packed | "
           "packed GB/s |")
@@ -93,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             med = [statistics.median(t) for t in times]
             best = min(med[1:])
             cells = " | ".join(f"{v * 1e3:.3f} ({min(t) * 1e3:.3f})" for v, t in zip(med, times))
-            print(f"| {tname} | {layer} {n} x {k} | {m} | {cells} | {med[0] / best:.2f}x | {raw.numel() / best / 1e9:.1f} |",
-                  flush=True)
+            print(f"| {tname} | {layer} {n} x {k} | {m} | {cells} | {med[0] / best:.2f}x "
+                  f"| {raw.numel() / best / 1e9:.1f} |", flush=True)
         print(f"<!-- {case}: kquant_pack {pack_s * 1e3:.1f} ms per copy ({raw.numel() / pack_s / 1e9:.1f} GB/s), "
               f"{copies} copies, load {os.getloadavg()[0]:.2f} -->", flush=True)
         del stored, packed

@@ -365,7 +365,8 @@ def test_a_gguf_runs_its_k_quant_blocks_in_place(native, q4km, monkeypatch):
     assert len(buffers) == 2 * 7 and all(n.startswith(kind) for n, _ in buffers), [n for n, _ in buffers]
     for _, b in buffers:
         inside = lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi
-        assert inside == (kind == "blocks"), "a copy, not a view of the file" if inside else "the file's bytes, not packed"
+        assert inside == (kind == "blocks"), \
+            "a copy, not a view of the file" if inside else "the file's bytes, not packed"
     greedy_fast = greedy(lm, 8)
     # switched off: the canonical form's kernels, and the reference tokens are the reference's
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())
