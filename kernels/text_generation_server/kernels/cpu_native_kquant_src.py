@@ -1367,7 +1367,8 @@ void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Te
 // N) written side by side into one [M, N] output of x's dtype, then, where bias (x's dtype, [N]) has
 // elements, the bias added as torch adds it in that dtype (bfloat16: the rounded product plus the bias,
 // rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`, without the tensors
-// and torch ops between them (their fixed cost at one decode row).
+// and torch ops between them (their fixed cost at one decode row). packed_n empty: the parts are blocks as
+// stored; else part i is kquant_pack's form of a [packed_n[i], K] weight (the parts in one parallel region).
 torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, int64_t type, torch::Tensor bias,
                             int64_t prefetch, std::vector<int64_t> packed_n) {
   x = x.contiguous();
