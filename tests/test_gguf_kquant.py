@@ -11,8 +11,12 @@ super-block scales). Checked here:
   |y - W x| <= sum_k |W[n, k]| * |d_block(k)| / 2 (plus float32 slack);
 - a row's result has the same bits whatever the rows beside it (1 to 40 rows: each code path), for odd N and K,
   strided rows (a rank's column slice) and parts; the AVX2 build (TGS_CPU_ISA=avx2) gives the same bits;
-- loading a GGUF keeps the blocks as views of the file (no copy, nothing decoded), runs them on
-  cpu-kquant, and falls back to the canonical form where the kernel is switched off;
+- the packed form (AVX-512 builds: 16 outputs' blocks interleaved, converted at load) gives the bits of
+  the stored layout's kernel for every row count, tail tile, strided rows and parts, and its layer
+  those of the AVX2 build; wrong sizes are refused by name;
+- loading a GGUF reads the file's blocks as views (nothing decoded; on AVX-512 builds each layer packs
+  them into its own copy), runs them on cpu-kquant, and falls back to the canonical form where the
+  kernel is switched off;
 - a row-parallel split off the 256-wide super-block keeps the decoded form (quantizers/gguf.py's rule);
   on a super-block boundary the rank's blocks stay a view.
 """
@@ -173,7 +177,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_strides_or_parts(native, qty
 def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
     """KQuantLinear's one native call (quantize into scratch, the parts side by side, the bias) equals
     quantize_q8k, kquant_mm_into per part and torch's `y + bias` in the layer's dtype, bit for bit."""
-    from text_generation_server.kernels.cpu_kquant import PREFETCH_BYTES, CpuKQuantKernel
+    from text_generation_server.kernels.cpu_kquant import PREFETCH_BYTES, CpuKQuantKernel, KQuantLinear
 
     n, k = 53, 1280
     raw = blocks(qtype, n, k, seed=7)
@@ -199,7 +203,70 @@ def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
         with torch.inference_mode():
             assert torch.equal(layer(x[:3].reshape(3, 1, k)), layer(x[:3]).reshape(3, 1, n))
     with pytest.raises(RuntimeError, match="bias must be empty"):
-        native.kquant_linear(x[:1], list(weight.parts), int(qtype), torch.zeros(n + 1, dtype=dtype), 0)
+        native.kquant_linear(x[:1], list(weight.parts), int(qtype), torch.zeros(n + 1, dtype=dtype), 0, [])
+    if native.kquant_packed_isa():  # the layer read the packed form; the blocks as stored give the same bits
+        stored = KQuantLinear(weight.parts, int(qtype), bias.to(dtype), dtype, packed=False)
+        packed = CpuKQuantKernel.build(weight, bias, dtype)
+        assert packed.packed and not stored.packed
+        described = weight.describe_layer(weight.spec(dtype, "cpu"), CpuKQuantKernel)
+        assert described == f"{qtype.name} blocks packed at load (16 outputs interleaved)", described
+        with torch.inference_mode():
+            assert torch.equal(stored(x), packed(x))
+
+
+def packed(native, raw: torch.Tensor, qtype) -> torch.Tensor:
+    if not native.kquant_packed_isa():
+        pytest.skip("the packed form's kernel needs an AVX-512BW build")
+    return native.kquant_pack(raw, int(qtype))
+
+
+def packed_mm(native, x: torch.Tensor, pack: torch.Tensor, n: int, qtype) -> torch.Tensor:
+    q, d, s = quantize_q8k(native, x)
+    out = torch.empty(x.shape[0], n)
+    native.kquant_mm_packed_into(q, d, s, pack, n, int(qtype), 0, out, 0)
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_packed_form_gives_the_stored_layouts_bits(native, qtype):
+    """The packed kernel (lane per output, every row count in passes of up to 8) against the stored
+    layout's (tiles with lane sums below 16 rows, the decoded-tile path from 16): equal bits for each
+    row count, a last tile of 1-15 outputs, K of 1-35 super-blocks, prefetch distances, bfloat16 out."""
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(1, 256), (5, 512), (16, 768), (37, 1792), (53, 1536), (48, 8960)]:
+        raw = blocks(qtype, n, k, seed=n + k)
+        pack = packed(native, raw, qtype)
+        size = FORMATS[int(qtype)].block_bytes
+        assert pack.numel() == 64 + (n + 15) // 16 * 16 * k // 256 * (148 if qtype == T.Q4_K else 212)
+        x = torch.randn(40, k, generator=gen) * 4
+        x[3, :256] = 0
+        for m in [*range(1, 12), 15, 16, 17, 25, 40]:
+            assert torch.equal(packed_mm(native, x[:m], pack, n, qtype), kquant_mm(native, x[:m], raw, int(qtype))), \
+                (n, k, m)
+        q, d, s = quantize_q8k(native, x[:9])
+        want = torch.empty(9, n + 3, dtype=torch.bfloat16)
+        native.kquant_mm_into(q, d, s, raw, int(qtype), 0, want, 3)
+        got = torch.empty(9, n + 3, dtype=torch.bfloat16)
+        native.kquant_mm_packed_into(q, d, s, pack, n, int(qtype), 1024, got, 3)
+        assert torch.equal(got[:, 3:].view(torch.int16), want[:, 3:].view(torch.int16)), (n, k)
+        if k >= 768:  # a rank's columns (whole super-blocks): the strided view packs as its copy does
+            view = raw[:, size:3 * size]
+            assert torch.equal(native.kquant_pack(view, int(qtype)), native.kquant_pack(view.contiguous(), int(qtype)))
+    raw = blocks(qtype, 20, 512, seed=1)
+    pack = packed(native, raw, qtype)
+    q, d, s = quantize_q8k(native, torch.randn(2, 512))
+    with pytest.raises(RuntimeError, match="packed blocks must be contiguous uint8 of"):
+        native.kquant_mm_packed_into(q, d, s, pack, 40, int(qtype), 0, torch.empty(2, 40), 0)
+    with pytest.raises(RuntimeError, match="N = 20, 2 super-blocks a row .magic ok., not type .*, N = 21"):
+        native.kquant_mm_packed_into(q, d, s, pack, 21, int(qtype), 0, torch.empty(2, 32), 0)
+    with pytest.raises(RuntimeError, match="magic wrong"):
+        native.kquant_mm_packed_into(q, d, s, torch.zeros_like(pack), 20, int(qtype), 0, torch.empty(2, 32), 0)
+    with pytest.raises(RuntimeError, match="64-byte boundary"):
+        native.kquant_mm_packed_into(q, d, s, torch.cat([pack[:1], pack])[1:], 20, int(qtype), 0, torch.empty(2, 20), 0)
+    with pytest.raises(RuntimeError, match="packed_n must be empty"):
+        native.kquant_linear(torch.randn(1, 512), [pack], int(qtype), torch.empty(0), 0, [20, 4])
+    with pytest.raises(RuntimeError, match="K-quant type must be"):
+        native.kquant_pack(raw, int(T.Q5_K))
 
 
 def cpu_kquant_layer(weight: KQuantBlocks) -> torch.nn.Module:
@@ -253,6 +320,9 @@ def test_the_avx2_build_gives_the_same_bits(native):
         ref, scale = int_reference(t, raw, x)
         ours = kquant_mm(native, x, raw, int(t))
         assert torch.equal(torch.tensor(got[t.name], dtype=torch.float32), ours), t.name
+        if native.kquant_packed_isa():  # and the packed form's kernel, which the layers run here
+            assert torch.equal(torch.tensor(got[t.name], dtype=torch.float32),
+                               packed_mm(native, x, native.kquant_pack(raw, int(t)), 37, t)), t.name
         assert ((ours.double() - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
 
 
@@ -284,14 +354,19 @@ def test_a_gguf_runs_its_k_quant_blocks_in_place(native, q4km, monkeypatch):
     names = kernel_names(lm)
     quantized = {k: v for k, v in names.items() if v != "dense"}
     assert quantized and set(quantized.values()) == {"cpu-kquant"}, names
-    # views of the file's map (the reader the loader shares per process), not copies
+    # views of the file's map (the reader the loader shares per process), not copies; or, where the
+    # build has the packed form's kernel, each layer's packed copy of them and no stored blocks
     mapped = open_gguf([q4km]).readers[0].data
     lo, hi = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
-    stored = [b for m in lm.model.modules() for n, b in m.named_buffers(recurse=False) if n.startswith("blocks")]
+    kind = "packed" if native.kquant_packed_isa() else "blocks"
+    buffers = [(n, b) for m in lm.model.modules() for n, b in m.named_buffers(recurse=False)
+               if n.startswith(("blocks", "packed"))]
     # per layer: q and k (one Q4_K layer, two parts), v (Q6_K), o, gate and up (two parts), down
-    assert len(stored) == 2 * 7, len(stored)
-    for b in stored:
-        assert lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi, "a copy, not a view of the file"
+    assert len(buffers) == 2 * 7 and all(n.startswith(kind) for n, _ in buffers), [n for n, _ in buffers]
+    for _, b in buffers:
+        inside = lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi
+        assert inside == (kind == "blocks"), \
+            "a copy, not a view of the file" if inside else "the file's bytes, not packed"
     greedy_fast = greedy(lm, 8)
     # switched off: the canonical form's kernels, and the reference tokens are the reference's
     monkeypatch.setenv(DISABLE_ENV, fast_kernels())

@@ -17,6 +17,13 @@ memory once per call whatever the row count: outputs go in tiles of 16, their ro
 from 16 rows a tile's blocks are first decoded into a form VNNI's dot products read with nothing
 left to sum across lanes (prompts, large batches).
 
+On AVX-512 builds each layer converts its blocks at load into a packed form (16 outputs' blocks
+interleaved, so VNNI keeps one output per lane at any row count: no transposes, no lane sums, the
+sub-block scales unpacked once), the same bits as the stored layout, read at memory speed at one
+row; the stored bytes are then let go. The trade: a copy of the K-quant weights in anonymous memory
+(2.8% / 1% larger than the Q4_K / Q6_K blocks) and ~0.5 s more load on the 1.5B file
+(BENCHMARKS.md "K-quant layers packed at load").
+
 The weight (`KQuantBlocks`) carries a way to build its canonical form (`plain`): where this kernel
 cannot run (no native build, a GPU, the kernel switched off), kernels/select.py builds that
 instead, so every other kernel sees an ordinary integer weight.
@@ -47,6 +54,16 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # at 4 KiB (36.3 ms for the previous kernel); at 8 rows no distance changed the time. On cache-resident
 # single layers (2026-11-28) 1-16 KiB changed nothing.
 PREFETCH_BYTES = 1024
+# The same for the packed form (KQuantLinear on AVX-512 builds). One row, cold weights, one thread
+# (2026-12-07, benchmarks/gguf_kquant_packed.py, busy 2-core EPYC, load ~5): 1 KiB ahead read Q4_K
+# gate_up 1.3x and Q6_K down 1.2x faster than none, 4 KiB faster again (1.4x, 1.7x), while the Q6_K head
+# (191 MB) ran best with none (7.3 ms; 8.2 at 1 KiB, 9.3 at 4 KiB). Over a whole decode step of the
+# Qwen2.5-Coder-1.5B Q4_K_M file (in-process, 2 threads, 6 interleaved rounds) none / 1 KiB / 4 KiB /
+# 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise; two
+# threads, the fastest calls of down and gate_up were again at 4 KiB (Q6_K down 0.132 ms against 0.154
+# at 1 KiB, 0.313 with none). So 4 KiB, and none for a layer of more than PACKED_PREFETCH_MAX_BYTES.
+PACKED_PREFETCH_BYTES = 4096
+PACKED_PREFETCH_MAX_BYTES = 64 << 20
 
 
 @dataclass
@@ -104,6 +121,10 @@ class KQuantBlocks:
                           device_type=device_type, weight_format=fmt)
 
     def describe_layer(self, spec: LinearSpec, kernel: type[QuantKernel]) -> str:
+        if kernel is CpuKQuantKernel:  # what the startup log and Info.kernels say the layer reads
+            module = cpu_native.native()
+            if module is not None and module.kquant_packed_isa():
+                return f"{self.ggml} blocks packed at load (16 outputs interleaved)"
         return f"{self.ggml} blocks in place"
 
 
@@ -131,16 +152,31 @@ def kquant_dequant(module, blocks: torch.Tensor, type_id: int, dtype: torch.dtyp
 
 
 class KQuantLinear(torch.nn.Module):
+    """Where the build has AVX-512BW, each part is converted at load to the packed form
+    (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
+    bytes than Q4_K's blocks, 1% more than Q6_K's) and the stored blocks are let go: at one row the
+    kernel on the file's layout was compute-bound (BENCHMARKS.md "One-row quantized decode"), the
+    packed one reads at memory speed, with the same bits. Elsewhere the blocks are read as stored."""
+
     # x: [..., K] -> [..., N]
     def __init__(self, parts: tuple[torch.Tensor, ...], type_id: int, bias: torch.Tensor | None,
-                 act_dtype: torch.dtype):
+                 act_dtype: torch.dtype, packed: bool | None = None):
         super().__init__()
         self.native = cpu_native.native()
         if self.native is None:
             raise ValueError(f"cpu-kquant: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        available = bool(self.native.kquant_packed_isa())
+        if packed and not available:
+            raise ValueError("cpu-kquant: the packed form needs native kernels built with AVX-512BW")
+        self.packed = available if packed is None else packed
         self.count = len(parts)
+        # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
+        self._ns = [p.shape[0] for p in parts] if self.packed else []
         for i, part in enumerate(parts):
-            self.register_buffer(f"blocks{i}", part)
+            if self.packed:
+                self.register_buffer(f"packed{i}", self.native.kquant_pack(part, type_id))
+            else:
+                self.register_buffer(f"blocks{i}", part)
         self.register_buffer("bias", bias)
         self.type_id = type_id
         self.act_dtype = act_dtype
@@ -152,7 +188,12 @@ class KQuantLinear(torch.nn.Module):
     def _refresh(self) -> None:
         """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
         tensor): building them per call cost several microseconds of a one-row layer's ~10."""
-        self._parts = [getattr(self, f"blocks{i}") for i in range(self.count)]
+        self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
+        if self.packed:
+            size = sum(p.numel() for p in self._parts)
+            self._prefetch = PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
+        else:
+            self._prefetch = PREFETCH_BYTES
         self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
@@ -166,17 +207,20 @@ class KQuantLinear(torch.nn.Module):
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
             y = self.native.kquant_linear(x.reshape(-1, self.in_features), self._parts, self.type_id,
-                                          self._bias_arg, PREFETCH_BYTES)
+                                          self._bias_arg, self._prefetch, self._ns)
             return y.reshape(*lead, self.out_features)
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
         y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16
                         else torch.float32)
         col = 0
-        for i in range(self.count):
-            blocks = getattr(self, f"blocks{i}")
-            self.native.kquant_mm_into(q, d, s, blocks, self.type_id, PREFETCH_BYTES, y, col)
-            col += blocks.shape[0]
+        for i, part in enumerate(self._parts):
+            if self.packed:
+                self.native.kquant_mm_packed_into(q, d, s, part, self._ns[i], self.type_id, self._prefetch, y, col)
+                col += self._ns[i]
+            else:
+                self.native.kquant_mm_into(q, d, s, part, self.type_id, self._prefetch, y, col)
+                col += part.shape[0]
         y = y.to(self.act_dtype)  # float16: rounded from float32 here (no copy otherwise)
         if self.bias is not None:
             y = y + self.bias

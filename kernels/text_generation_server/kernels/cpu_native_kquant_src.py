@@ -24,7 +24,11 @@ thread split or the instruction set (tests/test_gguf_kquant.py compares the AVX2
 AVX-512 one; the scalar build, compiled with -mno-avx2 -mno-fma, also matched it bit for bit when
 this was written).
 
-AVX-512BW code where the build has it (VNNI's dpwssd / dpbusd where it has that too): outputs in
+AVX-512BW builds also read a packed form (kquant_pack, converted at load by cpu_kquant.KQuantLinear;
+pack_blocks below says the layout): 16 outputs' blocks interleaved so that dpbusd keeps one output per
+lane at every row count, which reads at memory speed at one row where the tiled code on the file's
+layout was compute-bound; from GEMM_ROWS rows its tiles are widened into the prompt path's form.
+On the file's layout, AVX-512BW code where the build has it (VNNI's dpwssd / dpbusd where it has that too): outputs in
 tiles of 16, rows in passes of up to 8, each block's integer sums per output brought into one lane
 per output so the float steps serve 16 outputs at once; from GEMM_ROWS rows a tile's blocks are
 first decoded into a lane-per-output form that every row reads (prompts). AVX2 code under __AVX2__
@@ -754,26 +758,31 @@ void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
 #undef TGS_KQ_CASE
 }
 
+// Each row's 32-column code sums per block as int16 pairs ([M, nb, 4]: dword t = bsum32_2t | bsum32_2t+1
+// << 16; |bsum32| <= 32 * 128), the minimums' operand of dpwssd.
+inline std::vector<int32_t> q4k_pairs(const Args& a) {
+  std::vector<int32_t> pairs(a.M * a.nb * 4);
+  for (int64_t i = 0; i < a.M * a.nb; ++i) {
+    const int32_t* bs = a.x.s + i * 16;
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t lo = uint16_t(int16_t(bs[4 * t] + bs[4 * t + 1]));
+      const uint32_t hi = uint16_t(int16_t(bs[4 * t + 2] + bs[4 * t + 3]));
+      pairs[i * 4 + t] = int32_t(lo | (hi << 16));
+    }
+  }
+  return pairs;
+}
+
 template <bool Q4>
 void run(const Args& a) {
 #if defined(__AVX512BW__)
   // Tiles of 16 outputs split among threads; each tile's rows go in passes of up to 8 while its weight
   // rows are in cache, so the weights come from memory once whatever the number of rows.
   std::vector<int32_t> pairs;
-  if (Q4) {
-    pairs.resize(a.M * a.nb * 4);
-    for (int64_t i = 0; i < a.M * a.nb; ++i) {
-      const int32_t* bs = a.x.s + i * 16;
-      for (int t = 0; t < 4; ++t) {
-        const uint32_t lo = uint16_t(int16_t(bs[4 * t] + bs[4 * t + 1]));
-        const uint32_t hi = uint16_t(int16_t(bs[4 * t + 2] + bs[4 * t + 3]));
-        pairs[i * 4 + t] = int32_t(lo | (hi << 16));
-      }
-    }
-  }
+  if (Q4) pairs = q4k_pairs(a);
   const int64_t tiles = (a.N + TILE - 1) / TILE;
   if (a.M >= GEMM_ROWS) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    tgs::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<int32_t> buffer(a.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16);
       int32_t* tile = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
       for (int64_t t = t0; t < t1; ++t) {
@@ -788,7 +797,7 @@ void run(const Args& a) {
     });
     return;
   }
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  tgs::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * TILE;
       const int nt = int(std::min<int64_t>(TILE, a.N - n0));
@@ -799,7 +808,7 @@ void run(const Args& a) {
   // Outputs split among threads; each output's rows go in passes of up to 8 while its weight row
   // is in cache, so the weights come from memory once whatever the number of rows.
   const int64_t grain = std::max<int64_t>(1, 16 / ((a.M + 7) / 8));
-  at::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) {
+  tgs::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < a.M; m0 += 8) rows_dispatch<Q4>(a, n, m0, std::min<int64_t>(8, a.M - m0));
   });
@@ -810,6 +819,352 @@ inline int64_t block_bytes(int64_t type) {
   TORCH_CHECK(type == 12 || type == 14, "K-quant type must be 12 (Q4_K) or 14 (Q6_K), got ", type);
   return type == 12 ? Q4K_BYTES : Q6K_BYTES;
 }
+
+// The packed form (kquant_pack; cpu_kquant.KQuantLinear converts each layer to it at load on AVX-512
+// builds): the blocks of 16 consecutive outputs (a tile) interleaved so that a 64-byte load holds the
+// same 4 bytes of the 16 outputs' blocks, dword lane i for output i. VNNI's dpbusd then multiplies
+// 4 codes of each of the 16 outputs by 4 activation codes broadcast, 64 products an instruction,
+// each output's sum staying in its lane: nothing is transposed or summed across lanes at any row
+// count, and each block's sub-block scales (unpacked from their 6 bits here, once, at load) are one
+// widening load for all 16 outputs. A tile's blocks lie in order, and tiles one after another, so a
+// thread's share of a layer is one sequential stream. The tiled code above reads the file's layout
+// and gathers the same lanes with transposes; its per-block shuffles, scalar scale unpacking and
+// lane sums made it compute-bound at one row (BENCHMARKS.md "One-row quantized decode"). ggml's
+// CPU "repack" buffers (ggml-cpu/repack.cpp, block_q4_Kx8) interleave 8 rows for the same reason;
+// this form is ours (16 rows, AVX-512 lanes, scales unpacked, the float steps below unchanged).
+//
+// Q4_K tile-block, 2368 bytes (16 x 148: the 144 stored bytes, the 12 of scales and minimums
+// unpacked to 16):
+//   codes [32][16][4]: vector v, lane i = output i's nibble bytes 4v .. 4v + 3 (v = 8j + u: low
+//                      nibbles columns 64j + 4u + 0..3, sub-block 2j; high nibbles 64j + 32 + 4u + 0..3,
+//                      sub-block 2j + 1)
+//   scales [8][16] u8, minimum pairs [4][16][2] u8 (m_2t, m_2t+1), d [16] fp16, dmin [16] fp16
+// Q6_K tile-block, 3392 bytes (16 x 210, padded to a whole number of cache lines):
+//   codes [16][3][16][4]: for h < 2, u < 8, three vectors p = 3 (8h + u) + 0, 1, 2, lane i holding output
+//                   i's bytes: A = ql 64h + 4u .. (low nibbles columns 128h + 4u + 0..3, high nibbles
+//                   128h + 64 + 4u + 0..3), B = ql 64h + 32 + 4u .. (columns 128h + 32 + 4u + 0..3 and
+//                   128h + 96 + 4u + 0..3), H = qh 32h + 4u .. (bit pair t: columns 128h + 32t + 4u + 0..3):
+//                   the three a step needs side by side, so one row reads the tile-block in order
+//                   (ql and qh apart, read out of order, ran at 9 GB/s from memory against 46 from cache)
+//   scales [16][16] s8, d [16] fp16, 32 bytes of zeros
+// Outputs past the layer's last (its last tile's lanes nt .. 15) are zeros, never stored. A 64-byte
+// header (magic, type, N, blocks a row) comes first.
+constexpr int64_t PTILE = 16;
+constexpr int64_t Q4P_BYTES = 2368;
+constexpr int64_t Q6P_BYTES = 3392;
+
+inline int64_t packed_block_bytes(int64_t type) { return type == 12 ? Q4P_BYTES : Q6P_BYTES; }
+
+// A packed tensor starts with a 64-byte header saying what it holds (a wrong N inside the last tile
+// would otherwise pass every size check), then the tiles.
+constexpr int64_t PACK_MAGIC = 0x314b504b51534754LL;  // "TGSQKPK1"
+constexpr int64_t PACK_HEADER = 64;
+
+inline int64_t packed_bytes(int64_t type, int64_t N, int64_t nb) {
+  return PACK_HEADER + (N + PTILE - 1) / PTILE * nb * packed_block_bytes(type);
+}
+
+// Blocks w (N rows `stride` bytes apart, nb blocks each, of `type`) into the packed form at out.
+void pack_blocks(const uint8_t* w, int64_t stride, int64_t N, int64_t nb, int64_t type, uint8_t* out) {
+  const int64_t tiles = (N + PTILE - 1) / PTILE, tb = packed_block_bytes(type);
+  tgs::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nt = std::min<int64_t>(PTILE, N - t * PTILE);
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = out + (t * nb + b) * tb;
+        std::memset(o, 0, tb);
+        for (int64_t i = 0; i < nt; ++i) {
+          const uint8_t* blk = w + (t * PTILE + i) * stride + b * (type == 12 ? Q4K_BYTES : Q6K_BYTES);
+          if (type == 12) {
+            for (int v = 0; v < 32; ++v) std::memcpy(o + 64 * v + 4 * i, blk + 16 + 4 * v, 4);
+            uint8_t sc[8], mn[8];
+            scale_min_k4(blk + 4, sc, mn);
+            for (int j = 0; j < 8; ++j) o[2048 + 16 * j + i] = sc[j];
+            for (int p = 0; p < 4; ++p) {
+              o[2176 + 32 * p + 2 * i] = mn[2 * p];
+              o[2176 + 32 * p + 2 * i + 1] = mn[2 * p + 1];
+            }
+            std::memcpy(o + 2304 + 2 * i, blk, 2);
+            std::memcpy(o + 2336 + 2 * i, blk + 2, 2);
+          } else {
+            for (int h = 0; h < 2; ++h)
+              for (int u = 0; u < 8; ++u) {
+                uint8_t* p = o + 64 * 3 * (8 * h + u) + 4 * i;
+                std::memcpy(p, blk + 64 * h + 4 * u, 4);
+                std::memcpy(p + 64, blk + 64 * h + 32 + 4 * u, 4);
+                std::memcpy(p + 128, blk + 128 + 32 * h + 4 * u, 4);
+              }
+            for (int g = 0; g < 16; ++g) o[3072 + 16 * g + i] = blk[192 + g];
+            std::memcpy(o + 3328 + 2 * i, blk + 208, 2);
+          }
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BW__)
+// Lines `prefetch` bytes past p (one tile-block's worth; 0: none).
+inline void prefetch_packed(const Args& a, const uint8_t* p, int64_t bytes) {
+  if (a.prefetch) {
+    const char* q = reinterpret_cast<const char*>(p) + a.prefetch;
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
+  }
+}
+
+// Rows m0 .. m0 + R - 1 (R <= 8) against one packed tile (outputs n0 .. n0 + nt - 1): per block, per
+// sub-block, each row's int32 lanes gather sum(q * q8) over the sub-block's 8 code vectors, then
+// I += sum * scale (exact integers, lane i = output i); the float steps are the tiled code's.
+template <int R>
+void q4k_packed_pass(const Args& a, const uint8_t* tile, const int32_t* pairs, int64_t n0, int nt, int64_t m0) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = a.x.q + (m0 + r) * a.K;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* o = tile + b * Q4P_BYTES;
+    prefetch_packed(a, o, Q4P_BYTES);
+    __m512i I[R];
+    for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (R <= 4) {  // both sub-blocks of the 64 columns at once: two independent chains
+        __m512i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) {
+          const __m512i v = _mm512_load_si512(o + 64 * (8 * j + u));
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xr[r] + b * QK + 64 * j + 4 * u, 4);
+            std::memcpy(&x1, xr[r] + b * QK + 64 * j + 32 + 4 * u, 4);
+            s0[r] = dpbusd(s0[r], lo, _mm512_set1_epi32(x0));
+            s1[r] = dpbusd(s1[r], hi, _mm512_set1_epi32(x1));
+          }
+        }
+        const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 32 * j)));
+        const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 32 * j + 16)));
+        for (int r = 0; r < R; ++r)
+          I[r] = _mm512_add_epi32(I[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], sc0), _mm512_mullo_epi32(s1[r], sc1)));
+      } else {
+        for (int half = 0; half < 2; ++half) {
+          __m512i s[R];
+          for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) {
+            const __m512i v = _mm512_load_si512(o + 64 * (8 * j + u));
+            const __m512i c = half ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : _mm512_and_si512(v, low);
+            for (int r = 0; r < R; ++r) {
+              int32_t x4;
+              std::memcpy(&x4, xr[r] + b * QK + 64 * j + 32 * half + 4 * u, 4);
+              s[r] = dpbusd(s[r], c, _mm512_set1_epi32(x4));
+            }
+          }
+          const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 32 * j + 16 * half)));
+          for (int r = 0; r < R; ++r) I[r] = _mm512_add_epi32(I[r], _mm512_mullo_epi32(s[r], sc));
+        }
+      }
+    }
+    __m512i mt[4];  // lane i of mt[p]: output i's minimums 2p, 2p + 1 as int16
+    for (int p = 0; p < 4; ++p)
+      mt[p] = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2176 + 32 * p)));
+    const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2304)));
+    const __m512 dmv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2336)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int32_t* bp = pairs + (m * a.nb + b) * 4;
+      __m512i Mn = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) Mn = dot_pairs(Mn, mt[p], _mm512_set1_epi32(bp[p]));
+      const __m512 dy = _mm512_set1_ps(a.x.d[m * a.nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmv, dy), _mm512_cvtepi32_ps(Mn), acc[r]);
+    }
+  }
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
+}
+
+// Q6_K: code = low nibble | bit pair << 4 (0..63), each 16-column group's lanes start at -32 * bsum16_g
+// (the codes' offset), so sc_g * (its sum) is sc_g * sum((q - 32) * q8), as the tiled code forms it.
+template <int R>
+void q6k_packed_pass(const Args& a, const uint8_t* tile, int64_t n0, int nt, int64_t m0) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const int8_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = a.x.q + (m0 + r) * a.K;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* o = tile + b * Q6P_BYTES;
+    prefetch_packed(a, o, Q6P_BYTES);
+    __m512i I[R];
+    for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
+    const int32_t* bs[R];
+    for (int r = 0; r < R; ++r) bs[r] = a.x.s + (m0 + r) * (a.K / 16) + b * 16;
+    // the four codes of step (h, u): bit pairs t = 0..3 over A's, B's, A's and B's nibbles
+    auto codes = [&](const uint8_t* p, int t) {
+      const __m512i A = _mm512_load_si512(p + 64 * (t & 1)), H = _mm512_load_si512(p + 128);
+      const __m512i nib = t < 2 ? _mm512_and_si512(A, low) : _mm512_and_si512(_mm512_srli_epi16(A, 4), low);
+      const __m512i top = t == 0 ? _mm512_slli_epi16(H, 4) : t == 1 ? _mm512_slli_epi16(H, 2)
+                        : t == 2 ? H : _mm512_srli_epi16(H, 2);
+      return _mm512_or_si512(nib, _mm512_and_si512(top, m30));
+    };
+    for (int h = 0; h < 2; ++h) {
+      for (int gh = 0; gh < 2; ++gh) {  // steps u = 4gh .. 4gh + 3: groups 8h + 2t + gh
+        if constexpr (R <= 4) {  // the block in order: each step's three vectors once, four groups at a time
+          __m512i s[4][R];
+          for (int t = 0; t < 4; ++t)
+            for (int r = 0; r < R; ++r) s[t][r] = _mm512_set1_epi32(-32 * bs[r][8 * h + 2 * t + gh]);
+#pragma GCC unroll 4
+          for (int uu = 0; uu < 4; ++uu) {
+            const int u = 4 * gh + uu;
+            const uint8_t* p = o + 192 * (8 * h + u);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t) {
+              const __m512i c = codes(p, t);
+              for (int r = 0; r < R; ++r) {
+                int32_t x4;
+                std::memcpy(&x4, xr[r] + b * QK + 128 * h + 32 * t + 4 * u, 4);
+                s[t][r] = dpbusd(s[t][r], c, _mm512_set1_epi32(x4));
+              }
+            }
+          }
+          for (int t = 0; t < 4; ++t) {
+            const __m512i sc = _mm512_cvtepi8_epi32(
+                _mm_load_si128(reinterpret_cast<const __m128i*>(o + 3072 + 16 * (8 * h + 2 * t + gh))));
+            for (int r = 0; r < R; ++r) I[r] = _mm512_add_epi32(I[r], _mm512_mullo_epi32(s[t][r], sc));
+          }
+        } else {  // a group at a time (registers for 5-8 rows), its four steps' vectors re-read from cache
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) {
+            const int g = 8 * h + 2 * t + gh;
+            __m512i s[R];
+            for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(-32 * bs[r][g]);
+#pragma GCC unroll 4
+            for (int uu = 0; uu < 4; ++uu) {
+              const int u = 4 * gh + uu;
+              const __m512i c = codes(o + 192 * (8 * h + u), t);
+              for (int r = 0; r < R; ++r) {
+                int32_t x4;
+                std::memcpy(&x4, xr[r] + b * QK + 128 * h + 32 * t + 4 * u, 4);
+                s[r] = dpbusd(s[r], c, _mm512_set1_epi32(x4));
+              }
+            }
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 3072 + 16 * g)));
+            for (int r = 0; r < R; ++r) I[r] = _mm512_add_epi32(I[r], _mm512_mullo_epi32(s[r], sc));
+          }
+        }
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 3328)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dy = _mm512_set1_ps(a.x.d[(m0 + r) * a.nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, dy), _mm512_cvtepi32_ps(I[r]), acc[r]);
+    }
+  }
+  const __mmask16 keep = __mmask16((1u << nt) - 1);
+  for (int r = 0; r < R; ++r) store16(a, m0 + r, n0, keep, acc[r]);
+}
+
+template <bool Q4>
+void packed_dispatch(const Args& a, const uint8_t* tile, const int32_t* pairs, int64_t n0, int nt, int64_t m0, int64_t r) {
+#define TGS_KQ_CASE(R) case R: if (Q4) q4k_packed_pass<R>(a, tile, pairs, n0, nt, m0); else q6k_packed_pass<R>(a, tile, n0, nt, m0); break;
+  switch (r) {
+    TGS_KQ_CASE(1) TGS_KQ_CASE(2) TGS_KQ_CASE(3) TGS_KQ_CASE(4)
+    TGS_KQ_CASE(5) TGS_KQ_CASE(6) TGS_KQ_CASE(7) default: TGS_KQ_CASE(8)
+  }
+#undef TGS_KQ_CASE
+}
+
+// A packed tile into the decoded-tile form the prompt path reads (q4k_gemm_pass / q6k_gemm_pass: codes
+// as bytes, dword kq = columns 4kq .. 4kq + 3, scales as int32, d as float32): the packed lanes are
+// already per output, so this is nibble masks and widenings, no transposes. From GEMM_ROWS rows the
+// codes are then read as they are by every pass of 8 rows instead of unpacked again per pass (Q6_K's
+// codes take 4-5 instructions each: 0.82-0.86x of the stored layout's prompt speed when unpacked per pass).
+void q4k_packed_decode(const uint8_t* tile, int64_t nb, int32_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = tile + b * Q4P_BYTES;
+    int32_t* w = out + b * Q4_WORDS;
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < 8; ++u) {  // low nibbles: columns 64j + 4u (kq = 16j + u), high: 64j + 32 + 4u
+        const __m512i v = _mm512_load_si512(o + 64 * (8 * j + u));
+        _mm512_store_si512(w + 16 * (16 * j + u), _mm512_and_si512(v, low));
+        _mm512_store_si512(w + 16 * (16 * j + 8 + u), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+    for (int j = 0; j < 8; ++j)
+      _mm512_store_si512(w + 64 * 16 + 16 * j, _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 16 * j))));
+    for (int p = 0; p < 4; ++p)
+      _mm512_store_si512(w + 64 * 16 + 8 * 16 + 16 * p,
+                         _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2176 + 32 * p))));
+    float* D = reinterpret_cast<float*>(w + 64 * 16 + 8 * 16 + 4 * 16);
+    _mm512_store_ps(D, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2304))));
+    _mm512_store_ps(D + 16, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2336))));
+  }
+}
+
+void q6k_packed_decode(const uint8_t* tile, int64_t nb, int32_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = tile + b * Q6P_BYTES;
+    int32_t* w = out + b * Q6_WORDS;
+    for (int h = 0; h < 2; ++h)
+      for (int u = 0; u < 8; ++u) {  // bit pair t: columns 128h + 32t + 4u (kq = 32h + 8t + u)
+        const uint8_t* p = o + 192 * (8 * h + u);
+        const __m512i A = _mm512_load_si512(p), B = _mm512_load_si512(p + 64), H = _mm512_load_si512(p + 128);
+        const __m512i c[4] = {
+            _mm512_or_si512(_mm512_and_si512(A, low), _mm512_and_si512(_mm512_slli_epi16(H, 4), m30)),
+            _mm512_or_si512(_mm512_and_si512(B, low), _mm512_and_si512(_mm512_slli_epi16(H, 2), m30)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low), _mm512_and_si512(H, m30)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), low), _mm512_and_si512(_mm512_srli_epi16(H, 2), m30))};
+        for (int t = 0; t < 4; ++t) _mm512_store_si512(w + 16 * (32 * h + 8 * t + u), c[t]);
+      }
+    for (int g = 0; g < 16; ++g)
+      _mm512_store_si512(w + 64 * 16 + 16 * g, _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 3072 + 16 * g))));
+    _mm512_store_ps(reinterpret_cast<float*>(w + 64 * 16 + 16 * 16),
+                    _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(o + 3328))));
+  }
+}
+
+// parts[i].w: a packed weight, parts[i].y / yh already at its first output column (a fused layer's parts
+// side by side). The parts' tiles are numbered one after another and split among threads in one
+// parallel region (one range each: a fused qkv is one dispatch, not three); each tile's rows go in
+// passes of up to 8 while the tile is in cache, so the weights come from memory once whatever the
+// number of rows.
+template <bool Q4>
+void run_packed(const std::vector<Args>& parts) {
+  const Args& a0 = parts[0];
+  std::vector<int32_t> pairs;
+  if (Q4) pairs = q4k_pairs(a0);
+  const int64_t tile_bytes = a0.nb * (Q4 ? Q4P_BYTES : Q6P_BYTES);
+  std::vector<int64_t> first(parts.size() + 1, 0);  // the parts' first tile numbers
+  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + PTILE - 1) / PTILE;
+  const bool gemm = a0.M >= GEMM_ROWS;
+  tgs::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> buffer(gemm ? a0.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16 : 0);
+    int32_t* words = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    size_t i = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[i + 1]) ++i;
+      const Args& a = parts[i];
+      const int64_t n0 = (t - first[i]) * PTILE;
+      const int nt = int(std::min<int64_t>(PTILE, a.N - n0));
+      const uint8_t* tile = a.w + (t - first[i]) * tile_bytes;
+      if (gemm) {
+        if (Q4)
+          q4k_packed_decode(tile, a.nb, words);
+        else
+          q6k_packed_decode(tile, a.nb, words);
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8)
+          gemm_dispatch<Q4>(a, words, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+      } else {
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8)
+          packed_dispatch<Q4>(a, tile, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+      }
+    }
+  });
+}
+#endif
 
 }  // namespace tgs_kquant
 
@@ -875,7 +1230,7 @@ inline void q8k_block(const float* v, int8_t* o, float* d, int32_t* sums) {
 void q8k_quantize(const uint8_t* xp, c10::ScalarType dtype, int64_t esize, int64_t M, int64_t K, int8_t* qp, float* dp,
                   int32_t* sp) {
   const int64_t nb = K / 256;
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+  tgs::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       alignas(64) float vals[256];  // the block as float32 (exactly: bfloat16 and float16 widen without rounding)
       const uint8_t* raw = xp + i * 256 * esize;
@@ -937,6 +1292,50 @@ void mm_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& w, int64
   else
     run<false>(a);
 }
+
+void check_packed(const torch::Tensor& pack, int64_t N, int64_t type, int64_t K);
+
+// The same product with w in the packed form (kquant_pack of an [N, K] weight): the bits mm_into gives.
+// Parts side by side: packs[i] ([ns[i], K]) into columns from col0 on, all in one parallel region.
+void mm_packed_into(const Act& act, int64_t M, int64_t K, const std::vector<torch::Tensor>& packs,
+                    const std::vector<int64_t>& ns, int64_t type, int64_t prefetch, float* y, uint16_t* yh, int64_t ldy,
+                    int64_t col0) {
+  block_bytes(type);
+  std::vector<Args> parts;
+  int64_t col = col0;
+  for (size_t i = 0; i < packs.size(); ++i) {
+    check_packed(packs[i], ns[i], type, K);
+    if (ns[i])
+      parts.push_back(Args{act, packs[i].data_ptr<uint8_t>() + PACK_HEADER, y ? y + col : nullptr, yh ? yh + col : nullptr,
+                           M, K, ns[i], 0, K / 256, prefetch, ldy});
+    col += ns[i];
+  }
+#if defined(__AVX512BW__)
+  if (M == 0 || parts.empty()) return;
+  if (type == 12)
+    run_packed<true>(parts);
+  else
+    run_packed<false>(parts);
+#else
+  (void)prefetch; (void)ldy;
+  TORCH_CHECK(false, "the packed K-quant form needs a build with AVX-512BW (kquant_packed_isa() is 0)");
+#endif
+}
+
+// pack holds the packed form of an [N, K] weight of `type`, or a clear error says what it holds.
+void check_packed(const torch::Tensor& pack, int64_t N, int64_t type, int64_t K) {
+  const int64_t nb = K / 256;
+  TORCH_CHECK(N >= 0 && pack.scalar_type() == torch::kByte && pack.is_contiguous() &&
+              pack.numel() == packed_bytes(type, N, nb),
+              "packed blocks must be contiguous uint8 of ", packed_bytes(type, N, nb), " bytes for N = ", N, ", K = ", K,
+              ", got ", pack.scalar_type(), " of ", pack.numel());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(pack.data_ptr()) % 64 == 0, "packed blocks must start on a 64-byte boundary");
+  int64_t head[4];
+  std::memcpy(head, pack.data_ptr<uint8_t>(), sizeof(head));
+  TORCH_CHECK(head[0] == PACK_MAGIC && head[1] == type && head[2] == N && head[3] == nb,
+              "packed blocks hold type ", head[1], ", N = ", head[2], ", ", head[3], " super-blocks a row (magic ",
+              head[0] == PACK_MAGIC ? "ok" : "wrong", "), not type ", type, ", N = ", N, ", K = ", K);
+}
 }  // namespace tgs_kquant
 
 // kquant_mm's product written into columns col0 .. col0 + N of out (float32, or bfloat16 rounded to
@@ -968,17 +1367,20 @@ void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Te
 // N) written side by side into one [M, N] output of x's dtype, then, where bias (x's dtype, [N]) has
 // elements, the bias added as torch adds it in that dtype (bfloat16: the rounded product plus the bias,
 // rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`, without the tensors
-// and torch ops between them (their fixed cost at one decode row).
+// and torch ops between them (their fixed cost at one decode row). packed_n empty: the parts are blocks as
+// stored; else part i is kquant_pack's form of a [packed_n[i], K] weight (the parts in one parallel region).
 torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, int64_t type, torch::Tensor bias,
-                            int64_t prefetch) {
+                            int64_t prefetch, std::vector<int64_t> packed_n) {
   x = x.contiguous();
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16), "x must be float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 256 == 0 && K > 0, "K = ", K, " is not a positive multiple of 256");
   TORCH_CHECK(!parts.empty(), "a K-quant layer needs at least one part");
+  TORCH_CHECK(packed_n.empty() || packed_n.size() == parts.size(), "packed_n must be empty (blocks as stored) or give ",
+              "each packed part's N (", parts.size(), " parts), got ", packed_n.size());
   int64_t N = 0;
-  for (const auto& w : parts) N += w.size(0);
+  for (size_t i = 0; i < parts.size(); ++i) N += packed_n.empty() ? parts[i].size(0) : packed_n[i];
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.is_contiguous() && bias.numel() == N),
               "bias must be empty or ", dtype, " [", N, "]");
   auto y = torch::empty({M, N}, x.options());
@@ -996,10 +1398,14 @@ torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, i
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   uint16_t* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
   int64_t col = 0;
-  for (const auto& w : parts) {
-    tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, w, type, prefetch, yf, yh, N, col);
-    col += w.size(0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (packed_n.empty()) {
+      tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, parts[i], type, prefetch, yf, yh, N, col);
+      col += parts[i].size(0);
+    }
   }
+  if (!packed_n.empty())
+    tgs_kquant::mm_packed_into({qs.data(), ds.data(), ss.data()}, M, K, parts, packed_n, type, prefetch, yf, yh, N, 0);
   if (bias.numel()) {
     if (dtype == torch::kBFloat16) {
       uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -1018,6 +1424,50 @@ torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, i
     }
   }
   return y;
+}
+
+// kquant_mm_into with w in the packed form (kquant_pack of an [n, K] weight): the same bits.
+void kquant_mm_packed_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor pack, int64_t n,
+                           int64_t type, int64_t prefetch, torch::Tensor out, int64_t col0) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "codes must be contiguous int8 [M, K]");
+  const int64_t M = q.size(0), K = q.size(1), nb = K / 256;
+  TORCH_CHECK(K % 256 == 0 && K > 0, "K = ", K, " is not a positive multiple of 256");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == M * nb, "d must be float32 [M, K / 256]");
+  TORCH_CHECK(s.scalar_type() == torch::kInt && s.is_contiguous() && s.numel() == M * (K / 16), "sums must be int32 [M, K / 16]");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
+              col0 >= 0 && col0 + n <= out.size(1),
+              "out must be float32 or bfloat16 [", M, ", >= ", col0 + n, "] with contiguous rows");
+  tgs_kquant::mm_packed_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, {pack}, {n}, type,
+                             prefetch, bf16 ? nullptr : out.data_ptr<float>(),
+                             bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
+}
+
+// The blocks w (uint8 [N, K / 256 * block bytes] of `type`, rows may be strided) in the packed form
+// (tgs_kquant::pack_blocks says the layout): a new uint8 tensor, 64-byte aligned, that
+// kquant_mm_packed_into and kquant_linear read.
+torch::Tensor kquant_pack(torch::Tensor w, int64_t type) {
+  const int64_t bytes = tgs_kquant::block_bytes(type);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % bytes == 0 && w.size(1) > 0 &&
+              w.stride(1) == 1 && w.stride(0) >= 0,
+              "blocks must be uint8 [N, blocks * ", bytes, "] with contiguous rows, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), nb = w.size(1) / bytes;
+  auto out = torch::empty({tgs_kquant::packed_bytes(type, N, nb)}, w.options());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0, "the allocator gave a packed buffer off a 64-byte boundary");
+  const int64_t head[8] = {tgs_kquant::PACK_MAGIC, type, N, nb, 0, 0, 0, 0};
+  std::memcpy(out.data_ptr<uint8_t>(), head, sizeof(head));
+  if (N) tgs_kquant::pack_blocks(w.data_ptr<uint8_t>(), w.stride(0), N, nb, type, out.data_ptr<uint8_t>() + tgs_kquant::PACK_HEADER);
+  return out;
+}
+
+// Whether the packed form's kernel is built (AVX-512BW); elsewhere the blocks are read as stored.
+int64_t kquant_packed_isa() {
+#if defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // Q8_K activations (kquant_quantize_q8k's three tensors) @ W^T, W the K-quant blocks w [N, K / 256 *
@@ -1047,7 +1497,7 @@ void kquant_dequant(torch::Tensor w, int64_t type, int64_t n0, int64_t n1, torch
   const int64_t stride = w.stride(0);
   float* op = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* hp = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+  tgs::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
     float vals[256];
     for (int64_t n = a; n < b; ++n) {
       for (int64_t blk_i = 0; blk_i < nb; ++blk_i) {
@@ -1130,7 +1580,8 @@ int64_t kquant_native_isa() {
 }
 """
 
-FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_linear", "kquant_dequant", "kquant_native_isa"]
+FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_linear", "kquant_dequant", "kquant_native_isa",
+             "kquant_pack", "kquant_mm_packed_into", "kquant_packed_isa"]
 
 
 def with_kquant_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
