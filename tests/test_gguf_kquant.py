@@ -452,3 +452,44 @@ def test_a_k_quant_token_embedding_stays_as_stored_in_a_served_model(native, qty
     assert [m for m in dense.model.modules() if isinstance(m, TensorParallelEmbedding)][0].stored is None
     assert greedy(lm, 8) == greedy(dense, 8)
     assert torch.equal(prompt_logprobs(lm), prompt_logprobs(dense))
+
+
+def _mapping_rss_kib(address: int) -> int:
+    """Rss of the mapping holding `address`, from /proc/self/smaps."""
+    current = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= address < hi
+            elif current and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_packing_lets_go_of_the_file_pages_only(tmp_path):
+    """release_file_pages drops a read-only file mapping's pages (they read back from the file, the
+    same bytes) and never touches anonymous memory, where DONTNEED would zero it."""
+    import warnings
+
+    import numpy as np
+
+    from text_generation_server.kernels.cpu_kquant import release_file_pages
+
+    data = np.random.default_rng(0).integers(0, 255, 4 * 2**20, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    with warnings.catch_warnings():  # read-only memory, as a GGUF file is mapped: never written here
+        warnings.simplefilter("ignore", UserWarning)
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r"))
+    assert int(mapped.sum()) == int(data.sum())  # every page touched
+    before = _mapping_rss_kib(mapped.data_ptr())
+    assert before >= 4 * 1024 - 8
+    owned = torch.from_numpy(data.copy())
+    assert release_file_pages([owned]) == 0
+    assert torch.equal(owned, torch.from_numpy(data))
+    dropped = release_file_pages([mapped])
+    assert dropped >= 4 * 2**20 - 2 * 4096
+    assert _mapping_rss_kib(mapped.data_ptr()) <= 8
+    assert torch.equal(mapped, torch.from_numpy(data))  # faulted back in from the file

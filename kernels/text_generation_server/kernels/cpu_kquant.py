@@ -31,11 +31,17 @@ instead, so every other kernel sees an ordinary integer weight.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import ctypes.util
+import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
@@ -151,6 +157,55 @@ def kquant_dequant(module, blocks: torch.Tensor, type_id: int, dtype: torch.dtyp
     return out
 
 
+def _file_mappings() -> tuple[list[int], list[tuple[int, int]]]:
+    """This process's read-only shared mappings of regular files, as sorted (start, end) address
+    ranges (from /proc/self/maps): the only memory `release_file_pages` may drop."""
+    starts: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or not fields[1].startswith("r-") or fields[1][3] != "s":
+                    continue  # not read-only, or private (copy-on-write pages may hold changes)
+                if not fields[5].startswith("/") or not os.path.isfile(fields[5].strip()):
+                    continue
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                starts.append(lo)
+                ranges.append((lo, hi))
+    except OSError:
+        return [], []
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    return [starts[i] for i in order], [ranges[i] for i in order]
+
+
+def release_file_pages(tensors: list[torch.Tensor]) -> int:
+    """Drops this process's pages of `tensors` where they lie in a read-only shared mapping of a file
+    (a GGUF file's blocks, once packed): madvise(MADV_DONTNEED), so the packed copy does not sit in
+    resident memory beside the file's pages it came from. The file is untouched, and a later read of
+    those bytes faults them back in from it, so nothing can read other values; anonymous or private
+    memory is never dropped (there DONTNEED would zero it). Returns the bytes dropped."""
+    if not tensors or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return 0
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    starts, ranges = _file_mappings()
+    page = mmap.PAGESIZE
+    dropped = 0
+    for t in tensors:
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        i = bisect.bisect_right(starts, lo) - 1
+        if i < 0 or not (ranges[i][0] <= lo and hi <= ranges[i][1]):
+            continue
+        a, b = -(-lo // page) * page, hi // page * page  # whole pages inside the tensor only
+        if b > a and libc.madvise(a, b - a, mmap.MADV_DONTNEED) == 0:
+            dropped += b - a
+    return dropped
+
+
 class KQuantLinear(torch.nn.Module):
     """Where the build has AVX-512BW, each part is converted at load to the packed form
     (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
@@ -177,6 +232,11 @@ class KQuantLinear(torch.nn.Module):
                 self.register_buffer(f"packed{i}", self.native.kquant_pack(part, type_id))
             else:
                 self.register_buffer(f"blocks{i}", part)
+        if self.packed:
+            # The file's pages of the packed blocks are read no more: out of resident memory.
+            dropped = release_file_pages(list(parts))
+            if dropped:
+                logger.debug("cpu-kquant: {:.1f} MiB of the file's pages let go after packing", dropped / 2**20)
         self.register_buffer("bias", bias)
         self.type_id = type_id
         self.act_dtype = act_dtype
