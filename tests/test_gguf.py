@@ -137,7 +137,7 @@ GROUP_KERNELS = {"cpu-int8-group-native", "cpu-int8-group"}
 
 
 def test_kernels_per_format_are_the_fast_ones(files, monkeypatch):
-    # Q4_K and Q6_K: their blocks in place (tests/test_gguf_kquant.py); the other formats decoded
+    # Q4_K and Q6_K: their blocks on cpu-kquant (packed at load on AVX-512BW; tests/test_gguf_kquant.py); the other formats decoded
     lm = get_model(str(files["llama-Q4_K-vQ6_K"]), dtype="float32")
     assert kernels_used(lm) - {"dense"} == {"cpu-kquant"}, kernels_used(lm)
     for name in ("qwen2-Q4_0", "qwen2-Q4_1", "qwen2-Q2_K"):
