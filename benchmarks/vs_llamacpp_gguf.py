@@ -123,7 +123,10 @@ async def run(vs, llama: lb.LlamaCpp, plan, threads: int, rounds: int, startup_t
         await vs.wait_listening(server.port, server.proc, startup_timeout_s)
         await server.wait_ready()
         logger.info("ours serving {} ready in {:.0f} s", gguf.name, time.monotonic() - started)
-        llama_server = vs.LlamaServer(llama.bin("llama-server"), gguf, threads, top, 512, startup_timeout_s)
+        # Each slot's context holds the prefill's prompt and a decode's tokens (llama-server refuses a
+        # prompt that fills its slot: with 512 a slot, every 512-token prefill came back 400).
+        per_slot = max(512, plan.prompt_tokens + max(plan.new_tokens, 128) + 64)
+        llama_server = vs.LlamaServer(llama.bin("llama-server"), gguf, threads, top, per_slot, startup_timeout_s)
         logger.info("llama-server ready in {:.0f} s", await llama_server.wait_ready())
         port = llama_server.port
         async with grpc.aio.insecure_channel(server.target) as channel:
