@@ -177,13 +177,19 @@ def test_a_failing_step_ahead_fails_the_decode_that_commits_it(lm):
         assert len(first.generations) == 2
         await service.Decode(pb.DecodeRequest(batches=[first.batch]), ctx)
 
+    assert_failed_step_is_clean(lm, service, hook, go, free)
+    assert decode_forwards == [2, 2]
+
+
+def assert_failed_step_is_clean(lm, service, hook, go, free: int) -> None:
+    """Runs `go` with `hook` before the first layer: the call must fail as INTERNAL, and leave no
+    cached batch, no step ahead and every KV block free (then the service's model thread stops)."""
     handle = lm.model.layers[0].register_forward_pre_hook(hook)
     try:
         with pytest.raises(Aborted) as err:
             asyncio.run(go())
     finally:
         handle.remove()
-    assert decode_forwards == [2, 2]
     assert err.value.code == grpc.StatusCode.INTERNAL
     assert not service.cache and not service._ahead
     assert lm.allocator.free_blocks == free, "the failed batch kept its KV blocks"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
@@ -22,7 +21,7 @@ from text_generation_server.shard.service import TextGenerationService, ahead_st
 from text_generation_server.models.loader import get_model
 from text_generation_server.router.scheduler import steps_in
 
-from test_decode_ahead import PROMPTS, Aborted, Context, Driver, request, scenario
+from test_decode_ahead import PROMPTS, Context, Driver, assert_failed_step_is_clean, request, scenario
 
 CHAIN = 3
 
@@ -144,17 +143,8 @@ def test_a_failing_chain_step_fails_the_decode_that_commits_it(lm):
         resp = await service.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=reqs, size=2)), ctx)
         await service.Decode(pb.DecodeRequest(batches=[resp.batch]), ctx)
 
-    handle = lm.model.layers[0].register_forward_pre_hook(hook)
-    try:
-        with pytest.raises(Aborted) as err:
-            asyncio.run(go())
-    finally:
-        handle.remove()
+    assert_failed_step_is_clean(lm, service, hook, go, free)
     assert decode_forwards == [2, 2, 2]
-    assert err.value.code == grpc.StatusCode.INTERNAL
-    assert not service.cache and not service._ahead
-    assert lm.allocator.free_blocks == free, "the failed batch kept its KV blocks"
-    service._executor.shutdown(wait=True)
 
 
 def test_the_steps_stream_chains_and_the_unary_decode_does_not(lm):

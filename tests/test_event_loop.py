@@ -48,3 +48,17 @@ def test_grpc_aio_serves_on_the_chosen_loop(monkeypatch):
             await server.stop(None)
 
     assert event_loop.run(main()) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop is a dependency on Linux and macOS only")
+def test_a_value_that_is_no_switch_is_named_and_uvloop_stays(monkeypatch):
+    from loguru import logger
+
+    said: list[str] = []
+    sink = logger.add(said.append, level="WARNING", format="{message}")
+    try:
+        monkeypatch.setenv(event_loop.UVLOOP_ENV, "maybe")
+        assert event_loop.loop_factory() is not None
+    finally:
+        logger.remove(sink)
+    assert any("TGS_UVLOOP='maybe'" in line for line in said), said

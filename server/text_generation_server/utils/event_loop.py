@@ -22,8 +22,12 @@ T = TypeVar("T")
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's loop constructor, or None for asyncio's default (TGS_UVLOOP=0, or no uvloop)."""
-    if os.environ.get(UVLOOP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    value = os.environ.get(UVLOOP_ENV, "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
         return None
+    if value not in ("1", "true", "yes", "on"):
+        logger.warning("{}={!r} is not 0/1, true/false, yes/no or on/off: uvloop stays on", UVLOOP_ENV,
+                       os.environ[UVLOOP_ENV])
     try:
         import uvloop
     except ImportError:
