@@ -122,3 +122,14 @@ def test_the_router_takes_the_cores_its_ranks_left():
         assert got["mine"] == got["available"][:-1] == got["now"]
     else:  # one core: the rank holds it all and nothing is pinned
         assert got["mine"] is None and got["now"] == got["available"]
+
+
+def test_a_mask_the_system_refuses_leaves_the_process_unbound(monkeypatch):
+    def refuse(tid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(ca.os, "sched_setaffinity", refuse)
+    monkeypatch.setattr(ca, "available_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert ca.pin_threads([1]) is False
+    assert ca.pin_rank("auto", 0, 1, 2) is None

@@ -68,6 +68,9 @@ def pin_threads(cpus: Sequence[int]) -> bool:
             done = True
         except ProcessLookupError:  # the thread ended meanwhile
             continue
+        except OSError as exc:  # a mask the process may not take (a cpuset changed under it): stay unbound
+            logger.warning("CPU affinity: cores {} not taken ({}); placement left to the OS", format_cpus(cpus), exc)
+            return False
     return done
 
 
