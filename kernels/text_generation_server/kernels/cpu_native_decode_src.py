@@ -46,14 +46,87 @@ template <typename T> inline vf load16(const T* p);
 template <> inline vf load16<float>(const float* p) { return load_f(p); }
 template <> inline vf load16<uint16_t>(const uint16_t* p) { return load_bf16(p); }
 
-inline float lanes_sum(vf v) {  // a fixed order: pairs, then pairs of pairs
-  float s = 0.f;
-  float t[16];
-  std::memcpy(t, &v, sizeof(t));
-  for (int i = 0; i < 8; ++i) t[i] += t[i + 8];
-  for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
-  s = (t[0] + t[2]) + (t[1] + t[3]);
-  return s;
+// The 16 lanes summed in one fixed order: the upper half onto the lower (i + 8 onto i), then i + 4
+// onto i, then (t0 + t2) + (t1 + t3). Written as whole-vector adds of the halves, which are the same
+// lane-wise additions as the scalar form of that order, so the bits are that order's on every build.
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+inline float lanes_sum(vf v) {
+  vf8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const vf8 s8 = lo + hi;
+  vf4 a, b;
+  std::memcpy(&a, &s8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  const vf4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Register blocks: GB query heads of one KV head at a time, and (for the values) DB 16-float
+// vectors of the head dimension, so the accumulators stay in registers and each key or value
+// vector is widened from the cache once for all GB heads. Every (head, lane) still sums its
+// terms in the same order as one head at a time would (keys: the head dimension's 16-wide chunks
+// in order, then `lanes_sum`; values: positions in order), so the blocking changes no bit.
+#if defined(__AVX512F__)
+constexpr int DB_MAX = 4;  // 4 x 4 accumulators + 4 value vectors of 32 zmm registers
+#else
+constexpr int DB_MAX = 2;  // a vf is two ymm (AVX2) or four NEON registers
+#endif
+constexpr int GB_MAX = 4;
+
+template <typename T, int GB>
+inline void scores_block(const float* qf, const T* k, int64_t D, int64_t D16, float* s) {
+  vf a[GB];
+  for (int g = 0; g < GB; ++g) a[g] = splat(0.f);
+  for (int64_t d = 0; d < D16; d += 16) {
+    const vf kv = load16(k + d);
+    for (int g = 0; g < GB; ++g) a[g] += load_f(qf + g * D + d) * kv;
+  }
+  for (int g = 0; g < GB; ++g) {
+    float r = lanes_sum(a[g]);
+    for (int64_t d = D16; d < D; ++d) r += qf[g * D + d] * elem(k, d);
+    s[g] = r;
+  }
+}
+
+template <typename T, int GB, int DB>
+inline void values_block(const float* p, int64_t n, const T* vc, const int64_t* table, int64_t start, int64_t bs,
+                         int64_t KVH, int64_t kvh, int64_t D, int64_t d0, float* acc) {
+  vf a[GB][DB];
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < DB; ++j) a[g][j] = splat(0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = start + i;
+    const T* v = vc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D + d0;
+    vf x[DB];
+    for (int j = 0; j < DB; ++j) x[j] = load16(v + 16 * j);
+    for (int g = 0; g < GB; ++g) {
+      const vf w = splat(p[g * n + i]);
+      for (int j = 0; j < DB; ++j) a[g][j] = a[g][j] + w * x[j];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < DB; ++j) std::memcpy(acc + g * D + d0 + 16 * j, &a[g][j], sizeof(vf));
+}
+
+template <typename T, int GB>
+inline void values_heads(const float* p, int64_t n, const T* vc, const int64_t* table, int64_t start, int64_t bs,
+                         int64_t KVH, int64_t kvh, int64_t D, int64_t D16, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 16 * DB_MAX <= D16; d0 += 16 * DB_MAX)
+    values_block<T, GB, DB_MAX>(p, n, vc, table, start, bs, KVH, kvh, D, d0, acc);
+  for (; d0 < D16; d0 += 16) values_block<T, GB, 1>(p, n, vc, table, start, bs, KVH, kvh, D, d0, acc);
+  for (int64_t d = D16; d < D; ++d) {  // the tail lanes: scalar, positions in order
+    for (int g = 0; g < GB; ++g) {
+      float r = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = start + i;
+        r += p[g * n + i] * elem(vc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D, d);
+      }
+      acc[g * D + d] = r;
+    }
+  }
 }
 
 template <typename T>
@@ -65,7 +138,7 @@ void decode_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
   const int64_t n = L - start;
   const int64_t D16 = D - D % 16;
   qf.resize(G * D);
-  acc.assign(G * D, 0.f);
+  acc.resize(G * D);
   p.resize(G * std::max<int64_t>(n, 1));
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = elem(q + (kvh * G + g) * D, d);
@@ -74,17 +147,21 @@ void decode_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
       for (int64_t d = 0; d < D; ++d) out[(kvh * G + g) * D + d] = T(0);
     return;
   }
-  // Scores: each key row read once for the G query heads of its KV head.
+  // Scores: each key row widened once for the query heads of its KV head, GB heads at a time.
+  float s[GB_MAX];
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = start + i;
     const T* k = kc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf.data() + g * D;
-      vf a = splat(0.f);
-      for (int64_t d = 0; d < D16; d += 16) a += load_f(qg + d) * load16(k + d);
-      float s = lanes_sum(a);
-      for (int64_t d = D16; d < D; ++d) s += qg[d] * elem(k, d);
-      p[g * n + i] = s * scale;
+    for (int64_t g0 = 0; g0 < G; g0 += GB_MAX) {
+      const int64_t gb = std::min<int64_t>(GB_MAX, G - g0);
+      const float* qg = qf.data() + g0 * D;
+      switch (gb) {
+        case 4: scores_block<T, 4>(qg, k, D, D16, s); break;
+        case 3: scores_block<T, 3>(qg, k, D, D16, s); break;
+        case 2: scores_block<T, 2>(qg, k, D, D16, s); break;
+        default: scores_block<T, 1>(qg, k, D, D16, s); break;
+      }
+      for (int64_t g = 0; g < gb; ++g) p[(g0 + g) * n + i] = s[g] * scale;
     }
   }
   std::vector<float> inv(G);
@@ -105,18 +182,16 @@ void decode_task(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
     }
     inv[g] = 1.f / sum;
   }
-  // Values: each value row read once, accumulated into the G heads' float32 outputs.
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = start + i;
-    const T* v = vc + ((table[t / bs] * bs + t % bs) * KVH + kvh) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      float* ag = acc.data() + g * D;
-      const vf w = splat(p[g * n + i]);
-      for (int64_t d = 0; d < D16; d += 16) {
-        vf a = load_f(ag + d) + w * load16(v + d);
-        std::memcpy(ag + d, &a, sizeof(a));
-      }
-      for (int64_t d = D16; d < D; ++d) ag[d] += p[g * n + i] * elem(v, d);
+  // Values: each value vector widened once for GB heads, accumulated in registers over the positions.
+  for (int64_t g0 = 0; g0 < G; g0 += GB_MAX) {
+    const int64_t gb = std::min<int64_t>(GB_MAX, G - g0);
+    const float* pg = p.data() + g0 * n;
+    float* ag = acc.data() + g0 * D;
+    switch (gb) {
+      case 4: values_heads<T, 4>(pg, n, vc, table, start, bs, KVH, kvh, D, D16, ag); break;
+      case 3: values_heads<T, 3>(pg, n, vc, table, start, bs, KVH, kvh, D, D16, ag); break;
+      case 2: values_heads<T, 2>(pg, n, vc, table, start, bs, KVH, kvh, D, D16, ag); break;
+      default: values_heads<T, 1>(pg, n, vc, table, start, bs, KVH, kvh, D, D16, ag); break;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
