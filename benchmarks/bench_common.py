@@ -32,6 +32,24 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 # -- the run: command and date ------------------------------------------------------------------
 
 
+def openmp_as_serve() -> dict[str, str]:
+    """Gives this process the OpenMP settings `serve` starts its ranks with (unless the user set
+    their own), and returns what it set. Call it before torch is imported: libgomp reads them then.
+
+    Why: an in-process step measured with torch's idle OpenMP threads spinning is not the step a rank
+    runs. On the 2-core EPYC with other work running, a step's first small op (rotary's `cos`) waited
+    a whole scheduler slice (3-15 ms) behind the spinning threads, and the 1.5B GGUF step read 100 ms
+    in-process against 61 with the ranks' passive waits (BENCHMARKS.md, issue #32 session 9)."""
+    from text_generation_server.settings.serve_flags import openmp_environment
+
+    changes = openmp_environment(os.environ)
+    if changes and "torch" in sys.modules:
+        sys.stderr.write(f"bench_common: torch was imported before {changes} could take effect; the in-process "
+                         "step runs with OpenMP's own waits\n")
+    os.environ.update(changes)
+    return changes
+
+
 def command_line(python: str = "python", script: str | None = None, argv: Sequence[str] | None = None) -> str:
     """The command that ran this script, quoted so it can be pasted back into a shell.
 

@@ -39,10 +39,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from loguru import logger
+from bench_common import command_line, environment, load_line, machine_line, md_table, now_iso, openmp_as_serve
 
-from bench_common import command_line, environment, load_line, machine_line, md_table, now_iso  # noqa: E402
+openmp_as_serve()  # the ranks' OpenMP waits, set before torch loads libgomp
+
+import torch  # noqa: E402
+from loguru import logger  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 

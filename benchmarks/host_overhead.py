@@ -55,8 +55,10 @@ if str(BENCH_DIR) not in sys.path:
 
 from bench_common import (  # noqa: E402
     FORWARD, StartedServer, environment, fmt_value, load_line, machine_line, md_table, now_iso, parse_ints, ratio,
-    scrape_steps, steps_delta,
+    scrape_steps, steps_delta, openmp_as_serve,
 )
+
+openmp_as_serve()  # the in-process side waits as the ranks' OpenMP threads do (set before torch loads)
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 QUICK = {"batches": "1,8", "waits_us": "0,1000", "new_tokens": 24, "rounds": 1}

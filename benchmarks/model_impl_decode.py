@@ -19,11 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from bench_common import (  # noqa: E402
+    command_line, load_averages, load_line, machine_line, md_table, now_iso, openmp_as_serve, parse_ints, ratio,
+)
+
+openmp_as_serve()  # the ranks' OpenMP waits, set before torch loads libgomp
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from bench_common import command_line, load_averages, load_line, machine_line, md_table, now_iso, parse_ints, ratio  # noqa: E402
 
 
 def write_model(folder: Path, hidden: int, layers: int) -> None:

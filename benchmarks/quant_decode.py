@@ -26,12 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from loguru import logger
-
 from bench_common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-    command_line, load_line, machine_line, md_table, now_iso, ratio,
+    command_line, load_line, machine_line, md_table, now_iso, openmp_as_serve, ratio,
 )
+
+openmp_as_serve()  # the ranks' OpenMP waits, set before torch loads libgomp
+
+import torch  # noqa: E402
+from loguru import logger  # noqa: E402
 from prompts import CODE_PROMPTS  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "server" / "text_generation_server" / "assets" / "tiny-pycoder"

@@ -36,8 +36,10 @@ if str(BENCH_DIR) not in sys.path:
 
 from bench_common import (  # noqa: E402
     FORWARD, STEP, StartedServer, fmt_value, load_line, machine_line, md_table, now_iso, ratio, scrape_steps,
-    steps_delta, stream_generate,
+    steps_delta, stream_generate, openmp_as_serve,
 )
+
+openmp_as_serve()  # the in-process side waits as the ranks' OpenMP threads do (set before torch loads)
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 

@@ -151,3 +151,17 @@ def test_free_ports_are_bindable():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_openmp_as_serve_gives_the_ranks_waits_unless_the_user_chose(monkeypatch):
+    """In-process steps are measured with the OpenMP waits `serve` gives its ranks (passive), never
+    over a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert bc.openmp_as_serve() == {"OMP_WAIT_POLICY": "passive"}
+    assert os.environ["OMP_WAIT_POLICY"] == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert bc.openmp_as_serve() == {} and os.environ["OMP_WAIT_POLICY"] == "active"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert bc.openmp_as_serve() == {} and "OMP_WAIT_POLICY" not in os.environ
