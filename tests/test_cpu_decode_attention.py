@@ -139,6 +139,104 @@ def test_bad_input_is_refused_by_name():
         native_decode(q, key_cache, value_cache, meta, 0.2, None)
 
 
+def eager_block(module, qkv, cos, sin, key_cache, value_cache, meta, heads, kv_heads, scale, window):
+    """The eager calls the fused decode step replaces: rotary on q and k, the K/V store, the attention."""
+    tokens, dim = qkv.shape[0], key_cache.shape[3]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    q, k = module.rotary_bf16(q, cos, sin), module.rotary_bf16(k, cos, sin)
+    key_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slots, k)
+    value_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slots, v)
+    out = module.paged_decode_attention(q.contiguous(), key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                        scale, window or 0)
+    return out.reshape(tokens, heads * dim)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (4, 4, 64), (8, 2, 32), (6, 1, 80)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_fused_decode_block_is_the_eager_calls_bit_for_bit(heads, kv_heads, dim, window):
+    """`decode_attention_bf16` (one call a layer on the CPU) against rotary, store and attention
+    called one after another: the same output and the same cache, to the bit."""
+    module = cpu_native.native()
+    lengths = [1, 17, 160, 33]
+    key_cache, value_cache, meta = paged(lengths, kv_heads, dim, torch.bfloat16, seed=heads + dim)
+    bs = key_cache.shape[1]
+    # Each row's new token sits at its last position (length - 1), in its own block.
+    meta.slots = torch.tensor([int(meta.block_tables[r, (n - 1) // bs]) * bs + (n - 1) % bs
+                               for r, n in enumerate(lengths)], dtype=torch.long)
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
+    angles = torch.randn(len(lengths), 1, dim // 2, generator=g).repeat(1, 1, 2) * 3
+    cos, sin = angles.cos().to(torch.bfloat16), (angles.sin() * torch.cat(
+        [-torch.ones(dim // 2), torch.ones(dim // 2)])).to(torch.bfloat16)
+    scale = dim ** -0.5
+    kc2, vc2 = key_cache.clone(), value_cache.clone()
+    want = eager_block(module, qkv, cos, sin, key_cache, value_cache, meta, heads, kv_heads, scale, window)
+    got = module.decode_attention_bf16(qkv, cos, sin, kc2, vc2, meta.slots, meta.block_tables, meta.seq_lens, heads,
+                                       kv_heads, scale, window or 0)
+    assert got.shape == (len(lengths), heads * dim) and torch.equal(got, want)
+    assert torch.equal(kc2, key_cache) and torch.equal(vc2, value_cache)
+
+
+def test_fused_decode_block_refuses_bad_input_by_name():
+    module = cpu_native.native()
+    key_cache, value_cache, meta = paged([5], 2, 32, torch.bfloat16)
+    qkv = torch.randn(1, (4 + 4) * 32).to(torch.bfloat16)
+    cos = sin = torch.ones(1, 1, 32, dtype=torch.bfloat16)
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"slot {capacity} outside the cache's {capacity}"):
+        module.decode_attention_bf16(qkv, cos, sin, key_cache, value_cache, torch.tensor([capacity]),
+                                     meta.block_tables, meta.seq_lens, 4, 2, 0.2, 0)
+    with pytest.raises(RuntimeError, match="columns, expected"):
+        module.decode_attention_bf16(qkv[:, :-32], cos, sin, key_cache, value_cache, torch.tensor([3]),
+                                     meta.block_tables, meta.seq_lens, 4, 2, 0.2, 0)
+    with pytest.raises(RuntimeError, match="cos and sin must be bfloat16"):
+        module.decode_attention_bf16(qkv, cos.float(), sin.float(), key_cache, value_cache, torch.tensor([3]),
+                                     meta.block_tables, meta.seq_lens, 4, 2, 0.2, 0)
+
+
+def test_a_bfloat16_model_decodes_through_the_fused_block_with_the_eager_bits(monkeypatch):
+    """The embedded model in bfloat16 on the CPU: every decode layer takes the one-call block, and
+    tokens, logprobs and the KV cache equal the eager path's (TGS_CPU_NATIVE_ATTENTION=0 turns the
+    native attention, fused or not, off)."""
+    from helpers import ids_request, random_ids
+
+    from text_generation_server import about
+    from text_generation_server.layers import self_attention
+    from text_generation_server.models.loader import get_model
+
+    lm = get_model(str(Path(about.__file__).parent / "assets" / about.EMBEDDED_MODEL_ID), dtype="bfloat16")
+    taken = []
+    fused = self_attention.SelfAttention._cpu_decode
+
+    def counting(self, hidden, ctx):
+        out = fused(self, hidden, ctx)
+        taken.append(out is not None)
+        return out
+
+    def run():
+        lm.allocate_kv_cache(48)
+        batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 12) for i in range(3)])
+        tokens = []
+        while batch is not None:
+            generations, batch, _ = lm.generate_token(batch)
+            tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
+        return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]
+
+    monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
+    got, got_cache = run()
+    assert taken and all(taken)  # 4 layers x 11 decode steps
+    monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", lambda self, hidden, ctx: None)
+    want, want_cache = run()
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+    monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
+    monkeypatch.setenv(NATIVE_DECODE_ENV, "0")
+    taken.clear()
+    run()
+    assert taken and not any(taken)
+
+
 AVX2_CHILD = r"""
 import json, sys
 import torch

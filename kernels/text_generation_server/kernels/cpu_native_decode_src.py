@@ -255,9 +255,57 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
   });
   return out;
 }
+
+// One decode step's attention block after the q/k/v projection, bfloat16, in one call: q and k rotated
+// (rotate-half, `sin` signed: tgs_pointwise::rotate_head_bf16, rotary_bf16's own rotation), k and v
+// written to their cache slots, then paged_decode_attention's arithmetic over the cache. The same bits
+// as those calls one after another (layers/self_attention.py's eager path), minus ~8 torch calls and
+// their tensors a layer.
+torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
+                                    torch::Tensor value_cache, torch::Tensor slots, torch::Tensor block_tables,
+                                    torch::Tensor seq_lens, int64_t H, int64_t KVH, double scale, int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kBFloat16 && qkv.stride(1) == 1,
+              "qkv must be bfloat16 [tokens, (H + 2 KVH) * D] with contiguous rows, got ", qkv.sizes());
+  TORCH_CHECK(H > 0 && KVH > 0 && H % KVH == 0, "query heads ", H, " must be a multiple of the KV heads ", KVH);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
+              && value_cache.is_contiguous() && key_cache.scalar_type() == torch::kBFloat16
+              && value_cache.scalar_type() == torch::kBFloat16,
+              "caches must be contiguous bfloat16 [blocks, block_size, KVH, D] of one shape");
+  const int64_t T = qkv.size(0), D = key_cache.size(3), bs = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(2) == KVH, "the cache holds ", key_cache.size(2), " KV heads, not ", KVH);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv has ", qkv.size(1), " columns, expected (",
+              H, " + 2 x ", KVH, ") x ", D, " (an even head_dim)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
+              && cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16
+              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be bfloat16 [tokens, 1, head_dim]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == torch::kLong,
+              "slots must be int64 [tokens]");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.size(0) * bs;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "row ", t, ": slot ", sp[t], " outside the cache's ", capacity);
+  auto q = torch::empty({T, H, D}, qkv.options());
+  using tgs_pointwise::rotate_head_bf16;
+  uint16_t* kc = reinterpret_cast<uint16_t*>(key_cache.data_ptr<at::BFloat16>());
+  uint16_t* vc = reinterpret_cast<uint16_t*>(value_cache.data_ptr<at::BFloat16>());
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>());
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < T; ++t) {  // T x (H + 2 KVH) heads of D numbers: too little to split
+    const uint16_t* row = base + t * qkv.stride(0);
+    const uint16_t* c = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()) + t * cos.stride(0);
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()) + t * sin.stride(0);
+    for (int64_t h = 0; h < H; ++h) rotate_head_bf16(row + h * D, c, s, qp + (t * H + h) * D, D);
+    for (int64_t h = 0; h < KVH; ++h) {
+      rotate_head_bf16(row + (H + h) * D, c, s, kc + (sp[t] * KVH + h) * D, D);
+      std::memcpy(vc + (sp[t] * KVH + h) * D, row + (H + KVH + h) * D, D * sizeof(uint16_t));
+    }
+  }
+  return paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window).view({T, H * D});
+}
 """
 
-FUNCTIONS = ["paged_decode_attention"]
+FUNCTIONS = ["paged_decode_attention", "decode_attention_bf16"]
 
 
 def with_decode_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:

@@ -52,6 +52,17 @@ inline uint16_t to_bf(float f) {  // round to nearest even, NaN kept a NaN
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// One head's rotate-half rotation in bfloat16: bf16(bf16(x * cos) + partner(x) * sin), `sin` signed.
+// rotary_bf16 and the fused decode step (cpu_native_decode_src.py) both call it, so their bits agree.
+inline void rotate_head_bf16(const uint16_t* xp, const uint16_t* cp, const uint16_t* sp, uint16_t* op, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t p = d < half ? d + half : d - half;
+    const float xc = bf(to_bf(bf(xp[d]) * bf(cp[d])));
+    op[d] = to_bf(xc + bf(xp[p]) * bf(sp[d]));
+  }
+}
+
 // exp over 16 float32 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two parts, p Cephes'
 // degree-7 polynomial for expf (about 1 float32 ulp; the constants are the published ones). Past
 // [-87.3, 88.37] the result is 0 or inf (denormal results are flushed to 0: no bfloat16 softmax
@@ -156,20 +167,14 @@ torch::Tensor rotary_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
               && cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16
               && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be bfloat16 [tokens, 1, head_dim]");
+  (void)half;
   auto o = torch::empty({T, H, D}, x.options());
   tgs::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* cp = cbits(cos) + t * cos.stride(0);
       const uint16_t* sp = cbits(sin) + t * sin.stride(0);
-      for (int64_t h = 0; h < H; ++h) {
-        const uint16_t* xp = cbits(x) + t * x.stride(0) + h * D;
-        uint16_t* op = bits(o) + (t * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t p = d < half ? d + half : d - half;
-          const float xc = bf(to_bf(bf(xp[d]) * bf(cp[d])));
-          op[d] = to_bf(xc + bf(xp[p]) * bf(sp[d]));
-        }
-      }
+      for (int64_t h = 0; h < H; ++h)
+        rotate_head_bf16(cbits(x) + t * x.stride(0) + h * D, cp, sp, bits(o) + (t * H + h) * D, D);
     }
   });
   return o;

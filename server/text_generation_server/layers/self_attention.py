@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from text_generation_server.layers.attention import DEFAULT_BACKEND, AttentionMetadata, KVCache
+from text_generation_server.layers.attention import (
+    DEFAULT_BACKEND,
+    AttentionMetadata,
+    KVCache,
+    TorchAttention,
+    native_decode_module,
+)
 from text_generation_server.layers.context import ForwardContext
 from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.layers.norm import ShardedRMSNorm, load_vector
@@ -137,6 +143,7 @@ class SelfAttention(torch.nn.Module):
         names = [f"{prefix}.{n}" for n in opts.qkv]
         self.kv = None
         self._rows: torch.Tensor | None = None  # fused-and-replicated: the rows of this rank
+        self._fused_layout: bool | None = None  # _fused_decode_layout's answer, once known
         if opts.layout == GROUPED:
             if len(names) != 1:
                 raise ValueError("a grouped q/k/v layout is one fused tensor")
@@ -238,7 +245,52 @@ class SelfAttention(torch.nn.Module):
             q, k, v = out.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         return q.view(tokens, self.heads, d), k.view(tokens, self.kv_heads, d), v.view(tokens, self.kv_heads, d)
 
+    def _fused_decode_layout(self) -> bool:
+        """Whether this layer's q/k/v come out of one projection as [q | k | v] heads that rotate
+        whole (rotate-half) with no norm between: the shape the CPU's one-call decode step takes."""
+        fits = self._fused_layout
+        if fits is None:
+            rotary = self.rotary
+            fits = self._fused_layout = (
+                self.opts.layout == SPLIT and self.kv is None and self._rows is None and self.q_norm is None
+                and self.softcap is None and self.sinks is None and rotary is not None
+                and not rotary.config.interleaved)
+        return fits
+
+    def _cpu_decode(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """A bfloat16 decode step's attention on the CPU in one native call after the projection
+        (rotary on q and k, the K/V store, the paged attention: kernels/cpu_native_decode_src.py's
+        `decode_attention_bf16`, the same bits as the eager calls below); None where it does not
+        apply (the eager path then runs). Why: at one row those were ~10 torch calls a layer, more
+        host time than a small model's whole layer of weights takes to read (issue #31)."""
+        meta: AttentionMetadata = ctx.meta
+        cache: KVCache = ctx.cache
+        backend = meta.backend or DEFAULT_BACKEND
+        if type(backend) is not TorchAttention or cache.scales_of(self.layer_id) is not None:
+            return None
+        key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
+        if value_cache is None or hidden.dtype != torch.bfloat16:
+            return None
+        native = native_decode_module(hidden, key_cache, value_cache)
+        if native is None:
+            return None
+        cos, sin = ctx.cos_sin(self.rotary)
+        shape = (hidden.shape[0], 1, self.head_dim)  # every dimension rotated
+        if not (cos.dtype == sin.dtype == torch.bfloat16 and cos.shape == sin.shape == shape
+                and cos.stride(-1) == 1 and sin.stride(-1) == 1):
+            return None
+        out = self.qkv(hidden)
+        if out.dim() != 2 or out.stride(-1) != 1:
+            return None
+        attn = native.decode_attention_bf16(out, cos, sin, key_cache, value_cache, meta.slots, meta.block_tables,
+                                            meta.seq_lens, self.heads, self.kv_heads, self.scale, self.window or 0)
+        return self.o_proj(attn)
+
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if not ctx.meta.is_prefill and hidden.device.type == "cpu" and self._fused_decode_layout():
+            fused = self._cpu_decode(hidden, ctx)
+            if fused is not None:
+                return fused
         tokens = hidden.shape[0]
         q, k, v = self.project(hidden)
         if self.q_norm is not None:
