@@ -178,6 +178,31 @@ def test_fused_decode_block_is_the_eager_calls_bit_for_bit(heads, kv_heads, dim,
     assert torch.equal(kc2, key_cache) and torch.equal(vc2, value_cache)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (8, 4, 32), (6, 1, 80)])
+def test_float32_rotary_and_store_are_the_eager_calls_bit_for_bit(heads, kv_heads, dim):
+    """`rotary_store_f32` against rotary_f32 on q and k and the two index_copy_ calls."""
+    module = cpu_native.native()
+    lengths = [3, 40, 17]
+    key_cache, value_cache, meta = paged(lengths, kv_heads, dim, torch.float32, seed=dim)
+    bs = key_cache.shape[1]
+    slots = torch.tensor([int(meta.block_tables[r, (n - 1) // bs]) * bs + (n - 1) % bs
+                          for r, n in enumerate(lengths)], dtype=torch.long)
+    g = torch.Generator().manual_seed(heads)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.randn(len(lengths), 1, dim // 2, generator=g).repeat(1, 1, 2) * 3
+    cos, sin = angles.cos(), angles.sin() * torch.cat([-torch.ones(dim // 2), torch.ones(dim // 2)])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    rows = len(lengths)
+    want_q = module.rotary_f32(q.view(rows, heads, dim), cos, sin)
+    kc, vc = key_cache.clone(), value_cache.clone()
+    kc.view(-1, kv_heads, dim).index_copy_(0, slots, module.rotary_f32(k.view(rows, kv_heads, dim), cos, sin))
+    vc.view(-1, kv_heads, dim).index_copy_(0, slots, v.reshape(rows, kv_heads, dim))
+    got_q = module.rotary_store_f32(qkv, cos, sin, key_cache, value_cache, slots, heads, kv_heads)
+    assert torch.equal(got_q, want_q) and torch.equal(key_cache, kc) and torch.equal(value_cache, vc)
+    with pytest.raises(RuntimeError, match="outside the cache's"):
+        module.rotary_store_f32(qkv, cos, sin, key_cache, value_cache, slots - 10_000, heads, kv_heads)
+
+
 def test_fused_decode_block_refuses_bad_input_by_name():
     module = cpu_native.native()
     key_cache, value_cache, meta = paged([5], 2, 32, torch.bfloat16)
@@ -195,17 +220,19 @@ def test_fused_decode_block_refuses_bad_input_by_name():
                                      meta.block_tables, meta.seq_lens, 4, 2, 0.2, 0)
 
 
-def test_a_bfloat16_model_decodes_through_the_fused_block_with_the_eager_bits(monkeypatch):
-    """The embedded model in bfloat16 on the CPU: every decode layer takes the one-call block, and
-    tokens, logprobs and the KV cache equal the eager path's (TGS_CPU_NATIVE_ATTENTION=0 turns the
-    native attention, fused or not, off)."""
+@pytest.mark.parametrize("dtype,switch", [("bfloat16", NATIVE_DECODE_ENV), ("float32", "TGS_CPU_NATIVE_POINTWISE")])
+def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypatch, dtype, switch):
+    """The embedded model on the CPU: every decode layer takes the fused calls (bfloat16: the one-call
+    block; float32: rotary and the store in one call, then SDPA), and tokens, logprobs and the KV
+    cache equal the eager path's. The native attention's switch (bfloat16) or the native pointwise
+    ops' (float32) turns them off."""
     from helpers import ids_request, random_ids
 
     from text_generation_server import about
     from text_generation_server.layers import self_attention
     from text_generation_server.models.loader import get_model
 
-    lm = get_model(str(Path(about.__file__).parent / "assets" / about.EMBEDDED_MODEL_ID), dtype="bfloat16")
+    lm = get_model(str(Path(about.__file__).parent / "assets" / about.EMBEDDED_MODEL_ID), dtype=dtype)
     taken = []
     fused = self_attention.SelfAttention._cpu_decode
 
@@ -231,7 +258,7 @@ def test_a_bfloat16_model_decodes_through_the_fused_block_with_the_eager_bits(mo
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
-    monkeypatch.setenv(NATIVE_DECODE_ENV, "0")
+    monkeypatch.setenv(switch, "0")
     taken.clear()
     run()
     assert taken and not any(taken)

@@ -332,6 +332,47 @@ torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) 
   return o;
 }
 
+// A float32 decode step's rotary and K/V store in one call: q and k of qkv [T, (H + 2 KVH) * D] rotated
+// by rotary_f32_rows (rotary_f32's own arithmetic), k and v written to their cache slots; returns q
+// [T, H, D]. The same bits as rotary_f32 twice and the two index_copy_ calls it replaces.
+torch::Tensor rotary_store_f32(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
+                               torch::Tensor value_cache, torch::Tensor slots, int64_t H, int64_t KVH) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1,
+              "qkv must be float32 [tokens, (H + 2 KVH) * D] with contiguous rows, got ", qkv.sizes());
+  TORCH_CHECK(H > 0 && KVH > 0, "heads must be positive, got ", H, " and ", KVH);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
+              && value_cache.is_contiguous() && key_cache.scalar_type() == torch::kFloat
+              && value_cache.scalar_type() == torch::kFloat,
+              "caches must be contiguous float32 [blocks, block_size, KVH, D] of one shape");
+  const int64_t T = qkv.size(0), D = key_cache.size(3);
+  TORCH_CHECK(key_cache.size(2) == KVH, "the cache holds ", key_cache.size(2), " KV heads, not ", KVH);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv has ", qkv.size(1), " columns, expected (",
+              H, " + 2 x ", KVH, ") x ", D, " (an even head_dim)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
+              && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat
+              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be float32 [tokens, 1, head_dim]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == torch::kLong,
+              "slots must be int64 [tokens]");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "row ", t, ": slot ", sp[t], " outside the cache's ", capacity);
+  auto q = torch::empty({T, H, D}, qkv.options());
+  const float* base = qkv.data_ptr<float>();
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {  // a few heads a row: too little to split
+    const float* row = base + t * qkv.stride(0);
+    const float* c = cos.data_ptr<float>() + t * cos.stride(0);
+    const float* s = sin.data_ptr<float>() + t * sin.stride(0);
+    tgs_pointwise::rotary_f32_rows(row, c, s, q.data_ptr<float>() + t * H * D, 0, 1, H, D, 0, 0, 0);
+    tgs_pointwise::rotary_f32_rows(row + H * D, c, s, kc + sp[t] * KVH * D, 0, 1, KVH, D, 0, 0, 0);
+    std::memcpy(vc + sp[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+  }
+  return q;
+}
+
 torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
   using namespace tgs_pointwise;
   check_rows_f32(gate_up, "gate_up");
@@ -369,7 +410,8 @@ torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
 }
 """
 
-FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16", "rms_norm_f32", "rotary_f32", "silu_mul_f32"]
+FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16", "rms_norm_f32", "rotary_f32", "silu_mul_f32",
+             "rotary_store_f32"]
 
 
 def with_pointwise_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:

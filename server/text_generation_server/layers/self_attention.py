@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from text_generation_server.kernels import cpu_pointwise
 from text_generation_server.layers.attention import (
     DEFAULT_BACKEND,
     AttentionMetadata,
@@ -258,32 +259,47 @@ class SelfAttention(torch.nn.Module):
         return fits
 
     def _cpu_decode(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """A bfloat16 decode step's attention on the CPU in one native call after the projection
-        (rotary on q and k, the K/V store, the paged attention: kernels/cpu_native_decode_src.py's
-        `decode_attention_bf16`, the same bits as the eager calls below); None where it does not
-        apply (the eager path then runs). Why: at one row those were ~10 torch calls a layer, more
-        host time than a small model's whole layer of weights takes to read (issue #31)."""
+        """A decode step's attention on the CPU with fewer calls after the projection, the same bits
+        as the eager calls below: in bfloat16 one native call (rotary on q and k, the K/V store, the
+        paged attention: kernels/cpu_native_decode_src.py's `decode_attention_bf16`); in float32 one
+        for rotary and the store (`rotary_store_f32`), then the backend's attention (torch's SDPA,
+        transformers' arithmetic). None where it does not apply (the eager path then runs). Why: at
+        one row those were ~10 torch calls a layer, more host time than a small model's whole layer
+        of weights takes to read (issue #31)."""
         meta: AttentionMetadata = ctx.meta
         cache: KVCache = ctx.cache
         backend = meta.backend or DEFAULT_BACKEND
         if type(backend) is not TorchAttention or cache.scales_of(self.layer_id) is not None:
             return None
         key_cache, value_cache = cache.keys[self.layer_id], cache.values[self.layer_id]
-        if value_cache is None or hidden.dtype != torch.bfloat16:
+        dtype = hidden.dtype
+        if value_cache is None or dtype not in (torch.bfloat16, torch.float32):
             return None
-        native = native_decode_module(hidden, key_cache, value_cache)
+        if dtype == torch.bfloat16:
+            native = native_decode_module(hidden, key_cache, value_cache)
+        else:  # float32 keeps torch's SDPA (the exactness reference); rotary and the store are fused
+            native = cpu_pointwise.module_for_f32(hidden)
+            if native is None or not (key_cache.dtype == value_cache.dtype == dtype and key_cache.is_contiguous()
+                                      and value_cache.is_contiguous()):
+                return None
         if native is None:
             return None
         cos, sin = ctx.cos_sin(self.rotary)
         shape = (hidden.shape[0], 1, self.head_dim)  # every dimension rotated
-        if not (cos.dtype == sin.dtype == torch.bfloat16 and cos.shape == sin.shape == shape
+        if not (cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == shape
                 and cos.stride(-1) == 1 and sin.stride(-1) == 1):
             return None
         out = self.qkv(hidden)
         if out.dim() != 2 or out.stride(-1) != 1:
             return None
-        attn = native.decode_attention_bf16(out, cos, sin, key_cache, value_cache, meta.slots, meta.block_tables,
-                                            meta.seq_lens, self.heads, self.kv_heads, self.scale, self.window or 0)
+        if dtype == torch.bfloat16:
+            attn = native.decode_attention_bf16(out, cos, sin, key_cache, value_cache, meta.slots, meta.block_tables,
+                                                meta.seq_lens, self.heads, self.kv_heads, self.scale,
+                                                self.window or 0)
+        else:
+            q = native.rotary_store_f32(out, cos, sin, key_cache, value_cache, meta.slots, self.heads, self.kv_heads)
+            attn = backend.decode(q, key_cache, value_cache, meta, self.scale, self.window).reshape(
+                hidden.shape[0], self.heads * self.head_dim)
         return self.o_proj(attn)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
