@@ -116,6 +116,8 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
     nbytes["head"] += weight_bytes(net.head)
     for layer in net.layers:
         wrap_forward(layer, "layer residual adds")
+        if hasattr(layer, "forward_chained"):  # the CPU's chained layers (residual add in the next norm)
+            layer.forward_chained = clock.wrap("layer residual adds", layer.forward_chained)
         attn, mlp = layer.self_attn, layer.mlp
         wrap_forward(attn, "attention glue (split, views)")
         for name in ("qkv", "kv", "o_proj"):
@@ -142,11 +144,23 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
     originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in wrapped]
     for cls, name, category in wrapped:
         setattr(cls, name, clock.wrap(category, getattr(cls, name)))
+    # The CPU decode step's fused native calls (layers/self_attention.py, `_cpu_decode`).
+    from text_generation_server.kernels import cpu_native
+
+    ext = cpu_native.native()
+    fused = [("decode_attention_bf16", "attention (fused: rotary, kv cache store, paged decode)"),
+             ("rotary_store_f32", "rotary + kv cache store (fused)")]
+    ext_originals = [(name, getattr(ext, name)) for name, _ in fused if ext is not None and hasattr(ext, name)]
+    for name, category in fused:
+        if ext is not None and hasattr(ext, name):
+            setattr(ext, name, clock.wrap(category, getattr(ext, name)))
     lm.generate_token = clock.wrap("step host (sampling, bookkeeping)", lm.generate_token)
 
     def restore() -> None:
         for cls, name, original in originals:
             setattr(cls, name, original)
+        for name, original in ext_originals:
+            setattr(ext, name, original)
 
     return dict(nbytes), restore
 
