@@ -264,27 +264,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
 torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
                                     torch::Tensor value_cache, torch::Tensor slots, torch::Tensor block_tables,
                                     torch::Tensor seq_lens, int64_t H, int64_t KVH, double scale, int64_t window) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kBFloat16 && qkv.stride(1) == 1,
-              "qkv must be bfloat16 [tokens, (H + 2 KVH) * D] with contiguous rows, got ", qkv.sizes());
-  TORCH_CHECK(H > 0 && KVH > 0 && H % KVH == 0, "query heads ", H, " must be a multiple of the KV heads ", KVH);
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
-              && value_cache.is_contiguous() && key_cache.scalar_type() == torch::kBFloat16
-              && value_cache.scalar_type() == torch::kBFloat16,
-              "caches must be contiguous bfloat16 [blocks, block_size, KVH, D] of one shape");
-  const int64_t T = qkv.size(0), D = key_cache.size(3), bs = key_cache.size(1);
-  TORCH_CHECK(key_cache.size(2) == KVH, "the cache holds ", key_cache.size(2), " KV heads, not ", KVH);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv has ", qkv.size(1), " columns, expected (",
-              H, " + 2 x ", KVH, ") x ", D, " (an even head_dim)");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
-              && cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16
-              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be bfloat16 [tokens, 1, head_dim]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == torch::kLong,
-              "slots must be int64 [tokens]");
-  auto sl = slots.contiguous();
+  auto sl = tgs_pointwise::checked_decode_inputs(qkv, cos, sin, key_cache, value_cache, slots, H, KVH,
+                                                 torch::kBFloat16, "bfloat16");
   const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t capacity = key_cache.size(0) * bs;
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "row ", t, ": slot ", sp[t], " outside the cache's ", capacity);
+  const int64_t T = qkv.size(0), D = key_cache.size(3);
   auto q = torch::empty({T, H, D}, qkv.options());
   using tgs_pointwise::rotate_head_bf16;
   uint16_t* kc = reinterpret_cast<uint16_t*>(key_cache.data_ptr<at::BFloat16>());

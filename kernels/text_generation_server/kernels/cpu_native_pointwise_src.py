@@ -287,6 +287,37 @@ std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, d
 }
 
 namespace tgs_pointwise {
+// The inputs of a fused decode step (rotary_store_f32 here, decode_attention_bf16 in
+// cpu_native_decode_src.py) checked by name: qkv [T, (H + 2 KVH) * D] with contiguous rows, the caches
+// [blocks, block_size, KVH, D] contiguous, cos and sin [T, 1, D], every slot inside the cache; all of
+// `dtype`. Returns the slots, contiguous.
+inline torch::Tensor checked_decode_inputs(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                           const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                                           const torch::Tensor& slots, int64_t H, int64_t KVH,
+                                           torch::ScalarType dtype, const char* name) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == dtype && qkv.stride(1) == 1,
+              "qkv must be ", name, " [tokens, (H + 2 KVH) * D] with contiguous rows, got ", qkv.sizes());
+  TORCH_CHECK(H > 0 && KVH > 0 && H % KVH == 0, "query heads ", H, " must be a multiple of the KV heads ", KVH);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
+              && value_cache.is_contiguous() && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "caches must be contiguous ", name, " [blocks, block_size, KVH, D] of one shape");
+  const int64_t T = qkv.size(0), D = key_cache.size(3);
+  TORCH_CHECK(key_cache.size(2) == KVH, "the cache holds ", key_cache.size(2), " KV heads, not ", KVH);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv has ", qkv.size(1), " columns, expected (",
+              H, " + 2 x ", KVH, ") x ", D, " (an even head_dim)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
+              && cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.stride(2) == 1 && sin.stride(2) == 1,
+              "cos and sin must be ", name, " [tokens, 1, head_dim]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == torch::kLong,
+              "slots must be int64 [tokens]");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "row ", t, ": slot ", sp[t], " outside the cache's ", capacity);
+  return sl;
+}
+
 // Rows t0..t1 of the float32 rotation as torch rounds it: x * cos rounded, then addcmul's one fused
 // multiply-add of partner * sin onto it (measured against torch 2.x on AVX-512; no other FMA
 // contraction in this function, whatever -march allows).
@@ -337,27 +368,10 @@ torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) 
 // [T, H, D]. The same bits as rotary_f32 twice and the two index_copy_ calls it replaces.
 torch::Tensor rotary_store_f32(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
                                torch::Tensor value_cache, torch::Tensor slots, int64_t H, int64_t KVH) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1,
-              "qkv must be float32 [tokens, (H + 2 KVH) * D] with contiguous rows, got ", qkv.sizes());
-  TORCH_CHECK(H > 0 && KVH > 0, "heads must be positive, got ", H, " and ", KVH);
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes()
-              && value_cache.is_contiguous() && key_cache.scalar_type() == torch::kFloat
-              && value_cache.scalar_type() == torch::kFloat,
-              "caches must be contiguous float32 [blocks, block_size, KVH, D] of one shape");
-  const int64_t T = qkv.size(0), D = key_cache.size(3);
-  TORCH_CHECK(key_cache.size(2) == KVH, "the cache holds ", key_cache.size(2), " KV heads, not ", KVH);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv has ", qkv.size(1), " columns, expected (",
-              H, " + 2 x ", KVH, ") x ", D, " (an even head_dim)");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == T && cos.size(2) == D
-              && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat
-              && cos.stride(2) == 1 && sin.stride(2) == 1, "cos and sin must be float32 [tokens, 1, head_dim]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == torch::kLong,
-              "slots must be int64 [tokens]");
-  auto sl = slots.contiguous();
+  auto sl = tgs_pointwise::checked_decode_inputs(qkv, cos, sin, key_cache, value_cache, slots, H, KVH,
+                                                 torch::kFloat, "float32");
   const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "row ", t, ": slot ", sp[t], " outside the cache's ", capacity);
+  const int64_t T = qkv.size(0), D = key_cache.size(3);
   auto q = torch::empty({T, H, D}, qkv.options());
   const float* base = qkv.data_ptr<float>();
   float* kc = key_cache.data_ptr<float>();
