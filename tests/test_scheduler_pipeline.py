@@ -31,7 +31,7 @@ def test_the_same_tokens_with_and_without_pipelining(lm, monkeypatch):
     monkeypatch.setenv("TGS_DECODE_PIPELINE", "0")
     plain, _, _, plain_scheduler = asyncio.run(workload(lm, caching=True, max_prefill=2048))
     assert plain_scheduler.pipelined_steps == 0
-    monkeypatch.delenv("TGS_DECODE_PIPELINE")
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")  # always (auto could judge a loaded test machine router-bound)
     piped, _, _, scheduler = asyncio.run(workload(lm, caching=True, max_prefill=2048))
     assert scheduler.pipelined_steps > 20
     for name, (ids, text) in plain.items():
@@ -64,7 +64,8 @@ def log_tokens(entry, order: list[str], label: str) -> None:
     entry.events.put_nowait = token
 
 
-def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm):
+def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm, monkeypatch):
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")  # the mechanics, whatever RouterPace would judge
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
         order: list[str] = []
@@ -86,7 +87,8 @@ def test_the_next_decode_goes_out_before_the_tokens_of_the_step_before(lm):
     assert scheduler.pipelined_steps == 6
 
 
-def test_finished_rows_are_filtered_out_in_the_call_sent_ahead_and_a_queued_request_waits(lm):
+def test_finished_rows_are_filtered_out_in_the_call_sent_ahead_and_a_queued_request_waits(lm, monkeypatch):
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
         order: list[str] = []
@@ -114,7 +116,8 @@ def test_finished_rows_are_filtered_out_in_the_call_sent_ahead_and_a_queued_requ
     assert scheduler.pipelined_steps >= 4 and scheduler.pool.used == 0
 
 
-def test_a_failed_pipelined_decode_fails_its_requests_and_the_server_goes_on(lm):
+def test_a_failed_pipelined_decode_fails_its_requests_and_the_server_goes_on(lm, monkeypatch):
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")
     async def go():
         scheduler, client, _, _ = make(lm, 200, True, 2048)
         decode = client.decode
@@ -142,3 +145,61 @@ def test_a_failed_pipelined_decode_fails_its_requests_and_the_server_goes_on(lm)
     failed, ids, scheduler = asyncio.run(go())
     assert failed.code == grpc.StatusCode.INTERNAL and "boom" in str(failed)
     assert len(ids) == 4 and scheduler.pool.used == 0
+
+
+def test_router_pace_enters_when_the_router_is_the_slower_side_and_leaves_when_chains_stop():
+    """RouterPace with stand-in timings: answers twice as far apart as the shards' steps took make the
+    router the slower side (the next Decode then waits for the dispatch); it stays so while answers
+    carry chains of steps, and leaves once they carry one step each."""
+    from text_generation_server.router.scheduler import RouterPace
+
+    pace = RouterPace()
+    step_ns = 1_000_000  # the shards' 1 ms a step
+    for _ in range(10):  # the router keeps up: an answer every 1.1 ms
+        assert not pace.observe(0.0011, 1, step_ns)
+    flips = [pace.observe(0.004, 1, step_ns) for _ in range(10)]  # an answer every 4 ms of 1 ms steps
+    assert flips[0] is False and flips[-1] is True  # smoothed: not on the first slow answer
+    for _ in range(10):  # chains form: 3 steps an answer, still the slower side
+        assert pace.observe(0.0035, 3, 3 * step_ns)
+    left = [pace.observe(0.0012, 1, step_ns) for _ in range(10)]  # one step an answer again
+    assert left[0] is True and left[-1] is False
+    assert pace.observe(0.01, 1, 0) is False  # a shard without timings changes nothing
+
+
+def test_pipeline_mode_reads_the_switch_and_refuses_other_values():
+    from text_generation_server.router.scheduler import pipeline_mode
+
+    assert pipeline_mode(None) == pipeline_mode("auto") == "auto"
+    assert pipeline_mode("1") == pipeline_mode("on") == "on"
+    assert pipeline_mode("0") == pipeline_mode("false") == "off"
+    with pytest.raises(ValueError, match="TGS_DECODE_PIPELINE='sometimes'"):
+        pipeline_mode("sometimes")
+
+
+def test_a_router_bound_scheduler_sends_the_next_decode_after_the_tokens_with_the_same_tokens(lm, monkeypatch):
+    """With the pace judged router-bound, no Decode goes out ahead (each waits for its step's tokens),
+    and the tokens are those of the pipelined run; TGS_DECODE_PIPELINE=1 pipelines whatever the pace."""
+    from text_generation_server.router import scheduler as scheduler_module
+
+    class RouterBound(scheduler_module.RouterPace):
+        def __init__(self):
+            super().__init__()
+            self.router_bound = True
+
+        def observe(self, wall_s, steps, shard_ns):
+            return True
+
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")
+    piped, _, _, _ = asyncio.run(workload(lm, caching=True, max_prefill=2048))
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "auto")
+    monkeypatch.setattr(scheduler_module, "RouterPace", RouterBound)
+    waited, _, _, scheduler = asyncio.run(workload(lm, caching=True, max_prefill=2048))
+    assert scheduler.pipelined_steps == 0 and scheduler.unpipelined_steps > 20
+    for name, (ids, text) in piped.items():
+        if name == "cancelled":
+            assert waited[name][0][:3] == ids[:3]
+            continue
+        assert waited[name] == (ids, text), name
+    monkeypatch.setenv("TGS_DECODE_PIPELINE", "1")
+    _, _, _, forced = asyncio.run(workload(lm, caching=True, max_prefill=2048))
+    assert forced.pipelined_steps > 20 and forced.unpipelined_steps == 0

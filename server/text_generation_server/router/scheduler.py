@@ -10,7 +10,9 @@ the following steps, interleaved with everyone's decode, so no stream stalls beh
 nothing to admit, the step is a Decode. Finished and cancelled requests are filtered out
 between steps, their blocks released at once. With nothing to admit, the next Decode (behind a
 FilterBatch when rows ended) goes out as soon as a step's answer arrives, before its tokens are
-streamed to the clients (`_pipeline`; TGS_DECODE_PIPELINE=0 turns it off).
+streamed to the clients (`_pipeline`; TGS_DECODE_PIPELINE=0 turns it off), unless the router is
+the slower side (`RouterPace`): then it goes out after them and takes the steps the shard computed
+ahead meanwhile in one answer.
 
 Blocks are the router's to hand out (TGI v3, `BlockPool`): a request is admitted only when
 blocks for its input plus max_new_tokens (plus the shards' Info.speculate, as TGI's queue adds
@@ -116,7 +118,61 @@ class SchedulerLimits:
     max_waiting_tokens: int = 20
 
 
-PIPELINE_ENV = "TGS_DECODE_PIPELINE"  # "0": send each Decode only after the last step's tokens went out
+PIPELINE_ENV = "TGS_DECODE_PIPELINE"  # auto (RouterPace decides) | 1: always ahead | 0: after the tokens went out
+PIPELINE_MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
+                  "0": "off", "off": "off", "false": "off", "no": "off"}
+
+
+def pipeline_mode(raw: str | None) -> str:
+    """TGS_DECODE_PIPELINE as "auto", "on" or "off"; another value is refused by name."""
+    mode = PIPELINE_MODES.get((raw or "").strip().lower())
+    if mode is None:
+        raise ValueError(f"{PIPELINE_ENV}={raw!r}: expected auto, 1 or 0")
+    return mode
+
+
+class RouterPace:
+    """Whether the router, not the shards, sets the pace of decoding, judged from consecutive decode
+    answers: the wall time between them against the shards' own time for the steps they carry.
+
+    Why: a Decode sent ahead (`Scheduler._pipeline`) reaches our shard while it computes the next step,
+    and a call that waits ends the shard's chain of steps ahead (shard/service.py) after that one step.
+    When the router is the slower side (many streams, a fast model), every Decode then carries one step
+    and the router pays its per-call and per-message costs on each; sent after the tokens went out
+    instead, it finds the steps the chain computed meanwhile and takes them in one answer. Measured
+    (`host_overhead.py --compare-env TGS_DECODE_PIPELINE=0`, BENCHMARKS.md issue #31 session 9):
+    without pipelining 0.68x the inter-token time at batch 64 and 0.89x at batch 8 with no model time,
+    but 1.08x at batch 8 with a 1 ms forward. So: pipelining while the router keeps up; once the time
+    between answers exceeds ENTER x the shards' step time, the Decode waits for the dispatch, until the
+    answers stop carrying chains (under LEAVE steps each, smoothed: the router keeps up again, or the
+    shards cannot chain, with several ranks), and pipelining resumes."""
+
+    SMOOTHING = 0.3  # weight of the newest answer
+    ENTER = 2.0  # wall time between answers / the shards' time for their steps
+    LEAVE = 1.5  # steps per answer
+
+    def __init__(self) -> None:
+        self.ratio: float | None = None
+        self.steps: float | None = None
+        self.router_bound = False
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new
+
+    def observe(self, wall_s: float, steps: int, shard_ns: int) -> bool:
+        """One decode answer: the wall time since the answer before it, the steps it carries, and the
+        shards' time for them (its total_ns). Returns whether the router is the slower side now."""
+        if shard_ns <= 0 or wall_s <= 0:
+            return self.router_bound  # a shard that reports no timings: nothing to compare
+        self.ratio = self._smooth(self.ratio, wall_s / (shard_ns / 1e9))
+        self.steps = self._smooth(self.steps, float(max(steps, 1)))
+        bound = self.steps >= self.LEAVE if self.router_bound else self.ratio > self.ENTER
+        if bound != self.router_bound:
+            self.router_bound = bound
+            self.ratio = self.steps = None  # each mode judged on its own answers
+            logger.debug("router pace: {} (the next Decode goes out {} the tokens are streamed)",
+                         "router-bound" if bound else "shard-bound", "after" if bound else "before")
+        return self.router_bound
 
 
 @dataclass
@@ -159,9 +215,13 @@ class Scheduler:
         # Pipelined decode: when a step's answer leaves a batch to continue and nobody waits to be
         # admitted, the next Decode (after a FilterBatch of the rows that step finished) goes out
         # before this step's tokens are streamed, so the shards compute while the router works.
-        self.pipeline = os.environ.get(PIPELINE_ENV, "1") not in ("0", "false", "no")
+        self.pipeline_mode = pipeline_mode(os.environ.get(PIPELINE_ENV))
+        self.pipeline = self.pipeline_mode != "off"
         self._in_flight: _InFlight | None = None
         self.pipelined_steps = 0
+        self.pace = RouterPace()  # pipelining pauses while the router is the slower side
+        self.unpipelined_steps = 0  # answers whose next Decode waited for the dispatch (router-bound)
+        self._last_answer: float | None = None  # when the last decode answer was dispatched (RouterPace)
         metrics.set_kv_blocks(pool.used, pool.free)
 
     # -- the client-facing side --------------------------------------------------------
@@ -217,6 +277,7 @@ class Scheduler:
         return await future
 
     async def _run_between(self) -> None:
+        self._last_answer = None  # adapter calls between two decode answers are not their pace (RouterPace)
         while self._between:
             call, future = self._between.popleft()
             if future.cancelled():
@@ -359,6 +420,7 @@ class Scheduler:
         cached: spb.CachedBatch | None = None
         while True:
             if cached is None and not self.queue and not self._between and self._in_flight is None:
+                self._last_answer = None  # an idle wait is no decode's time (RouterPace)
                 await self._wake.wait()
             self._wake.clear()
             try:
@@ -430,6 +492,7 @@ class Scheduler:
         return len(self.queue) >= int(running * self.limits.waiting_served_ratio)
 
     async def _prefill(self, entries: list[Entry], cached: spb.CachedBatch | None) -> spb.CachedBatch | None:
+        self._last_answer = None  # a prefill between two decode answers is not their pace (RouterPace)
         batch_id = next(self._batch_ids)
         requests = []
         for e in entries:
@@ -476,6 +539,10 @@ class Scheduler:
         filtering = time.monotonic()
         await self._pipeline(resp)
         result = await self._dispatch(resp, entries_of_batch=entries)
+        now = time.monotonic()
+        if self._last_answer is not None:
+            self.pace.observe(now - self._last_answer, steps_in(resp.generations), resp.total_ns)
+        self._last_answer = now if result is not None else None
         self._observe("decode", start, filtering, resp)
         return result
 
@@ -489,6 +556,9 @@ class Scheduler:
         step's tokens was serial with the next shard call (issue #31). A request arriving meanwhile
         is admitted after that step."""
         if not (self.pipeline and self.admitting and resp.HasField("batch")) or self.queue or self._between:
+            return
+        if self.pace.router_bound and self.pipeline_mode == "auto":  # the router is the slower side (RouterPace)
+            self.unpipelined_steps += 1
             return
         if any(g.HasField("error") for g in resp.generations):
             return
