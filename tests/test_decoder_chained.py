@@ -58,3 +58,17 @@ def test_layers_with_other_wiring_are_not_chained(tmp_path, name):
     decode_all(lm, vocab=250)
     assert lm.model._chained is False
     assert not any(layer.chains_residual() for layer in lm.model.layers)
+
+
+def test_a_forward_hook_on_a_layer_sees_every_call(monkeypatch):
+    """A hook on a layer (tests' fault injection, profilers) would miss `forward_chained`: with one
+    registered, the layers are called as modules, and the tokens stay the same."""
+    lm = get_model(str(EMBEDDED), dtype="float32")
+    want = decode_all(lm)
+    seen = []
+    handle = lm.model.layers[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    try:
+        got = decode_all(lm)
+    finally:
+        handle.remove()
+    assert got == want and len(seen) == len(want)  # one call per step (the prefill's included)

@@ -155,15 +155,19 @@ def test_router_pace_enters_when_the_router_is_the_slower_side_and_leaves_when_c
 
     pace = RouterPace()
     step_ns = 1_000_000  # the shards' 1 ms a step
-    for _ in range(10):  # the router keeps up: an answer every 1.1 ms
+    for _ in range(12):  # the router keeps up: an answer every 1.1 ms
         assert not pace.observe(0.0011, 1, step_ns)
-    flips = [pace.observe(0.004, 1, step_ns) for _ in range(10)]  # an answer every 4 ms of 1 ms steps
+    flips = [pace.observe(0.004, 1, step_ns) for _ in range(4)]  # an answer every 4 ms of 1 ms steps
     assert flips[0] is False and flips[-1] is True  # smoothed: not on the first slow answer
-    for _ in range(10):  # chains form: 3 steps an answer, still the slower side
+    for _ in range(12):  # chains form: 3 steps an answer, still the slower side
         assert pace.observe(0.0035, 3, 3 * step_ns)
-    left = [pace.observe(0.0012, 1, step_ns) for _ in range(10)]  # one step an answer again
+    left = [pace.observe(0.0012, 1, step_ns) for _ in range(12)]  # one step an answer again
     assert left[0] is True and left[-1] is False
     assert pace.observe(0.01, 1, 0) is False  # a shard without timings changes nothing
+    # A mode holds for DWELL answers whatever they say: slow answers from the start do not flip it.
+    fresh = RouterPace()
+    assert not any(fresh.observe(1.0, 1, step_ns) for _ in range(RouterPace.DWELL - 1))
+    assert fresh.observe(1.0, 1, step_ns)
 
 
 def test_pipeline_mode_reads_the_switch_and_refuses_other_values():

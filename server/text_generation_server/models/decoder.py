@@ -165,6 +165,15 @@ def quantized_head(weights: Weights, prefix: str = "lm_head") -> bool:
     return any(name.startswith(prefix + ".") for name in weights.tensor_names())
 
 
+def _hooked(layers: torch.nn.ModuleList) -> bool:
+    """Whether a forward hook would see the layers' calls (one of theirs, or a global one): the
+    chained path calls `forward_chained`, which no hook sees, so it steps aside then."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks
+                or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers))
+
+
 def _llama_rms(norm: torch.nn.Module | None) -> bool:
     """An RMSNorm in Llama's arithmetic (no offset, no float32 scale), whose `add_forward` is the add
     then the norm."""
@@ -298,7 +307,7 @@ class DecoderModel(torch.nn.Module):
                 self._chained = all(type(layer) is DecoderLayer and layer.chains_residual() for layer in self.layers)
             # On the CPU only: there each call is host time a step waits for; on CUDA the graphs
             # replay the launches and the fused add's bits are not measured against torch's there.
-            if self._chained and hidden.device.type == "cpu":
+            if self._chained and hidden.device.type == "cpu" and not _hooked(self.layers):
                 pending = None
                 for layer in self.layers:
                     hidden, pending = layer.forward_chained(hidden, pending, ctx)

@@ -150,11 +150,13 @@ class RouterPace:
     SMOOTHING = 0.3  # weight of the newest answer
     ENTER = 2.0  # wall time between answers / the shards' time for their steps
     LEAVE = 1.5  # steps per answer
+    DWELL = 8  # answers in a mode before it may change again (a chain takes a few answers to form)
 
     def __init__(self) -> None:
         self.ratio: float | None = None
         self.steps: float | None = None
         self.router_bound = False
+        self.answers = 0  # in the current mode
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new
@@ -166,10 +168,14 @@ class RouterPace:
             return self.router_bound  # a shard that reports no timings: nothing to compare
         self.ratio = self._smooth(self.ratio, wall_s / (shard_ns / 1e9))
         self.steps = self._smooth(self.steps, float(max(steps, 1)))
+        self.answers += 1
+        if self.answers < self.DWELL:
+            return self.router_bound
         bound = self.steps >= self.LEAVE if self.router_bound else self.ratio > self.ENTER
         if bound != self.router_bound:
             self.router_bound = bound
-            self.ratio = self.steps = None  # each mode judged on its own answers
+            self.answers = 0
+            self.steps = None  # the steps per answer of the new mode
             logger.debug("router pace: {} (the next Decode goes out {} the tokens are streamed)",
                          "router-bound" if bound else "shard-bound", "after" if bound else "before")
         return self.router_bound
