@@ -36,6 +36,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -70,6 +71,19 @@ PREFETCH_BYTES = 1024
 # at 1 KiB, 0.313 with none). So 4 KiB, and none for a layer of more than PACKED_PREFETCH_MAX_BYTES.
 PACKED_PREFETCH_BYTES = 4096
 PACKED_PREFETCH_MAX_BYTES = 64 << 20
+# The packed layers live in an arena of 2 MiB-aligned chunks the kernel is asked to back with huge pages
+# (madvise MADV_HUGEPAGE; this machine's transparent huge pages are "madvise", so torch's buffers got
+# 4 KiB pages). A one-row call streams its weights once: with 4 KiB pages every 4 KiB is a TLB miss
+# and a boundary the hardware prefetchers stop at. One row, cold weights, busy 2-core EPYC, load ~3
+# (2026-12-07, the same packed bytes as 4 KiB / 2 MiB pages, GB/s): Q4_K gate_up 25.1 / 32.3 at 2
+# threads, Q6_K head 31.6 / 34.1, Q4_K qkv 16.6 / 23.4, o_proj 20.3 / 27.0; a plain read of the same
+# bytes 26.6 / 33.3 (gate_up). Layers are laid one after another (a step reads them nearly in order),
+# so the small ones share pages instead of each rounding up to 2 MiB. TGS_CPU_KQUANT_HUGEPAGES=off:
+# torch's allocator (the same bits; for A/B runs).
+HUGEPAGES_ENV = "TGS_CPU_KQUANT_HUGEPAGES"
+HUGE_PAGE = 2 << 20
+ARENA_CHUNK = 64 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @dataclass
@@ -206,6 +220,76 @@ def release_file_pages(tensors: list[torch.Tensor]) -> int:
     return dropped
 
 
+def hugepages_enabled() -> bool:
+    """False when TGS_CPU_KQUANT_HUGEPAGES is 0/false/no/off."""
+    return os.environ.get(HUGEPAGES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+class PackArena:
+    """Buffers for packed layers, cut one after another (64-byte aligned) from chunks that start on a
+    2 MiB boundary and are madvised MADV_HUGEPAGE before anything touches them, so the pages faulted in
+    when a layer is packed are huge pages where the system grants them (4 KiB pages otherwise: the same
+    bytes, only slower to stream; `huge` says whether the advice was taken). A chunk stays alive as long
+    as a buffer cut from it (each buffer is a view of it); a chunk's unused tail is never touched, so it
+    holds no memory."""
+
+    def __init__(self, chunk: int = ARENA_CHUNK):
+        self.chunk = chunk
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+        self.huge = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A contiguous uint8 tensor of nbytes, 64-byte aligned, inside a chunk advised huge pages."""
+        if nbytes < 0:
+            raise ValueError(f"a packed buffer of {nbytes} bytes")
+        size = -(-nbytes // 64) * 64
+        with self._lock:
+            if self._buffer is None or self._used + size > self._buffer.numel():
+                self._buffer, self._used = self._chunk(max(size, self.chunk)), 0
+            out = self._buffer[self._used:self._used + nbytes]
+            self._used += size
+        return out
+
+    def _chunk(self, size: int) -> torch.Tensor:
+        size = -(-size // HUGE_PAGE) * HUGE_PAGE
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE - raw.data_ptr()
+        chunk = raw[start:start + size]
+        libc = _libc()
+        if libc is not None and libc.madvise(chunk.data_ptr(), size, _MADV_HUGEPAGE) == 0:
+            self.huge = True
+        else:
+            logger.debug("cpu-kquant: madvise(MADV_HUGEPAGE) refused (errno {}): packed layers on 4 KiB pages",
+                         ctypes.get_errno())
+        return chunk
+
+
+_ARENA = PackArena()
+
+
+def pack(module, blocks: torch.Tensor, type_id: int, arena: PackArena | None = _ARENA) -> torch.Tensor:
+    """The blocks in the packed form (kquant_pack), in a buffer of `arena` (None: torch's allocator)."""
+    if arena is None:
+        return module.kquant_pack(blocks, type_id)
+    size = KQUANT_TYPES[type_id][2]
+    if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.shape[1]:
+        raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [N, blocks * {size}], got {list(blocks.shape)}")
+    out = arena.take(module.kquant_packed_bytes(type_id, blocks.shape[0], blocks.shape[1] // size * QK_K))
+    module.kquant_pack_into(blocks, type_id, out)
+    return out
+
+
 class KQuantLinear(torch.nn.Module):
     """Where the build has AVX-512BW, each part is converted at load to the packed form
     (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
@@ -227,9 +311,10 @@ class KQuantLinear(torch.nn.Module):
         self.count = len(parts)
         # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
         self._ns = [p.shape[0] for p in parts] if self.packed else []
+        arena = _ARENA if hugepages_enabled() else None
         for i, part in enumerate(parts):
             if self.packed:
-                self.register_buffer(f"packed{i}", self.native.kquant_pack(part, type_id))
+                self.register_buffer(f"packed{i}", pack(self.native, part, type_id, arena))
             else:
                 self.register_buffer(f"blocks{i}", part)
         if self.packed:
