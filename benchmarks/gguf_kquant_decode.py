@@ -34,13 +34,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gguf_kquant_ab import SRC, build  # noqa: E402
 from gguf_writer import T, k_quant_bytes  # noqa: E402
 
-from text_generation_server.kernels.cpu_kquant import PackArena, pack  # noqa: E402
+from text_generation_server.kernels.cpu_kquant import PACKED_PREFETCH_HUGE, PackArena, pack  # noqa: E402
 
 # Qwen2.5-1.5B's layers as one call each (parts N x K): q, k, v fused; gate and up fused; the untied head
 SHAPES = {"qkv": ([1536, 256, 256], 1536), "o": ([1536], 1536), "gate_up": ([8960, 8960], 1536),
           "down": ([1536], 8960), "head": ([151936], 1536), "tiny": ([16], 1536), "small": ([256], 1536)}
 CASES = "Q4_K:qkv,Q4_K:o,Q4_K:gate_up,Q4_K:down,Q6_K:down,Q6_K:head"
-PREFETCH, PREFETCH_MAX = 4096, 64 << 20  # cpu_kquant.PACKED_PREFETCH_BYTES / _MAX_BYTES
+PREFETCH, PREFETCH_MAX = 4096, 64 << 20  # cpu_kquant.PACKED_PREFETCH_BYTES / _MAX_BYTES before huge pages
 
 READ = r"""
 // The bytes of `parts` summed as uint64 lanes with 64-byte loads (a plain read at memory speed), split
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-mb", type=float, default=128.0, help="the copies of a case total at least this")
     parser.add_argument("--hot", action="store_true",
                         help="one copy, called over and over (weights from cache where they fit: the kernel's own speed)")
+    parser.add_argument("--same-pages", action="store_true",
+                        help="--against's packed layers copied into this checkout's arena too (the kernels alone compared)")
+    parser.add_argument("--prefetch", type=int, default=-1,
+                        help="bytes ahead for both (default: each commit's rule: --against 4 KiB, none above 64 MiB; "
+                             "this checkout cpu_kquant.PACKED_PREFETCH_HUGE on huge pages)")
     parser.add_argument("--cases", default=CASES, help=f"type:layer pairs, layers among {','.join(SHAPES)}")
     args = parser.parse_args(argv)
     theirs_text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:{SRC}"], check=True,
@@ -98,21 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         arena = PackArena()  # this checkout's buffers (cpu_kquant.pack: huge pages where granted)
         mine = [[pack(ours, r, qtype, arena) for r in raws] for _ in range(copies)]
         their = [[theirs.kquant_pack(r, qtype) for r in raws] for _ in range(copies)]
+        if args.same_pages:
+            their_arena = PackArena()
+            their = [[their_arena.take(p.numel()).copy_(p) for p in parts] for parts in their]
         packed_bytes = sum(p.numel() for p in mine[0])
         unit = packed_bytes // sum((n + 15) // 16 for n in ns)  # a tile's bytes
-        pf = PREFETCH if packed_bytes <= PREFETCH_MAX else 0
+        pf_theirs = PREFETCH if packed_bytes <= PREFETCH_MAX else 0
+        pf_ours = PACKED_PREFETCH_HUGE[qtype] if arena.huge else pf_theirs
+        if args.prefetch >= 0:
+            pf_theirs = pf_ours = args.prefetch
         x = torch.randn(1, k).to(torch.bfloat16)
         bias = torch.empty(0, dtype=torch.bfloat16)
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            yt = theirs.kquant_linear(x, their[0], qtype, bias, pf, ns)
-            yo = ours.kquant_linear(x, mine[0], qtype, bias, pf, ns)
+            yt = theirs.kquant_linear(x, their[0], qtype, bias, pf_theirs, ns)
+            yo = ours.kquant_linear(x, mine[0], qtype, bias, pf_ours, ns)
             if not torch.equal(yt, yo):
                 raise SystemExit(f"{case}: this checkout's output differs from {args.against}'s")
             calls = [lambda c: ours.kq_read(their[c], unit),
                      lambda c: ours.kq_read(mine[c], unit),
-                     lambda c: theirs.kquant_linear(x, their[c], qtype, bias, pf, ns),
-                     lambda c: ours.kquant_linear(x, mine[c], qtype, bias, pf, ns)]
+                     lambda c: theirs.kquant_linear(x, their[c], qtype, bias, pf_theirs, ns),
+                     lambda c: ours.kquant_linear(x, mine[c], qtype, bias, pf_ours, ns)]
             times: list[list[float]] = [[] for _ in calls]
             # call by call in turn, each variant a quarter of the copies behind the last (a copy one
             # variant read is read by the next only after a cycle's worth of other copies, so no call

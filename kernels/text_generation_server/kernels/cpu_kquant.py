@@ -69,6 +69,9 @@ PREFETCH_BYTES = 1024
 # 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise; two
 # threads, the fastest calls of down and gate_up were again at 4 KiB (Q6_K down 0.132 ms against 0.154
 # at 1 KiB, 0.313 with none). So 4 KiB, and none for a layer of more than PACKED_PREFETCH_MAX_BYTES.
+# (Those single-layer runs called each variant on the same copy in turn, so all but the first found
+# part of a layer under 32 MiB in L3; benchmarks/gguf_kquant_decode.py staggers the copies.) Now the rule
+# for a layer that got 4 KiB pages only (TGS_CPU_KQUANT_HUGEPAGES=off, or the advice refused).
 PACKED_PREFETCH_BYTES = 4096
 PACKED_PREFETCH_MAX_BYTES = 64 << 20
 # The packed layers live in an arena of 2 MiB-aligned chunks the kernel is asked to back with huge pages
@@ -80,6 +83,13 @@ PACKED_PREFETCH_MAX_BYTES = 64 << 20
 # bytes 26.6 / 33.3 (gate_up). Layers are laid one after another (a step reads them nearly in order),
 # so the small ones share pages instead of each rounding up to 2 MiB. TGS_CPU_KQUANT_HUGEPAGES=off:
 # torch's allocator (the same bits; for A/B runs).
+# On huge pages the software prefetch is worth less (no 4 KiB boundaries for the hardware prefetchers to
+# stop at) and costs the Q6_K kernel, which is compute-bound at one thread, issue slots: one row, cold,
+# 2 threads, load ~1.9 (2026-12-07, GB/s at 0 / 1 KiB / 4 KiB ahead, two rounds): Q6_K down 30.3-33.7 /
+# 25.4-26.8 / 23.4-24.5, Q6_K head 54.4-55.2 / 43.2-44.1 / 36.4-36.9, Q4_K down 24.1-33.4 / 24.9-35.8 /
+# 24.5-34.2, Q4_K o_proj 29.5-29.7 / 31.3-31.4 / 31.0-31.3, Q4_K gate_up 48.1-48.6 / 47.0-50.5 / 48.7-48.9.
+# So per type on huge pages: Q4_K 1 KiB ahead, Q6_K none; PACKED_PREFETCH_BYTES where a layer got 4 KiB pages.
+PACKED_PREFETCH_HUGE = {12: 1024, 14: 0}
 HUGEPAGES_ENV = "TGS_CPU_KQUANT_HUGEPAGES"
 HUGE_PAGE = 2 << 20
 ARENA_CHUNK = 64 << 20
@@ -311,7 +321,7 @@ class KQuantLinear(torch.nn.Module):
         self.count = len(parts)
         # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
         self._ns = [p.shape[0] for p in parts] if self.packed else []
-        arena = _ARENA if hugepages_enabled() else None
+        arena = _ARENA if hugepages_enabled() and self.packed else None
         for i, part in enumerate(parts):
             if self.packed:
                 self.register_buffer(f"packed{i}", pack(self.native, part, type_id, arena))
@@ -322,6 +332,7 @@ class KQuantLinear(torch.nn.Module):
             dropped = release_file_pages(list(parts))
             if dropped:
                 logger.debug("cpu-kquant: {:.1f} MiB of the file's pages let go after packing", dropped / 2**20)
+        self._huge = arena is not None and arena.huge  # the packed parts on pages advised huge
         self.register_buffer("bias", bias)
         self.type_id = type_id
         self.act_dtype = act_dtype
@@ -334,7 +345,9 @@ class KQuantLinear(torch.nn.Module):
         """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
         tensor): building them per call cost several microseconds of a one-row layer's ~10."""
         self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
-        if self.packed:
+        if self.packed and self._huge:
+            self._prefetch = PACKED_PREFETCH_HUGE[self.type_id]
+        elif self.packed:
             size = sum(p.numel() for p in self._parts)
             self._prefetch = PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
         else:

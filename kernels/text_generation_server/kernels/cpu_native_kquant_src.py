@@ -1052,10 +1052,12 @@ void q6k_packed_pass(const Args& a, const uint8_t* tile, int64_t n0, int nt, int
     auto codes4 = [&](const uint8_t* p, __m512i* c) {
       const __m512i A = _mm512_load_si512(p), B = _mm512_load_si512(p + 64), H = _mm512_load_si512(p + 128);
       const __m512i H02 = _mm512_and_si512(H, m33), H13 = _mm512_and_si512(H, mcc);
-      c[0] = _mm512_ternarylogic_epi32(low, A, _mm512_slli_epi16(H02, 4), 0xCA);  // low ? A : pairs
-      c[1] = _mm512_ternarylogic_epi32(low, B, _mm512_slli_epi16(H13, 2), 0xCA);
-      c[2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(A, 4), H02, 0xCA);
-      c[3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), 0xCA);
+      // bitwise low ? nibbles : pairs, written over the nibbles' register (0xE4: the mask last, so the
+      // constant is not copied before each select)
+      c[0] = _mm512_ternarylogic_epi32(A, _mm512_slli_epi16(H02, 4), low, 0xE4);
+      c[1] = _mm512_ternarylogic_epi32(B, _mm512_slli_epi16(H13, 2), low, 0xE4);
+      c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), H02, low, 0xE4);
+      c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), low, 0xE4);
     };
     for (int h = 0; h < 2; ++h) {
       for (int gh = 0; gh < 2; ++gh) {  // steps u = 4gh .. 4gh + 3: groups 8h + 2t + gh
