@@ -353,6 +353,7 @@ class KQuantLinear(torch.nn.Module):
         else:
             self._prefetch = PREFETCH_BYTES
         self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
+        self._linear = self.native.kquant_linear  # the bound native function (no Extension lookup per call)
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
         out = super()._apply(fn, recurse)
@@ -360,13 +361,15 @@ class KQuantLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
         if self._direct and x.dtype == self.act_dtype:
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
-            y = self.native.kquant_linear(x.reshape(-1, self.in_features), self._parts, self.type_id,
-                                          self._bias_arg, self._prefetch, self._ns)
-            return y.reshape(*lead, self.out_features)
+            if x.dim() == 2:  # the model's [tokens, K]: no views around the call (a few us of a small layer's)
+                return self._linear(x, self._parts, self.type_id, self._bias_arg, self._prefetch, self._ns)
+            y = self._linear(x.reshape(-1, self.in_features), self._parts, self.type_id, self._bias_arg,
+                             self._prefetch, self._ns)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        lead = x.shape[:-1]
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
         y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16
