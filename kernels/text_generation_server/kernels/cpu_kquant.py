@@ -250,7 +250,8 @@ class PackArena:
     when a layer is packed are huge pages where the system grants them (4 KiB pages otherwise: the same
     bytes, only slower to stream; `huge` says whether the advice was taken). A chunk stays alive as long
     as a buffer cut from it (each buffer is a view of it); a chunk's unused tail is never touched, so it
-    holds no memory."""
+    holds no memory. The arena cuts forward only: the chunk being filled stays alive with the pages of
+    layers already freed in it (at most one chunk, ARENA_CHUNK, until the next chunk replaces it)."""
 
     def __init__(self, chunk: int = ARENA_CHUNK):
         self.chunk = chunk
