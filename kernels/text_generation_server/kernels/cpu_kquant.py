@@ -81,8 +81,11 @@ PACKED_PREFETCH_MAX_BYTES = 64 << 20
 # (2026-12-07, the same packed bytes as 4 KiB / 2 MiB pages, GB/s): Q4_K gate_up 25.1 / 32.3 at 2
 # threads, Q6_K head 31.6 / 34.1, Q4_K qkv 16.6 / 23.4, o_proj 20.3 / 27.0; a plain read of the same
 # bytes 26.6 / 33.3 (gate_up). Layers are laid one after another (a step reads them nearly in order),
-# so the small ones share pages instead of each rounding up to 2 MiB. TGS_CPU_KQUANT_HUGEPAGES=off:
-# torch's allocator (the same bits; for A/B runs).
+# so the small ones share pages instead of each rounding up to 2 MiB. The cost is at load: the 1.5B
+# file's get_model took 5.0-5.8 s against 3.0 with 4 KiB pages (the kernel compacts memory for each huge
+# page it faults in) and 95 MiB more resident (busy machine, BENCHMARKS.md "#34 one-row K-quant linears on
+# huge pages"). TGS_CPU_KQUANT_HUGEPAGES=off: torch's allocator (the same bits; for A/B runs, or a start
+# that matters more than the decode speed).
 # On huge pages the software prefetch is worth less (no 4 KiB boundaries for the hardware prefetchers to
 # stop at) and costs the Q6_K kernel, which is compute-bound at one thread, issue slots: one row, cold,
 # 2 threads, load ~1.9 (2026-12-07, GB/s at 0 / 1 KiB / 4 KiB ahead, two rounds): Q6_K down 30.3-33.7 /
