@@ -4,12 +4,16 @@ At one row a K-quant layer should take (its packed bytes) / (memory bandwidth): 
 once, everything else is per-call fixed cost. This builds two copies of the kernels (this checkout's
 kernels/text_generation_server/kernels/cpu_native_kquant_src.py and the same file at `--against`,
 each with the native pool tgs::parallel_for in front, the native kernels' flags) plus a read kernel
-(the packed bytes summed with 64-byte loads, split over the same pool in the same tile-sized
-units), and times the call the model makes, `kquant_linear` on a bfloat16 row with the layer's parts
-packed (activation quantization, output allocation and bias included), interleaved call by call:
-read (of `--against`'s buffers and of this checkout's), theirs, ours. Weights are cold: each case cycles through copies of random blocks
-(tests/gguf_writer.py k_quant_bytes) larger than the caches together. Prints median ms per call, the
-GB/s of the packed bytes, and checks that both commits' outputs are equal bit for bit.
+(the packed bytes summed with 64-byte loads, split over the same pool in the same tile-sized units),
+and times the call the model makes, `kquant_linear` on a bfloat16 row with the layer's parts packed
+(activation quantization and output allocation included, no bias): a read of `--against`'s buffers,
+a read of this checkout's (cpu_kquant.pack: the arena, huge pages where granted), theirs, ours, call
+by call in turn. Weights are cold: each case cycles through copies of random blocks
+(tests/gguf_writer.py k_quant_bytes) larger than the caches together, each variant a share of the
+copies behind the one before it, so no call finds weights another just read. `--same-pages` copies
+`--against`'s packed layers into an arena too (the kernels alone compared), `--hot` calls one copy over
+and over (the kernels' own speed from cache). Prints median ms per call and GB/s of the packed bytes,
+and checks that both commits' outputs are equal bit for bit.
 
     flock /tmp/tgs-bench.lock python benchmarks/gguf_kquant_decode.py --against main --threads 1,2
 """
@@ -72,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="passes over the copies (one call per copy and variant)")
     parser.add_argument("--cold-mb", type=float, default=128.0, help="the copies of a case total at least this")
     parser.add_argument("--hot", action="store_true",
-                        help="one copy, called over and over (weights from cache where they fit: the kernel's own speed)")
+                        help="one copy, called over and over (weights from cache where they fit: the kernel's "
+                             "own speed)")
     parser.add_argument("--same-pages", action="store_true",
-                        help="--against's packed layers copied into this checkout's arena too (the kernels alone compared)")
+                        help="--against's packed layers copied into this checkout's arena too (the kernels "
+                             "alone compared)")
     parser.add_argument("--prefetch", type=int, default=-1,
                         help="bytes ahead for both (default: each commit's rule: --against 4 KiB, none above 64 MiB; "
                              "this checkout cpu_kquant.PACKED_PREFETCH_HUGE on huge pages)")

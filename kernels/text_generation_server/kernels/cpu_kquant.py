@@ -298,7 +298,8 @@ def pack(module, blocks: torch.Tensor, type_id: int, arena: PackArena | None = _
         return module.kquant_pack(blocks, type_id)
     size = KQUANT_TYPES[type_id][2]
     if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.shape[1]:
-        raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [N, blocks * {size}], got {list(blocks.shape)}")
+        raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [N, blocks * {size}], "
+                         f"got {list(blocks.shape)}")
     out = arena.take(module.kquant_packed_bytes(type_id, blocks.shape[0], blocks.shape[1] // size * QK_K))
     module.kquant_pack_into(blocks, type_id, out)
     return out
