@@ -35,13 +35,26 @@ SRC = "kernels/text_generation_server/kernels/cpu_native_kquant_src.py"
 SHAPES = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536), "head": (151936, 1536)}
 
 
-def build(text: str, tag: str):
+def pool_source() -> str:
+    """The native pool (tgs::parallel_for, cpu_native_src.py's first section) the K-quant kernels call:
+    this checkout's, put in front of either commit's K-quant source so both split work the same way."""
+    from text_generation_server.kernels.cpu_native_src import SOURCE as NATIVE
+
+    end = NATIVE.index("}  // namespace tgs")
+    return NATIVE[:end] + "}  // namespace tgs\n"
+
+
+def build(text: str, tag: str, extra: str = "", extra_functions: list[str] | None = None):
+    """One commit's K-quant source (its SOURCE and FUNCTIONS) built alone, the pool in front and `extra`
+    (more C++ with its `extra_functions`) after it."""
     from torch.utils.cpp_extension import load_inline
 
     scope: dict = {}
     exec(compile(text, f"<{tag}>", "exec"), scope)  # the module defines SOURCE and FUNCTIONS only
-    digest = hashlib.sha1((scope["SOURCE"] + " ".join(cflags())).encode()).hexdigest()[:10]
-    return load_inline(f"tgs_kquant_ab_{tag}_{digest}", cpp_sources=[scope["SOURCE"]], functions=scope["FUNCTIONS"],
+    source = pool_source() + scope["SOURCE"] + extra
+    digest = hashlib.sha1((source + " ".join(cflags())).encode()).hexdigest()[:10]
+    return load_inline(f"tgs_kquant_ab_{tag}_{digest}", cpp_sources=[source],
+                       functions=[*scope["FUNCTIONS"], *(extra_functions or [])],
                        extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS))
 
 

@@ -493,3 +493,59 @@ def test_packing_lets_go_of_the_file_pages_only(tmp_path):
     assert dropped >= 4 * 2**20 - 2 * 4096
     assert _mapping_rss_kib(mapped.data_ptr()) <= 8
     assert torch.equal(mapped, torch.from_numpy(data))  # faulted back in from the file
+
+
+def test_the_pack_arena_cuts_aligned_buffers_from_huge_page_chunks():
+    """PackArena: 64-byte aligned views, one after another in a chunk that starts on a 2 MiB boundary
+    (what a huge page needs), a new chunk when one is full, a buffer larger than a chunk in its own;
+    no two buffers overlap."""
+    from text_generation_server.kernels.cpu_kquant import HUGE_PAGE, PackArena
+
+    arena = PackArena(chunk=4 << 20)
+    sizes = [100, 64, 1 << 20, 3 << 20, 5 << 20, 1]
+    got = [arena.take(n) for n in sizes]
+    for n, buf in zip(sizes, got):
+        assert buf.dtype == torch.uint8 and buf.is_contiguous() and buf.numel() == n
+        assert buf.data_ptr() % 64 == 0
+    assert got[0].data_ptr() % HUGE_PAGE == 0  # a chunk's first buffer
+    assert got[1].data_ptr() == got[0].data_ptr() + 128 and got[2].data_ptr() == got[1].data_ptr() + 64
+    assert got[3].data_ptr() % HUGE_PAGE == 0  # did not fit the first chunk's rest
+    assert got[4].data_ptr() % HUGE_PAGE == 0 and got[4].untyped_storage().nbytes() >= 5 << 20
+    for i, buf in enumerate(got):
+        buf.fill_(i + 1)
+    assert all(bool((buf == i + 1).all()) for i, buf in enumerate(got))
+    with pytest.raises(ValueError, match="-1 bytes"):
+        arena.take(-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_layers_packed_into_the_arena_give_the_same_bits(native, qtype, monkeypatch):
+    """A layer's packed parts go into the arena (TGS_CPU_KQUANT_HUGEPAGES=off: torch's allocator): the
+    bytes kquant_pack writes, and the layer's outputs the same bits either way; kquant_pack_into
+    refuses a buffer of the wrong size or alignment by name."""
+    from text_generation_server.kernels.cpu_kquant import HUGEPAGES_ENV, KQuantLinear, PackArena, pack
+
+    raw = blocks(qtype, 53, 1536, seed=5)
+    pack_ref = packed(native, raw, qtype)
+    arena = PackArena(chunk=1 << 20)
+    into = pack(native, raw, qtype, arena)
+    assert torch.equal(into, pack_ref) and into.untyped_storage().nbytes() > into.numel()
+    assert torch.equal(pack(native, raw, qtype, None), pack_ref)
+    x = torch.randn(9, 1536).bfloat16()
+    bias = torch.randn(53).bfloat16()
+    monkeypatch.setenv(HUGEPAGES_ENV, "1")
+    on = KQuantLinear((raw[:21], raw[21:]), int(qtype), bias, torch.bfloat16)
+    monkeypatch.setenv(HUGEPAGES_ENV, "off")
+    off = KQuantLinear((raw[:21], raw[21:]), int(qtype), bias, torch.bfloat16)
+    assert on.packed0.untyped_storage().nbytes() > on.packed0.numel()  # a view of an arena chunk
+    assert off.packed0.untyped_storage().nbytes() == off.packed0.numel()
+    for m in (1, 3, 9):
+        assert torch.equal(on(x[:m]).view(torch.int16), off(x[:m]).view(torch.int16)), m
+    size = native.kquant_packed_bytes(int(qtype), 53, 1536)
+    assert size == pack_ref.numel()
+    with pytest.raises(RuntimeError, match="contiguous uint8 of"):
+        native.kquant_pack_into(raw, int(qtype), torch.empty(size - 64, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="64-byte boundary"):
+        native.kquant_pack_into(raw, int(qtype), torch.empty(size + 64, dtype=torch.uint8)[1:size + 1])
+    with pytest.raises(RuntimeError, match="K a positive multiple of 256"):
+        native.kquant_packed_bytes(int(qtype), 53, 1000)

@@ -36,6 +36,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -68,8 +69,34 @@ PREFETCH_BYTES = 1024
 # 4 KiB with none for the head gave 39.6 / 36.7 / 38.1 / 36.4 ms, within the machine's noise; two
 # threads, the fastest calls of down and gate_up were again at 4 KiB (Q6_K down 0.132 ms against 0.154
 # at 1 KiB, 0.313 with none). So 4 KiB, and none for a layer of more than PACKED_PREFETCH_MAX_BYTES.
+# (Those single-layer runs called each variant on the same copy in turn, so all but the first found
+# part of a layer under 32 MiB in L3; benchmarks/gguf_kquant_decode.py staggers the copies.) Now the rule
+# for a layer that got 4 KiB pages only (TGS_CPU_KQUANT_HUGEPAGES=off, or the advice refused).
 PACKED_PREFETCH_BYTES = 4096
 PACKED_PREFETCH_MAX_BYTES = 64 << 20
+# The packed layers live in an arena of 2 MiB-aligned chunks the kernel is asked to back with huge pages
+# (madvise MADV_HUGEPAGE; this machine's transparent huge pages are "madvise", so torch's buffers got
+# 4 KiB pages). A one-row call streams its weights once: with 4 KiB pages every 4 KiB is a TLB miss
+# and a boundary the hardware prefetchers stop at. One row, cold weights, busy 2-core EPYC, load ~3
+# (2026-12-07, the same packed bytes as 4 KiB / 2 MiB pages, GB/s): Q4_K gate_up 25.1 / 32.3 at 2
+# threads, Q6_K head 31.6 / 34.1, Q4_K qkv 16.6 / 23.4, o_proj 20.3 / 27.0; a plain read of the same
+# bytes 26.6 / 33.3 (gate_up). Layers are laid one after another (a step reads them nearly in order),
+# so the small ones share pages instead of each rounding up to 2 MiB. The cost is at load: the 1.5B
+# file's get_model took 5.0-5.8 s against 3.0 with 4 KiB pages (the kernel compacts memory for each huge
+# page it faults in) and 95 MiB more resident (busy machine, BENCHMARKS.md "#34 one-row K-quant linears on
+# huge pages"). TGS_CPU_KQUANT_HUGEPAGES=off: torch's allocator (the same bits; for A/B runs, or a start
+# that matters more than the decode speed).
+# On huge pages the software prefetch is worth less (no 4 KiB boundaries for the hardware prefetchers to
+# stop at) and costs the Q6_K kernel, which is compute-bound at one thread, issue slots: one row, cold,
+# 2 threads, load ~1.9 (2026-12-07, GB/s at 0 / 1 KiB / 4 KiB ahead, two rounds): Q6_K down 30.3-33.7 /
+# 25.4-26.8 / 23.4-24.5, Q6_K head 54.4-55.2 / 43.2-44.1 / 36.4-36.9, Q4_K down 24.1-33.4 / 24.9-35.8 /
+# 24.5-34.2, Q4_K o_proj 29.5-29.7 / 31.3-31.4 / 31.0-31.3, Q4_K gate_up 48.1-48.6 / 47.0-50.5 / 48.7-48.9.
+# So per type on huge pages: Q4_K 1 KiB ahead, Q6_K none; PACKED_PREFETCH_BYTES where a layer got 4 KiB pages.
+PACKED_PREFETCH_HUGE = {12: 1024, 14: 0}
+HUGEPAGES_ENV = "TGS_CPU_KQUANT_HUGEPAGES"
+HUGE_PAGE = 2 << 20
+ARENA_CHUNK = 64 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @dataclass
@@ -206,6 +233,78 @@ def release_file_pages(tensors: list[torch.Tensor]) -> int:
     return dropped
 
 
+def hugepages_enabled() -> bool:
+    """False when TGS_CPU_KQUANT_HUGEPAGES is 0/false/no/off."""
+    return os.environ.get(HUGEPAGES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+class PackArena:
+    """Buffers for packed layers, cut one after another (64-byte aligned) from chunks that start on a
+    2 MiB boundary and are madvised MADV_HUGEPAGE before anything touches them, so the pages faulted in
+    when a layer is packed are huge pages where the system grants them (4 KiB pages otherwise: the same
+    bytes, only slower to stream; `huge` says whether the advice was taken). A chunk stays alive as long
+    as a buffer cut from it (each buffer is a view of it); a chunk's unused tail is never touched, so it
+    holds no memory. The arena cuts forward only: the chunk being filled stays alive with the pages of
+    layers already freed in it (at most one chunk, ARENA_CHUNK, until the next chunk replaces it)."""
+
+    def __init__(self, chunk: int = ARENA_CHUNK):
+        self.chunk = chunk
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+        self.huge = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A contiguous uint8 tensor of nbytes, 64-byte aligned, inside a chunk advised huge pages."""
+        if nbytes < 0:
+            raise ValueError(f"a packed buffer of {nbytes} bytes")
+        size = -(-nbytes // 64) * 64
+        with self._lock:
+            if self._buffer is None or self._used + size > self._buffer.numel():
+                self._buffer, self._used = self._chunk(max(size, self.chunk)), 0
+            out = self._buffer[self._used:self._used + nbytes]
+            self._used += size
+        return out
+
+    def _chunk(self, size: int) -> torch.Tensor:
+        size = -(-size // HUGE_PAGE) * HUGE_PAGE
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE - raw.data_ptr()
+        chunk = raw[start:start + size]
+        libc = _libc()
+        if libc is not None and libc.madvise(chunk.data_ptr(), size, _MADV_HUGEPAGE) == 0:
+            self.huge = True
+        else:
+            logger.debug("cpu-kquant: madvise(MADV_HUGEPAGE) refused (errno {}): packed layers on 4 KiB pages",
+                         ctypes.get_errno())
+        return chunk
+
+
+_ARENA = PackArena()
+
+
+def pack(module, blocks: torch.Tensor, type_id: int, arena: PackArena | None = _ARENA) -> torch.Tensor:
+    """The blocks in the packed form (kquant_pack), in a buffer of `arena` (None: torch's allocator)."""
+    if arena is None:
+        return module.kquant_pack(blocks, type_id)
+    size = KQUANT_TYPES[type_id][2]
+    if blocks.dim() != 2 or blocks.shape[1] % size or not blocks.shape[1]:
+        raise ValueError(f"{KQUANT_TYPES[type_id][0]} blocks must be uint8 [N, blocks * {size}], "
+                         f"got {list(blocks.shape)}")
+    out = arena.take(module.kquant_packed_bytes(type_id, blocks.shape[0], blocks.shape[1] // size * QK_K))
+    module.kquant_pack_into(blocks, type_id, out)
+    return out
+
+
 class KQuantLinear(torch.nn.Module):
     """Where the build has AVX-512BW, each part is converted at load to the packed form
     (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
@@ -227,9 +326,10 @@ class KQuantLinear(torch.nn.Module):
         self.count = len(parts)
         # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
         self._ns = [p.shape[0] for p in parts] if self.packed else []
+        arena = _ARENA if hugepages_enabled() and self.packed else None
         for i, part in enumerate(parts):
             if self.packed:
-                self.register_buffer(f"packed{i}", self.native.kquant_pack(part, type_id))
+                self.register_buffer(f"packed{i}", pack(self.native, part, type_id, arena))
             else:
                 self.register_buffer(f"blocks{i}", part)
         if self.packed:
@@ -237,6 +337,7 @@ class KQuantLinear(torch.nn.Module):
             dropped = release_file_pages(list(parts))
             if dropped:
                 logger.debug("cpu-kquant: {:.1f} MiB of the file's pages let go after packing", dropped / 2**20)
+        self._huge = arena is not None and arena.huge  # the packed parts on pages advised huge
         self.register_buffer("bias", bias)
         self.type_id = type_id
         self.act_dtype = act_dtype
@@ -249,12 +350,15 @@ class KQuantLinear(torch.nn.Module):
         """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
         tensor): building them per call cost several microseconds of a one-row layer's ~10."""
         self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
-        if self.packed:
+        if self.packed and self._huge:
+            self._prefetch = PACKED_PREFETCH_HUGE[self.type_id]
+        elif self.packed:
             size = sum(p.numel() for p in self._parts)
             self._prefetch = PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
         else:
             self._prefetch = PREFETCH_BYTES
         self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
+        self._linear = self.native.kquant_linear  # the bound native function (no Extension lookup per call)
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
         out = super()._apply(fn, recurse)
@@ -262,13 +366,15 @@ class KQuantLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
         if self._direct and x.dtype == self.act_dtype:
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
-            y = self.native.kquant_linear(x.reshape(-1, self.in_features), self._parts, self.type_id,
-                                          self._bias_arg, self._prefetch, self._ns)
-            return y.reshape(*lead, self.out_features)
+            if x.dim() == 2:  # the model's [tokens, K]: no views around the call (a few us of a small layer's)
+                return self._linear(x, self._parts, self.type_id, self._bias_arg, self._prefetch, self._ns)
+            y = self._linear(x.reshape(-1, self.in_features), self._parts, self.type_id, self._bias_arg,
+                             self._prefetch, self._ns)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        lead = x.shape[:-1]
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
         y = torch.empty(q.shape[0], self.out_features, dtype=self.act_dtype if self.act_dtype != torch.float16

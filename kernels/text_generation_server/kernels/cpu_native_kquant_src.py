@@ -928,8 +928,41 @@ void q4k_packed_pass(const Args& a, const uint8_t* tile, const int32_t* pairs, i
     __m512i I[R];
     for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      if constexpr (R <= 4) {  // both sub-blocks of the 64 columns at once: two independent chains
+      if constexpr (R <= 4) {  // both sub-blocks of the 64 columns at once: independent chains
         __m512i s0[R], s1[R];
+#if defined(__AVX512VNNI__)
+        // The high nibbles multiplied where they lie (v & 0xF0: 16 times the code; dpbusd's int32 lanes
+        // hold it, |sum| <= 32 * 240 * 128), the sum divided by 16 once per sub-block: exact, every
+        // product a multiple of 16, so the same integers as the shifted codes' for one op less a vector.
+        // One row: each sub-block's sum in two chains (even and odd u) so that dpbusd's latency does not
+        // bound the loop (exact integer sums: the same bits in any grouping).
+        constexpr int C = R == 1 ? 2 : 1;
+        __m512i c0[C][R], c1[C][R];
+        for (int c = 0; c < C; ++c)
+          for (int r = 0; r < R; ++r) c0[c][r] = c1[c][r] = _mm512_setzero_si512();
+        const __m512i high = _mm512_set1_epi8(char(0xF0));
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) {
+          const __m512i v = _mm512_load_si512(o + 64 * (8 * j + u));
+          const __m512i lo = _mm512_and_si512(v, low), hi16 = _mm512_and_si512(v, high);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xr[r] + b * QK + 64 * j + 4 * u, 4);
+            std::memcpy(&x1, xr[r] + b * QK + 64 * j + 32 + 4 * u, 4);
+            c0[u % C][r] = dpbusd(c0[u % C][r], lo, _mm512_set1_epi32(x0));
+            c1[u % C][r] = dpbusd(c1[u % C][r], hi16, _mm512_set1_epi32(x1));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          s0[r] = c0[0][r];
+          s1[r] = c1[0][r];
+          for (int c = 1; c < C; ++c) {
+            s0[r] = _mm512_add_epi32(s0[r], c0[c][r]);
+            s1[r] = _mm512_add_epi32(s1[r], c1[c][r]);
+          }
+          s1[r] = _mm512_srai_epi32(s1[r], 4);
+        }
+#else
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int u = 0; u < 8; ++u) {
@@ -943,6 +976,7 @@ void q4k_packed_pass(const Args& a, const uint8_t* tile, const int32_t* pairs, i
             s1[r] = dpbusd(s1[r], hi, _mm512_set1_epi32(x1));
           }
         }
+#endif
         const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 32 * j)));
         const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(o + 2048 + 32 * j + 16)));
         for (int r = 0; r < R; ++r)
@@ -992,6 +1026,7 @@ void q6k_packed_pass(const Args& a, const uint8_t* tile, int64_t n0, int nt, int
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8(char(0xCC));
   const int8_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = a.x.q + (m0 + r) * a.K;
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -1009,6 +1044,21 @@ void q6k_packed_pass(const Args& a, const uint8_t* tile, int64_t n0, int nt, int
                         : t == 2 ? H : _mm512_srli_epi16(H, 2);
       return _mm512_or_si512(nib, _mm512_and_si512(top, m30));
     };
+    // The same four codes of a step at once, in 11 ops where codes() takes 17: the bit pairs masked
+    // apart once (H & 0x33: pairs 0 and 2, H & 0xCC: 1 and 3, each with zeros above it), so that after
+    // a 16-bit shift each code's bits 4-5 hold its pair and bits 6-7 zeros, and one ternary select per
+    // code takes bits 0-3 from the nibbles, 4-7 from the pairs (what a shift carries in from the next
+    // byte lands in bits the select does not take).
+    auto codes4 = [&](const uint8_t* p, __m512i* c) {
+      const __m512i A = _mm512_load_si512(p), B = _mm512_load_si512(p + 64), H = _mm512_load_si512(p + 128);
+      const __m512i H02 = _mm512_and_si512(H, m33), H13 = _mm512_and_si512(H, mcc);
+      // bitwise low ? nibbles : pairs, written over the nibbles' register (0xE4: the mask last, so the
+      // constant is not copied before each select)
+      c[0] = _mm512_ternarylogic_epi32(A, _mm512_slli_epi16(H02, 4), low, 0xE4);
+      c[1] = _mm512_ternarylogic_epi32(B, _mm512_slli_epi16(H13, 2), low, 0xE4);
+      c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), H02, low, 0xE4);
+      c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), low, 0xE4);
+    };
     for (int h = 0; h < 2; ++h) {
       for (int gh = 0; gh < 2; ++gh) {  // steps u = 4gh .. 4gh + 3: groups 8h + 2t + gh
         if constexpr (R <= 4) {  // the block in order: each step's three vectors once, four groups at a time
@@ -1019,9 +1069,11 @@ void q6k_packed_pass(const Args& a, const uint8_t* tile, int64_t n0, int nt, int
           for (int uu = 0; uu < 4; ++uu) {
             const int u = 4 * gh + uu;
             const uint8_t* p = o + 192 * (8 * h + u);
+            __m512i cs[4];
+            codes4(p, cs);
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) {
-              const __m512i c = codes(p, t);
+              const __m512i c = cs[t];
               for (int r = 0; r < R; ++r) {
                 int32_t x4;
                 std::memcpy(&x4, xr[r] + b * QK + 128 * h + 32 * t + 4 * u, 4);
@@ -1444,20 +1496,41 @@ void kquant_mm_packed_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, to
                              bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
 }
 
+// The bytes of the packed form of an [N, K] weight of `type` (header included): the size of the buffer
+// kquant_pack_into fills.
+int64_t kquant_packed_bytes(int64_t type, int64_t N, int64_t K) {
+  tgs_kquant::block_bytes(type);
+  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "N = ", N, ", K = ", K, ": N must be >= 0 and K a positive multiple of 256");
+  return tgs_kquant::packed_bytes(type, N, K / 256);
+}
+
 // The blocks w (uint8 [N, K / 256 * block bytes] of `type`, rows may be strided) in the packed form
-// (tgs_kquant::pack_blocks says the layout): a new uint8 tensor, 64-byte aligned, that
-// kquant_mm_packed_into and kquant_linear read.
-torch::Tensor kquant_pack(torch::Tensor w, int64_t type) {
+// (tgs_kquant::pack_blocks says the layout), written into out: contiguous uint8 of kquant_packed_bytes,
+// 64-byte aligned (a view of a larger buffer will do: cpu_kquant's arena of huge pages). kquant_mm_packed_into
+// and kquant_linear read it.
+void kquant_pack_into(torch::Tensor w, int64_t type, torch::Tensor out) {
   const int64_t bytes = tgs_kquant::block_bytes(type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % bytes == 0 && w.size(1) > 0 &&
               w.stride(1) == 1 && w.stride(0) >= 0,
               "blocks must be uint8 [N, blocks * ", bytes, "] with contiguous rows, got ", w.scalar_type(), " ", w.sizes());
   const int64_t N = w.size(0), nb = w.size(1) / bytes;
-  auto out = torch::empty({tgs_kquant::packed_bytes(type, N, nb)}, w.options());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0, "the allocator gave a packed buffer off a 64-byte boundary");
+  TORCH_CHECK(out.scalar_type() == torch::kByte && out.is_contiguous() && out.numel() == tgs_kquant::packed_bytes(type, N, nb),
+              "the packed buffer must be contiguous uint8 of ", tgs_kquant::packed_bytes(type, N, nb), " bytes, got ",
+              out.scalar_type(), " of ", out.numel());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0, "the packed buffer must start on a 64-byte boundary");
   const int64_t head[8] = {tgs_kquant::PACK_MAGIC, type, N, nb, 0, 0, 0, 0};
   std::memcpy(out.data_ptr<uint8_t>(), head, sizeof(head));
   if (N) tgs_kquant::pack_blocks(w.data_ptr<uint8_t>(), w.stride(0), N, nb, type, out.data_ptr<uint8_t>() + tgs_kquant::PACK_HEADER);
+}
+
+// kquant_pack_into a new tensor (64-byte aligned, from torch's allocator).
+torch::Tensor kquant_pack(torch::Tensor w, int64_t type) {
+  const int64_t bytes = tgs_kquant::block_bytes(type);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % bytes == 0 && w.size(1) > 0,
+              "blocks must be uint8 [N, blocks * ", bytes, "] with contiguous rows, got ", w.scalar_type(), " ", w.sizes());
+  auto out = torch::empty({tgs_kquant::packed_bytes(type, w.size(0), w.size(1) / bytes)}, w.options());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0, "the allocator gave a packed buffer off a 64-byte boundary");
+  kquant_pack_into(w, type, out);
   return out;
 }
 
@@ -1581,7 +1654,7 @@ int64_t kquant_native_isa() {
 """
 
 FUNCTIONS = ["kquant_quantize_q8k", "kquant_mm", "kquant_mm_into", "kquant_linear", "kquant_dequant", "kquant_native_isa",
-             "kquant_pack", "kquant_mm_packed_into", "kquant_packed_isa"]
+             "kquant_pack", "kquant_pack_into", "kquant_packed_bytes", "kquant_mm_packed_into", "kquant_packed_isa"]
 
 
 def with_kquant_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
