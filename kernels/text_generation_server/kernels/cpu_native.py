@@ -27,12 +27,14 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.cpu_native_decode_src import with_decode_kernels
+from text_generation_server.kernels.cpu_native_gemm_src import with_gemm_kernels
 from text_generation_server.kernels.cpu_native_group_src import with_group_kernels
 from text_generation_server.kernels.cpu_native_kquant_src import with_kquant_kernels
 from text_generation_server.kernels.cpu_native_pointwise_src import with_pointwise_kernels
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
 from text_generation_server.kernels.phase import pad_prompt_rows
 
+SOURCE, FUNCTIONS = with_gemm_kernels(SOURCE, FUNCTIONS)  # the bfloat16 GEMM through float32 FMAs (dense.py)
 SOURCE, FUNCTIONS = with_group_kernels(SOURCE, FUNCTIONS)  # the group-int8 kernels (cpu_group_int8.py)
 SOURCE, FUNCTIONS = with_kquant_kernels(SOURCE, FUNCTIONS)  # GGUF Q4_K/Q6_K blocks in place (cpu_kquant.py)
 SOURCE, FUNCTIONS = with_pointwise_kernels(SOURCE, FUNCTIONS)  # a bf16 layer's norms, rotary, silu * up (layers/)
@@ -67,6 +69,13 @@ INT8_DEQUANT_MIN_ROWS = 32
 # instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
 # 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
 BF16_GEMV_MAX_ROWS = 2
+# bfloat16 weights on a build without AVX512-BF16 (an AVX2 machine, TGS_CPU_ISA=avx2): prompts and decode
+# batches past BF16_GEMV_MAX_ROWS run the native GEMM (`bf16_gemm`: weights widened to float32 in
+# registers, FMA) instead of torch's bfloat16 GEMM, which has no fast path there (3x slower than
+# llama.cpp's AVX2 build; 2.1-2.7x slower than this kernel at 8-64 rows on Qwen2.5-1.5B's shapes,
+# one thread: BENCHMARKS.md, issue #32 session 9). With AVX512-BF16 torch's GEMM was 2-4x faster and stays.
+# TGS_CPU_BF16_GEMM=on/off forces the choice either way (the same bits on every build).
+BF16_GEMM_ENV = "TGS_CPU_BF16_GEMM"
 # float32 weights (serve's CPU default dtype): rows up to which the matrix-vector product runs instead
 # of torch's GEMM, and the weight bytes from which it splits the outputs over the threads (below, a
 # fork/join of the pool costs more than the second core saves). On the embedded model's shapes
@@ -359,6 +368,34 @@ def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
     """Whether the bfloat16 matrix-vector product can run `rows` rows against `weight` [N, K]."""
     return (0 < rows <= BF16_GEMV_MAX_ROWS and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and weight.is_contiguous())
+
+
+def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
+    """Whether the native bfloat16 GEMM runs `weight` [N, K] here: a contiguous bfloat16 CPU weight, the
+    extension built, and either TGS_CPU_BF16_GEMM=on, or it unset/auto and this build without
+    AVX512-BF16 (where torch's bfloat16 GEMM is slow; BF16_GEMM_ENV's comment)."""
+    if module is None or not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                              and weight.is_contiguous()):
+        return False
+    asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower()
+    if asked in ("1", "on", "true", "yes"):
+        return True
+    if asked in ("0", "off", "false", "no"):
+        return False
+    if asked not in ("", "auto") and f"warned:{BF16_GEMM_ENV}" not in _state:
+        _state[f"warned:{BF16_GEMM_ENV}"] = True
+        logger.warning("{}={!r} is not on, off or auto: auto", BF16_GEMM_ENV, asked)
+    return not bool(module.bf16_gemm_has_bf16_dot())
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def bf16_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) in x's dtype, float32 sums: a row's bits do not depend
+    on M or on the rows beside it (cpu_native_gemm_src.py), so prompts of any chunking take it as one path."""
+    b = _NO_BIAS if bias is None else bias.float().contiguous()
+    return module.bf16_gemm(x.contiguous(), weight, b, x.dtype == torch.bfloat16, PREFETCH_BYTES)
 
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
