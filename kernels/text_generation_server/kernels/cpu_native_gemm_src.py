@@ -24,9 +24,10 @@ namespace {
 constexpr int64_t BG_NB = 16;   // outputs per block: a thread's unit of work
 constexpr int64_t BG_KC = 256;  // k per pass: the tiles' widened weights, 16 x 256 floats = 16 KiB (L1)
 constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's rows: the lane sums stay in L2)
-constexpr int BG_R = 3;         // rows per tile
-constexpr int BG_C = 4;         // outputs per tile (3 x 4 accumulators + 4 weights + 1 row: 17 of 16/32 registers,
-                                // the weights' loads fold into the FMAs)
+constexpr int BG_R = 6;         // rows per tile
+constexpr int BG_C = 2;         // outputs per tile: 6 x 2 accumulators + 2 weights + 1 row = 15 of AVX2's 16
+                                // registers (AVX2 build, one thread, 64 rows of Qwen2.5-1.5B's shapes: 40-43
+                                // GFLOP/s against 31-34 for 3 x 4 and 4 x 3; BENCHMARKS.md, issue #32 session 9)
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bg_v;
 inline bg_v bg_zero() { return _mm256_setzero_ps(); }
@@ -81,19 +82,15 @@ void bg_tile(const float* x, int64_t K, const float* w, int64_t ws, int64_t kc, 
 
 typedef void (*BgTile)(const float*, int64_t, const float*, int64_t, int64_t, float*);
 template <int R>
-BgTile bg_tile_for(int c) {
-  switch (c) {
-    case 1: return bg_tile<R, 1>;
-    case 2: return bg_tile<R, 2>;
-    case 3: return bg_tile<R, 3>;
-    default: return bg_tile<R, 4>;
-  }
-}
+BgTile bg_tile_for(int c) { return c == 1 ? bg_tile<R, 1> : bg_tile<R, 2>; }
 inline BgTile bg_tile_for(int r, int c) {
   switch (r) {
     case 1: return bg_tile_for<1>(c);
     case 2: return bg_tile_for<2>(c);
-    default: return bg_tile_for<3>(c);
+    case 3: return bg_tile_for<3>(c);
+    case 4: return bg_tile_for<4>(c);
+    case 5: return bg_tile_for<5>(c);
+    default: return bg_tile_for<6>(c);
   }
 }
 
