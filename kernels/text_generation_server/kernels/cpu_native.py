@@ -72,7 +72,7 @@ BF16_GEMV_MAX_ROWS = 2
 # bfloat16 weights on a build without AVX512-BF16 (an AVX2 machine, TGS_CPU_ISA=avx2): prompts and decode
 # batches past BF16_GEMV_MAX_ROWS run the native GEMM (`bf16_gemm`: weights widened to float32 in
 # registers, FMA) instead of torch's bfloat16 GEMM, which has no fast path there (3x slower than
-# llama.cpp's AVX2 build; 2.1-2.7x slower than this kernel at 8-64 rows on Qwen2.5-1.5B's shapes,
+# llama.cpp's AVX2 build; 2.1-3.1x slower than this kernel at 8-128 rows on Qwen2.5-1.5B's shapes,
 # one thread: BENCHMARKS.md, issue #32 session 9). With AVX512-BF16 torch's GEMM was 2-4x faster and stays.
 # TGS_CPU_BF16_GEMM=on/off forces the choice either way (the same bits on every build).
 BF16_GEMM_ENV = "TGS_CPU_BF16_GEMM"
@@ -233,6 +233,7 @@ def native() -> Extension | None:
                             "after torch's own ops and compete with the kernels' thread pool; OMP_WAIT_POLICY="
                             "passive, set before the process starts, avoids that (BENCHMARKS.md, issue #32 session 8)")
             _state["int4_native"] = bool(module.int4_native_isa())
+            _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
             if not _state["int4_native"]:
                 logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "
                             "batches and the dequantized GEMM for prompts (int4_native_isa in the source says why)")
@@ -385,7 +386,9 @@ def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
     if asked not in ("", "auto") and f"warned:{BF16_GEMM_ENV}" not in _state:
         _state[f"warned:{BF16_GEMM_ENV}"] = True
         logger.warning("{}={!r} is not on, off or auto: auto", BF16_GEMM_ENV, asked)
-    return not bool(module.bf16_gemm_has_bf16_dot())
+    if "bf16_dot" not in _state:  # read when the extension loads (native()); a reset() forgets it
+        _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
+    return not _state["bf16_dot"]
 
 
 _NO_BIAS = torch.empty(0)

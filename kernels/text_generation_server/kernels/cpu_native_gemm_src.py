@@ -27,7 +27,7 @@ constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's ro
 constexpr int BG_R = 6;         // rows per tile
 constexpr int BG_C = 2;         // outputs per tile: 6 x 2 accumulators + 2 weights + 1 row = 15 of AVX2's 16
                                 // registers (AVX2 build, one thread, 64 rows of Qwen2.5-1.5B's shapes: 40-43
-                                // GFLOP/s against 31-34 for 3 x 4 and 4 x 3; BENCHMARKS.md, issue #32 session 9)
+                                // GFLOP/s against 28-33 for 3 x 4 and 4 x 3; BENCHMARKS.md, issue #32 session 9)
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bg_v;
 inline bg_v bg_zero() { return _mm256_setzero_ps(); }
