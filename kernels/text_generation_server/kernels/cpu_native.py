@@ -34,7 +34,7 @@ from text_generation_server.kernels.cpu_native_pointwise_src import with_pointwi
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
 from text_generation_server.kernels.phase import pad_prompt_rows
 
-SOURCE, FUNCTIONS = with_gemm_kernels(SOURCE, FUNCTIONS)  # the bfloat16 GEMM through float32 FMAs (dense.py)
+SOURCE, FUNCTIONS = with_gemm_kernels(SOURCE, FUNCTIONS)  # bf16 GEMM through float32 FMAs (dense.py)
 SOURCE, FUNCTIONS = with_group_kernels(SOURCE, FUNCTIONS)  # the group-int8 kernels (cpu_group_int8.py)
 SOURCE, FUNCTIONS = with_kquant_kernels(SOURCE, FUNCTIONS)  # GGUF Q4_K/Q6_K blocks in place (cpu_kquant.py)
 SOURCE, FUNCTIONS = with_pointwise_kernels(SOURCE, FUNCTIONS)  # a bf16 layer's norms, rotary, silu * up (layers/)
@@ -240,10 +240,13 @@ def native() -> Extension | None:
             logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
                         "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
                         "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
-                        "to {} rows (K up to {}), bf16 ones up to {} rows, float32 ones up to {} rows, int8 "
-                        "layers through dequantized bf16 GEMMs from {} rows; torch's ops otherwise (each a default "
+                        "to {} rows (K up to {}), bf16 ones up to {} rows (bf16 prompts and "
+                        "larger batches: {}), float32 ones up to {} rows, int8 layers through dequantized bf16 GEMMs "
+                        "from {} rows; torch's ops otherwise (each a default "
                         "this machine's measurements may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS,
-                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, F32_GEMV_MAX_ROWS,
+                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
+                        "the native GEMM" if _bf16_gemm_wanted(_state["bf16_dot"]) else
+                        f"torch's GEMM, AVX512-BF16 here; {BF16_GEMM_ENV}=on: the native one", F32_GEMV_MAX_ROWS,
                         INT8_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
@@ -378,6 +381,13 @@ def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
     if module is None or not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
                               and weight.is_contiguous()):
         return False
+    if "bf16_dot" not in _state:  # read when the extension loads (native()); a reset() forgets it
+        _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
+    return _bf16_gemm_wanted(bool(_state["bf16_dot"]))
+
+
+def _bf16_gemm_wanted(has_bf16_dot: bool) -> bool:
+    """BF16_GEMM_ENV's answer (on/off/auto) for a build with or without AVX512-BF16."""
     asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower()
     if asked in ("1", "on", "true", "yes"):
         return True
@@ -386,9 +396,7 @@ def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
     if asked not in ("", "auto") and f"warned:{BF16_GEMM_ENV}" not in _state:
         _state[f"warned:{BF16_GEMM_ENV}"] = True
         logger.warning("{}={!r} is not on, off or auto: auto", BF16_GEMM_ENV, asked)
-    if "bf16_dot" not in _state:  # read when the extension loads (native()); a reset() forgets it
-        _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
-    return not _state["bf16_dot"]
+    return not has_bf16_dot
 
 
 _NO_BIAS = torch.empty(0)

@@ -104,7 +104,8 @@ void bg_block(const float* x, const uint16_t* w, const float* bias, float* y, ui
   for (int64_t j = 0; j < nb; ++j) {
     const uint16_t* src = w + (n0 + j) * K;
     for (int64_t k = 0; k < K8; k += 8) {
-      if (prefetch && k % 32 == 0) __builtin_prefetch(reinterpret_cast<const char*>(src + k) + prefetch, 0, PREFETCH_LOCALITY);
+      if (prefetch && k % 32 == 0)
+        __builtin_prefetch(reinterpret_cast<const char*>(src + k) + prefetch, 0, PREFETCH_LOCALITY);
       bg_widen8(src + k, wf + j * K8 + k);
     }
   }
@@ -144,13 +145,15 @@ void bg_gemm(const float* x, const uint16_t* w, const float* bias, float* y, uin
 }  // namespace
 
 // x [M, K] float32 or bfloat16 @ w [N, K] bfloat16 ^T (+ bias [N] float32, or an empty tensor) -> [M, N]
-// float32 (weights prefetched `prefetch` bytes ahead), or bfloat16 when out_bf16 (the float32 sum plus bias rounded once). See the header for the bits.
+// float32 (weights prefetched `prefetch` bytes ahead), or bfloat16 when out_bf16 (the float32 sum plus bias
+// rounded once). See the header for the bits.
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor bias, bool out_bf16, int64_t prefetch) {
   TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
               "w must be contiguous bfloat16 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "x must be float32 or bfloat16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const float* bp = nullptr;
   if (bias.numel() > 0) {
