@@ -87,6 +87,11 @@ if module is not None:
                                   for v in cpu_act_int8.VARIANTS)
     out["i8q8"] = cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8).tolist()
     out["i8q8_isa"] = int(module.int8_q8_isa())
+    # the bfloat16 GEMM: float32 FMAs in one order in every build; on AVX2 the dense layers take it (auto)
+    from text_generation_server.kernels.dense import DenseLinear
+    w16 = (q8.float() / 128).bfloat16()
+    out["bf16_gemm"] = cpu_native.bf16_gemm(module, x, w16, s8).float().tolist()
+    out["bf16_gemm_prompt"] = DenseLinear(w16, None).prompt_variant()
 print("RESULT" + json.dumps(out))
 """
 
@@ -133,3 +138,7 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     assert torch.equal(torch.tensor(got["q8"]), want_q8)
     assert got["i8q8_isa"] == 1
     assert torch.equal(torch.tensor(got["i8q8"]), cpu_act_int8.int8_q8_gemv(module, x[:3], q8, s8))
+    # the bfloat16 GEMM gives this build's bits, and AVX2 builds' dense layers run their prompts on it
+    w16 = (q8.float() / 128).bfloat16()
+    assert torch.equal(torch.tensor(got["bf16_gemm"]), cpu_native.bf16_gemm(module, x, w16, s8).float())
+    assert got["bf16_gemm_prompt"] == "native-gemm"

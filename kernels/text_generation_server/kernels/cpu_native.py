@@ -27,12 +27,14 @@ import torch
 from loguru import logger
 
 from text_generation_server.kernels.cpu_native_decode_src import with_decode_kernels
+from text_generation_server.kernels.cpu_native_gemm_src import with_gemm_kernels
 from text_generation_server.kernels.cpu_native_group_src import with_group_kernels
 from text_generation_server.kernels.cpu_native_kquant_src import with_kquant_kernels
 from text_generation_server.kernels.cpu_native_pointwise_src import with_pointwise_kernels
 from text_generation_server.kernels.cpu_native_src import FUNCTIONS, SOURCE
 from text_generation_server.kernels.phase import pad_prompt_rows
 
+SOURCE, FUNCTIONS = with_gemm_kernels(SOURCE, FUNCTIONS)  # bf16 GEMM through float32 FMAs (dense.py)
 SOURCE, FUNCTIONS = with_group_kernels(SOURCE, FUNCTIONS)  # the group-int8 kernels (cpu_group_int8.py)
 SOURCE, FUNCTIONS = with_kquant_kernels(SOURCE, FUNCTIONS)  # GGUF Q4_K/Q6_K blocks in place (cpu_kquant.py)
 SOURCE, FUNCTIONS = with_pointwise_kernels(SOURCE, FUNCTIONS)  # a bf16 layer's norms, rotary, silu * up (layers/)
@@ -67,6 +69,13 @@ INT8_DEQUANT_MIN_ROWS = 32
 # instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
 # 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
 BF16_GEMV_MAX_ROWS = 2
+# bfloat16 weights on a build without AVX512-BF16 (an AVX2 machine, TGS_CPU_ISA=avx2): prompts and decode
+# batches past BF16_GEMV_MAX_ROWS run the native GEMM (`bf16_gemm`: weights widened to float32 in
+# registers, FMA) instead of torch's bfloat16 GEMM, which has no fast path there (3x slower than
+# llama.cpp's AVX2 build; 2.1-3.1x slower than this kernel at 8-128 rows on Qwen2.5-1.5B's shapes,
+# one thread: BENCHMARKS.md, issue #32 session 9). With AVX512-BF16 torch's GEMM was 2-4x faster and stays.
+# TGS_CPU_BF16_GEMM=on/off forces the choice either way (the same bits on every build).
+BF16_GEMM_ENV = "TGS_CPU_BF16_GEMM"
 # float32 weights (serve's CPU default dtype): rows up to which the matrix-vector product runs instead
 # of torch's GEMM, and the weight bytes from which it splits the outputs over the threads (below, a
 # fork/join of the pool costs more than the second core saves). On the embedded model's shapes
@@ -224,16 +233,20 @@ def native() -> Extension | None:
                             "after torch's own ops and compete with the kernels' thread pool; OMP_WAIT_POLICY="
                             "passive, set before the process starts, avoids that (BENCHMARKS.md, issue #32 session 8)")
             _state["int4_native"] = bool(module.int4_native_isa())
+            _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
             if not _state["int4_native"]:
                 logger.info("native CPU kernels: built without AVX-512, int4 layers keep torch's op for decode "
                             "batches and the dequantized GEMM for prompts (int4_native_isa in the source says why)")
             logger.info("native CPU kernels ready: int4 layers read their packed codes in place for prompts of "
                         "any length and decode batches under {} rows (dequantized bf16 GEMMs from there); int8 "
                         "prompts through dequantized bf16 GEMMs; decode batches: int8 matrix-vector products up "
-                        "to {} rows (K up to {}), bf16 ones up to {} rows, float32 ones up to {} rows, int8 "
-                        "layers through dequantized bf16 GEMMs from {} rows; torch's ops otherwise (each a default "
+                        "to {} rows (K up to {}), bf16 ones up to {} rows (bf16 prompts and "
+                        "larger batches: {}), float32 ones up to {} rows, int8 layers through dequantized bf16 GEMMs "
+                        "from {} rows; torch's ops otherwise (each a default "
                         "this machine's measurements may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS,
-                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS, F32_GEMV_MAX_ROWS,
+                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
+                        "the native GEMM" if _bf16_gemm_wanted(_state["bf16_dot"]) else
+                        f"torch's GEMM, AVX512-BF16 here; {BF16_GEMM_ENV}=on: the native one", F32_GEMV_MAX_ROWS,
                         INT8_DEQUANT_MIN_ROWS)
         else:
             logger.warning("native CPU kernels unavailable ({}); int8/int4/bf16 layers use torch's ops only", reason)
@@ -359,6 +372,41 @@ def bf16_gemv_fits(rows: int, weight: torch.Tensor) -> bool:
     """Whether the bfloat16 matrix-vector product can run `rows` rows against `weight` [N, K]."""
     return (0 < rows <= BF16_GEMV_MAX_ROWS and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and weight.is_contiguous())
+
+
+def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
+    """Whether the native bfloat16 GEMM runs `weight` [N, K] here: a contiguous bfloat16 CPU weight, the
+    extension built, and either TGS_CPU_BF16_GEMM=on, or it unset/auto and this build without
+    AVX512-BF16 (where torch's bfloat16 GEMM is slow; BF16_GEMM_ENV's comment)."""
+    if module is None or not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                              and weight.is_contiguous()):
+        return False
+    if "bf16_dot" not in _state:  # read when the extension loads (native()); a reset() forgets it
+        _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
+    return _bf16_gemm_wanted(bool(_state["bf16_dot"]))
+
+
+def _bf16_gemm_wanted(has_bf16_dot: bool) -> bool:
+    """BF16_GEMM_ENV's answer (on/off/auto) for a build with or without AVX512-BF16."""
+    asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower()
+    if asked in ("1", "on", "true", "yes"):
+        return True
+    if asked in ("0", "off", "false", "no"):
+        return False
+    if asked not in ("", "auto") and f"warned:{BF16_GEMM_ENV}" not in _state:
+        _state[f"warned:{BF16_GEMM_ENV}"] = True
+        logger.warning("{}={!r} is not on, off or auto: auto", BF16_GEMM_ENV, asked)
+    return not has_bf16_dot
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def bf16_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) in x's dtype, float32 sums: a row's bits do not depend
+    on M or on the rows beside it (cpu_native_gemm_src.py), so prompts of any chunking take it as one path."""
+    b = _NO_BIAS if bias is None else bias.float().contiguous()
+    return module.bf16_gemm(x.contiguous(), weight, b, x.dtype == torch.bfloat16, PREFETCH_BYTES)
 
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

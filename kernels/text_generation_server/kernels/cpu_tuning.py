@@ -44,7 +44,9 @@ TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
 # The CPU kernels whose layers offer variants worth timing (dense bfloat16 and float32 layers and
 # the head have one native variant each, up to 2 and 8 rows, measured in BENCHMARKS.md; not timed
 # per machine: torch's GEMM is their alternative, and a float32 decode row's bits would then depend
-# on the machine's timings, where the exactness tests pin one path).
+# on the machine's timings, where the exactness tests pin one path). The same holds for the dense bf16
+# GEMM (cpu_native.bf16_gemm, dense.py "native-gemm"): chosen by the build's instruction set (no
+# AVX512-BF16: torch's bf16 GEMM is 2-3x slower there, BENCHMARKS.md session 9), not by a timing.
 # The int8-activation layers (kernels/cpu_act_int8.py) offer their own names (rows per pass, prefetch
 # distance: the same bits under each) and keep their choices under their own scope in the file
 # (Int4PackLinear/Int8Linear.preference_scope "q8"), so a machine that ran the exact layers of a shape

@@ -8,7 +8,11 @@ A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py pick
   0.5 MiB matrix at one row, most of a step of the embedded model (BENCHMARKS.md, session 7);
 - "gemm": torch's F.linear;
 - "padded-gemm": the prompt path, F.linear with the smallest inputs padded so each row has the
-  bits it has inside a larger call (every prefill forward, whatever its row count).
+  bits it has inside a larger call (every prefill forward, whatever its row count);
+- "native-gemm": bfloat16 weights on a CPU build without AVX512-BF16 (cpu_native.bf16_gemm_fits):
+  the native GEMM through float32 FMAs, for prompts (every row count: a row's bits do not depend
+  on the others) and decode batches past the matrix-vector product's rows; torch's bfloat16 GEMM
+  has no fast path there.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class DenseProduct:
     measured: dict[int, str]
     _native: cpu_native.Extension | None = None
     _gemv_rows = 0  # rows up to which the native product runs this weight (0: never)
+    _native_gemm = False  # the native bfloat16 GEMM runs prompts and larger decode batches (cpu_native.bf16_gemm_fits)
     _pending = False  # float32: the extension is looked up on the first decode call (native_for)
 
     @property
@@ -63,20 +68,26 @@ class DenseProduct:
         self._native = module
         self._pending = module is None and _deferred(self.weight)
         self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(self.weight)
+        self._native_gemm = cpu_native.bf16_gemm_fits(module, self.weight)
 
     def variants(self, rows: int) -> tuple[str, ...]:
-        return ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_rows else ("gemm", "padded-gemm")
+        found = ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_rows else ("gemm", "padded-gemm")
+        return (*found, "native-gemm") if self._native_gemm else found
 
     def prompt_variant(self) -> str:
-        return "padded-gemm"
+        return "native-gemm" if self._native_gemm else "padded-gemm"
 
     def static_variant(self, rows: int) -> str:
-        return "gemv" if 0 < rows <= self._gemv_rows else "gemm"
+        if 0 < rows <= self._gemv_rows:
+            return "gemv"
+        return "native-gemm" if self._native_gemm and rows > 0 else "gemm"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if variant == "gemv":
             return cpu_native.dense_gemv(self._native, x, self.weight, self.bias)
+        if variant == "native-gemm":
+            return cpu_native.bf16_gemm(self._native, x, self.weight, self.bias)
         if variant == "padded-gemm":
             return prompt_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,197 @@
+"""C++ source of the bfloat16 GEMM through float32 fused multiply-adds (`bf16_gemm`), part of
+cpu_native.SOURCE.
+
+Why: without AVX512-BF16 (an AVX2-only machine, or `serve --cpu-isa avx2`) torch's bfloat16 GEMM is
+the path of every bf16 prompt and of decode batches past the matrix-vector kernel's 2 rows, and it
+ran 3x slower than llama.cpp's AVX2 build there (BENCHMARKS.md, issue #32 session 8: prefill 0.32x,
+c=8 0.34x). The arithmetic here is the one llama.cpp's AVX2 BF16 dot product uses (its ggml_vec_dot_bf16
+widens bfloat16 to float32 in registers and multiplies with FMA; read for the method, not copied):
+a bfloat16 weight widened to float32 is its bits shifted into the high half (exact), then plain
+float32 FMAs, blocked so the widened weights are made once per call and stay in L1.
+
+Bits: for output n of row m, lane l (0..7) of a float32 accumulator sums x[m, k] * w[n, k] for
+k = l, l + 8, l + 16, ... in increasing k, each step one IEEE fused multiply-add from 0; the 8 lanes
+are then added in a fixed tree, the K % 8 tail added by fused multiply-adds in k order, then the
+bias (float32), then one rounding to bfloat16 where asked. Nothing in that depends on the rows beside
+m, on how many rows the call has (so not on how a prompt is chunked: d05298c), on the tile, the
+k-pass length or the thread split, and the AVX2, AVX-512 and generic builds give the same bits.
+"""
+
+SOURCE = r"""
+namespace {
+
+// ---- bfloat16 weights x float32 rows through float32 FMAs ----------------------------------------
+constexpr int64_t BG_NB = 16;   // outputs per block: a thread's unit of work
+constexpr int64_t BG_KC = 256;  // k per pass: the tiles' widened weights, 16 x 256 floats = 16 KiB (L1)
+constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's rows: the lane sums stay in L2)
+constexpr int BG_R = 6;         // rows per tile
+constexpr int BG_C = 2;         // outputs per tile: 6 x 2 accumulators + 2 weights + 1 row = 15 of AVX2's 16
+                                // registers (AVX2 build, one thread, 64 rows of Qwen2.5-1.5B's shapes: 40-43
+                                // GFLOP/s against 28-33 for 3 x 4 and 4 x 3; BENCHMARKS.md, issue #32 session 9)
+#if defined(__AVX2__) && defined(__FMA__)
+typedef __m256 bg_v;
+inline bg_v bg_zero() { return _mm256_setzero_ps(); }
+inline bg_v bg_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void bg_store(float* p, bg_v v) { _mm256_storeu_ps(p, v); }
+inline bg_v bg_fma(bg_v a, bg_v b, bg_v c) { return _mm256_fmadd_ps(a, b, c); }
+inline void bg_widen8(const uint16_t* src, float* dst) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
+typedef float bg_v __attribute__((vector_size(32)));
+inline bg_v bg_zero() { bg_v v; std::memset(&v, 0, sizeof(v)); return v; }
+inline bg_v bg_load(const float* p) { bg_v v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void bg_store(float* p, bg_v v) { std::memcpy(p, &v, sizeof(v)); }
+inline bg_v bg_fma(bg_v a, bg_v b, bg_v c) {
+  bg_v r;
+  for (int i = 0; i < 8; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+}
+inline void bg_widen8(const uint16_t* src, float* dst) {
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t u = uint32_t(src[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
+}
+#endif
+inline float bg_widen1(uint16_t v) { const uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t bg_round(float f) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// R rows x C outputs over one k-pass: acc (lane sums, [row][output][8], row stride BG_NB * 8) continued.
+template <int R, int C>
+void bg_tile(const float* x, int64_t K, const float* w, int64_t ws, int64_t kc, float* acc) {
+  bg_v a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = bg_load(acc + (r * BG_NB + c) * 8);
+  for (int64_t k = 0; k < kc; k += 8) {
+    bg_v wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = bg_load(w + c * ws + k);
+    for (int r = 0; r < R; ++r) {
+      const bg_v xv = bg_load(x + r * K + k);
+      for (int c = 0; c < C; ++c) a[r][c] = bg_fma(xv, wv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) bg_store(acc + (r * BG_NB + c) * 8, a[r][c]);
+}
+
+typedef void (*BgTile)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+template <int R>
+BgTile bg_tile_for(int c) { return c == 1 ? bg_tile<R, 1> : bg_tile<R, 2>; }
+inline BgTile bg_tile_for(int r, int c) {
+  switch (r) {
+    case 1: return bg_tile_for<1>(c);
+    case 2: return bg_tile_for<2>(c);
+    case 3: return bg_tile_for<3>(c);
+    case 4: return bg_tile_for<4>(c);
+    case 5: return bg_tile_for<5>(c);
+    default: return bg_tile_for<6>(c);
+  }
+}
+
+// Outputs n0 .. n0 + nb (nb <= BG_NB) of all M rows. wf: BG_NB * (K - K % 8) floats, acc: M * BG_NB * 8 floats.
+// The block's weight rows are widened first, each read start to end (one stream at a time, prefetched
+// ahead: 16 rows read a pass at a time left the hardware prefetcher 16 short streams, and a cold
+// 1536 x 17920 layer streamed at 5 GB/s), then the tiles run k-pass by k-pass over the widened copy.
+void bg_block(const float* x, const uint16_t* w, const float* bias, float* y, uint16_t* yh, int64_t M, int64_t K,
+              int64_t N, int64_t n0, int64_t nb, float* wf, float* acc, int64_t prefetch) {
+  const int64_t K8 = K - K % 8;
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint16_t* src = w + (n0 + j) * K;
+    for (int64_t k = 0; k < K8; k += 8) {
+      if (prefetch && k % 32 == 0)
+        __builtin_prefetch(reinterpret_cast<const char*>(src + k) + prefetch, 0, PREFETCH_LOCALITY);
+      bg_widen8(src + k, wf + j * K8 + k);
+    }
+  }
+  std::fill(acc, acc + M * BG_NB * 8, 0.f);
+  for (int64_t k0 = 0; k0 < K8; k0 += BG_KC) {
+    const int64_t kc = std::min(BG_KC, K8 - k0);
+    for (int64_t m0 = 0; m0 < M; m0 += BG_R) {
+      const int r = int(std::min<int64_t>(BG_R, M - m0));
+      for (int64_t j0 = 0; j0 < nb; j0 += BG_C) {
+        const int c = int(std::min<int64_t>(BG_C, nb - j0));
+        bg_tile_for(r, c)(x + m0 * K + k0, K, wf + j0 * K8 + k0, K8, kc, acc + (m0 * BG_NB + j0) * 8);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* l = acc + (m * BG_NB + j) * 8;
+      float t = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+      for (int64_t k = K8; k < K; ++k) t = std::fma(x[m * K + k], bg_widen1(w[(n0 + j) * K + k]), t);
+      if (bias) t += bias[n0 + j];
+      if (yh) yh[m * N + n0 + j] = bg_round(t);
+      else y[m * N + n0 + j] = t;
+    }
+}
+
+void bg_gemm(const float* x, const uint16_t* w, const float* bias, float* y, uint16_t* yh, int64_t M, int64_t K,
+             int64_t N, int64_t prefetch) {
+  const int64_t blocks = (N + BG_NB - 1) / BG_NB;
+  tgs::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wf(BG_NB * (K - K % 8)), acc(M * BG_NB * 8);
+    for (int64_t b = b0; b < b1; ++b)
+      bg_block(x, w, bias, y, yh, M, K, N, b * BG_NB, std::min(BG_NB, N - b * BG_NB), wf.data(), acc.data(),
+               prefetch);
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16 @ w [N, K] bfloat16 ^T (+ bias [N] float32, or an empty tensor) -> [M, N]
+// float32 (weights prefetched `prefetch` bytes ahead), or bfloat16 when out_bf16 (the float32 sum plus bias
+// rounded once). See the header for the bits.
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor bias, bool out_bf16, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
+              "w must be contiguous bfloat16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x must be float32 or bfloat16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+  const float* bp = nullptr;
+  if (bias.numel() > 0) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == N && bias.is_contiguous(),
+                "bias must be contiguous float32 [", N, "] or empty");
+    bp = bias.data_ptr<float>();
+  }
+  auto xf = x.to(torch::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat));
+  if (M == 0 || N == 0) return y;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += BG_MC) {
+    const int64_t rows = std::min(BG_MC, M - m0);
+    if (out_bf16)
+      bg_gemm(xp + m0 * K, wp, bp, nullptr, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m0 * N, rows,
+              K, N, prefetch);
+    else
+      bg_gemm(xp + m0 * K, wp, bp, y.data_ptr<float>() + m0 * N, nullptr, rows, K, N, prefetch);
+  }
+  return y;
+}
+
+// 1 where this build has AVX512-BF16: torch's bfloat16 GEMM (oneDNN) multiplies bfloat16 pairs in one
+// instruction there and outran bf16_gemm 2-4x (BENCHMARKS.md, issue #32 session 9), so dense layers keep it.
+int64_t bf16_gemm_has_bf16_dot() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+"""
+
+FUNCTIONS = ["bf16_gemm", "bf16_gemm_has_bf16_dot"]
+
+
+def with_gemm_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:
+    """cpu_native's source and function list with the bfloat16 GEMM added (one extension, one build)."""
+    return source + SOURCE, [*functions, *FUNCTIONS]

@@ -1,0 +1,107 @@
+"""The native bfloat16 GEMM through float32 FMAs (kernels/cpu_native_gemm_src.py, `cpu_native.bf16_gemm`) and
+the dense layers that run prompts and larger decode batches on it where torch's bfloat16 GEMM has no fast
+path (kernels/dense.py "native-gemm"): close to the float64 product, a row's bits independent of the rows
+beside it, of the row count (so of a prompt's chunking, d05298c), of the thread split and the prefetch
+distance, every tail of M, N and K, bias, bfloat16 output rounded once, and the layers' choice of path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from text_generation_server.kernels import cpu_native
+from text_generation_server.kernels.dense import DenseLinear
+from text_generation_server.kernels.phase import forward_phase
+from test_cpu_int8_rows import native  # noqa: F401 (a fixture)
+
+torch.set_num_threads(2)
+
+# float32 sums of exact products (bfloat16 inputs widen exactly): within a few float32 roundings of the
+# exact sum times log-ish growth over K, relative to the sum of the products' magnitudes.
+TOLERANCE = 2e-6
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> float:
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    if bias is not None:
+        want, scale = want + bias.double(), scale + bias.double().abs()
+    return ((got.double() - want).abs() / scale.clamp_min(1e-30)).max().item()
+
+
+def case(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.05).bfloat16(),
+            torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 131])
+@pytest.mark.parametrize("k,n", [(256, 768), (100, 37), (15, 9), (7, 3), (1544, 20)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_product_matches_the_float64_one_within_float32_rounding(native, rows, k, n, with_bias):
+    x, w, bias = case(rows, k, n, rows * 1000 + k + n)
+    b = bias if with_bias else None
+    got = native.bf16_gemm(x, w, torch.empty(0) if b is None else b, False, 0)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert relative_error(got, x, w, b) < TOLERANCE
+    # float32 rows give the same (bfloat16 rows widen exactly); bfloat16 output is that sum rounded once
+    assert torch.equal(native.bf16_gemm(x.float(), w, torch.empty(0) if b is None else b, False, 0), got)
+    assert torch.equal(native.bf16_gemm(x, w, torch.empty(0) if b is None else b, True, 0), got.bfloat16())
+
+
+def test_a_rows_bits_do_not_depend_on_its_neighbours_the_split_or_the_prefetch(native):
+    # 300 rows: three passes over the weights (128 rows each), N = 70: four 16-output blocks and a short one
+    x, w, bias = case(300, 264, 70, 7)
+    whole = cpu_native.bf16_gemm(native, x, w, bias)
+    for start, stop in [(0, 1), (5, 6), (0, 3), (2, 40), (100, 260), (127, 129), (299, 300), (0, 128)]:
+        assert torch.equal(cpu_native.bf16_gemm(native, x[start:stop], w, bias), whole[start:stop])
+    assert torch.equal(native.bf16_gemm(x, w, bias, True, 65536), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_native.bf16_gemm(native, x, w, bias), whole)
+    finally:
+        torch.set_num_threads(threads)
+    was_pool = cpu_native.set_parallel_mode(native, False)
+    try:
+        assert torch.equal(cpu_native.bf16_gemm(native, x, w, bias), whole)
+    finally:
+        cpu_native.set_parallel_mode(native, was_pool)
+
+
+def test_bad_inputs_are_refused_with_the_reason(native):
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match=r"x must be float32 or bfloat16 \[M, 16\]"):
+        native.bf16_gemm(torch.randn(2, 15), w, torch.empty(0), False, 0)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[8\] or empty"):
+        native.bf16_gemm(torch.randn(2, 16), w, torch.randn(7), False, 0)
+    with pytest.raises(RuntimeError, match="w must be contiguous bfloat16"):
+        native.bf16_gemm(torch.randn(2, 16), w.float(), torch.empty(0), False, 0)
+    with pytest.raises(RuntimeError, match="prefetch must be >= 0"):
+        native.bf16_gemm(torch.randn(2, 16), w, torch.empty(0), False, -1)
+    assert native.bf16_gemm(torch.randn(0, 16), w, torch.empty(0), True, 0).shape == (0, 8)
+
+
+def test_dense_layers_choose_it_by_the_switch_and_keep_one_prompt_path(native, monkeypatch):
+    x, w, bias = case(40, 96, 48, 3)
+    monkeypatch.setenv(cpu_native.BF16_GEMM_ENV, "on")
+    layer = DenseLinear(w, bias.bfloat16())
+    assert layer.prompt_variant() == "native-gemm"
+    assert [layer.static_variant(r) for r in (1, 2, 3, 8, 64)] == ["gemv", "gemv"] + ["native-gemm"] * 3
+    with torch.inference_mode():
+        with forward_phase(prefill=True):
+            whole = layer(x)
+            chunks = torch.cat([layer(x[:32]), layer(x[32:39]), layer(x[39:])])
+        assert torch.equal(chunks, whole)  # a prompt's chunking changes no bit
+        assert torch.equal(whole, cpu_native.bf16_gemm(native, x, w, layer.bias))
+        with forward_phase(prefill=False):
+            assert torch.equal(layer(x[:5]), whole[:5])  # decode batches of 3+ rows: the same kernel
+    monkeypatch.setenv(cpu_native.BF16_GEMM_ENV, "off")
+    layer = DenseLinear(w, None)
+    assert layer.prompt_variant() == "padded-gemm" and "native-gemm" not in layer.variants(8)
+    monkeypatch.setenv(cpu_native.BF16_GEMM_ENV, "auto")
+    layer = DenseLinear(w, None)
+    # auto: the native GEMM where this build has no AVX512-BF16 (torch's GEMM is fast where it has)
+    assert (layer.prompt_variant() == "native-gemm") == (not native.bf16_gemm_has_bf16_dot())
+    assert DenseLinear(w.float(), None).prompt_variant() == "padded-gemm"  # float32 weights: torch's GEMM
