@@ -306,8 +306,8 @@ def _probe(lm: WarmupTarget, requests: list[GenerationRequest], decode_rows: int
         with probing_layers(lm.model) as (kept, layers):
             estimate = estimate_activations(lm.builder.tokenize, requests, decode_rows, run_prefill, run_decode,
                                             at_once)
-        logger.info("warmup: probe forwards ran {} of {} layers (one of each kind: the peak is a layer's, not the "
-                    "depth's)", kept, layers)
+        logger.info("warmup: probe forwards ran {} of {} layers (one of each kind, a second where layers chain their "
+                    "residual adds: the peak is a layer's, not the depth's)", kept, layers)
     return estimate, last["batch"], spent["prefill"], spent["decode"]
 
 

@@ -90,12 +90,18 @@ def representative_layers(layers: Sequence[torch.nn.Module]) -> list[int]:
 @contextmanager
 def probing_layers(model: torch.nn.Module) -> Iterator[tuple[int, int]]:
     """Inside: `model.layers` holds one layer of each kind (they keep their own KV cache layer
-    ids); yields (layers kept, layers in all). A model without a `layers` list runs whole."""
+    ids), and a second of the first kind where layers chain their residual adds; yields (layers
+    kept, layers in all). A model without a `layers` list runs whole."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) < 2:
         yield (len(layers) if layers is not None else 0,) * 2
         return
     keep = representative_layers(layers)
+    chains = getattr(model, "chains_residuals", None)
+    if chains is not None and chains() and keep[0] + 1 < len(layers) and keep[0] + 1 not in keep:
+        # Chained layers (models/decoder.py): the first has no pending add, the others do and hold
+        # one more hidden-sized tensor; the second shows that peak.
+        keep = sorted({*keep, keep[0] + 1})
     model.layers = torch.nn.ModuleList([layers[i] for i in keep])
     try:
         yield len(keep), len(layers)

@@ -264,6 +264,14 @@ class DecoderModel(torch.nn.Module):
         self.process_group = process_group
         self._chained: bool | None = None  # every layer hands its residual add on (forward_chained)
 
+    def chains_residuals(self) -> bool:
+        """Whether the layers hand their last residual add on to the next layer's norm on the CPU
+        (`DecoderLayer.forward_chained`): then every layer but the first holds one more hidden-sized
+        tensor at its start, which warmup's probe (engine/warmup_probe.py) must see."""
+        if self._chained is None:
+            self._chained = all(type(layer) is DecoderLayer and layer.chains_residual() for layer in self.layers)
+        return self._chained
+
     @property
     def local_kv_heads(self) -> int:
         return self.layers[0].self_attn.kv_heads
@@ -303,8 +311,7 @@ class DecoderModel(torch.nn.Module):
         hidden = self.embeddings(input_ids, positions)
         ctx = ForwardContext(positions, cache, meta, hidden.dtype, seq_lens)
         with ctx.kernel_phase():
-            if self._chained is None:
-                self._chained = all(type(layer) is DecoderLayer and layer.chains_residual() for layer in self.layers)
+            self.chains_residuals()
             # On the CPU only: there each call is host time a step waits for; on CUDA the graphs
             # replay the launches and the fused add's bits are not measured against torch's there.
             if self._chained and hidden.device.type == "cpu" and not _hooked(self.layers):
