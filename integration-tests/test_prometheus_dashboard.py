@@ -22,7 +22,7 @@ import pytest
 import reflection_v1_client
 from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_server import PrometheusServer, find_prometheus
+from prometheus_server import SCRAPE_INTERVAL, PrometheusServer, find_prometheus
 from serve_client import (
     CORPUS, client_stub, collect_stream, generate, launch_serve, long_greedy_prompt, poll_metrics, request, rpc_error,
     scrape,
@@ -109,7 +109,7 @@ def test_every_tgi_dashboard_query_answers(prometheus, loaded):
     for q in DASHBOARD["queries"]:
         expr = q["expr"].replace("$service", SERVICE_LABEL)
         if q["expect"] == "seen":
-            expr = f"max_over_time(({expr})[10m:1s])"
+            expr = f"max_over_time(({expr})[10m:{SCRAPE_INTERVAL}])"  # every scrape's value
         values = _values(prometheus.query(expr))
         ok = {
             "positive": any(v > 0 for v in values),
