@@ -173,8 +173,8 @@ def test_router_pace_enters_when_the_router_is_the_slower_side_and_leaves_when_c
 def test_pipeline_mode_reads_the_switch_and_refuses_other_values():
     from text_generation_server.router.scheduler import pipeline_mode
 
-    assert pipeline_mode(None) == pipeline_mode("auto") == "auto"
-    assert pipeline_mode("1") == pipeline_mode("on") == "on"
+    assert pipeline_mode("auto") == "auto"
+    assert pipeline_mode(None) == pipeline_mode("1") == pipeline_mode("on") == "on"  # the default: always ahead
     assert pipeline_mode("0") == pipeline_mode("false") == "off"
     with pytest.raises(ValueError, match="TGS_DECODE_PIPELINE='sometimes'"):
         pipeline_mode("sometimes")

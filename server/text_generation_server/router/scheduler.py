@@ -10,9 +10,9 @@ the following steps, interleaved with everyone's decode, so no stream stalls beh
 nothing to admit, the step is a Decode. Finished and cancelled requests are filtered out
 between steps, their blocks released at once. With nothing to admit, the next Decode (behind a
 FilterBatch when rows ended) goes out as soon as a step's answer arrives, before its tokens are
-streamed to the clients (`_pipeline`; TGS_DECODE_PIPELINE=0 turns it off), unless the router is
-the slower side (`RouterPace`): then it goes out after them and takes the steps the shard computed
-ahead meanwhile in one answer.
+streamed to the clients (`_pipeline`; TGS_DECODE_PIPELINE=0 turns it off). With
+TGS_DECODE_PIPELINE=auto it goes out after them while the router is the slower side (`RouterPace`),
+and takes the steps the shard computed ahead meanwhile in one answer.
 
 Blocks are the router's to hand out (TGI v3, `BlockPool`): a request is admitted only when
 blocks for its input plus max_new_tokens (plus the shards' Info.speculate, as TGI's queue adds
@@ -118,13 +118,15 @@ class SchedulerLimits:
     max_waiting_tokens: int = 20
 
 
-PIPELINE_ENV = "TGS_DECODE_PIPELINE"  # auto (RouterPace decides) | 1: always ahead | 0: after the tokens went out
-PIPELINE_MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
+PIPELINE_ENV = "TGS_DECODE_PIPELINE"  # 1: always ahead (default) | auto: RouterPace decides | 0: after the tokens
+PIPELINE_MODES = {"auto": "auto", "": "on", "1": "on", "on": "on", "true": "on", "yes": "on",
                   "0": "off", "off": "off", "false": "off", "no": "off"}
 
 
 def pipeline_mode(raw: str | None) -> str:
-    """TGS_DECODE_PIPELINE as "auto", "on" or "off"; another value is refused by name."""
+    """TGS_DECODE_PIPELINE as "on" (unset: the default), "auto" or "off"; another value is refused by name.
+    `auto` is opt-in: on a quiet machine it measured level with always sending ahead (0.87-1.07x, BENCHMARKS.md
+    issue #31 session 9), though busy runs of an earlier form found it 1.5-2.1x faster with no model time."""
     mode = PIPELINE_MODES.get((raw or "").strip().lower())
     if mode is None:
         raise ValueError(f"{PIPELINE_ENV}={raw!r}: expected auto, 1 or 0")
