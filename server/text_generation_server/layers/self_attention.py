@@ -290,8 +290,8 @@ class SelfAttention(torch.nn.Module):
                 and cos.stride(-1) == 1 and sin.stride(-1) == 1):
             return None
         out = self.qkv(hidden)
-        if out.dim() != 2 or out.stride(-1) != 1:
-            return None
+        if out.stride(-1) != 1:  # the native calls read rows in place (a linear's output already is)
+            out = out.contiguous()
         if dtype == torch.bfloat16:
             attn = native.decode_attention_bf16(out, cos, sin, key_cache, value_cache, meta.slots, meta.block_tables,
                                                 meta.seq_lens, self.heads, self.kv_heads, self.scale,

@@ -547,10 +547,11 @@ class Scheduler:
         filtering = time.monotonic()
         await self._pipeline(resp)
         result = await self._dispatch(resp, entries_of_batch=entries)
-        now = time.monotonic()
-        if self._last_answer is not None:
-            self.pace.observe(now - self._last_answer, steps_in(resp.generations), resp.total_ns)
-        self._last_answer = now if result is not None else None
+        if self.pipeline_mode == "auto":  # only `auto` reads the pace: no work a step otherwise
+            now = time.monotonic()
+            if self._last_answer is not None:
+                self.pace.observe(now - self._last_answer, steps_in(resp.generations), resp.total_ns)
+            self._last_answer = now if result is not None else None
         self._observe("decode", start, filtering, resp)
         return result
 
