@@ -1,9 +1,11 @@
-"""The Steps stream: our router's calls to a rank over one stream, answered as the unary calls are.
+"""The step connections: our router's calls to a rank over one connection, answered as the unary calls are.
 
-A real gRPC server (the shard service on a unix socket) and the router's ShardClient: the same
-requests give the same tokens over the stream and over the unary calls, a failed call raises the
-unary call's status and leaves the stream serving, a broken stream fails its waiter and the next
-call opens a new one, and the unary calls stay where the stream is switched off or not served.
+A real gRPC server (the shard service on a unix socket), the rank's step socket where a test
+serves it, and the router's ShardClient: the same requests give the same tokens over the step
+socket, the gRPC Steps stream and the unary calls; a failed call raises the unary call's status
+and leaves the connection serving; a broken connection fails its waiter and the next call opens a
+new one; bytes that are not frames drop their connection alone; and the unary calls stay where the
+connections are switched off or not served.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 from text_generation_server.router.client import STEP_STREAM_ENV, ShardClient
 from text_generation_server.shard.service import TextGenerationService
+from text_generation_server.shard.step_socket import serve_step_socket
+from text_generation_server.utils.step_frames import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, FrameProtocol, frame
 
 
 def request(rid: int, prompt: str = "def add(a, b):", max_new: int = 5) -> pb.Request:
@@ -38,14 +42,25 @@ class NoStepsService(TextGenerationService):
         return response
 
 
-async def served(lm, tmp_path: Path, service_cls=TextGenerationService):
+async def served(lm, tmp_path: Path, service_cls=TextGenerationService, step_socket: bool = False):
+    """The service on a gRPC socket (as serve_shard starts it), and its step socket when asked."""
     service = service_cls(lm, str(tmp_path / "unused"), 1, 0.1)
     server = grpc.aio.server()
     pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
     url = f"unix://{tmp_path}/shard.sock"
     server.add_insecure_port(url)
     await server.start()
+    if step_socket:
+        service.step_server = await serve_step_socket(service, f"{tmp_path}/shard.sock.steps")
     return service, server, ShardClient([url])
+
+
+async def stop(service, server, client) -> None:
+    await client.close()
+    if getattr(service, "step_server", None) is not None:
+        service.step_server.close()
+    await server.stop(None)
+    service._executor.shutdown(wait=True)
 
 
 async def run_to_end(client: ShardClient, rid: int) -> list[int]:
@@ -133,3 +148,134 @@ def test_the_device_clock_times_the_forward_on_a_cpu():
     clock.stop()
     time.sleep(0.005)  # after stop(): not the forward's
     assert 2_000_000 <= clock.elapsed_ns() < 5_000_000
+
+
+def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch):
+    monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
+
+    async def main():
+        service, server, client = await served(lm, tmp_path, step_socket=True)
+        try:
+            unary = await run_to_end(client, 1)
+            assert await client.open_steps() and client.streaming
+            assert client.step_transport == "one step socket per rank"
+            assert oct(Path(service.step_socket).stat().st_mode & 0o777) == "0o600"
+            streamed = await run_to_end(client, 2)
+            assert streamed == unary and len(streamed) == 5
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await client.decode([pb.CachedBatch(id=99, request_ids=[1])])
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "99" in missing.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await client.prefill(pb.Batch(id=3, requests=[request(3), request(3)], size=2))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in bad.value.details()
+            assert await run_to_end(client, 4) == unary
+            stream = client._streams[0]
+            answer = await stream.call(10**6, pb.StepCall(seq=10**6))
+            assert answer.WhichOneof("answer") == "error" and "no call" in answer.error.message
+            # A connection that ends fails its waiters with UNAVAILABLE; the next call opens a new one.
+            waiting = asyncio.ensure_future(stream.call(10**6 + 1, pb.StepCall(
+                seq=10**6 + 1, clear_cache=pb.ClearCacheRequest())))
+            stream._protocol.transport.abort()
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await waiting
+            assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and "step socket" in gone.value.details()
+            assert stream.broken is not None
+            assert await run_to_end(client, 5) == unary
+            assert client._streams[0] is not stream
+            await client.clear_cache()
+            assert not service.cache
+        finally:
+            await stop(service, server, client)
+
+    asyncio.run(main())
+
+
+def test_bytes_that_are_not_frames_drop_their_connection_alone(lm, tmp_path, monkeypatch):
+    monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
+
+    async def main():
+        service, server, client = await served(lm, tmp_path, step_socket=True)
+        try:
+            assert await client.open_steps() and client.step_transport == "one step socket per rank"
+            for junk in (b"\xff\xff\xff\x7f" + b"x" * 8, frame(b"\x0a\xff\xff")):  # too long; not a StepCall
+                reader, writer = await asyncio.open_unix_connection(service.step_socket)
+                writer.write(junk)
+                await writer.drain()
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # the rank hung up, answering nothing
+                writer.close()
+            assert len(await run_to_end(client, 1)) == 5  # the router's own connection serves on
+        finally:
+            await stop(service, server, client)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["grpc", "unreachable"])
+def test_the_steps_stream_where_the_socket_is_not_used(lm, tmp_path, monkeypatch, mode):
+    if mode == "grpc":
+        monkeypatch.setenv(STEP_STREAM_ENV, "grpc")
+    else:
+        monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
+
+    async def main():
+        service, server, client = await served(lm, tmp_path, step_socket=True)
+        try:
+            if mode == "unreachable":
+                Path(service.step_socket).unlink()  # a rank whose socket the router cannot open
+            assert await client.open_steps() and client.step_transport == "one Steps stream per rank"
+            assert len(await run_to_end(client, 1)) == 5
+        finally:
+            await stop(service, server, client)
+
+    asyncio.run(main())
+
+
+def test_a_bad_step_transport_setting_is_refused_by_name(lm, tmp_path, monkeypatch):
+    monkeypatch.setenv(STEP_STREAM_ENV, "sometimes")
+
+    async def main():
+        service, server, client = await served(lm, tmp_path, step_socket=True)
+        try:
+            with pytest.raises(ValueError, match="TGS_STEP_STREAM='sometimes'"):
+                await client.open_steps()
+        finally:
+            await stop(service, server, client)
+
+    asyncio.run(main())
+
+
+class _Transport:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 1000])
+def test_frames_are_cut_out_of_any_split_of_the_byte_stream(cut):
+    payloads = [b"", b"a", b"hello" * 300, bytes(range(256)) * 3]
+    wire = b"".join(frame(p) for p in payloads)
+    got, lost = [], []
+    protocol = FrameProtocol(got.append, lost.append)
+    protocol.connection_made(_Transport())
+    for start in range(0, len(wire), cut):
+        protocol.data_received(wire[start:start + cut])
+    assert got == payloads and not lost
+    protocol.data_received(frame(b"xyz")[:HEADER_BYTES + 1])  # a frame cut short by the peer's close
+    protocol.connection_lost(None)
+    assert len(lost) == 1 and isinstance(lost[0], ConnectionError) and "middle" in str(lost[0])
+
+
+def test_a_frame_over_the_limit_is_refused_on_both_sides():
+    with pytest.raises(FrameError, match="over the"):
+        frame(b"x" * (MAX_FRAME_BYTES + 1))
+    got, lost = [], []
+    protocol = FrameProtocol(got.append, lost.append)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    protocol.data_received((MAX_FRAME_BYTES + 1).to_bytes(4, "little") + b"abc")
+    assert transport.aborted and not got
+    assert len(lost) == 1 and isinstance(lost[0], FrameError) and "announces" in str(lost[0])
+    protocol.connection_lost(None)
+    assert len(lost) == 1  # reported once

@@ -4,10 +4,14 @@ All ranks must run the same sequence of batches (their collectives pair up), so
 every state-changing call goes to every shard and waits for all of them.
 
 With shards of ours (Info's `tgs-steps` metadata) the state-changing calls travel over one
-`Steps` stream per rank, opened once (`open_steps`): a message each way per call instead of a
+connection per rank, opened once (`open_steps`): a message each way per call instead of a
 unary call's new HTTP/2 stream, headers and trailers, which cost more host time than a decode
-step of a small model. A TGI shard is driven with the unary calls. A failed call raises the
-same `grpc.aio.AioRpcError` either way, so callers cannot tell the two apart.
+step of a small model. The connection is the rank's step socket (Info's `tgs-steps-socket`:
+length-prefixed frames of the same messages, no gRPC on either side; utils/step_frames.py) or,
+where a rank serves none or it cannot be reached, a gRPC `Steps` stream. TGS_STEP_STREAM picks:
+`1` (the default: the socket where every rank serves one), `grpc` (the gRPC stream), `0` (the
+unary calls). A TGI shard is driven with the unary calls. A failed call raises the same
+`grpc.aio.AioRpcError` whichever carries it, so callers cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ from loguru import logger
 
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
+from text_generation_server.utils.step_frames import FrameError, FrameProtocol
 
 _OPTIONS = [("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 256 * 2**20)]
-STEP_STREAM_ENV = "TGS_STEP_STREAM"  # "0": the unary calls even where a shard serves Steps
+STEP_STREAM_ENV = "TGS_STEP_STREAM"  # 1 (default): step socket, else Steps stream | grpc: Steps stream | 0: unary
+_STEP_MODES = {"1": "socket", "true": "socket", "yes": "socket", "on": "socket", "socket": "socket", "grpc": "grpc",
+               "0": "unary", "false": "unary", "no": "unary", "off": "unary"}
+STEP_SOCKET_METADATA = "tgs-steps-socket"  # (shard/service.py's name; the router does not import the shard)
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 # ShardClient method name -> the StepCall / StepAnswer field that carries it.
 _STEP_FIELDS = {"Prefill": "prefill", "Decode": "decode", "FilterBatch": "filter_batch", "ClearCache": "clear_cache"}
@@ -88,6 +96,61 @@ class _StepStream:
             pass
 
 
+class _SocketStepStream:
+    """One rank's step socket, with _StepStream's interface: calls written in order as frames,
+    answers matched by `seq`. A connection that ends fails every waiting call and every later one
+    with an UNAVAILABLE error, as a broken stream does, and the client opens a new one."""
+
+    def __init__(self, url: str, path: str):
+        self.url = url
+        self.path = path
+        self._pending: dict[int, asyncio.Future] = {}
+        self.broken: grpc.aio.AioRpcError | None = None
+        self._protocol = FrameProtocol(self._on_frame, self._on_lost)
+
+    @classmethod
+    async def open(cls, url: str, path: str) -> "_SocketStepStream":
+        stream = cls(url, path)
+        await asyncio.get_running_loop().create_unix_connection(lambda: stream._protocol, path)
+        return stream
+
+    def _on_frame(self, payload: bytes) -> None:
+        try:
+            answer = pb.StepAnswer.FromString(payload)
+        except Exception as exc:  # noqa: BLE001: not an answer of ours: the connection is of no use
+            self._protocol.fail(FrameError(f"{len(payload)} bytes from {self.path} are not a StepAnswer ({exc})"))
+            return
+        future = self._pending.pop(answer.seq, None)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
+    def _on_lost(self, exc: BaseException | None) -> None:
+        why = f"the step socket {self.path} closed" + (f": {exc}" if exc is not None else "")
+        self.broken = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=why)
+        if isinstance(exc, FrameError):
+            logger.warning("{}", why)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(self.broken)
+        self._pending.clear()
+
+    async def call(self, seq: int, step: pb.StepCall) -> pb.StepAnswer:
+        if self.broken is not None:
+            raise self.broken
+        future = asyncio.get_running_loop().create_future()
+        self._pending[seq] = future
+        try:
+            self._protocol.send(step.SerializeToString())
+        except (ConnectionError, FrameError) as exc:
+            self._pending.pop(seq, None)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=f"the step socket {self.path}: {exc}") from None
+        return await future
+
+    async def close(self) -> None:
+        if self._protocol.transport is not None:
+            self._protocol.transport.close()
+
+
 def _answer_of(answer: pb.StepAnswer, field: str):
     """The unary call's response carried by `answer`, or its failure raised as the unary call would."""
     kind = answer.WhichOneof("answer")
@@ -100,6 +163,11 @@ def _answer_of(answer: pb.StepAnswer, field: str):
     return getattr(answer, field)
 
 
+def _values(trailing: dict[str, str], key: str) -> list[str]:
+    value = trailing.get(key, "")
+    return value.split(",") if value else []
+
+
 class ShardClient:
     def __init__(self, urls: list[str]):
         if not urls:
@@ -107,7 +175,8 @@ class ShardClient:
         self.urls = urls
         self._channels = [grpc.aio.insecure_channel(u, options=_OPTIONS) for u in urls]
         self._stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self._channels]
-        self._streams: list[_StepStream] | None = None  # open_steps: one Steps stream per rank
+        self._streams: list[_StepStream | _SocketStepStream] | None = None  # open_steps: one per rank
+        self._socket_paths: list[str] | None = None  # the ranks' step sockets, when the streams are those
         self._seq = itertools.count()
 
     @classmethod
@@ -127,20 +196,42 @@ class ShardClient:
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
 
     async def open_steps(self) -> bool:
-        """Sends the state-changing calls over Steps streams from now on, when every rank serves
-        them (and TGS_STEP_STREAM is not 0); False: the unary calls stay."""
-        if os.environ.get(STEP_STREAM_ENV, "1") in ("0", "false", "no"):
-            logger.info("shard calls: unary ({}=0)", STEP_STREAM_ENV)
+        """Sends the state-changing calls over one connection per rank from now on, when every rank
+        serves them: its step socket, else a gRPC Steps stream (TGS_STEP_STREAM, module docstring);
+        False: the unary calls stay. A value of TGS_STEP_STREAM that is none of those is refused."""
+        raw = os.environ.get(STEP_STREAM_ENV, "1")
+        mode = _STEP_MODES.get(raw.strip().lower())
+        if mode is None:
+            raise ValueError(f"{STEP_STREAM_ENV}={raw!r}: expected 1 (the step socket, else the Steps stream), "
+                             "grpc (the Steps stream) or 0 (unary calls)")
+        if mode == "unary":
+            logger.info("shard calls: unary ({}={})", STEP_STREAM_ENV, raw)
             return False
-        flags = await self._info_metadata_by_rank("tgs-steps")
-        if not all("1" in values for values in flags):
+        trailing = await self._info_trailing_by_rank()
+        if not all("1" in _values(t, "tgs-steps") for t in trailing):
             return False
+        paths = [t.get(STEP_SOCKET_METADATA, "") for t in trailing]
+        if mode == "socket" and all(paths):
+            try:
+                self._streams = list(await asyncio.gather(
+                    *(_SocketStepStream.open(url, path) for url, path in zip(self.urls, paths))))
+                self._socket_paths = paths
+                return True
+            except OSError as exc:
+                logger.warning("the ranks' step sockets cannot be reached ({!r}): Steps streams instead", exc)
         self._streams = [_StepStream(stub, url) for stub, url in zip(self._stubs, self.urls)]
         return True
 
     @property
     def streaming(self) -> bool:
         return self._streams is not None
+
+    @property
+    def step_transport(self) -> str:
+        """What carries the state-changing calls, for the logs: step socket, Steps stream or unary."""
+        if self._streams is None:
+            return "unary calls"
+        return "one step socket per rank" if self._socket_paths is not None else "one Steps stream per rank"
 
     async def _all(self, method: str, request, timeout: float | None = None):
         if self._streams is not None and method in _STEP_FIELDS and timeout is None:
@@ -152,16 +243,32 @@ class ShardClient:
                 raise r
         return results
 
+    async def _reopen(self, i: int) -> None:
+        """A new connection to rank i for the next call; the broken one failed its own calls. A
+        socket that cannot be reached fails this call as the rank's absence would (UNAVAILABLE)."""
+        stream = self._streams[i]
+        logger.warning("reopening the step connection to {}: {}", stream.url, stream.broken.details())
+        await stream.close()
+        if self._socket_paths is None:
+            self._streams[i] = _StepStream(self._stubs[i], self.urls[i])
+            return
+        try:
+            self._streams[i] = await _SocketStepStream.open(self.urls[i], self._socket_paths[i])
+        except OSError as exc:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                       details=f"the step socket {self._socket_paths[i]}: {exc}") from None
+
     async def _all_streamed(self, method: str, request):
         field = _STEP_FIELDS[method]
         seq = next(self._seq)
         step = pb.StepCall(seq=seq, **{field: request})
         for i, stream in enumerate(self._streams):
-            if stream.broken is not None:  # a new stream for this call; the broken one failed its own
-                logger.warning("reopening the Steps stream to {}: {}", stream.url, stream.broken.details())
-                await stream.close()
-                self._streams[i] = _StepStream(self._stubs[i], self.urls[i])
-        answers = await asyncio.gather(*(s.call(seq, step) for s in self._streams), return_exceptions=True)
+            if stream.broken is not None:
+                await self._reopen(i)
+        streams = self._streams
+        if len(streams) == 1:  # (one rank: no gather, its task and its callbacks, on every step)
+            return [_answer_of(await streams[0].call(seq, step), field)]
+        answers = await asyncio.gather(*(s.call(seq, step) for s in streams), return_exceptions=True)
         for a in answers:
             if isinstance(a, BaseException):
                 raise a
@@ -176,15 +283,15 @@ class ShardClient:
 
     async def _info_metadata_by_rank(self, key: str) -> list[list[str]]:
         """Per rank, the comma-separated values it puts under `key` in Info's trailing metadata."""
-        ranks: list[list[str]] = []
+        return [_values(trailing, key) for trailing in await self._info_trailing_by_rank()]
+
+    async def _info_trailing_by_rank(self) -> list[dict[str, str]]:
+        """Per rank, Info's trailing metadata as key -> value (the last value of a repeated key)."""
+        ranks: list[dict[str, str]] = []
         for stub in self._stubs:
             call = stub.Info(pb.InfoRequest())
             await call
-            values: list[str] = []
-            for k, value in (await call.trailing_metadata()) or ():
-                if k == key and value:
-                    values.extend(value.split(","))
-            ranks.append(values)
+            ranks.append({k: value for k, value in (await call.trailing_metadata()) or () if isinstance(value, str)})
         return ranks
 
     async def kernels(self) -> list[str]:

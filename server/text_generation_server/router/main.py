@@ -190,7 +190,7 @@ async def run_router(args: ServeArgs, shard_urls: list[str], shutdown: asyncio.E
         await client.clear_cache()
         info = await client.info()
         if await client.open_steps():
-            logger.info("shard calls: one Steps stream per rank")
+            logger.info("shard calls: {}", client.step_transport)
         check_chunking(info, max_input, max_prefill)
         started = time.monotonic()
         try:

@@ -33,9 +33,11 @@ a chain leave it at once, and the rows a client cancelled meanwhile run at most 
 length for nothing. Ranks would have to agree on each chain's length (their collectives pair
 step by step), so with several ranks, and on TGI's unary Decode, a chain is one step long.
 
-Steps (not in TGI): our router sends the four state-changing calls over one stream per rank,
+Steps (not in TGI): our router sends the four state-changing calls to each rank over one connection,
 answered in order with the unary calls' own messages or a StepError carrying the status the
-unary call would have failed with; the calls run exactly as their unary twins do.
+unary call would have failed with; the calls run exactly as their unary twins do (`step`). The
+connection is the rank's step socket (shard/step_socket.py: length-prefixed frames, no gRPC) where
+the router can reach it, else a gRPC `Steps` stream.
 
 Speculation (`serve --speculate N`, Info.speculate): a decode step may give a request several
 tokens, all in its one Generation (tokens.ids, with a logprob, text and is_special each, and one
@@ -65,6 +67,7 @@ from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.shard import adapters
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
+from text_generation_server.shard.step_socket import STEP_SOCKET_SUFFIX, serve_step_socket
 from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
 
 
@@ -102,6 +105,7 @@ ATTENTION_METADATA = "tgs-attention"
 MODEL_IMPL_METADATA = "tgs-model-impl"
 KV_BYTES_METADATA = "tgs-kv-bytes-per-token"  # this rank's KV cache bytes per token (all layers)
 STEPS_METADATA = "tgs-steps"  # "1": the rank serves the Steps stream
+STEP_SOCKET_METADATA = "tgs-steps-socket"  # the path of the rank's step socket (shard/step_socket.py), when served
 
 
 def model_kernels(model: torch.nn.Module) -> list[str]:
@@ -178,6 +182,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self.ahead_hits = 0
         self.ahead_misses = 0
         self.busy_since: float | None = None  # monotonic start of the model thread's current call
+        self.step_socket: str | None = None  # the step socket's path once serve_step_socket listens on it
 
     def _on_model_thread(self, fn, *args):
         self.busy_since = time.monotonic()
@@ -285,6 +290,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             (MODEL_IMPL_METADATA, m.model_impl),
             (KV_BYTES_METADATA, str(m.kv_bytes_per_token)),
             (STEPS_METADATA, "1"),
+            *(((STEP_SOCKET_METADATA, self.step_socket),) if self.step_socket else ()),
         ))
         return info
 
@@ -517,22 +523,26 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         fast path). A failed call answers its status in a StepError and the stream goes on, so one
         bad request costs what it costs on the unary calls and no more."""
         async for call in request_iterator:
-            kind = call.WhichOneof("call")
-            try:
-                if kind is None:
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "a StepCall carries no call")
-                handler = getattr(self, self._STEP_CALLS[kind])
-                message = getattr(call, kind)
-                result = await (handler(message, chain=self.ahead_steps) if kind in self._CHAINED_CALLS
-                                else handler(message))
-                answer = pb.StepAnswer(seq=call.seq, **{kind: result})
-            except ShardError as exc:
-                answer = pb.StepAnswer(seq=call.seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
-            except Exception as exc:  # never lose the stream (and every later call) to one call's fault
-                logger.exception("step call {} failed", kind)
-                answer = pb.StepAnswer(seq=call.seq, error=pb.StepError(
-                    code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}"))
-            yield answer
+            yield await self.step(call)
+
+    async def step(self, call: pb.StepCall) -> pb.StepAnswer:
+        """One call of a step stream (the gRPC `Steps` stream or the step socket,
+        shard/step_socket.py), run exactly as its unary twin; its failure is the answer's StepError."""
+        kind = call.WhichOneof("call")
+        try:
+            if kind is None:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "a StepCall carries no call")
+            handler = getattr(self, self._STEP_CALLS[kind])
+            message = getattr(call, kind)
+            result = await (handler(message, chain=self.ahead_steps) if kind in self._CHAINED_CALLS
+                            else handler(message))
+            return pb.StepAnswer(seq=call.seq, **{kind: result})
+        except ShardError as exc:
+            return pb.StepAnswer(seq=call.seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
+        except Exception as exc:  # never lose the stream (and every later call) to one call's fault
+            logger.exception("step call {} failed", kind)
+            return pb.StepAnswer(seq=call.seq, error=pb.StepError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}"))
 
     # -- helpers ---------------------------------------------------------------------
     def _generate(self, batch: Batch):
@@ -695,13 +705,17 @@ async def serve_shard(
         os.umask(old_umask)
     os.chmod(path, 0o600)
     await server.start()
-    logger.info("shard {} listening on unix://{}", rank, path)
+    steps_path = path + STEP_SOCKET_SUFFIX
+    step_server = await serve_step_socket(service, steps_path)
+    logger.info("shard {} listening on unix://{} (step socket {})", rank, path, steps_path)
     try:
         await stop.wait()
     finally:
+        step_server.close()
         await server.stop(grace=1.0)
         service.close()
-        try:
-            Path(path).unlink()
-        except FileNotFoundError:
-            pass
+        for socket_path in (path, steps_path):
+            try:
+                Path(socket_path).unlink()
+            except FileNotFoundError:
+                pass
