@@ -22,7 +22,6 @@ from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 from text_generation_server.router.client import STEP_STREAM_ENV, ShardClient
 from text_generation_server.shard.service import TextGenerationService
-from text_generation_server.shard.step_socket import serve_step_socket
 from text_generation_server.utils.step_frames import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, FrameProtocol, frame
 
 
@@ -51,14 +50,12 @@ async def served(lm, tmp_path: Path, service_cls=TextGenerationService, step_soc
     server.add_insecure_port(url)
     await server.start()
     if step_socket:
-        service.step_server = await serve_step_socket(service, f"{tmp_path}/shard.sock.steps")
+        service.serve_step_socket(f"{tmp_path}/shard.sock.steps")
     return service, server, ShardClient([url])
 
 
 async def stop(service, server, client) -> None:
     await client.close()
-    if getattr(service, "step_server", None) is not None:
-        service.step_server.close()
     await server.stop(None)
     service._executor.shutdown(wait=True)
 

@@ -53,6 +53,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import grpc
@@ -67,8 +68,9 @@ from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.shard import adapters
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
-from text_generation_server.shard.step_socket import STEP_SOCKET_SUFFIX, serve_step_socket
+from text_generation_server.shard.model_thread import STEP_SOCKET_SUFFIX, ModelThread, open_step_listener
 from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
+from text_generation_server.utils.step_frames import FrameError
 
 
 def shard_uds(uds_path: str, rank: int) -> str:
@@ -140,6 +142,10 @@ class _Ahead:
         return True
 
 
+def _step_error(seq: int, exc: ShardError) -> pb.StepAnswer:
+    return pb.StepAnswer(seq=seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
+
+
 class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def __init__(
         self,
@@ -169,7 +175,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                                model.config.rope.rope_type)
         self.stall_timeout_s = stall_timeout_s
         self.cache: dict[int, Batch] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._executor = ModelThread("model")  # also serves the step socket (shard/model_thread.py)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.decode_ahead = os.environ.get(DECODE_AHEAD_ENV, "1") not in ("0", "false", "no")
         self.ahead_steps = ahead_steps_setting(world_size)
@@ -197,7 +203,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     def _call_waiting(self) -> bool:
         """Whether a call (not a step ahead) waits for the model thread: a chain of steps ahead ends."""
-        return self._calls_sent != self._calls_started
+        return self._calls_sent != self._calls_started or self._executor.steps_waiting()
 
     def close(self) -> None:
         """Lets go of the model thread and the tokenizer pool (queued work is dropped): the service's end."""
@@ -205,27 +211,33 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self, fn, *args):
-        """Runs `fn` on the model thread; raises its failure as a ShardError with a clear message.
+        """Runs `fn` on the model thread; raises its failure as a ShardError with a clear message."""
+        loop = asyncio.get_running_loop()
+        self._calls_sent += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._call_on_model_thread, fn, *args)
+        except Exception as exc:
+            raise self._shard_error(exc, fn) from None
+
+    @staticmethod
+    def _shard_error(exc: Exception, fn) -> ShardError:
+        """A model call's failure as the status it answers.
 
         Only the caller's mistakes are INVALID_ARGUMENT (a RequestError: a field, an id, a block)
         or NOT_FOUND (an unknown batch); anything raised inside the model or a kernel is INTERNAL,
         whatever its type, so a client never blames itself for a server fault.
         """
-        loop = asyncio.get_running_loop()
-        self._calls_sent += 1
-        try:
-            return await loop.run_in_executor(self._executor, self._call_on_model_thread, fn, *args)
-        except ShardError:
-            raise
-        except RequestError as exc:  # (an unknown or refused LoRA adapter names its own status: `code`)
-            raise ShardError(grpc.StatusCode[exc.code], str(exc)) from None
-        except BatchNotFound as exc:
-            raise ShardError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except (WarmupError, OutOfBlocksError) as exc:
-            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-        except Exception as exc:  # a failure inside the model: report it, keep serving
-            logger.exception("shard call {} failed", getattr(fn, "__name__", fn))
-            raise ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
+        if isinstance(exc, ShardError):
+            return exc
+        if isinstance(exc, RequestError):  # (an unknown or refused LoRA adapter names its own status: `code`)
+            return ShardError(grpc.StatusCode[exc.code], str(exc))
+        if isinstance(exc, BatchNotFound):
+            return ShardError(grpc.StatusCode.NOT_FOUND, str(exc))
+        if isinstance(exc, (WarmupError, OutOfBlocksError)):
+            return ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        # a failure inside the model: report it, keep serving
+        logger.opt(exception=exc).error("shard call {} failed", getattr(fn, "__name__", fn))
+        return ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     async def _unary(context, call):
@@ -242,30 +254,32 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         The fields' validators run in make_batch, on the model thread (engine/batch_builder.py).
         `refused`: where a request the wire decoding refuses goes (by id), left out of the list;
         None: it fails the call."""
-        def convert() -> list[GenerationRequest]:
-            requests = []
-            for r in batch.requests:
-                try:
-                    requests.append(request_from_pb(r, warmup))
-                except RequestError as exc:
-                    if refused is None:
-                        raise
-                    refused[r.id] = exc
-            for req in requests:
-                if req.input_ids is None:
-                    req.input_ids = self.model.tokenizer.encode(
-                        req.inputs, add_special_tokens=req.add_special_tokens).ids
-                if req.sampling.grammar is not None:
-                    try:
-                        self.model.builder.grammars.compile(req.sampling.grammar)
-                    except GrammarError:
-                        pass  # cached with its reason, which make_batch's grammar validator reports
-            return requests
-
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, convert)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, self._convert_requests, batch, refused, warmup)
         except RequestError as exc:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+    def _convert_requests(self, batch: pb.Batch, refused: dict[int, RequestError] | None,
+                          warmup: bool) -> list[GenerationRequest]:
+        requests = []
+        for r in batch.requests:
+            try:
+                requests.append(request_from_pb(r, warmup))
+            except RequestError as exc:
+                if refused is None:
+                    raise
+                refused[r.id] = exc
+        for req in requests:
+            if req.input_ids is None:
+                req.input_ids = self.model.tokenizer.encode(
+                    req.inputs, add_special_tokens=req.add_special_tokens).ids
+            if req.sampling.grammar is not None:
+                try:
+                    self.model.builder.grammars.compile(req.sampling.grammar)
+                except GrammarError:
+                    pass  # cached with its reason, which make_batch's grammar validator reports
+        return requests
 
     # -- the eight RPCs ------------------------------------------------------------
     async def Info(self, request, context):
@@ -315,43 +329,43 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return await self._unary(context, self._clear_cache(request))
 
     async def _clear_cache(self, request: pb.ClearCacheRequest) -> pb.ClearCacheResponse:
-        def clear():
-            if request.HasField("id"):
-                self._ahead.pop(request.id, None)
-                batch = self.cache.pop(request.id, None)
-                if batch is not None:
-                    self.model.release(batch)
-            else:
-                self._ahead.clear()
-                for batch in self.cache.values():
-                    self.model.release(batch)
-                self.cache.clear()
+        return await self._run(self._clear_cache_work, request)
 
-        await self._run(clear)
+    def _clear_cache_work(self, request: pb.ClearCacheRequest) -> pb.ClearCacheResponse:
+        if request.HasField("id"):
+            self._ahead.pop(request.id, None)
+            batch = self.cache.pop(request.id, None)
+            if batch is not None:
+                self.model.release(batch)
+        else:
+            self._ahead.clear()
+            for batch in self.cache.values():
+                self.model.release(batch)
+            self.cache.clear()
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
         return await self._unary(context, self._filter_batch(request))
 
     async def _filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
-        def filt():
-            batch = self._pop(request.batch_id)
-            ahead = self._ahead.pop(request.batch_id, None)
-            try:
-                kept = self.model.filter(batch, list(request.request_ids))
-            except RequestError:
-                self.cache[batch.batch_id] = batch  # a bad filter leaves the batch as it was
-                if ahead is not None:
-                    self._ahead[batch.batch_id] = ahead
-                raise
-            if kept is None:
-                return pb.FilterBatchResponse()
-            self.cache[kept.batch_id] = kept
-            if ahead is not None and ahead.restrict(kept):
-                self._ahead[kept.batch_id] = ahead
-            return pb.FilterBatchResponse(batch=cached_batch_to_pb(kept.info()))
+        return await self._run(self._filter_batch_work, request)
 
-        return await self._run(filt)
+    def _filter_batch_work(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
+        batch = self._pop(request.batch_id)
+        ahead = self._ahead.pop(request.batch_id, None)
+        try:
+            kept = self.model.filter(batch, list(request.request_ids))
+        except RequestError:
+            self.cache[batch.batch_id] = batch  # a bad filter leaves the batch as it was
+            if ahead is not None:
+                self._ahead[batch.batch_id] = ahead
+            raise
+        if kept is None:
+            return pb.FilterBatchResponse()
+        self.cache[kept.batch_id] = kept
+        if ahead is not None and ahead.restrict(kept):
+            self._ahead[kept.batch_id] = ahead
+        return pb.FilterBatchResponse(batch=cached_batch_to_pb(kept.info()))
 
     async def Warmup(self, request, context):
         return await self._unary(context, self._warmup(request))
@@ -390,76 +404,81 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     async def _prefill(self, request: pb.PrefillRequest, chain: int = 1) -> pb.PrefillResponse:
         """`chain`: the most steps ahead the model thread may compute after this one (module docstring)."""
-        # Our router asks for each refused request to be answered on its own (per_request_errors);
-        # a TGI router gets TGI's contract: one refused request fails the call.
+        refused = self._prefill_refusals(request)
+        requests = await self._requests(request.batch, refused)
+        return (await self._run(self._prefill_work, request, requests, refused, chain))()
+
+    @staticmethod
+    def _prefill_refusals(request: pb.PrefillRequest) -> dict[int, RequestError] | None:
+        """Where the Prefill's refused requests go: our router asks for each to be answered on its own
+        (per_request_errors); a TGI router gets TGI's contract, one refused request fails the call (None)."""
         refused: dict[int, RequestError] | None = {} if request.per_request_errors else None
         ids = [r.id for r in request.batch.requests]
         if refused is not None and len(set(ids)) != len(ids):  # one id, two answers: a fault of the batch
             twice = next(i for i in ids if ids.count(i) > 1)
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {twice} appears twice in the batch")
-        requests = await self._requests(request.batch, refused)
+        return refused
 
-        def prefill():
-            if request.batch.id in self.cache:
-                raise RequestError(f"batch {request.batch.id} is already cached")
-            cached_id = request.cached_batch.id if request.HasField("cached_batch") else None
-            if cached_id is not None:
-                # Checked before the forward: afterwards the new batch (and blocks it owns) would be lost.
-                if cached_id not in self.cache:
-                    raise BatchNotFound(f"batch {cached_id} not found")
-                clash = set(self.cache[cached_id].request_ids) & {r.id for r in requests}
-                if clash:
-                    raise RequestError(f"request ids {sorted(clash)[:4]} are already in batch {cached_id}")
-            batch: Batch | None = None
-            if refused is None:
-                batch = self.model.make_batch(request.batch.id, requests)
-            elif requests or not request.batch.requests:  # (an empty batch is refused as a whole)
-                batch, more = self.model.builder.make_batch_refusing(request.batch.id, requests)
-                refused.update(more)
-            if cached_id is None:
-                generations, next_batch, timings = self._generate(batch) if batch is not None else \
-                    ([], None, StepTimings(0, 0, 0))
-                return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None, refused,
-                                           chain=chain)
-            # TGI's contract: one token for the cached batch and the new one. A step computed ahead
-            # for the cached batch is that token; otherwise both run as one forward, on a fork of the
-            # cached batch: if the step fails, only the new requests are lost, and the cached batch
-            # (and its step ahead) stay as they were for the caller's next call.
-            cached = self.cache[cached_id]
-            ahead = self._take_ahead(cached)
-            if ahead is not None and ahead.error is not None:
-                ahead = None  # the merged step runs it again, and fails (or not) on its own
-            try:
-                if ahead is None:
-                    concat_start = time.perf_counter_ns()
-                    merged = Batch.concatenate([cached.fork(cached.request_ids)] + ([batch] if batch is not None else []))
-                    concat_ns = time.perf_counter_ns() - concat_start
-                    generations, next_batch, timings = self.model.generate_token(merged)
-                    if next_batch is None:
-                        self.model.release(cached)
-                    else:
-                        next_batch.adopt_blocks(cached)
+    def _prefill_work(self, request: pb.PrefillRequest, requests: list[GenerationRequest],
+                      refused: dict[int, RequestError] | None, chain: int):
+        if request.batch.id in self.cache:
+            raise RequestError(f"batch {request.batch.id} is already cached")
+        cached_id = request.cached_batch.id if request.HasField("cached_batch") else None
+        if cached_id is not None:
+            # Checked before the forward: afterwards the new batch (and blocks it owns) would be lost.
+            if cached_id not in self.cache:
+                raise BatchNotFound(f"batch {cached_id} not found")
+            clash = set(self.cache[cached_id].request_ids) & {r.id for r in requests}
+            if clash:
+                raise RequestError(f"request ids {sorted(clash)[:4]} are already in batch {cached_id}")
+        batch: Batch | None = None
+        if refused is None:
+            batch = self.model.make_batch(request.batch.id, requests)
+        elif requests or not request.batch.requests:  # (an empty batch is refused as a whole)
+            batch, more = self.model.builder.make_batch_refusing(request.batch.id, requests)
+            refused.update(more)
+        if cached_id is None:
+            generations, next_batch, timings = self._generate(batch) if batch is not None else \
+                ([], None, StepTimings(0, 0, 0))
+            return self._step_response(pb.PrefillResponse, generations, next_batch, timings, None, refused,
+                                       chain=chain)
+        # TGI's contract: one token for the cached batch and the new one. A step computed ahead
+        # for the cached batch is that token; otherwise both run as one forward, on a fork of the
+        # cached batch: if the step fails, only the new requests are lost, and the cached batch
+        # (and its step ahead) stay as they were for the caller's next call.
+        cached = self.cache[cached_id]
+        ahead = self._take_ahead(cached)
+        if ahead is not None and ahead.error is not None:
+            ahead = None  # the merged step runs it again, and fails (or not) on its own
+        try:
+            if ahead is None:
+                concat_start = time.perf_counter_ns()
+                merged = Batch.concatenate([cached.fork(cached.request_ids)] + ([batch] if batch is not None else []))
+                concat_ns = time.perf_counter_ns() - concat_start
+                generations, next_batch, timings = self.model.generate_token(merged)
+                if next_batch is None:
+                    self.model.release(cached)
                 else:
-                    new_gens, new_next, timings = self.model.generate_token(batch) if batch is not None else \
-                        ([], None, StepTimings(0, 0, 0))
-                    generations, parts, ahead_timings = self._commit_ahead(cached, ahead)
-                    generations += new_gens
-                    timings = ahead_timings + timings
-                    concat_start = time.perf_counter_ns()
-                    next_batch = Batch.concatenate(parts + ([new_next] if new_next is not None else [])) \
-                        if parts or new_next is not None else None
-                    concat_ns = time.perf_counter_ns() - concat_start
-            except BaseException:
-                if batch is not None:
-                    self.model.release(batch)  # the new requests' own blocks; the cached batch is untouched
-                if ahead is not None:
-                    self._ahead[cached_id] = ahead
-                raise
-            del self.cache[cached_id]
-            return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
-                                       timings, concat_ns, refused, chain=chain)
-
-        return (await self._run(prefill))()
+                    next_batch.adopt_blocks(cached)
+            else:
+                new_gens, new_next, timings = self.model.generate_token(batch) if batch is not None else \
+                    ([], None, StepTimings(0, 0, 0))
+                generations, parts, ahead_timings = self._commit_ahead(cached, ahead)
+                generations += new_gens
+                timings = ahead_timings + timings
+                concat_start = time.perf_counter_ns()
+                next_batch = Batch.concatenate(parts + ([new_next] if new_next is not None else [])) \
+                    if parts or new_next is not None else None
+                concat_ns = time.perf_counter_ns() - concat_start
+        except BaseException:
+            if batch is not None:
+                self.model.release(batch)  # the new requests' own blocks; the cached batch is untouched
+            if ahead is not None:
+                self._ahead[cached_id] = ahead
+            raise
+        del self.cache[cached_id]
+        return self._step_response(pb.PrefillResponse, generations, self._renumber(next_batch, cached_id),
+                                   timings, concat_ns, refused, chain=chain)
 
     def _answers_for(self, request_id: int) -> bool:
         return request_id % self.world_size == self.rank
@@ -469,37 +488,37 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     async def _decode(self, request: pb.DecodeRequest, chain: int = 1) -> pb.DecodeResponse:
         """`chain`: the most steps ahead the model thread may compute after this one (module docstring)."""
-        def decode():
-            if not request.batches:
-                raise RequestError("Decode needs at least one batch")
-            ids = [b.id for b in request.batches]
-            if len(set(ids)) != len(ids):
-                raise RequestError(f"Decode names batch ids {ids}: each batch at most once")
-            missing = [i for i in ids if i not in self.cache]
-            if missing:
-                raise BatchNotFound(f"batch {missing[0]} not found")
-            batches = [self.cache.pop(i) for i in ids]
-            ready = {id(b): a for b in batches if (a := self._take_ahead(b)) is not None}
-            if not ready:
-                generations, next_batch, timings = self._generate(Batch.concatenate(batches))
-                return self._step_response(pb.DecodeResponse, generations, self._renumber(next_batch, ids[0]),
-                                           timings, None, chain=chain)
-            # Batches without a step ready (just prefilled) join without a token this time: running
-            # them alone would cost a forward of its own, and the next step carries every row.
-            generations, parts, timings = [], [], StepTimings(0, 0, 0)
-            for b in batches:
-                ahead = ready.get(id(b))
-                if ahead is None:
-                    parts.append(b)
-                    continue
-                gens, kept, step = self._commit_ahead(b, ahead)
-                generations += gens
-                parts += kept
-                timings = timings + step
-            next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
-            return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None, chain=chain)
+        return (await self._run(self._decode_work, request, chain))()
 
-        return (await self._run(decode))()
+    def _decode_work(self, request: pb.DecodeRequest, chain: int):
+        if not request.batches:
+            raise RequestError("Decode needs at least one batch")
+        ids = [b.id for b in request.batches]
+        if len(set(ids)) != len(ids):
+            raise RequestError(f"Decode names batch ids {ids}: each batch at most once")
+        missing = [i for i in ids if i not in self.cache]
+        if missing:
+            raise BatchNotFound(f"batch {missing[0]} not found")
+        batches = [self.cache.pop(i) for i in ids]
+        ready = {id(b): a for b in batches if (a := self._take_ahead(b)) is not None}
+        if not ready:
+            generations, next_batch, timings = self._generate(Batch.concatenate(batches))
+            return self._step_response(pb.DecodeResponse, generations, self._renumber(next_batch, ids[0]),
+                                       timings, None, chain=chain)
+        # Batches without a step ready (just prefilled) join without a token this time: running
+        # them alone would cost a forward of its own, and the next step carries every row.
+        generations, parts, timings = [], [], StepTimings(0, 0, 0)
+        for b in batches:
+            ahead = ready.get(id(b))
+            if ahead is None:
+                parts.append(b)
+                continue
+            gens, kept, step = self._commit_ahead(b, ahead)
+            generations += gens
+            parts += kept
+            timings = timings + step
+        next_batch = self._renumber(Batch.concatenate(parts), ids[0]) if parts else None
+        return self._step_response(pb.DecodeResponse, generations, next_batch, timings, None, chain=chain)
 
     async def LoadAdapter(self, request, context):
         return await self._unary(context, self._run(adapters.load, getattr(self.model, "adapters", None), request))
@@ -526,8 +545,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             yield await self.step(call)
 
     async def step(self, call: pb.StepCall) -> pb.StepAnswer:
-        """One call of a step stream (the gRPC `Steps` stream or the step socket,
-        shard/step_socket.py), run exactly as its unary twin; its failure is the answer's StepError."""
+        """One call of the gRPC `Steps` stream, run exactly as its unary twin; its failure is the
+        answer's StepError."""
         kind = call.WhichOneof("call")
         try:
             if kind is None:
@@ -538,11 +557,62 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                             else handler(message))
             return pb.StepAnswer(seq=call.seq, **{kind: result})
         except ShardError as exc:
-            return pb.StepAnswer(seq=call.seq, error=pb.StepError(code=exc.code.value[0], message=str(exc)))
+            return _step_error(call.seq, exc)
         except Exception as exc:  # never lose the stream (and every later call) to one call's fault
             logger.exception("step call {} failed", kind)
-            return pb.StepAnswer(seq=call.seq, error=pb.StepError(
-                code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}"))
+            return _step_error(call.seq, ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def serve_step_socket(self, path: str) -> None:
+        """Serves the step socket at `path` on the model thread (shard/model_thread.py); Info names it."""
+        self._executor.serve_steps(open_step_listener(path), self._socket_step,
+                                   inline=self.model.device.type == "cpu")
+        self.step_socket = path
+
+    def _socket_step(self, payload: bytes) -> Callable[[], bytes]:
+        """A step socket's call, run on the model thread as its unary twin runs there; returns what
+        builds the answer's bytes (the model thread or its sender calls it). The Prefill's requests
+        are converted here: our router sends token ids, so there is nothing to tokenize."""
+        try:
+            call = pb.StepCall.FromString(payload)
+        except Exception as exc:  # noqa: BLE001: not a StepCall; its seq is unknown, so no answer can say so
+            raise FrameError(f"a frame of {len(payload)} bytes is not a StepCall ({exc})") from None
+        self.busy_since = time.monotonic()
+        kind = call.WhichOneof("call")
+        try:
+            if kind is None:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "a StepCall carries no call")
+            message = getattr(call, kind)
+            if kind == "decode":
+                build = self._decode_work(message, self.ahead_steps)
+            elif kind == "prefill":
+                refused = self._prefill_refusals(message)
+                try:
+                    requests = self._convert_requests(message.batch, refused, False)
+                except RequestError as exc:
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                build = self._prefill_work(message, requests, refused, self.ahead_steps)
+            elif kind == "filter_batch":
+                response = self._filter_batch_work(message)
+                build = lambda: response  # noqa: E731
+            else:
+                response = self._clear_cache_work(message)
+                build = lambda: response  # noqa: E731
+        except Exception as exc:
+            answer = _step_error(call.seq, self._shard_error(exc, kind)).SerializeToString()
+            return lambda: answer
+        finally:
+            self.busy_since = None
+        seq = call.seq
+
+        def answer() -> bytes:
+            try:
+                return pb.StepAnswer(seq=seq, **{kind: build()}).SerializeToString()
+            except Exception as exc:  # noqa: BLE001: the router waits for this seq: it gets an answer
+                logger.exception("step call {} failed building its answer", kind)
+                return _step_error(seq, ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")) \
+                    .SerializeToString()
+
+        return answer
 
     # -- helpers ---------------------------------------------------------------------
     def _generate(self, batch: Batch):
@@ -706,12 +776,11 @@ async def serve_shard(
     os.chmod(path, 0o600)
     await server.start()
     steps_path = path + STEP_SOCKET_SUFFIX
-    step_server = await serve_step_socket(service, steps_path)
+    service.serve_step_socket(steps_path)
     logger.info("shard {} listening on unix://{} (step socket {})", rank, path, steps_path)
     try:
         await stop.wait()
     finally:
-        step_server.close()
         await server.stop(grace=1.0)
         service.close()
         for socket_path in (path, steps_path):

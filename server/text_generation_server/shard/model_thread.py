@@ -1,0 +1,294 @@
+"""The rank's model thread: runs the model calls one at a time, and serves our router's step socket itself.
+
+Why the socket is read on this thread and not on the event loop: with one core per rank, a decode
+step served through the event loop crossed threads four times (the call read on the loop, handed
+to the model thread, its result handed back, the answer written), and the two threads took the GIL
+and the core from each other at every op of the forward: the served forward of the embedded model
+read 1.2 ms against 0.9 in-process, ~0.3 ms a token (BENCHMARKS.md, issue #31 session 10). Here a
+step call arrives on the socket, runs, and its answer leaves on the same thread, with no hand-off
+(vLLM V1's engine core reads its input socket on the thread that runs the model, for the same
+reason). The gRPC calls (a TGI router's, Info, Health, Warmup, adapters) still arrive on the event
+loop and reach this thread as submitted work, as on a one-worker ThreadPoolExecutor.
+
+The step socket: length-prefixed StepCall frames in, StepAnswer frames out (utils/step_frames.py),
+calls on one connection run in order; bytes that are not frames of ours drop that connection alone.
+The socket sits beside the rank's gRPC socket (`<uds>-<rank>.steps`), owner-only like it, and the
+rank names it in Info's trailing metadata (`tgs-steps-socket`), so only a router that read Info
+uses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import selectors
+import socket
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from loguru import logger
+
+from text_generation_server.utils.step_frames import FrameError, FrameProtocol, frame
+
+STEP_SOCKET_SUFFIX = ".steps"
+_RECV_BYTES = 1 << 20
+SEND_TIMEOUT_S = 60.0  # a router that reads nothing for this long has hung: its connection is dropped
+
+
+def open_step_listener(path: str) -> socket.socket:
+    """A listening unix socket at `path`, owner-only from its bind on (a stale file is replaced)."""
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o077)
+    try:
+        listener.bind(path)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    listener.listen(8)
+    listener.setblocking(False)
+    return listener
+
+
+class _Connection:
+    """One router connection on the model thread: its bytes cut into frames, its answers written."""
+
+    def __init__(self, sock: socket.socket, on_lost: Callable[[_Connection, BaseException | None], None]):
+        self.sock = sock
+        self.sock.settimeout(SEND_TIMEOUT_S)  # recv runs only once select says readable
+        self.calls: collections.deque[bytes] = collections.deque()
+        self._on_lost = on_lost
+        self.closed = False
+        self.protocol = FrameProtocol(self.calls.append, lambda exc: on_lost(self, exc))
+        self.protocol.connection_made(self)  # type: ignore[arg-type]: the few transport calls it makes
+
+    # What FrameProtocol uses of a transport.
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:  # (a timeout too: the router stopped reading)
+            self.closed = True
+            self.protocol.connection_lost(exc)
+
+    def receive(self) -> None:
+        try:
+            data = self.sock.recv(_RECV_BYTES)
+        except OSError as exc:
+            self.closed = True
+            self.protocol.connection_lost(exc)
+            return
+        if not data:
+            self.closed = True
+            self.protocol.connection_lost(None)
+            return
+        self.protocol.data_received(data)
+
+
+class ModelThread(Executor):
+    """A one-thread executor whose thread also serves step sockets between submitted calls.
+
+    Submitted work runs first, in order; then the step calls buffered on the connections, one at a
+    time; then the thread sleeps in select() until either arrives."""
+
+    def __init__(self, name: str = "model"):
+        self._work: collections.deque[tuple[Future, Callable, tuple, dict]] = collections.deque()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._sleeping = False
+        self._stopping = False
+        self._drop_queued = False
+        self._connections: list[_Connection] = []
+        self._listener: socket.socket | None = None
+        self._handle: Callable[[bytes], Callable[[], bytes]] | None = None
+        self._sender: ThreadPoolExecutor | None = None  # builds and writes answers (serve_steps' `inline`)
+        self._thread = threading.Thread(target=self._loop, name=f"{name}_0")
+        self._thread.start()
+        try:  # stop with the interpreter, as concurrent.futures' own workers do
+            threading._register_atexit(self._stop)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            pass
+
+    # -- Executor ---------------------------------------------------------------------------
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        if self._stopping:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        future: Future = Future()
+        self._work.append((future, fn, args, kwargs))
+        if self._sleeping:  # (the loop re-checks the queue after saying it sleeps: no wake-up is lost)
+            self._wake()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._drop_queued = cancel_futures
+        self._stop()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # -- the step socket ----------------------------------------------------------------------
+    def serve_steps(self, listener: socket.socket, handle: Callable[[bytes], Callable[[], bytes]],
+                    inline: bool) -> None:
+        """Accepts connections on `listener` and runs each frame's call with `handle(payload)` on this
+        thread; what it returns builds the answer's bytes. `handle` raises FrameError for a payload
+        that is not a call: its connection drops.
+
+        `inline`: this thread builds and writes each answer before it goes on (a CPU rank: every
+        core it has runs its forward, so another thread would only take one from it); otherwise a
+        sender thread does, while this one already runs the next step (a GPU rank: the device must
+        not wait for a batch's answer to be converted)."""
+        self._handle = handle
+        if not inline:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-answers")
+        self.submit(self._listen, listener)
+
+    def steps_waiting(self) -> bool:
+        """Whether a step call waits on a connection (buffered, or bytes to read): a chain of steps
+        ahead ends for it, as for a submitted call. Only meaningful on this thread."""
+        if any(c.calls for c in self._connections):
+            return True
+        if not self._connections:
+            return False
+        events = self._selector.select(timeout=0)
+        return any(isinstance(key.data, _Connection) for key, _ in events)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full: a wake-up is pending anyway; closed: the loop is gone
+
+    def _stop(self) -> None:
+        if not self._stopping:
+            self._stopping = True
+            self._wake()
+
+    def _listen(self, listener: socket.socket) -> None:
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, listener)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if self._work:
+                    if self._drop_queued:
+                        while self._work:
+                            self._work.popleft()[0].cancel()
+                        continue
+                    self._run(*self._work.popleft())
+                    continue
+                if self._stopping:
+                    return
+                ready = next((c for c in self._connections if c.calls), None)
+                if ready is not None:
+                    self._answer(ready)
+                    continue
+                self._sleeping = True
+                if self._work or self._stopping:
+                    self._sleeping = False
+                    continue
+                events = self._selector.select()
+                self._sleeping = False
+                for key, _ in events:
+                    self._on_event(key.data)
+        finally:
+            self._close_all()
+
+    @staticmethod
+    def _run(future: Future, fn: Callable, args: tuple, kwargs: dict) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001: the submitter's to handle
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def _on_event(self, source: Any) -> None:
+        if source is None:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        elif isinstance(source, _Connection):
+            source.receive()
+        elif self._listener is not None:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            connection = _Connection(sock, self._lost)
+            self._connections.append(connection)
+            self._selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _answer(self, connection: _Connection) -> None:
+        payload = connection.calls.popleft()
+        try:
+            build = self._handle(payload)
+        except FrameError as exc:
+            connection.protocol.fail(exc)
+            return
+        if self._sender is not None:
+            self._sender.submit(self._send_later, connection, build)
+        elif not connection.closed:
+            connection.protocol.send(build())
+
+    @staticmethod
+    def _send_later(connection: _Connection, build: Callable[[], bytes]) -> None:
+        """On the sender thread: the answer built and written. A failed write shuts the socket, and
+        the model thread, reading its end, drops the connection (its selector is its own)."""
+        if connection.closed:
+            return
+        try:
+            connection.sock.sendall(frame(build()))
+        except OSError:
+            connection.closed = True
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _lost(self, connection: _Connection, exc: BaseException | None) -> None:
+        if isinstance(exc, FrameError):
+            logger.error("step socket: dropped a connection: {}", exc)
+        connection.closed = True
+        connection.calls.clear()
+        if connection in self._connections:
+            self._connections.remove(connection)
+            try:
+                self._selector.unregister(connection.sock)
+            except (KeyError, ValueError):
+                pass
+        connection.sock.close()
+
+    def _close_all(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)  # answers already built go out before the sockets close
+        for connection in list(self._connections):
+            self._lost(connection, None)
+        if self._listener is not None:
+            self._listener.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        while self._work:
+            self._work.popleft()[0].cancel()
