@@ -598,8 +598,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 response = self._clear_cache_work(message)
                 build = lambda: response  # noqa: E731
         except Exception as exc:
-            answer = _step_error(call.seq, self._shard_error(exc, kind)).SerializeToString()
-            return lambda: answer
+            failed = _step_error(call.seq, self._shard_error(exc, kind)).SerializeToString()
+            return lambda: failed
         finally:
             self.busy_since = None
         seq = call.seq
