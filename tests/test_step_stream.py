@@ -41,8 +41,10 @@ class NoStepsService(TextGenerationService):
         return response
 
 
-async def served(lm, tmp_path: Path, service_cls=TextGenerationService, step_socket: bool = False):
-    """The service on a gRPC socket (as serve_shard starts it), and its step socket when asked."""
+async def served(lm, tmp_path: Path, service_cls=TextGenerationService, step_socket: bool = False,
+                 inline: bool | None = None):
+    """The service on a gRPC socket (as serve_shard starts it), and its step socket when asked
+    (`inline`: answers written by the model thread, or by its sender thread as on a GPU)."""
     service = service_cls(lm, str(tmp_path / "unused"), 1, 0.1)
     server = grpc.aio.server()
     pb_grpc.add_TextGenerationServiceServicer_to_server(service, server)
@@ -50,7 +52,7 @@ async def served(lm, tmp_path: Path, service_cls=TextGenerationService, step_soc
     server.add_insecure_port(url)
     await server.start()
     if step_socket:
-        service.serve_step_socket(f"{tmp_path}/shard.sock.steps")
+        service.serve_step_socket(f"{tmp_path}/shard.sock.steps", inline)
     return service, server, ShardClient([url])
 
 
@@ -147,11 +149,12 @@ def test_the_device_clock_times_the_forward_on_a_cpu():
     assert 2_000_000 <= clock.elapsed_ns() < 5_000_000
 
 
-def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch):
+@pytest.mark.parametrize("inline", [True, False], ids=["answers inline", "answers by the sender"])
+def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch, inline):
     monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
 
     async def main():
-        service, server, client = await served(lm, tmp_path, step_socket=True)
+        service, server, client = await served(lm, tmp_path, step_socket=True, inline=inline)
         try:
             unary = await run_to_end(client, 1)
             assert await client.open_steps() and client.streaming

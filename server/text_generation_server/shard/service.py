@@ -562,10 +562,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             logger.exception("step call {} failed", kind)
             return _step_error(call.seq, ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
-    def serve_step_socket(self, path: str) -> None:
-        """Serves the step socket at `path` on the model thread (shard/model_thread.py); Info names it."""
+    def serve_step_socket(self, path: str, inline: bool | None = None) -> None:
+        """Serves the step socket at `path` on the model thread (shard/model_thread.py); Info names it.
+        `inline`: the model thread writes the answers itself (None: on a CPU, ModelThread.serve_steps)."""
         self._executor.serve_steps(open_step_listener(path), self._socket_step,
-                                   inline=self.model.device.type == "cpu")
+                                   inline=self.model.device.type == "cpu" if inline is None else inline)
         self.step_socket = path
 
     def _socket_step(self, payload: bytes) -> Callable[[], bytes]:

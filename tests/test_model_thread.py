@@ -1,0 +1,121 @@
+"""The rank's model thread (shard/model_thread.py): submitted work and step-socket calls on one thread.
+
+Real unix sockets and a stand-in handler (the shard service's own is tested in test_step_stream.py):
+answers come back in order on every connection, built inline or by the sender thread; a call waiting
+on a socket is visible to a chain (`steps_waiting`) from the model thread; bytes that are not frames
+drop their connection alone; shutdown cancels queued work when asked and closes the sockets.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from text_generation_server.shard.model_thread import ModelThread, open_step_listener
+from text_generation_server.utils.step_frames import FrameError, frame
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+    (size,) = struct.unpack("<I", exactly(4))
+    return exactly(size)
+
+
+def connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    return sock
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_calls_are_answered_in_order_on_the_model_thread(tmp_path, inline):
+    seen_threads = set()
+
+    def handle(payload: bytes):
+        if payload == b"junk":
+            raise FrameError("not a call")
+        seen_threads.add(threading.current_thread().name)
+        return lambda: payload.upper()
+
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), handle, inline=inline)
+        assert oct((tmp_path / "s.steps").stat().st_mode & 0o777) == "0o600"
+        a, b = connect(path), connect(path)
+        a.sendall(b"".join(frame(f"call {i}".encode()) for i in range(20)))  # many frames in one write
+        b.sendall(frame(b"x" * 100_000))  # one frame over many reads
+        assert [read_frame(a) for _ in range(20)] == [f"CALL {i}".encode() for i in range(20)]
+        assert read_frame(b) == b"X" * 100_000
+        assert seen_threads == {"test-model_0"}
+        # Submitted work runs on the same thread, in order, between the calls.
+        assert worker.submit(lambda: threading.current_thread().name).result(5) == "test-model_0"
+        # A payload the handler refuses drops that connection alone.
+        b.sendall(frame(b"junk"))
+        assert b.recv(10) == b""
+        a.sendall(frame(b"still here"))
+        assert read_frame(a) == b"STILL HERE"
+    finally:
+        worker.shutdown(wait=True)
+
+
+def test_a_chain_sees_a_call_waiting_on_the_socket(tmp_path):
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), lambda p: (lambda: p), inline=True)
+        sock = connect(path)
+        sock.sendall(frame(b"first"))
+        assert read_frame(sock) == b"first"  # (the connection is registered by now)
+        arrived = threading.Event()
+
+        def chain() -> list[bool]:
+            seen = [worker.steps_waiting()]
+            arrived.wait(5)
+            deadline = time.monotonic() + 5
+            while not worker.steps_waiting() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return seen + [worker.steps_waiting()]
+
+        job = worker.submit(chain)
+        time.sleep(0.05)
+        sock.sendall(frame(b"second"))
+        arrived.set()
+        assert job.result(10) == [False, True]
+        assert read_frame(sock) == b"second"  # answered once the chain gave the thread back
+    finally:
+        worker.shutdown(wait=True)
+
+
+def test_shutdown_cancels_queued_work_and_closes_the_sockets(tmp_path):
+    worker = ModelThread("test-model")
+    path = str(tmp_path / "s.steps")
+    worker.serve_steps(open_step_listener(path), lambda p: (lambda: p), inline=True)
+    sock = connect(path)
+    sock.sendall(frame(b"hello"))
+    assert read_frame(sock) == b"hello"
+    gate, started = threading.Event(), threading.Event()
+    running = worker.submit(lambda: started.set() or gate.wait(5))
+    assert started.wait(5)
+    queued = worker.submit(lambda: "ran")
+    worker.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert running.result(5) is True
+    worker.thread.join(5)
+    assert not worker.thread.is_alive() and queued.cancelled()
+    assert sock.recv(10) == b""  # the connection closed with the thread
+    with pytest.raises(RuntimeError, match="shutdown"):
+        worker.submit(lambda: None)
