@@ -119,3 +119,35 @@ def test_shutdown_cancels_queued_work_and_closes_the_sockets(tmp_path):
     assert sock.recv(10) == b""  # the connection closed with the thread
     with pytest.raises(RuntimeError, match="shutdown"):
         worker.submit(lambda: None)
+
+
+def test_a_deferred_call_holds_its_connection_alone(tmp_path):
+    """A call whose work runs elsewhere first (a Prefill's grammar compile): its connection's next
+    calls wait for it, answered in order; another connection and submitted work go on meanwhile."""
+    from concurrent.futures import Future
+
+    from text_generation_server.shard.model_thread import Deferred
+
+    pending: Future = Future()
+    chains_seen = []
+
+    def handle(payload: bytes):
+        if payload == b"slow":
+            return Deferred(pending, lambda done: (lambda: b"slow:" + done.result()))
+        return lambda: payload
+
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), handle, inline=True)
+        a, b = connect(path), connect(path)
+        a.sendall(frame(b"slow") + frame(b"after"))
+        time.sleep(0.1)
+        b.sendall(frame(b"other"))
+        assert read_frame(b) == b"other"  # not held up by a's deferred call
+        chains_seen.append(worker.submit(worker.steps_waiting).result(5))  # a's waiting call does not end chains
+        pending.set_result(b"done")
+        assert read_frame(a) == b"slow:done" and read_frame(a) == b"after"
+        assert chains_seen == [False]
+    finally:
+        worker.shutdown(wait=True)

@@ -25,9 +25,10 @@ from text_generation_server.shard.service import TextGenerationService
 from text_generation_server.utils.step_frames import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, FrameProtocol, frame
 
 
-def request(rid: int, prompt: str = "def add(a, b):", max_new: int = 5) -> pb.Request:
+def request(rid: int, prompt: str = "def add(a, b):", max_new: int = 5, ids: list[int] | None = None) -> pb.Request:
+    """`ids`: the prompt's token ids as our router sends them (input_ids), else text the shard tokenizes."""
     params = pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
-    return pb.Request(id=rid, inputs=prompt, parameters=params, add_special_tokens=True,
+    return pb.Request(id=rid, inputs=prompt, input_ids=ids or [], parameters=params, add_special_tokens=True,
                       stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new),
                       blocks=[rid * 2 + 1, rid * 2 + 2], slots=list(range((rid * 2 + 1) * 16, (rid * 2 + 3) * 16)))
 
@@ -62,9 +63,9 @@ async def stop(service, server, client) -> None:
     service._executor.shutdown(wait=True)
 
 
-async def run_to_end(client: ShardClient, rid: int) -> list[int]:
+async def run_to_end(client: ShardClient, rid: int, ids: list[int] | None = None) -> list[int]:
     """Prefill one request, then Decode (filtering nothing) until it finishes; its token ids."""
-    resp = await client.prefill(pb.Batch(id=rid, requests=[request(rid)], size=1))
+    resp = await client.prefill(pb.Batch(id=rid, requests=[request(rid, ids=ids)], size=1))
     tokens = [t for g in resp.generations for t in g.tokens.ids]
     batch = resp.batch if resp.HasField("batch") else None
     while batch is not None:
@@ -160,14 +161,25 @@ def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch, i
             assert await client.open_steps() and client.streaming
             assert client.step_transport == "one step socket per rank"
             assert oct(Path(service.step_socket).stat().st_mode & 0o777) == "0o600"
-            streamed = await run_to_end(client, 2)
+            streamed = await run_to_end(client, 2)  # (text prompts: tokenized off the model thread)
             assert streamed == unary and len(streamed) == 5
+            ids = lm.tokenizer.encode("def add(a, b):", add_special_tokens=True).ids
+            assert await run_to_end(client, 6, ids) == unary  # token ids: converted on the model thread
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await client.decode([pb.CachedBatch(id=99, request_ids=[1])])
             assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "99" in missing.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await client.prefill(pb.Batch(id=3, requests=[request(3), request(3)], size=2))
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in bad.value.details()
+            for ids_or_text in (None, ids):
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await client.prefill(pb.Batch(id=3, requests=[request(3, ids=ids_or_text)] * 2, size=2))
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in bad.value.details()
+            for ids_or_text in (None, ids):  # a request the shard refuses is answered alone, beside the others
+                broken = request(7, ids=ids_or_text)
+                broken.parameters.watermark = True
+                resp = await client.prefill(pb.Batch(id=7, requests=[broken, request(8, ids=ids_or_text)], size=2))
+                errors = {g.request_id: g.error for g in resp.generations if g.error}
+                assert list(errors) == [7] and "watermark" in errors[7]
+                assert resp.batch.request_ids == [8]
+                await client.clear_cache(7)
             assert await run_to_end(client, 4) == unary
             stream = client._streams[0]
             answer = await stream.call(10**6, pb.StepCall(seq=10**6))

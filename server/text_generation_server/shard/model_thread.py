@@ -55,6 +55,17 @@ def open_step_listener(path: str) -> socket.socket:
     return listener
 
 
+class Deferred:
+    """A call that first needs work off the model thread (a Prefill whose grammars compile, whose
+    prompts tokenize): `future` does that work elsewhere, then `then(result)` runs the call on the
+    model thread and returns what builds its answer. Its connection's later calls wait for it; the
+    model thread runs other work (steps ahead, other connections) meanwhile."""
+
+    def __init__(self, future: Future, then: Callable[[Any], Callable[[], bytes]]):
+        self.future = future
+        self.then = then
+
+
 class _Connection:
     """One router connection on the model thread: its bytes cut into frames, its answers written."""
 
@@ -62,6 +73,7 @@ class _Connection:
         self.sock = sock
         self.sock.settimeout(SEND_TIMEOUT_S)  # recv runs only once select says readable
         self.calls: collections.deque[bytes] = collections.deque()
+        self.deferred: Deferred | None = None  # a call of this connection waiting for its off-thread work
         self._on_lost = on_lost
         self.closed = False
         self.protocol = FrameProtocol(self.calls.append, lambda exc: on_lost(self, exc))
@@ -115,6 +127,8 @@ class ModelThread(Executor):
         self._listener: socket.socket | None = None
         self._handle: Callable[[bytes], Callable[[], bytes]] | None = None
         self._sender: ThreadPoolExecutor | None = None  # builds and writes answers (serve_steps' `inline`)
+        self._resumable = 0  # deferred calls whose off-thread work is done, queued to run here
+        self._resumable_lock = threading.Lock()  # (counted up on the worker's thread, down on this one)
         self._thread = threading.Thread(target=self._loop, name=f"{name}_0")
         self._thread.start()
         try:  # stop with the interpreter, as concurrent.futures' own workers do
@@ -139,11 +153,11 @@ class ModelThread(Executor):
             self._thread.join()
 
     # -- the step socket ----------------------------------------------------------------------
-    def serve_steps(self, listener: socket.socket, handle: Callable[[bytes], Callable[[], bytes]],
+    def serve_steps(self, listener: socket.socket, handle: Callable[[bytes], Callable[[], bytes] | Deferred],
                     inline: bool) -> None:
         """Accepts connections on `listener` and runs each frame's call with `handle(payload)` on this
-        thread; what it returns builds the answer's bytes. `handle` raises FrameError for a payload
-        that is not a call: its connection drops.
+        thread; what it returns builds the answer's bytes (or is a Deferred call). `handle` raises
+        FrameError for a payload that is not a call: its connection drops.
 
         `inline`: this thread builds and writes each answer before it goes on (a CPU rank: every
         core it has runs its forward, so another thread would only take one from it); otherwise a
@@ -157,12 +171,12 @@ class ModelThread(Executor):
     def steps_waiting(self) -> bool:
         """Whether a step call waits on a connection (buffered, or bytes to read): a chain of steps
         ahead ends for it, as for a submitted call. Only meaningful on this thread."""
-        if any(c.calls for c in self._connections):
+        if self._resumable or any(c.calls and c.deferred is None for c in self._connections):
             return True
         if not self._connections:
             return False
         events = self._selector.select(timeout=0)
-        return any(isinstance(key.data, _Connection) for key, _ in events)
+        return any(isinstance(key.data, _Connection) and key.data.deferred is None for key, _ in events)
 
     @property
     def thread(self) -> threading.Thread:
@@ -196,7 +210,7 @@ class ModelThread(Executor):
                     continue
                 if self._stopping:
                     return
-                ready = next((c for c in self._connections if c.calls), None)
+                ready = next((c for c in self._connections if c.calls and c.deferred is None), None)
                 if ready is not None:
                     self._answer(ready)
                     continue
@@ -247,6 +261,32 @@ class ModelThread(Executor):
         except FrameError as exc:
             connection.protocol.fail(exc)
             return
+        if isinstance(build, Deferred):
+            connection.deferred = build
+            self._resumable_later(connection, build)
+            return
+        self._send(connection, build)
+
+    def _resumable_later(self, connection: _Connection, deferred: Deferred) -> None:
+        def done(_: Future) -> None:  # (on the thread that did the work)
+            with self._resumable_lock:
+                self._resumable += 1
+            try:
+                self.submit(self._resume, connection, deferred)
+            except RuntimeError:
+                pass  # shut down meanwhile: the connection closes with the thread
+
+        deferred.future.add_done_callback(done)
+
+    def _resume(self, connection: _Connection, deferred: Deferred) -> None:
+        with self._resumable_lock:
+            self._resumable -= 1
+        connection.deferred = None
+        if connection.closed:
+            return
+        self._send(connection, deferred.then(deferred.future))
+
+    def _send(self, connection: _Connection, build: Callable[[], bytes]) -> None:
         if self._sender is not None:
             self._sender.submit(self._send_later, connection, build)
         elif not connection.closed:

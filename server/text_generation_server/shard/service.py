@@ -51,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -68,7 +68,7 @@ from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.shard import adapters
 from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
-from text_generation_server.shard.model_thread import STEP_SOCKET_SUFFIX, ModelThread, open_step_listener
+from text_generation_server.shard.model_thread import STEP_SOCKET_SUFFIX, Deferred, ModelThread, open_step_listener
 from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
 from text_generation_server.utils.step_frames import FrameError
 
@@ -569,10 +569,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                                    inline=self.model.device.type == "cpu" if inline is None else inline)
         self.step_socket = path
 
-    def _socket_step(self, payload: bytes) -> Callable[[], bytes]:
+    def _socket_step(self, payload: bytes) -> Callable[[], bytes] | Deferred:
         """A step socket's call, run on the model thread as its unary twin runs there; returns what
-        builds the answer's bytes (the model thread or its sender calls it). The Prefill's requests
-        are converted here: our router sends token ids, so there is nothing to tokenize."""
+        builds the answer's bytes (the model thread or its sender calls it). A Prefill's requests are
+        converted here when that is cheap (our router sends token ids); a grammar to compile or a
+        prompt to tokenize sends them to the tokenizer's thread first (Deferred), as the unary call does."""
         try:
             call = pb.StepCall.FromString(payload)
         except Exception as exc:  # noqa: BLE001: not a StepCall; its seq is unknown, so no answer can say so
@@ -587,11 +588,14 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 build = self._decode_work(message, self.ahead_steps)
             elif kind == "prefill":
                 refused = self._prefill_refusals(message)
-                try:
-                    requests = self._convert_requests(message.batch, refused, False)
-                except RequestError as exc:
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                build = self._prefill_work(message, requests, refused, self.ahead_steps)
+                if any(r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE or not r.input_ids
+                       for r in message.batch.requests):
+                    # Compiling grammars or tokenizing prompts would hold up every row's steps:
+                    # done on the tokenizer's thread, the call goes on here afterwards.
+                    future = self._tokenizer_pool.submit(self._convert_requests, message.batch, refused, False)
+                    return Deferred(future, lambda done: self._socket_prefill(call.seq, message, done, refused))
+                build = self._prefill_work(message, self._convert_requests(message.batch, refused, False), refused,
+                                           self.ahead_steps)
             elif kind == "filter_batch":
                 response = self._filter_batch_work(message)
                 build = lambda: response  # noqa: E731
@@ -603,8 +607,23 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             return lambda: failed
         finally:
             self.busy_since = None
-        seq = call.seq
+        return self._answer_builder(call.seq, kind, build)
 
+    def _socket_prefill(self, seq: int, request: pb.PrefillRequest, converted: Future,
+                        refused: dict[int, RequestError] | None) -> Callable[[], bytes]:
+        """A deferred Prefill of the step socket, on the model thread once its requests are converted."""
+        self.busy_since = time.monotonic()
+        try:
+            build = self._prefill_work(request, converted.result(), refused, self.ahead_steps)
+        except Exception as exc:
+            failed = _step_error(seq, self._shard_error(exc, "prefill")).SerializeToString()
+            return lambda: failed
+        finally:
+            self.busy_since = None
+        return self._answer_builder(seq, "prefill", build)
+
+    @staticmethod
+    def _answer_builder(seq: int, kind: str, build: Callable) -> Callable[[], bytes]:
         def answer() -> bytes:
             try:
                 return pb.StepAnswer(seq=seq, **{kind: build()}).SerializeToString()
