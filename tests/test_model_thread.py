@@ -151,3 +151,60 @@ def test_a_deferred_call_holds_its_connection_alone(tmp_path):
         assert chains_seen == [False]
     finally:
         worker.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("seq", [0, 1, 300, 2**40])
+def test_a_decode_is_told_from_its_first_bytes(seq):
+    from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+    from text_generation_server.shard.model_thread import _is_decode
+
+    calls = {
+        "decode": pb.StepCall(seq=seq, decode=pb.DecodeRequest(batches=[pb.CachedBatch(id=1, request_ids=[1])])),
+        "empty decode": pb.StepCall(seq=seq, decode=pb.DecodeRequest()),
+        "prefill": pb.StepCall(seq=seq, prefill=pb.PrefillRequest(batch=pb.Batch(id=2))),
+        "filter": pb.StepCall(seq=seq, filter_batch=pb.FilterBatchRequest(batch_id=1)),
+        "clear": pb.StepCall(seq=seq, clear_cache=pb.ClearCacheRequest()),
+        "nothing": pb.StepCall(seq=seq),
+    }
+    told = {name: _is_decode(call.SerializeToString()) for name, call in calls.items()}
+    assert told == {"decode": True, "empty decode": True, "prefill": False, "filter": False, "clear": False,
+                    "nothing": False}
+
+
+def test_a_chain_may_hold_a_waiting_decode_but_no_other_call(tmp_path):
+    from text_generation_server.pb.generate.v3 import generate_pb2 as pb
+
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), lambda p: (lambda: b"ok"), inline=True)
+        sock = connect(path)
+        sock.sendall(frame(b"hello"))
+        assert read_frame(sock) == b"ok"
+        decode = frame(pb.StepCall(seq=5, decode=pb.DecodeRequest()).SerializeToString())
+        prefill = frame(pb.StepCall(seq=6, prefill=pb.PrefillRequest()).SerializeToString())
+        started, go = threading.Event(), threading.Event()
+
+        def chain() -> list[tuple[bool, bool]]:
+            seen = []
+            for _ in range(2):
+                started.set()
+                go.wait(5)
+                go.clear()
+                time.sleep(0.05)
+                seen.append((worker.steps_waiting(decodes_wait=True), worker.steps_waiting()))
+            return seen
+
+        job = worker.submit(chain)
+        assert started.wait(5)
+        started.clear()
+        sock.sendall(decode)
+        go.set()
+        assert started.wait(5)
+        sock.sendall(prefill)
+        go.set()
+        assert job.result(10) == [(False, True), (True, True)]
+        assert read_frame(sock) == b"ok" and read_frame(sock) == b"ok"
+        assert worker.answer_ns is not None and worker.answer_ns > 0  # the decode's answer was timed
+    finally:
+        worker.shutdown(wait=True)

@@ -24,6 +24,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -53,6 +54,22 @@ def open_step_listener(path: str) -> socket.socket:
     listener.listen(8)
     listener.setblocking(False)
     return listener
+
+
+_DECODE_TAG = (3 << 3) | 2  # StepCall.decode: field 3, length-delimited
+_SEQ_TAG = (1 << 3) | 0  # StepCall.seq: field 1, varint
+
+
+def _is_decode(payload: bytes) -> bool:
+    """Whether a serialized StepCall carries a Decode, read from its first field tags (protobuf
+    writes fields in number order: seq, then the call) without parsing the message."""
+    i = 0
+    if payload[:1] == bytes((_SEQ_TAG,)):
+        i = 1
+        while i < len(payload) and payload[i] & 0x80:
+            i += 1
+        i += 1
+    return i < len(payload) and payload[i] == _DECODE_TAG
 
 
 class Deferred:
@@ -129,6 +146,7 @@ class ModelThread(Executor):
         self._sender: ThreadPoolExecutor | None = None  # builds and writes answers (serve_steps' `inline`)
         self._resumable = 0  # deferred calls whose off-thread work is done, queued to run here
         self._resumable_lock = threading.Lock()  # (counted up on the worker's thread, down on this one)
+        self.answer_ns: int | None = None  # what a Decode's answer costs this thread, call to answer sent (EMA)
         self._thread = threading.Thread(target=self._loop, name=f"{name}_0")
         self._thread.start()
         try:  # stop with the interpreter, as concurrent.futures' own workers do
@@ -168,15 +186,20 @@ class ModelThread(Executor):
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-answers")
         self.submit(self._listen, listener)
 
-    def steps_waiting(self) -> bool:
-        """Whether a step call waits on a connection (buffered, or bytes to read): a chain of steps
-        ahead ends for it, as for a submitted call. Only meaningful on this thread."""
-        if self._resumable or any(c.calls and c.deferred is None for c in self._connections):
+    def steps_waiting(self, decodes_wait: bool = False) -> bool:
+        """Whether a step call waits on a connection: a chain of steps ahead ends for it, as for a
+        submitted call. `decodes_wait`: a waiting Decode does not count (a chain that has run for
+        less than an answer costs goes on; the Decode then takes its steps), any other call does.
+        Bytes that arrived are read and cut into calls first. Only meaningful on this thread."""
+        if self._resumable:
             return True
         if not self._connections:
             return False
-        events = self._selector.select(timeout=0)
-        return any(isinstance(key.data, _Connection) and key.data.deferred is None for key, _ in events)
+        for key, _ in self._selector.select(timeout=0):
+            if isinstance(key.data, _Connection):
+                key.data.receive()
+        return any(c.deferred is None and any(not (decodes_wait and _is_decode(call)) for call in c.calls)
+                   for c in self._connections)
 
     @property
     def thread(self) -> threading.Thread:
@@ -256,6 +279,7 @@ class ModelThread(Executor):
 
     def _answer(self, connection: _Connection) -> None:
         payload = connection.calls.popleft()
+        started = time.perf_counter_ns()
         try:
             build = self._handle(payload)
         except FrameError as exc:
@@ -266,6 +290,9 @@ class ModelThread(Executor):
             self._resumable_later(connection, build)
             return
         self._send(connection, build)
+        if _is_decode(payload):
+            spent = time.perf_counter_ns() - started
+            self.answer_ns = spent if self.answer_ns is None else (3 * self.answer_ns + spent) // 4
 
     def _resumable_later(self, connection: _Connection, deferred: Deferred) -> None:
         def done(_: Future) -> None:  # (on the thread that did the work)

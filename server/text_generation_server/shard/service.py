@@ -189,6 +189,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         self.ahead_misses = 0
         self.busy_since: float | None = None  # monotonic start of the model thread's current call
         self.step_socket: str | None = None  # the step socket's path once serve_step_socket listens on it
+        self._chain_started_ns = 0  # when the chain of steps ahead under way began (_call_waiting)
 
     def _on_model_thread(self, fn, *args):
         self.busy_since = time.monotonic()
@@ -202,8 +203,18 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return self._on_model_thread(fn, *args)
 
     def _call_waiting(self) -> bool:
-        """Whether a call (not a step ahead) waits for the model thread: a chain of steps ahead ends."""
-        return self._calls_sent != self._calls_started or self._executor.steps_waiting()
+        """Whether a call (not a step ahead) waits for the model thread: a chain of steps ahead ends.
+
+        A Decode on the step socket waits until the chain has run for twice what answering a Decode
+        costs this thread: with a fast step (a small model, no device) and a router that asks at once,
+        every answer would otherwise carry one step, and the thread would spend as long answering as
+        stepping. A slow step (a real model, a device) passes that bar with its first step, so the
+        Decode's answer leaves after that step as before; any other call ends the chain at once."""
+        if self._calls_sent != self._calls_started:
+            return True
+        pace = self._executor.answer_ns
+        held = pace is not None and time.perf_counter_ns() - self._chain_started_ns < 2 * pace
+        return self._executor.steps_waiting(decodes_wait=held)
 
     def close(self) -> None:
         """Lets go of the model thread and the tokenizer pool (queued work is dropped): the service's end."""
@@ -691,6 +702,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if not alive:
             return
         ahead = _Ahead(source=batch, request_ids=alive)
+        self._chain_started_ns = time.perf_counter_ns()
         try:
             ahead.generations, ahead.next_batch, ahead.timings = self.model.generate_token(batch.fork(alive))
             ahead.steps = 1
