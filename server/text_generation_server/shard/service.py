@@ -63,6 +63,7 @@ from loguru import logger
 from text_generation_server.generation.grammar import GrammarError
 from text_generation_server.engine.batch import Batch, OutOfBlocksError
 from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.standin import StandinForward
 from text_generation_server.engine.types import BatchNotFound, Generation, GenerationRequest, RequestError, StepTimings
 from text_generation_server.engine.warmup import WarmupError
 from text_generation_server.shard import adapters
@@ -576,8 +577,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def serve_step_socket(self, path: str, inline: bool | None = None) -> None:
         """Serves the step socket at `path` on the model thread (shard/model_thread.py); Info names it.
         `inline`: the model thread writes the answers itself (None: on a CPU, ModelThread.serve_steps)."""
-        self._executor.serve_steps(open_step_listener(path), self._socket_step,
-                                   inline=self.model.device.type == "cpu" if inline is None else inline)
+        if inline is None:
+            # The benchmarks' stand-in forward (engine/standin.py) leaves the host free as a device does.
+            inline = self.model.device.type == "cpu" and not isinstance(self.model.model, StandinForward)
+        self._executor.serve_steps(open_step_listener(path), self._socket_step, inline=inline)
         self.step_socket = path
 
     def _socket_step(self, payload: bytes) -> Callable[[], bytes] | Deferred:
