@@ -33,7 +33,7 @@ from loguru import logger
 from text_generation_server.utils.step_frames import FrameError, FrameProtocol, frame
 
 STEP_SOCKET_SUFFIX = ".steps"
-_RECV_BYTES = 1 << 20
+_RECV_BYTES = 1 << 16  # (under glibc's mmap threshold: a larger read buffer costs an mmap per call)
 SEND_TIMEOUT_S = 60.0  # a router that reads nothing for this long has hung: its connection is dropped
 
 
