@@ -208,3 +208,24 @@ def test_a_chain_may_hold_a_waiting_decode_but_no_other_call(tmp_path):
         assert worker.answer_ns is not None and worker.answer_ns > 0  # the decode's answer was timed
     finally:
         worker.shutdown(wait=True)
+
+
+def test_a_fault_outside_the_handler_drops_the_connection_not_the_thread(tmp_path):
+    def handle(payload: bytes):
+        if payload == b"bad":
+            return lambda: (_ for _ in ()).throw(RuntimeError("a bug while building the answer"))
+        return lambda: payload
+
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), handle, inline=True)
+        a = connect(path)
+        a.sendall(frame(b"bad"))
+        assert a.recv(10) == b""  # dropped
+        b = connect(path)
+        b.sendall(frame(b"fine"))
+        assert read_frame(b) == b"fine"  # the thread serves on
+        assert worker.submit(lambda: 42).result(5) == 42
+    finally:
+        worker.shutdown(wait=True)

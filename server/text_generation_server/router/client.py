@@ -212,13 +212,19 @@ class ShardClient:
             return False
         paths = [t.get(STEP_SOCKET_METADATA, "") for t in trailing]
         if mode == "socket" and all(paths):
-            try:
-                self._streams = list(await asyncio.gather(
-                    *(_SocketStepStream.open(url, path) for url, path in zip(self.urls, paths))))
+            opened = await asyncio.gather(*(_SocketStepStream.open(url, path) for url, path in zip(self.urls, paths)),
+                                          return_exceptions=True)
+            failed = [o for o in opened if isinstance(o, BaseException)]
+            if not failed:
+                self._streams = list(opened)
                 self._socket_paths = paths
                 return True
-            except OSError as exc:
-                logger.warning("the ranks' step sockets cannot be reached ({!r}): Steps streams instead", exc)
+            for o in opened:
+                if not isinstance(o, BaseException):
+                    await o.close()
+            if not all(isinstance(f, OSError) for f in failed):
+                raise failed[0]
+            logger.warning("the ranks' step sockets cannot be reached ({!r}): Steps streams instead", failed[0])
         self._streams = [_StepStream(stub, url) for stub, url in zip(self._stubs, self.urls)]
         return True
 

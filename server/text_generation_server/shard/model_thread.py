@@ -235,7 +235,12 @@ class ModelThread(Executor):
                     return
                 ready = next((c for c in self._connections if c.calls and c.deferred is None), None)
                 if ready is not None:
-                    self._answer(ready)
+                    try:
+                        self._answer(ready)
+                    except Exception as exc:  # noqa: BLE001: a fault of ours must not stop the model thread
+                        logger.opt(exception=exc).error("step socket: a call failed outside its handler; "
+                                                        "dropping its connection")
+                        ready.protocol.fail(exc)
                     continue
                 self._sleeping = True
                 if self._work or self._stopping:

@@ -71,7 +71,7 @@ from text_generation_server.pb.generate.v3 import generate_pb2 as pb
 from text_generation_server.pb.generate.v3 import generate_pb2_grpc as pb_grpc
 from text_generation_server.shard.model_thread import STEP_SOCKET_SUFFIX, Deferred, ModelThread, open_step_listener
 from text_generation_server.shard.wire import cached_batch_to_pb, generation_to_pb, request_from_pb
-from text_generation_server.utils.step_frames import FrameError
+from text_generation_server.utils.step_frames import MAX_FRAME_BYTES, FrameError
 
 
 def shard_uds(uds_path: str, rank: int) -> str:
@@ -640,7 +640,13 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def _answer_builder(seq: int, kind: str, build: Callable) -> Callable[[], bytes]:
         def answer() -> bytes:
             try:
-                return pb.StepAnswer(seq=seq, **{kind: build()}).SerializeToString()
+                data = pb.StepAnswer(seq=seq, **{kind: build()}).SerializeToString()
+                if len(data) > MAX_FRAME_BYTES:  # (the gRPC stream's limit too)
+                    raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"the {kind} answer is {len(data)} bytes, over the {MAX_FRAME_BYTES}-byte limit")
+                return data
+            except ShardError as exc:
+                return _step_error(seq, exc).SerializeToString()
             except Exception as exc:  # noqa: BLE001: the router waits for this seq: it gets an answer
                 logger.exception("step call {} failed building its answer", kind)
                 return _step_error(seq, ShardError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")) \
