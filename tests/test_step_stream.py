@@ -75,67 +75,6 @@ async def run_to_end(client: ShardClient, rid: int, ids: list[int] | None = None
     return tokens
 
 
-def test_the_stream_answers_as_the_unary_calls(lm, tmp_path, monkeypatch):
-    monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
-
-    async def main():
-        service, server, client = await served(lm, tmp_path)
-        try:
-            unary = await run_to_end(client, 1)
-            assert await client.open_steps() and client.streaming
-            streamed = await run_to_end(client, 2)
-            assert streamed == unary and len(streamed) == 5
-            # A failed call raises the unary call's status, and the stream keeps serving.
-            with pytest.raises(grpc.aio.AioRpcError) as missing:
-                await client.decode([pb.CachedBatch(id=99, request_ids=[1])])
-            assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "99" in missing.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await client.prefill(pb.Batch(id=3, requests=[request(3), request(3)], size=2))
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in bad.value.details()
-            assert await run_to_end(client, 4) == unary
-            # A call the shard cannot read (no call set) is refused by name, and the stream goes on.
-            stream = client._streams[0]
-            answer = await stream.call(10**6, pb.StepCall(seq=10**6))
-            assert answer.WhichOneof("answer") == "error"
-            assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            assert "no call" in answer.error.message
-            # A broken stream fails its waiters; the next call opens a new stream.
-            stream._call.cancel()
-            await asyncio.sleep(0.05)
-            assert stream.broken is not None
-            assert await run_to_end(client, 5) == unary
-            assert client._streams[0] is not stream
-            await client.clear_cache()
-            assert not service.cache
-        finally:
-            await client.close()
-            await server.stop(None)
-            service._executor.shutdown(wait=True)
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("why", ["switched off", "not served"])
-def test_the_unary_calls_stay_where_the_stream_is_off(lm, tmp_path, monkeypatch, why):
-    if why == "switched off":
-        monkeypatch.setenv(STEP_STREAM_ENV, "0")
-    else:
-        monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
-
-    async def main():
-        service, server, client = await served(lm, tmp_path, TextGenerationService if why == "switched off"
-                                               else NoStepsService)
-        try:
-            assert not await client.open_steps() and not client.streaming
-            assert len(await run_to_end(client, 1)) == 5
-        finally:
-            await client.close()
-            await server.stop(None)
-            service._executor.shutdown(wait=True)
-
-    asyncio.run(main())
-
-
 def test_the_device_clock_times_the_forward_on_a_cpu():
     """On a CPU the device is the host: the forward's wall time, stopped before the readback."""
     import time
@@ -150,16 +89,17 @@ def test_the_device_clock_times_the_forward_on_a_cpu():
     assert 2_000_000 <= clock.elapsed_ns() < 5_000_000
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["answers inline", "answers by the sender"])
-def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch, inline):
-    monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
+@pytest.mark.parametrize("mode", ["socket, answers inline", "socket, answers by the sender", "grpc stream"])
+def test_the_step_connections_answer_as_the_unary_calls(lm, tmp_path, monkeypatch, mode):
+    monkeypatch.setenv(STEP_STREAM_ENV, "grpc" if mode == "grpc stream" else "1")
 
     async def main():
-        service, server, client = await served(lm, tmp_path, step_socket=True, inline=inline)
+        service, server, client = await served(lm, tmp_path, step_socket=True, inline="inline" in mode)
         try:
             unary = await run_to_end(client, 1)
             assert await client.open_steps() and client.streaming
-            assert client.step_transport == "one step socket per rank"
+            assert client.step_transport == ("one Steps stream per rank" if mode == "grpc stream" else
+                                             "one step socket per rank")
             assert oct(Path(service.step_socket).stat().st_mode & 0o777) == "0o600"
             streamed = await run_to_end(client, 2)  # (text prompts: tokenized off the model thread)
             assert streamed == unary and len(streamed) == 5
@@ -184,13 +124,17 @@ def test_the_step_socket_answers_as_the_unary_calls(lm, tmp_path, monkeypatch, i
             stream = client._streams[0]
             answer = await stream.call(10**6, pb.StepCall(seq=10**6))
             assert answer.WhichOneof("answer") == "error" and "no call" in answer.error.message
-            # A connection that ends fails its waiters with UNAVAILABLE; the next call opens a new one.
-            waiting = asyncio.ensure_future(stream.call(10**6 + 1, pb.StepCall(
-                seq=10**6 + 1, clear_cache=pb.ClearCacheRequest())))
-            stream._protocol.transport.abort()
-            with pytest.raises(grpc.aio.AioRpcError) as gone:
-                await waiting
-            assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and "step socket" in gone.value.details()
+            # A connection that ends fails its waiters; the next call opens a new one.
+            if mode == "grpc stream":
+                stream._call.cancel()
+                await asyncio.sleep(0.05)
+            else:
+                waiting = asyncio.ensure_future(stream.call(10**6 + 1, pb.StepCall(
+                    seq=10**6 + 1, clear_cache=pb.ClearCacheRequest())))
+                stream._protocol.transport.abort()
+                with pytest.raises(grpc.aio.AioRpcError) as gone:
+                    await waiting
+                assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and "step socket" in gone.value.details()
             assert stream.broken is not None
             assert await run_to_end(client, 5) == unary
             assert client._streams[0] is not stream
@@ -222,19 +166,22 @@ def test_bytes_that_are_not_frames_drop_their_connection_alone(lm, tmp_path, mon
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("mode", ["grpc", "unreachable"])
-def test_the_steps_stream_where_the_socket_is_not_used(lm, tmp_path, monkeypatch, mode):
-    if mode == "grpc":
-        monkeypatch.setenv(STEP_STREAM_ENV, "grpc")
-    else:
-        monkeypatch.delenv(STEP_STREAM_ENV, raising=False)
+@pytest.mark.parametrize("mode, transport", [
+    ("switched off", "unary calls"), ("not served", "unary calls"),
+    ("grpc", "one Steps stream per rank"), ("unreachable", "one Steps stream per rank")])
+def test_the_fallbacks_of_the_step_socket(lm, tmp_path, monkeypatch, mode, transport):
+    """TGS_STEP_STREAM=0 or a shard without Steps (a TGI shard): the unary calls; TGS_STEP_STREAM=grpc
+    or a socket the router cannot open: the gRPC Steps stream. The same tokens every way."""
+    monkeypatch.setenv(STEP_STREAM_ENV, {"switched off": "0", "grpc": "grpc"}.get(mode, "1"))
 
     async def main():
-        service, server, client = await served(lm, tmp_path, step_socket=True)
+        service, server, client = await served(lm, tmp_path, NoStepsService if mode == "not served" else
+                                               TextGenerationService, step_socket=mode != "not served")
         try:
             if mode == "unreachable":
                 Path(service.step_socket).unlink()  # a rank whose socket the router cannot open
-            assert await client.open_steps() and client.step_transport == "one Steps stream per rank"
+            assert await client.open_steps() == (transport != "unary calls")
+            assert client.step_transport == transport
             assert len(await run_to_end(client, 1)) == 5
         finally:
             await stop(service, server, client)

@@ -37,7 +37,36 @@ _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 _STEP_FIELDS = {"Prefill": "prefill", "Decode": "decode", "FilterBatch": "filter_batch", "ClearCache": "clear_cache"}
 
 
-class _StepStream:
+class _Calls:
+    """The calls of one rank's step connection waiting for their answers, by `seq`; `broken`: the
+    error that ended the connection, which every waiting and later call gets."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._pending: dict[int, asyncio.Future] = {}
+        self.broken: grpc.aio.AioRpcError | None = None
+
+    def _expect(self, seq: int) -> asyncio.Future:
+        if self.broken is not None:
+            raise self.broken
+        future = asyncio.get_running_loop().create_future()
+        self._pending[seq] = future
+        return future
+
+    def _answered(self, answer: pb.StepAnswer) -> None:
+        future = self._pending.pop(answer.seq, None)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
+    def _break(self, error: grpc.aio.AioRpcError) -> None:
+        self.broken = error
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+
+class _StepStream(_Calls):
     """One rank's Steps stream: calls written in order, answers matched to them by `seq`.
 
     A stream that breaks (the rank went away, the channel closed) fails every call waiting on
@@ -45,11 +74,9 @@ class _StepStream:
     call (`broken`)."""
 
     def __init__(self, stub: pb_grpc.TextGenerationServiceStub, url: str):
-        self.url = url
+        super().__init__(url)
         self._call = stub.Steps()
-        self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
-        self.broken: grpc.aio.AioRpcError | None = None
         self._reader = asyncio.create_task(self._read(), name=f"steps-reader {url}")
 
     async def _read(self) -> None:
@@ -58,27 +85,17 @@ class _StepStream:
                 answer = await self._call.read()
                 if answer is grpc.aio.EOF:
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="the shard closed its Steps stream")
-                future = self._pending.pop(answer.seq, None)
-                if future is not None and not future.done():
-                    future.set_result(answer)
+                self._answered(answer)
         except BaseException as exc:  # noqa: BLE001: every waiter must learn why, whatever it was
-            error = exc if isinstance(exc, grpc.aio.AioRpcError) else grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, details=f"the Steps stream to {self.url} broke: {exc!r}")
-            self.broken = error
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
+            self._break(exc if isinstance(exc, grpc.aio.AioRpcError) else grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, details=f"the Steps stream to {self.url} broke: {exc!r}"))
             if isinstance(exc, asyncio.CancelledError):
                 raise
             if not isinstance(exc, grpc.aio.AioRpcError):
                 logger.warning("Steps stream to {} broke: {!r}", self.url, exc)
 
     async def call(self, seq: int, step: pb.StepCall) -> pb.StepAnswer:
-        if self.broken is not None:
-            raise self.broken
-        future = asyncio.get_running_loop().create_future()
-        self._pending[seq] = future
+        future = self._expect(seq)
         try:
             async with self._write_lock:
                 await self._call.write(step)
@@ -96,16 +113,14 @@ class _StepStream:
             pass
 
 
-class _SocketStepStream:
+class _SocketStepStream(_Calls):
     """One rank's step socket, with _StepStream's interface: calls written in order as frames,
     answers matched by `seq`. A connection that ends fails every waiting call and every later one
     with an UNAVAILABLE error, as a broken stream does, and the client opens a new one."""
 
     def __init__(self, url: str, path: str):
-        self.url = url
+        super().__init__(url)
         self.path = path
-        self._pending: dict[int, asyncio.Future] = {}
-        self.broken: grpc.aio.AioRpcError | None = None
         self._protocol = FrameProtocol(self._on_frame, self._on_lost)
 
     @classmethod
@@ -120,25 +135,16 @@ class _SocketStepStream:
         except Exception as exc:  # noqa: BLE001: not an answer of ours: the connection is of no use
             self._protocol.fail(FrameError(f"{len(payload)} bytes from {self.path} are not a StepAnswer ({exc})"))
             return
-        future = self._pending.pop(answer.seq, None)
-        if future is not None and not future.done():
-            future.set_result(answer)
+        self._answered(answer)
 
     def _on_lost(self, exc: BaseException | None) -> None:
         why = f"the step socket {self.path} closed" + (f": {exc}" if exc is not None else "")
-        self.broken = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=why)
         if isinstance(exc, FrameError):
             logger.warning("{}", why)
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(self.broken)
-        self._pending.clear()
+        self._break(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=why))
 
     async def call(self, seq: int, step: pb.StepCall) -> pb.StepAnswer:
-        if self.broken is not None:
-            raise self.broken
-        future = asyncio.get_running_loop().create_future()
-        self._pending[seq] = future
+        future = self._expect(seq)
         try:
             self._protocol.send(step.SerializeToString())
         except (ConnectionError, FrameError) as exc:
