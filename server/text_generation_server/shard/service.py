@@ -817,8 +817,11 @@ async def serve_shard(
     os.chmod(path, 0o600)
     await server.start()
     steps_path = path + STEP_SOCKET_SUFFIX
-    service.serve_step_socket(steps_path)
-    logger.info("shard {} listening on unix://{} (step socket {})", rank, path, steps_path)
+    try:
+        service.serve_step_socket(steps_path)
+        logger.info("shard {} listening on unix://{} (step socket {})", rank, path, steps_path)
+    except OSError as exc:  # (a path over the unix socket's length limit, say): the Steps stream serves instead
+        logger.warning("shard {} listening on unix://{}; no step socket at {}: {}", rank, path, steps_path, exc)
     try:
         await stop.wait()
     finally:
