@@ -229,3 +229,9 @@ def test_a_fault_outside_the_handler_drops_the_connection_not_the_thread(tmp_pat
         assert worker.submit(lambda: 42).result(5) == 42
     finally:
         worker.shutdown(wait=True)
+
+
+def test_a_step_socket_path_over_the_limit_is_an_oserror(tmp_path):
+    """serve_shard logs it and serves the Steps stream instead (a unix socket path holds ~107 bytes)."""
+    with pytest.raises(OSError):
+        open_step_listener(str(tmp_path / ("x" * 120)) + ".steps")
