@@ -75,10 +75,10 @@ int64_t kq_read(std::vector<torch::Tensor> parts, int64_t unit) {
 def layer_call(module, x: torch.Tensor, parts: list[torch.Tensor], types: list[int], bias: torch.Tensor,
                prefetch: list[int], ns: list[int]) -> torch.Tensor:
     """The model's one-row call of a layer on `module`'s kquant_linear: one call with per-part types and
-    prefetch distances (this checkout's signature), or, on a commit whose kquant_linear takes one type and
+    prefetch distances, x last (this checkout's signature), or, on a commit whose kquant_linear takes one type and
     one distance, a call per run of parts of one type and a torch.cat of their outputs (its SplitLinear)."""
     if module.tgs_per_part_types:
-        return module.kquant_linear(x, parts, types, bias, prefetch, ns)
+        return module.kquant_linear(parts, types, bias, prefetch, ns, x)
     outs, i = [], 0
     while i < len(parts):
         j = i
@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ours = build((ROOT / SRC).read_text(), "dours", extra=READ, extra_functions=["kq_read"])
     if not (theirs.kquant_packed_isa() and ours.kquant_packed_isa()):
         raise SystemExit("this build has no packed kernel (needs AVX-512BW)")
-    for module in (theirs, ours):  # kquant_linear(x, parts, types, bias, prefetches, packed_n) or (..., type, ...)
-        arg2 = module.kquant_linear.__doc__.split("arg2:")[1].split(" arg3:")[0]
-        module.tgs_per_part_types = "Sequence" in arg2 or "List" in arg2 or "list" in arg2
+    for module in (theirs, ours):  # kquant_linear(parts, types, bias, prefetches, packed_n, x) or (x, parts, type, ...)
+        arg0 = module.kquant_linear.__doc__.split("arg0:")[1].split(" arg1:")[0]
+        module.tgs_per_part_types = "Tensor]" in arg0
     print(f"# cpu-kquant one-row layer calls (kquant_linear, bf16 row, packed parts): this checkout vs {args.against}, "
           f"cold weights (>= {args.cold_mb:.0f} MB of copies), median ms per call of {args.rounds} rounds; "
           f"1-min load {os.getloadavg()[0]:.2f}\n")

@@ -203,7 +203,7 @@ def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
         with torch.inference_mode():
             assert torch.equal(layer(x[:3].reshape(3, 1, k)), layer(x[:3]).reshape(3, 1, n))
     with pytest.raises(RuntimeError, match="bias must be empty"):
-        native.kquant_linear(x[:1], list(weight.parts), [int(qtype)], torch.zeros(n + 1, dtype=dtype), [0], [])
+        native.kquant_linear(list(weight.parts), [int(qtype)], torch.zeros(n + 1, dtype=dtype), [0], [], x[:1])
     if native.kquant_packed_isa():  # the layer read the packed form; the blocks as stored give the same bits
         stored = KQuantLinear(weight.parts, int(qtype), bias.to(dtype), dtype, packed=False)
         packed = CpuKQuantKernel.build(weight, bias, dtype)
@@ -245,9 +245,13 @@ def test_a_layer_of_mixed_types_is_one_call_with_its_parts_bits(native, dtype):
                 at_once = KQuantLinear(tuple(p for ps in parts for p in ps), joined.types, b, dtype, packed=packed)
                 split = SplitLinear(alone)
                 with torch.inference_mode():
-                    for m in (1, 2, 5, 8, 9, 16, 19):
+                    for m, threads in ((1, 1), (1, 2), (2, 2), (5, 1), (8, 2), (9, 1), (16, 2), (19, 1)):
                         want = split(x[:m])
-                        got = joined(x[:m])
+                        torch.set_num_threads(threads)  # 2: the tiles shared out by the native pool
+                        try:
+                            got = joined(x[:m])
+                        finally:
+                            torch.set_num_threads(1)
                         assert got.dtype == dtype and got.shape == (m, 111)
                         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                            want.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
@@ -267,9 +271,9 @@ def test_a_layer_of_mixed_types_is_one_call_with_its_parts_bits(native, dtype):
     with pytest.raises(ValueError, match="need one K-quant type each"):
         KQuantLinear((q4, q6), [int(T.Q4_K)], None, dtype)
     with pytest.raises(RuntimeError, match="types must hold one K-quant type for all parts or one per part"):
-        native.kquant_linear(x[:1].float(), [q4, q4, q6], [12, 14], torch.empty(0), [0], [])
+        native.kquant_linear([q4, q4, q6], [12, 14], torch.empty(0), [0], [], x[:1].float())
     with pytest.raises(RuntimeError, match="K-quant type must be"):
-        native.kquant_linear(x[:1].float(), [q4, q6], [12, 13], torch.empty(0), [0], [])
+        native.kquant_linear([q4, q6], [12, 13], torch.empty(0), [0], [], x[:1].float())
 
 
 def packed(native, raw: torch.Tensor, qtype) -> torch.Tensor:
@@ -322,7 +326,7 @@ def test_the_packed_form_gives_the_stored_layouts_bits(native, qtype):
     with pytest.raises(RuntimeError, match="64-byte boundary"):
         native.kquant_mm_packed_into(q, d, s, torch.cat([pack[:1], pack])[1:], 20, int(qtype), 0, torch.empty(2, 20), 0)
     with pytest.raises(RuntimeError, match="packed_n must be empty"):
-        native.kquant_linear(torch.randn(1, 512), [pack], [int(qtype)], torch.empty(0), [0], [20, 4])
+        native.kquant_linear([pack], [int(qtype)], torch.empty(0), [0], [20, 4], torch.randn(1, 512))
     with pytest.raises(RuntimeError, match="K-quant type must be"):
         native.kquant_pack(raw, int(T.Q5_K))
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import threading
@@ -417,9 +418,12 @@ class KQuantLinear(torch.nn.Module):
         one-row layer's ~10."""
         self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
         self._prefetch = [self._part_prefetch(i) for i in range(self.count)]
-        self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
-        self._direct = self.act_dtype in (torch.bfloat16, torch.float32)
-        self._linear = self.native.kquant_linear  # the bound native function (no Extension lookup per call)
+        bias = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
+        # x of this dtype goes to `_call` alone: the native call with everything else bound (forward's whole
+        # work at one row; each attribute read and check in Python cost ~0.1 us of a small layer's few)
+        self._call_dtype = self.act_dtype if self.act_dtype in (torch.bfloat16, torch.float32) else None
+        self._call = functools.partial(self.native.kquant_linear, self._parts, self.types, bias, self._prefetch,
+                                       self._ns)
 
     def _part_prefetch(self, i: int) -> int:
         """Part i's prefetch distance: by type on huge pages, by the layer's size on 4 KiB pages."""
@@ -436,14 +440,10 @@ class KQuantLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._direct and x.dtype == self.act_dtype:
+        if x.dtype is self._call_dtype:
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
-            if x.dim() == 2:  # the model's [tokens, K]: no views around the call (a few us of a small layer's)
-                return self._linear(x, self._parts, self.types, self._bias_arg, self._prefetch, self._ns)
-            y = self._linear(x.reshape(-1, self.in_features), self._parts, self.types, self._bias_arg,
-                             self._prefetch, self._ns)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return self._call(x)
         lead = x.shape[:-1]
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)

@@ -760,8 +760,8 @@ void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
 
 // Each row's 32-column code sums per block as int16 pairs ([M, nb, 4]: dword t = bsum32_2t | bsum32_2t+1
 // << 16; |bsum32| <= 32 * 128), the minimums' operand of dpwssd.
-inline std::vector<int32_t> q4k_pairs(const Args& a) {
-  std::vector<int32_t> pairs(a.M * a.nb * 4);
+inline void q4k_pairs_into(const Args& a, std::vector<int32_t>& pairs) {
+  pairs.resize(a.M * a.nb * 4);
   for (int64_t i = 0; i < a.M * a.nb; ++i) {
     const int32_t* bs = a.x.s + i * 16;
     for (int t = 0; t < 4; ++t) {
@@ -770,6 +770,11 @@ inline std::vector<int32_t> q4k_pairs(const Args& a) {
       pairs[i * 4 + t] = int32_t(lo | (hi << 16));
     }
   }
+}
+
+inline std::vector<int32_t> q4k_pairs(const Args& a) {
+  std::vector<int32_t> pairs;
+  q4k_pairs_into(a, pairs);
   return pairs;
 }
 
@@ -1189,8 +1194,11 @@ void run_packed(const std::vector<Args>& parts, const std::vector<int64_t>& type
   const Args& a0 = parts[0];
   bool any_q4 = false;
   for (const int64_t t : types) any_q4 = any_q4 || t == 12;
-  std::vector<int32_t> pairs;
-  if (any_q4) pairs = q4k_pairs(a0);
+  // The caller's scratch, read by the workers inside this call through `pp` (a thread_local named in the
+  // lambda would be each worker's own, empty one).
+  thread_local std::vector<int32_t> pairs;
+  if (any_q4) q4k_pairs_into(a0, pairs);
+  const int32_t* pp = pairs.data();
   std::vector<int64_t> first(parts.size() + 1, 0);  // the parts' first tile numbers
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + PTILE - 1) / PTILE;
   const bool gemm = a0.M >= GEMM_ROWS;
@@ -1213,7 +1221,7 @@ void run_packed(const std::vector<Args>& parts, const std::vector<int64_t>& type
         for (int64_t m0 = 0; m0 < a.M; m0 += 8) {
           const int64_t r = std::min<int64_t>(8, a.M - m0);
           if (q4)
-            gemm_dispatch<true>(a, words, pairs.data(), n0, nt, m0, r);
+            gemm_dispatch<true>(a, words, pp, n0, nt, m0, r);
           else
             gemm_dispatch<false>(a, words, nullptr, n0, nt, m0, r);
         }
@@ -1221,7 +1229,7 @@ void run_packed(const std::vector<Args>& parts, const std::vector<int64_t>& type
         for (int64_t m0 = 0; m0 < a.M; m0 += 8) {
           const int64_t r = std::min<int64_t>(8, a.M - m0);
           if (q4)
-            packed_dispatch<true>(a, tile, pairs.data(), n0, nt, m0, r);
+            packed_dispatch<true>(a, tile, pp, n0, nt, m0, r);
           else
             packed_dispatch<false>(a, tile, nullptr, n0, nt, m0, r);
         }
@@ -1429,22 +1437,26 @@ void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Te
                       bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
 }
 
-// The layer's whole product in one call (cpu_kquant.KQuantLinear): x float32 or bfloat16 [M, K] quantized to
+// The layer's whole product in one call (cpu_kquant.KQuantLinear): x float32 or bfloat16 [..., K] quantized to
 // Q8_K into this thread's scratch, each part of the fused layer (K-quant blocks stacked along N, each of
 // its types entry: one type for all parts, or one per part, 12: Q4_K, 14: Q6_K, so a Q4_K_M file's q, k
-// and Q6_K v are one call) written side by side into one [M, N] output of x's dtype, then, where bias
+// and Q6_K v are one call) written side by side into one [..., N] output of x's dtype, then, where bias
 // (x's dtype, [N]) has elements, the bias added as torch adds it in that dtype (bfloat16: the rounded
 // product plus the bias, rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`,
 // without the tensors and torch ops between them (their fixed cost at one decode row). prefetch: bytes
 // ahead, one for all parts or one per part. packed_n empty: the parts are blocks as stored; else part i
-// is kquant_pack's form of a [packed_n[i], K] weight (all parts' tiles in one parallel region).
-torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                            torch::Tensor bias, std::vector<int64_t> prefetch, std::vector<int64_t> packed_n) {
-  x = x.contiguous();
+// is kquant_pack's form of a [packed_n[i], K] weight (all parts' tiles in one parallel region). x comes
+// last so that a layer binds the rest once (functools.partial) and its forward is that call alone.
+torch::Tensor kquant_linear(const std::vector<torch::Tensor>& parts, std::vector<int64_t> types, const torch::Tensor& bias,
+                            std::vector<int64_t> prefetch, const std::vector<int64_t>& packed_n, torch::Tensor x) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16), "x must be float32 or bfloat16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(x.dim() >= 1 && (dtype == torch::kFloat || dtype == torch::kBFloat16),
+              "x must be float32 or bfloat16 [..., K], got ", dtype, " ", x.sizes());
+  const int64_t K = x.size(-1);
   TORCH_CHECK(K % 256 == 0 && K > 0, "K = ", K, " is not a positive multiple of 256");
+  std::vector<int64_t> shape = x.sizes().vec();  // [..., N] once N is known
+  x = x.dim() == 2 ? x.contiguous() : x.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
   TORCH_CHECK(!parts.empty(), "a K-quant layer needs at least one part");
   const size_t count = parts.size();
   TORCH_CHECK(packed_n.empty() || packed_n.size() == count, "packed_n must be empty (blocks as stored) or give ",
@@ -1463,7 +1475,9 @@ torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, s
   for (size_t i = 0; i < count; ++i) N += packed_n.empty() ? parts[i].size(0) : packed_n[i];
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.is_contiguous() && bias.numel() == N),
               "bias must be empty or ", dtype, " [", N, "]");
-  auto y = torch::empty({M, N}, x.options());
+  shape.back() = N;
+  // at::empty: the output of an op that records no autograd history (a fifth less fixed cost than torch::empty's)
+  auto y = at::empty(shape, x.options());
   if (M == 0) return y;
   thread_local std::vector<int8_t> qs;
   thread_local std::vector<float> ds;
