@@ -14,6 +14,9 @@ super-block scales). Checked here:
 - the packed form (AVX-512 builds: 16 outputs' blocks interleaved, converted at load) gives the bits of
   the stored layout's kernel for every row count, tail tile, strided rows and parts, and its layer
   those of the AVX2 build; wrong sizes are refused by name;
+- a fused layer of mixed types (Q4_K q and k, Q6_K v) joined into one call gives each part's columns the
+  bits of its own layer (one call per type and a torch.cat) at every row count, packed and as stored, on
+  one thread and two, and in the AVX2 build;
 - loading a GGUF reads the file's blocks as views (nothing decoded; on AVX-512 builds each layer packs
   them into its own copy), runs them on cpu-kquant, and falls back to the canonical form where the
   kernel is switched off;
@@ -354,15 +357,29 @@ AVX2_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from gguf_writer import T
-from test_gguf_kquant import blocks
+from test_gguf_kquant import blocks, mixed_layer
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.cpu_kquant import kquant_mm
 module = cpu_native.native()
 x = torch.randn(20, 768, generator=torch.Generator().manual_seed(4))
 out = {t.name: kquant_mm(module, x, blocks(t, 37, 768, seed=5), int(t)).tolist() for t in (T.Q4_K, T.Q6_K)}
 out["cflags"] = list(cpu_native.cflags())
+torch.set_num_threads(2)  # the stored blocks' kernel on the pool's threads
+out["mixed"] = mixed_layer()(x).tolist()
 print(json.dumps(out))
 """
+
+
+def mixed_layer() -> torch.nn.Module:
+    """A float32 layer of Q4_K parts and a Q6_K part (a Q4_K_M qkv), built as the loader builds it."""
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
+    from text_generation_server.quantizers.gguf import join_parts
+
+    bias = torch.randn(37 + 21 + 16, generator=torch.Generator().manual_seed(8))
+    return join_parts([CpuKQuantKernel.build(KQuantBlocks((blocks(T.Q4_K, 37, 768, seed=6), blocks(T.Q4_K, 21, 768, seed=7)),
+                                                          int(T.Q4_K)), bias[:58], torch.float32),
+                       CpuKQuantKernel.build(KQuantBlocks((blocks(T.Q6_K, 16, 768, seed=9),), int(T.Q6_K)), bias[58:],
+                                             torch.float32)])
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
@@ -386,6 +403,8 @@ def test_the_avx2_build_gives_the_same_bits(native):
             assert torch.equal(torch.tensor(got[t.name], dtype=torch.float32),
                                packed_mm(native, x, native.kquant_pack(raw, int(t)), 37, t)), t.name
         assert ((ours.double() - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
+    with torch.inference_mode():  # a mixed-type layer: here packed, one call; there the blocks as stored, a call per part
+        assert torch.equal(torch.tensor(got["mixed"], dtype=torch.float32), mixed_layer()(x))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
