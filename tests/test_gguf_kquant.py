@@ -260,6 +260,8 @@ def test_a_layer_of_mixed_types_is_one_call_with_its_parts_bits(native, dtype):
                                            want.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
                             (first_q4, packed, b is None, m)
                         assert torch.equal(at_once(x[:m]), got), (first_q4, packed, m)
+                        apart = SplitLinear(joined.split([[0, 1], [2]] if first_q4 else [[0], [1, 2]]))
+                        assert torch.equal(apart(x[:m]), got), (first_q4, packed, m)  # split: the layers before join
                     assert torch.equal(joined(x[:3].reshape(3, 1, k)), joined(x[:3]).reshape(3, 1, 111))
         if dtype == torch.float32:  # each part's columns: its stored blocks' product (kquant_mm) plus the bias
             layer = join_parts([CpuKQuantKernel.build(KQuantBlocks(ps, t), piece, dtype)
@@ -271,6 +273,8 @@ def test_a_layer_of_mixed_types_is_one_call_with_its_parts_bits(native, dtype):
         with pytest.raises(ValueError, match="only KQuantLinear layers of one form"):
             KQuantLinear.join([KQuantLinear((q4,), int(T.Q4_K), None, dtype),
                                KQuantLinear((q6,), int(T.Q6_K), None, dtype, packed=False)])
+    with pytest.raises(ValueError, match="must split parts 0..2 in order"):
+        joined.split([[0], [2, 1]])
     with pytest.raises(ValueError, match="need one K-quant type each"):
         KQuantLinear((q4, q6), [int(T.Q4_K)], None, dtype)
     with pytest.raises(RuntimeError, match="types must hold one K-quant type for all parts or one per part"):

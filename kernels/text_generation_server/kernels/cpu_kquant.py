@@ -412,6 +412,33 @@ class KQuantLinear(torch.nn.Module):
         out._refresh()
         return out
 
+    def split(self, groups: Sequence[Sequence[int]]) -> list["KQuantLinear"]:
+        """join's inverse: a layer per group of this layer's part indices (consecutive, in order, covering
+        every part once), each sharing this layer's buffers and its slice of the bias. What a fused layer
+        of mixed types ran as before join (benchmarks/gguf_kquant_step.py times both in one process)."""
+        flat = [i for g in groups for i in g]
+        if flat != list(range(self.count)) or any(not g for g in groups):
+            raise ValueError(f"cpu-kquant: groups {groups} must split parts 0..{self.count - 1} in order")
+        sizes = self._ns if self.packed else [p.shape[0] for p in self._parts]
+        out, start = [], 0
+        for group in groups:
+            layer = type(self).__new__(type(self))
+            torch.nn.Module.__init__(layer)
+            layer.native, layer.packed = self.native, self.packed
+            layer.types = [self.types[i] for i in group]
+            layer.count = len(group)
+            layer._ns = [self._ns[i] for i in group] if self.packed else []
+            layer._huge = [self._huge[i] for i in group]
+            for n, i in enumerate(group):
+                layer.register_buffer(f"{'packed' if self.packed else 'blocks'}{n}", self._parts[i])
+            n_out = sum(sizes[i] for i in group)
+            layer.register_buffer("bias", None if self.bias is None else self.bias[start:start + n_out])
+            layer.act_dtype, layer.out_features, layer.in_features = self.act_dtype, n_out, self.in_features
+            layer._refresh()
+            out.append(layer)
+            start += n_out
+        return out
+
     def _refresh(self) -> None:
         """The native call's arguments, kept ready (Python lists of the parts, types and prefetch
         distances, the bias or an empty tensor): building them per call cost several microseconds of a
