@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
                     groups[-1].append(i)
                 else:
                     groups.append([i])
-            forms["a call per type"].append(SplitLinear(joined.split(groups)))
+            forms["a call per type"].append(SplitLinear(list[torch.nn.Module](joined.split(groups))))
         else:
             forms["a call per type"].append(joined)
     mixed = sum(isinstance(m, SplitLinear) for m in forms["a call per type"])
     if not mixed:
         raise SystemExit(f"{args.model}: no fused K-quant layer of mixed types (nothing to compare)")
-    x = torch.randn(3, forms["one call"][0].in_features).to(lm.dtype)
+    x = torch.randn(3, int(getattr(forms["one call"][0], "in_features"))).to(lm.dtype)
     with torch.inference_mode():
         for a, b in zip(*forms.values()):
             if not torch.equal(a(x), b(x)):

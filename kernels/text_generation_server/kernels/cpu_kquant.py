@@ -399,7 +399,7 @@ class KQuantLinear(torch.nn.Module):
         out._huge = [h for layer in layers for h in layer._huge]
         for i, buffer in enumerate(b for layer in layers for b in layer._parts):
             out.register_buffer(f"{'packed' if out.packed else 'blocks'}{i}", buffer)
-        biases = [layer.bias for layer in layers]
+        biases: list[torch.Tensor | None] = [layer._bias() for layer in layers]
         if all(b is None for b in biases):
             out.register_buffer("bias", None)
         else:
@@ -432,12 +432,17 @@ class KQuantLinear(torch.nn.Module):
             for n, i in enumerate(group):
                 layer.register_buffer(f"{'packed' if self.packed else 'blocks'}{n}", self._parts[i])
             n_out = sum(sizes[i] for i in group)
-            layer.register_buffer("bias", None if self.bias is None else self.bias[start:start + n_out])
+            bias = self._bias()
+            layer.register_buffer("bias", None if bias is None else bias[start:start + n_out])
             layer.act_dtype, layer.out_features, layer.in_features = self.act_dtype, n_out, self.in_features
             layer._refresh()
             out.append(layer)
             start += n_out
         return out
+
+    def _bias(self) -> torch.Tensor | None:
+        bias = self.bias
+        return bias if isinstance(bias, torch.Tensor) else None
 
     def _refresh(self) -> None:
         """The native call's arguments, kept ready (Python lists of the parts, types and prefetch

@@ -165,12 +165,13 @@ def join_parts(modules: list[torch.nn.Module]) -> torch.nn.Module:
     SplitLinear. On the Qwen2.5-Coder-1.5B Q4_K_M file half of the layers' qkv mix Q4_K and Q6_K: as two
     calls and a torch.cat the qkv projections read 18 GB/s at one row, against 28-36 for the others."""
     if len(modules) > 1 and KQuantLinear.can_join(modules):
-        joined = KQuantLinear.join(modules)
-        if getattr(modules[0], "kernel_name", None):  # what build_linear set on each part (Info.kernels)
-            joined.kernel_name = modules[0].kernel_name
+        joined = KQuantLinear.join(modules)  # type: ignore[arg-type]  # can_join checked the class
+        name = getattr(modules[0], "kernel_name", None)
+        if name:  # what build_linear set on each part (Info.kernels)
+            setattr(joined, "kernel_name", name)
         described = [getattr(m, "computes", "") for m in modules]
         if all(described):
-            joined.computes = " + ".join(described)
+            setattr(joined, "computes", " + ".join(described))
         return joined
     return SplitLinear(modules)
 
