@@ -14,6 +14,9 @@ super-block scales). Checked here:
 - the packed form (AVX-512 builds: 16 outputs' blocks interleaved, converted at load) gives the bits of
   the stored layout's kernel for every row count, tail tile, strided rows and parts, and its layer
   those of the AVX2 build; wrong sizes are refused by name;
+- a fused layer of mixed types (Q4_K q and k, Q6_K v) joined into one call gives each part's columns the
+  bits of its own layer (one call per type and a torch.cat) at every row count, packed and as stored, on
+  one thread and two, and in the AVX2 build;
 - loading a GGUF reads the file's blocks as views (nothing decoded; on AVX-512 builds each layer packs
   them into its own copy), runs them on cpu-kquant, and falls back to the canonical form where the
   kernel is switched off;
@@ -203,7 +206,7 @@ def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
         with torch.inference_mode():
             assert torch.equal(layer(x[:3].reshape(3, 1, k)), layer(x[:3]).reshape(3, 1, n))
     with pytest.raises(RuntimeError, match="bias must be empty"):
-        native.kquant_linear(x[:1], list(weight.parts), int(qtype), torch.zeros(n + 1, dtype=dtype), 0, [])
+        native.kquant_linear(list(weight.parts), [int(qtype)], torch.zeros(n + 1, dtype=dtype), [0], [], x[:1])
     if native.kquant_packed_isa():  # the layer read the packed form; the blocks as stored give the same bits
         stored = KQuantLinear(weight.parts, int(qtype), bias.to(dtype), dtype, packed=False)
         packed = CpuKQuantKernel.build(weight, bias, dtype)
@@ -212,6 +215,72 @@ def test_the_one_call_layer_has_the_bits_of_its_steps(native, qtype, dtype):
         assert described == f"{qtype.name} blocks packed at load (16 outputs interleaved)", described
         with torch.inference_mode():
             assert torch.equal(stored(x), packed(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_a_layer_of_mixed_types_is_one_call_with_its_parts_bits(native, dtype):
+    """A fused layer whose parts are stored in different types (a Q4_K_M file's Q4_K q and k beside its
+    Q6_K v), joined into one KQuantLinear (quantizers/gguf.py join_parts): each part's columns have the
+    bits of its own layer (a call per type and torch.cat: the path before), for each row count and code
+    path (passes of 1-8 rows, the decoded-tile path from 16), packed and as stored, with and without a
+    bias, in either order of the types; built at once from mixed parts it is the same layer."""
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel, KQuantLinear
+    from text_generation_server.quantizers.gguf import SplitLinear, join_parts
+
+    k = 1536
+    q4, q6 = blocks(T.Q4_K, 74, k, seed=21), blocks(T.Q6_K, 37, k, seed=22)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(19, k, generator=gen) * 3).to(dtype)
+    x[4, :256] = 0
+    bias = (torch.randn(111, generator=gen) * 4).to(dtype)
+    forms = [None, False] if native.kquant_packed_isa() else [False]
+    for first_q4 in (True, False):
+        parts = [(q4[:53], q4[53:]), (q6,)] if first_q4 else [(q6,), (q4[:53], q4[53:])]
+        types = [int(T.Q4_K), int(T.Q6_K)] if first_q4 else [int(T.Q6_K), int(T.Q4_K)]
+        sizes = [sum(p.shape[0] for p in ps) for ps in parts]
+        for packed in forms:
+            for b in (None, bias):
+                pieces = [None, None] if b is None else [b[:sizes[0]], b[sizes[0]:]]
+                alone = [KQuantLinear(ps, t, piece, dtype, packed=packed) for ps, t, piece in zip(parts, types, pieces)]
+                joined = join_parts(alone)
+                assert isinstance(joined, KQuantLinear) and joined.count == 3 and joined.packed == alone[0].packed
+                assert joined.types == [t for ps, t in zip(parts, types) for _ in ps]
+                at_once = KQuantLinear(tuple(p for ps in parts for p in ps), joined.types, b, dtype, packed=packed)
+                split = SplitLinear(alone)
+                with torch.inference_mode():
+                    for m, threads in ((1, 1), (1, 2), (2, 2), (5, 1), (8, 2), (9, 1), (16, 2), (19, 1)):
+                        want = split(x[:m])
+                        torch.set_num_threads(threads)  # 2: the tiles shared out by the native pool
+                        try:
+                            got = joined(x[:m])
+                        finally:
+                            torch.set_num_threads(1)
+                        assert got.dtype == dtype and got.shape == (m, 111)
+                        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                           want.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
+                            (first_q4, packed, b is None, m)
+                        assert torch.equal(at_once(x[:m]), got), (first_q4, packed, m)
+                        apart = SplitLinear(joined.split([[0, 1], [2]] if first_q4 else [[0], [1, 2]]))
+                        assert torch.equal(apart(x[:m]), got), (first_q4, packed, m)  # split: the layers before join
+                    assert torch.equal(joined(x[:3].reshape(3, 1, k)), joined(x[:3]).reshape(3, 1, 111))
+        if dtype == torch.float32:  # each part's columns: its stored blocks' product (kquant_mm) plus the bias
+            layer = join_parts([CpuKQuantKernel.build(KQuantBlocks(ps, t), piece, dtype)
+                                for ps, t, piece in zip(parts, types, (bias[:sizes[0]], bias[sizes[0]:]))])
+            want = torch.cat([kquant_mm(native, x, torch.cat(ps), t) for ps, t in zip(parts, types)], dim=1) + bias
+            with torch.inference_mode():
+                assert torch.equal(layer(x), want)
+    if native.kquant_packed_isa():
+        with pytest.raises(ValueError, match="only KQuantLinear layers of one form"):
+            KQuantLinear.join([KQuantLinear((q4,), int(T.Q4_K), None, dtype),
+                               KQuantLinear((q6,), int(T.Q6_K), None, dtype, packed=False)])
+    with pytest.raises(ValueError, match="must split parts 0..2 in order"):
+        joined.split([[0], [2, 1]])
+    with pytest.raises(ValueError, match="need one K-quant type each"):
+        KQuantLinear((q4, q6), [int(T.Q4_K)], None, dtype)
+    with pytest.raises(RuntimeError, match="types must hold one K-quant type for all parts or one per part"):
+        native.kquant_linear([q4, q4, q6], [12, 14], torch.empty(0), [0], [], x[:1].float())
+    with pytest.raises(RuntimeError, match="K-quant type must be"):
+        native.kquant_linear([q4, q6], [12, 13], torch.empty(0), [0], [], x[:1].float())
 
 
 def packed(native, raw: torch.Tensor, qtype) -> torch.Tensor:
@@ -264,7 +333,7 @@ def test_the_packed_form_gives_the_stored_layouts_bits(native, qtype):
     with pytest.raises(RuntimeError, match="64-byte boundary"):
         native.kquant_mm_packed_into(q, d, s, torch.cat([pack[:1], pack])[1:], 20, int(qtype), 0, torch.empty(2, 20), 0)
     with pytest.raises(RuntimeError, match="packed_n must be empty"):
-        native.kquant_linear(torch.randn(1, 512), [pack], int(qtype), torch.empty(0), 0, [20, 4])
+        native.kquant_linear([pack], [int(qtype)], torch.empty(0), [0], [20, 4], torch.randn(1, 512))
     with pytest.raises(RuntimeError, match="K-quant type must be"):
         native.kquant_pack(raw, int(T.Q5_K))
 
@@ -292,15 +361,29 @@ AVX2_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from gguf_writer import T
-from test_gguf_kquant import blocks
+from test_gguf_kquant import blocks, mixed_layer
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.cpu_kquant import kquant_mm
 module = cpu_native.native()
 x = torch.randn(20, 768, generator=torch.Generator().manual_seed(4))
 out = {t.name: kquant_mm(module, x, blocks(t, 37, 768, seed=5), int(t)).tolist() for t in (T.Q4_K, T.Q6_K)}
 out["cflags"] = list(cpu_native.cflags())
+torch.set_num_threads(2)  # the stored blocks' kernel on the pool's threads
+out["mixed"] = mixed_layer()(x).tolist()
 print(json.dumps(out))
 """
+
+
+def mixed_layer() -> torch.nn.Module:
+    """A float32 layer of Q4_K parts and a Q6_K part (a Q4_K_M qkv), built as the loader builds it."""
+    from text_generation_server.kernels.cpu_kquant import CpuKQuantKernel
+    from text_generation_server.quantizers.gguf import join_parts
+
+    bias = torch.randn(37 + 21 + 16, generator=torch.Generator().manual_seed(8))
+    return join_parts([CpuKQuantKernel.build(KQuantBlocks((blocks(T.Q4_K, 37, 768, seed=6), blocks(T.Q4_K, 21, 768, seed=7)),
+                                                          int(T.Q4_K)), bias[:58], torch.float32),
+                       CpuKQuantKernel.build(KQuantBlocks((blocks(T.Q6_K, 16, 768, seed=9),), int(T.Q6_K)), bias[58:],
+                                             torch.float32)])
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
@@ -324,6 +407,8 @@ def test_the_avx2_build_gives_the_same_bits(native):
             assert torch.equal(torch.tensor(got[t.name], dtype=torch.float32),
                                packed_mm(native, x, native.kquant_pack(raw, int(t)), 37, t)), t.name
         assert ((ours.double() - ref).abs() <= 2 * (768 // 256 + 16) * 2.0**-24 * scale).all(), t.name
+    with torch.inference_mode():  # a mixed-type layer: here packed, one call; there the blocks as stored, a call per part
+        assert torch.equal(torch.tensor(got["mixed"], dtype=torch.float32), mixed_layer()(x))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -363,6 +448,13 @@ def test_a_gguf_runs_its_k_quant_blocks_in_place(native, q4km, monkeypatch):
                if n.startswith(("blocks", "packed"))]
     # per layer: q and k (one Q4_K layer, two parts), v (Q6_K), o, gate and up (two parts), down
     assert len(buffers) == 2 * 7 and all(n.startswith(kind) for n, _ in buffers), [n for n, _ in buffers]
+    # q, k (Q4_K) and v (Q6_K), loaded as two layers by type, run as one (one call, one output)
+    from text_generation_server.kernels.cpu_kquant import KQuantLinear
+
+    for layer in lm.model.layers:
+        qkv = layer.self_attn.qkv.linear
+        assert isinstance(qkv, KQuantLinear) and qkv.types == [int(T.Q4_K), int(T.Q4_K), int(T.Q6_K)], qkv
+        assert qkv.kernel_name == "cpu-kquant" and "Q6_K" in qkv.computes and "Q4_K" in qkv.computes, qkv.computes
     for _, b in buffers:
         inside = lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi
         assert inside == (kind == "blocks"), \

@@ -34,10 +34,11 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -310,26 +311,39 @@ class KQuantLinear(torch.nn.Module):
     (cpu_native_kquant_src.py, pack_blocks: 16 outputs' blocks interleaved, scales unpacked; 2.8% more
     bytes than Q4_K's blocks, 1% more than Q6_K's) and the stored blocks are let go: at one row the
     kernel on the file's layout was compute-bound (BENCHMARKS.md "One-row quantized decode"), the
-    packed one reads at memory speed, with the same bits. Elsewhere the blocks are read as stored."""
+    packed one reads at memory speed, with the same bits. Elsewhere the blocks are read as stored.
+
+    The parts of a fused layer may be of different types (`type_id` one per part: a Q4_K_M file's
+    Q4_K q and k beside its Q6_K v); `join` makes one layer of several built ones. Either way the
+    layer is one native call writing every part into one output: a layer split by type into two
+    calls and a torch.cat cost the 1.5B file's qkv 18 GB/s against 28-36 for the other linears.
+    """
 
     # x: [..., K] -> [..., N]
-    def __init__(self, parts: tuple[torch.Tensor, ...], type_id: int, bias: torch.Tensor | None,
+    def __init__(self, parts: tuple[torch.Tensor, ...], type_id: int | Sequence[int], bias: torch.Tensor | None,
                  act_dtype: torch.dtype, packed: bool | None = None):
         super().__init__()
         self.native = cpu_native.native()
         if self.native is None:
             raise ValueError(f"cpu-kquant: native kernels unavailable ({cpu_native.unavailable_reason()})")
+        types = [int(type_id)] * len(parts) if isinstance(type_id, int) else [int(t) for t in type_id]
+        if len(types) != len(parts) or not parts:
+            raise ValueError(f"cpu-kquant: {len(parts)} parts need one K-quant type each, got {types}")
+        for t in types:
+            if t not in KQUANT_TYPES:
+                raise ValueError(f"ggml type {t} is not a K-quant this kernel reads (Q4_K=12, Q6_K=14)")
         available = bool(self.native.kquant_packed_isa())
         if packed and not available:
             raise ValueError("cpu-kquant: the packed form needs native kernels built with AVX-512BW")
         self.packed = available if packed is None else packed
         self.count = len(parts)
+        self.types = types
         # each part's N (the packed form's tensor is flat: N is not in its shape); empty: blocks as stored
         self._ns = [p.shape[0] for p in parts] if self.packed else []
         arena = _ARENA if hugepages_enabled() and self.packed else None
         for i, part in enumerate(parts):
             if self.packed:
-                self.register_buffer(f"packed{i}", pack(self.native, part, type_id, arena))
+                self.register_buffer(f"packed{i}", pack(self.native, part, types[i], arena))
             else:
                 self.register_buffer(f"blocks{i}", part)
         if self.packed:
@@ -337,28 +351,120 @@ class KQuantLinear(torch.nn.Module):
             dropped = release_file_pages(list(parts))
             if dropped:
                 logger.debug("cpu-kquant: {:.1f} MiB of the file's pages let go after packing", dropped / 2**20)
-        self._huge = arena is not None and arena.huge  # the packed parts on pages advised huge
+        self._huge = [arena is not None and arena.huge] * self.count  # each part on pages advised huge
         self.register_buffer("bias", bias)
-        self.type_id = type_id
         self.act_dtype = act_dtype
         self.out_features = sum(p.shape[0] for p in parts)
-        self.in_features = parts[0].shape[1] // KQUANT_TYPES[type_id][2] * QK_K
-        self._direct = self.act_dtype in (torch.bfloat16, torch.float32)
+        self.in_features = parts[0].shape[1] // KQUANT_TYPES[types[0]][2] * QK_K
+        for part, t in zip(parts, types):
+            if part.shape[1] // KQUANT_TYPES[t][2] * QK_K != self.in_features or part.shape[1] % KQUANT_TYPES[t][2]:
+                raise ValueError(f"cpu-kquant: parts of {[list(p.shape) for p in parts]} bytes, types {types}, "
+                                 "are not blocks of one input width")
         self._refresh()
 
-    def _refresh(self) -> None:
-        """The native call's arguments, kept ready (a Python list of the parts, the bias or an empty
-        tensor): building them per call cost several microseconds of a one-row layer's ~10."""
-        self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
-        if self.packed and self._huge:
-            self._prefetch = PACKED_PREFETCH_HUGE[self.type_id]
-        elif self.packed:
-            size = sum(p.numel() for p in self._parts)
-            self._prefetch = PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
+    @property
+    def type_id(self) -> int:
+        """The parts' K-quant type (a layer of mixed types has none: `types` holds each part's)."""
+        if len(set(self.types)) != 1:
+            raise ValueError(f"this cpu-kquant layer mixes types {self.types}")
+        return self.types[0]
+
+    @staticmethod
+    def can_join(layers: Sequence[torch.nn.Module]) -> bool:
+        """Whether `join` takes these: KQuantLinear layers of one form (packed or not), activation dtype
+        and input width."""
+        return bool(layers) and all(isinstance(m, KQuantLinear) for m in layers) and len(
+            {(m.packed, m.act_dtype, m.in_features) for m in layers}) == 1  # type: ignore[union-attr]
+
+    @classmethod
+    def join(cls, layers: Sequence["KQuantLinear"]) -> "KQuantLinear":
+        """One layer computing `layers` side by side (their outputs concatenated along N), sharing their
+        packed or stored buffers (nothing copied or packed again): a fused layer whose parts were built
+        apart (one per ggml type) as one native call. The bias is theirs concatenated (zeros for a part
+        without one, where another has one: the same values). Raises where they cannot be one call."""
+        if not layers:
+            raise ValueError("cpu-kquant: nothing to join")
+        if not cls.can_join(layers):
+            raise ValueError("cpu-kquant: only KQuantLinear layers of one form, activation dtype and input width "
+                             f"join, got {[type(m).__name__ for m in layers]} "
+                             f"{[(getattr(m, 'packed', None), getattr(m, 'act_dtype', None)) for m in layers]}")
+        first = layers[0]
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.native = first.native
+        out.packed = first.packed
+        out.types = [t for layer in layers for t in layer.types]
+        out.count = len(out.types)
+        out._ns = [n for layer in layers for n in layer._ns]
+        out._huge = [h for layer in layers for h in layer._huge]
+        for i, buffer in enumerate(b for layer in layers for b in layer._parts):
+            out.register_buffer(f"{'packed' if out.packed else 'blocks'}{i}", buffer)
+        biases: list[torch.Tensor | None] = [layer._bias() for layer in layers]
+        if all(b is None for b in biases):
+            out.register_buffer("bias", None)
         else:
-            self._prefetch = PREFETCH_BYTES
-        self._bias_arg = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
-        self._linear = self.native.kquant_linear  # the bound native function (no Extension lookup per call)
+            out.register_buffer("bias", torch.cat([
+                b if b is not None else torch.zeros(layer.out_features, dtype=first.act_dtype)
+                for b, layer in zip(biases, layers)]))
+        out.act_dtype = first.act_dtype
+        out.out_features = sum(layer.out_features for layer in layers)
+        out.in_features = first.in_features
+        out._refresh()
+        return out
+
+    def split(self, groups: Sequence[Sequence[int]]) -> list["KQuantLinear"]:
+        """join's inverse: a layer per group of this layer's part indices (consecutive, in order, covering
+        every part once), each sharing this layer's buffers and its slice of the bias. What a fused layer
+        of mixed types ran as before join (benchmarks/gguf_kquant_step.py times both in one process)."""
+        flat = [i for g in groups for i in g]
+        if flat != list(range(self.count)) or any(not g for g in groups):
+            raise ValueError(f"cpu-kquant: groups {groups} must split parts 0..{self.count - 1} in order")
+        sizes = self._ns if self.packed else [p.shape[0] for p in self._parts]
+        out, start = [], 0
+        for group in groups:
+            layer = type(self).__new__(type(self))
+            torch.nn.Module.__init__(layer)
+            layer.native, layer.packed = self.native, self.packed
+            layer.types = [self.types[i] for i in group]
+            layer.count = len(group)
+            layer._ns = [self._ns[i] for i in group] if self.packed else []
+            layer._huge = [self._huge[i] for i in group]
+            for n, i in enumerate(group):
+                layer.register_buffer(f"{'packed' if self.packed else 'blocks'}{n}", self._parts[i])
+            n_out = sum(sizes[i] for i in group)
+            bias = self._bias()
+            layer.register_buffer("bias", None if bias is None else bias[start:start + n_out])
+            layer.act_dtype, layer.out_features, layer.in_features = self.act_dtype, n_out, self.in_features
+            layer._refresh()
+            out.append(layer)
+            start += n_out
+        return out
+
+    def _bias(self) -> torch.Tensor | None:
+        bias = self.bias
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    def _refresh(self) -> None:
+        """The native call's arguments, kept ready (Python lists of the parts, types and prefetch
+        distances, the bias or an empty tensor): building them per call cost several microseconds of a
+        one-row layer's ~10."""
+        self._parts = [getattr(self, f"{'packed' if self.packed else 'blocks'}{i}") for i in range(self.count)]
+        self._prefetch = [self._part_prefetch(i) for i in range(self.count)]
+        bias = self.bias if self.bias is not None else torch.empty(0, dtype=self.act_dtype)
+        # x of this dtype goes to `_call` alone: the native call with everything else bound (forward's whole
+        # work at one row; each attribute read and check in Python cost ~0.1 us of a small layer's few)
+        self._call_dtype = self.act_dtype if self.act_dtype in (torch.bfloat16, torch.float32) else None
+        self._call = functools.partial(self.native.kquant_linear, self._parts, self.types, bias, self._prefetch,
+                                       self._ns)
+
+    def _part_prefetch(self, i: int) -> int:
+        """Part i's prefetch distance: by type on huge pages, by the layer's size on 4 KiB pages."""
+        if self.packed and self._huge[i]:
+            return PACKED_PREFETCH_HUGE[self.types[i]]
+        if self.packed:
+            size = sum(p.numel() for p in self._parts)
+            return PACKED_PREFETCH_BYTES if size <= PACKED_PREFETCH_MAX_BYTES else 0
+        return PREFETCH_BYTES
 
     def _apply(self, fn, recurse=True):  # .to(), .share_memory_() ... replace the buffers: refresh
         out = super()._apply(fn, recurse)
@@ -366,14 +472,10 @@ class KQuantLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._direct and x.dtype == self.act_dtype:
+        if x.dtype is self._call_dtype:
             # one native call: quantized once into the kernel's scratch, the parts side by side, the bias
             # added as torch adds it (the bits of the steps below, without their tensors and ops)
-            if x.dim() == 2:  # the model's [tokens, K]: no views around the call (a few us of a small layer's)
-                return self._linear(x, self._parts, self.type_id, self._bias_arg, self._prefetch, self._ns)
-            y = self._linear(x.reshape(-1, self.in_features), self._parts, self.type_id, self._bias_arg,
-                             self._prefetch, self._ns)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return self._call(x)
         lead = x.shape[:-1]
         q, d, s = quantize_q8k(self.native, x.reshape(-1, self.in_features))  # once for every part
         # the parts' products side by side in one tensor of the model's dtype (rounded as torch rounds)
@@ -382,10 +484,10 @@ class KQuantLinear(torch.nn.Module):
         col = 0
         for i, part in enumerate(self._parts):
             if self.packed:
-                self.native.kquant_mm_packed_into(q, d, s, part, self._ns[i], self.type_id, self._prefetch, y, col)
+                self.native.kquant_mm_packed_into(q, d, s, part, self._ns[i], self.types[i], self._prefetch[i], y, col)
                 col += self._ns[i]
             else:
-                self.native.kquant_mm_into(q, d, s, part, self.type_id, self._prefetch, y, col)
+                self.native.kquant_mm_into(q, d, s, part, self.types[i], self._prefetch[i], y, col)
                 col += part.shape[0]
         y = y.to(self.act_dtype)  # float16: rounded from float32 here (no copy otherwise)
         if self.bias is not None:

@@ -760,8 +760,8 @@ void rows_dispatch(const Args& a, int64_t n, int64_t m0, int64_t r) {
 
 // Each row's 32-column code sums per block as int16 pairs ([M, nb, 4]: dword t = bsum32_2t | bsum32_2t+1
 // << 16; |bsum32| <= 32 * 128), the minimums' operand of dpwssd.
-inline std::vector<int32_t> q4k_pairs(const Args& a) {
-  std::vector<int32_t> pairs(a.M * a.nb * 4);
+inline void q4k_pairs_into(const Args& a, std::vector<int32_t>& pairs) {
+  pairs.resize(a.M * a.nb * 4);
   for (int64_t i = 0; i < a.M * a.nb; ++i) {
     const int32_t* bs = a.x.s + i * 16;
     for (int t = 0; t < 4; ++t) {
@@ -770,6 +770,11 @@ inline std::vector<int32_t> q4k_pairs(const Args& a) {
       pairs[i * 4 + t] = int32_t(lo | (hi << 16));
     }
   }
+}
+
+inline std::vector<int32_t> q4k_pairs(const Args& a) {
+  std::vector<int32_t> pairs;
+  q4k_pairs_into(a, pairs);
   return pairs;
 }
 
@@ -1178,40 +1183,56 @@ void q6k_packed_decode(const uint8_t* tile, int64_t nb, int32_t* out) {
   }
 }
 
-// parts[i].w: a packed weight, parts[i].y / yh already at its first output column (a fused layer's parts
-// side by side). The parts' tiles are numbered one after another and split among threads in one
-// parallel region (one range each: a fused qkv is one dispatch, not three); each tile's rows go in
-// passes of up to 8 while the tile is in cache, so the weights come from memory once whatever the
-// number of rows.
-template <bool Q4>
-void run_packed(const std::vector<Args>& parts) {
+// parts[i].w: a packed weight of type types[i] (12: Q4_K, 14: Q6_K; a fused layer may mix them: Q4_K_M
+// files keep attn_v in Q6_K beside Q4_K q and k), parts[i].y / yh already at its first output column (a
+// fused layer's parts side by side in one output). The parts' tiles are numbered one after another and
+// split among threads in one parallel region (one range: a fused qkv is one dispatch, not one per part or
+// per type, and a small part's tiles are shared out with the others' instead of waking the pool alone);
+// each tile's rows go in passes of up to 8 while the tile is in cache, so the weights come from memory
+// once whatever the number of rows. A tile's bits depend only on its own part and rows.
+void run_packed(const std::vector<Args>& parts, const std::vector<int64_t>& types) {
   const Args& a0 = parts[0];
-  std::vector<int32_t> pairs;
-  if (Q4) pairs = q4k_pairs(a0);
-  const int64_t tile_bytes = a0.nb * (Q4 ? Q4P_BYTES : Q6P_BYTES);
+  bool any_q4 = false;
+  for (const int64_t t : types) any_q4 = any_q4 || t == 12;
+  // The caller's scratch, read by the workers inside this call through `pp` (a thread_local named in the
+  // lambda would be each worker's own, empty one).
+  thread_local std::vector<int32_t> pairs;
+  if (any_q4) q4k_pairs_into(a0, pairs);
+  const int32_t* pp = pairs.data();
   std::vector<int64_t> first(parts.size() + 1, 0);  // the parts' first tile numbers
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + PTILE - 1) / PTILE;
   const bool gemm = a0.M >= GEMM_ROWS;
   tgs::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> buffer(gemm ? a0.nb * (Q4 ? Q4_WORDS : Q6_WORDS) + 16 : 0);
+    std::vector<int32_t> buffer(gemm ? a0.nb * std::max(Q4_WORDS, Q6_WORDS) + 16 : 0);
     int32_t* words = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
     size_t i = 0;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[i + 1]) ++i;
       const Args& a = parts[i];
+      const bool q4 = types[i] == 12;
       const int64_t n0 = (t - first[i]) * PTILE;
       const int nt = int(std::min<int64_t>(PTILE, a.N - n0));
-      const uint8_t* tile = a.w + (t - first[i]) * tile_bytes;
+      const uint8_t* tile = a.w + (t - first[i]) * a.nb * (q4 ? Q4P_BYTES : Q6P_BYTES);
       if (gemm) {
-        if (Q4)
+        if (q4)
           q4k_packed_decode(tile, a.nb, words);
         else
           q6k_packed_decode(tile, a.nb, words);
-        for (int64_t m0 = 0; m0 < a.M; m0 += 8)
-          gemm_dispatch<Q4>(a, words, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8) {
+          const int64_t r = std::min<int64_t>(8, a.M - m0);
+          if (q4)
+            gemm_dispatch<true>(a, words, pp, n0, nt, m0, r);
+          else
+            gemm_dispatch<false>(a, words, nullptr, n0, nt, m0, r);
+        }
       } else {
-        for (int64_t m0 = 0; m0 < a.M; m0 += 8)
-          packed_dispatch<Q4>(a, tile, pairs.data(), n0, nt, m0, std::min<int64_t>(8, a.M - m0));
+        for (int64_t m0 = 0; m0 < a.M; m0 += 8) {
+          const int64_t r = std::min<int64_t>(8, a.M - m0);
+          if (q4)
+            packed_dispatch<true>(a, tile, pp, n0, nt, m0, r);
+          else
+            packed_dispatch<false>(a, tile, nullptr, n0, nt, m0, r);
+        }
       }
     }
   });
@@ -1348,28 +1369,30 @@ void mm_into(const Act& act, int64_t M, int64_t K, const torch::Tensor& w, int64
 void check_packed(const torch::Tensor& pack, int64_t N, int64_t type, int64_t K);
 
 // The same product with w in the packed form (kquant_pack of an [N, K] weight): the bits mm_into gives.
-// Parts side by side: packs[i] ([ns[i], K]) into columns from col0 on, all in one parallel region.
+// Parts side by side: packs[i] ([ns[i], K] of types[i], prefetched prefetches[i] bytes ahead) into
+// columns from col0 on, all in one parallel region.
 void mm_packed_into(const Act& act, int64_t M, int64_t K, const std::vector<torch::Tensor>& packs,
-                    const std::vector<int64_t>& ns, int64_t type, int64_t prefetch, float* y, uint16_t* yh, int64_t ldy,
-                    int64_t col0) {
-  block_bytes(type);
+                    const std::vector<int64_t>& ns, const std::vector<int64_t>& types,
+                    const std::vector<int64_t>& prefetches, float* y, uint16_t* yh, int64_t ldy, int64_t col0) {
   std::vector<Args> parts;
+  std::vector<int64_t> kept;  // the types of the parts with outputs
   int64_t col = col0;
   for (size_t i = 0; i < packs.size(); ++i) {
-    check_packed(packs[i], ns[i], type, K);
-    if (ns[i])
+    block_bytes(types[i]);
+    check_packed(packs[i], ns[i], types[i], K);
+    TORCH_CHECK(prefetches[i] >= 0, "prefetch must be >= 0, got ", prefetches[i]);
+    if (ns[i]) {
       parts.push_back(Args{act, packs[i].data_ptr<uint8_t>() + PACK_HEADER, y ? y + col : nullptr, yh ? yh + col : nullptr,
-                           M, K, ns[i], 0, K / 256, prefetch, ldy});
+                           M, K, ns[i], 0, K / 256, prefetches[i], ldy});
+      kept.push_back(types[i]);
+    }
     col += ns[i];
   }
 #if defined(__AVX512BW__)
   if (M == 0 || parts.empty()) return;
-  if (type == 12)
-    run_packed<true>(parts);
-  else
-    run_packed<false>(parts);
+  run_packed(parts, kept);
 #else
-  (void)prefetch; (void)ldy;
+  (void)ldy;
   TORCH_CHECK(false, "the packed K-quant form needs a build with AVX-512BW (kquant_packed_isa() is 0)");
 #endif
 }
@@ -1414,28 +1437,47 @@ void kquant_mm_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Te
                       bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
 }
 
-// The layer's whole product in one call (cpu_kquant.KQuantLinear): x float32 or bfloat16 [M, K] quantized to
-// Q8_K into this thread's scratch, each part of the fused layer (K-quant blocks of `type`, stacked along
-// N) written side by side into one [M, N] output of x's dtype, then, where bias (x's dtype, [N]) has
-// elements, the bias added as torch adds it in that dtype (bfloat16: the rounded product plus the bias,
-// rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`, without the tensors
-// and torch ops between them (their fixed cost at one decode row). packed_n empty: the parts are blocks as
-// stored; else part i is kquant_pack's form of a [packed_n[i], K] weight (the parts in one parallel region).
-torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, int64_t type, torch::Tensor bias,
-                            int64_t prefetch, std::vector<int64_t> packed_n) {
-  x = x.contiguous();
+// The layer's whole product in one call (cpu_kquant.KQuantLinear): x float32 or bfloat16 [..., K] quantized to
+// Q8_K into this thread's scratch, each part of the fused layer (K-quant blocks stacked along N, each of
+// its types entry: one type for all parts, or one per part, 12: Q4_K, 14: Q6_K, so a Q4_K_M file's q, k
+// and Q6_K v are one call) written side by side into one [..., N] output of x's dtype, then, where bias
+// (x's dtype, [N]) has elements, the bias added as torch adds it in that dtype (bfloat16: the rounded
+// product plus the bias, rounded again). The bits of quantize_q8k + kquant_mm_into per part + `y + bias`,
+// without the tensors and torch ops between them (their fixed cost at one decode row). prefetch: bytes
+// ahead, one for all parts or one per part. packed_n empty: the parts are blocks as stored; else part i
+// is kquant_pack's form of a [packed_n[i], K] weight (all parts' tiles in one parallel region). x comes
+// last so that a layer binds the rest once (functools.partial) and its forward is that call alone.
+torch::Tensor kquant_linear(const std::vector<torch::Tensor>& parts, std::vector<int64_t> types, const torch::Tensor& bias,
+                            std::vector<int64_t> prefetch, const std::vector<int64_t>& packed_n, torch::Tensor x) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16), "x must be float32 or bfloat16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(x.dim() >= 1 && (dtype == torch::kFloat || dtype == torch::kBFloat16),
+              "x must be float32 or bfloat16 [..., K], got ", dtype, " ", x.sizes());
+  const int64_t K = x.size(-1);
   TORCH_CHECK(K % 256 == 0 && K > 0, "K = ", K, " is not a positive multiple of 256");
+  std::vector<int64_t> shape = x.sizes().vec();  // [..., N] once N is known
+  x = x.dim() == 2 ? x.contiguous() : x.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
   TORCH_CHECK(!parts.empty(), "a K-quant layer needs at least one part");
-  TORCH_CHECK(packed_n.empty() || packed_n.size() == parts.size(), "packed_n must be empty (blocks as stored) or give ",
-              "each packed part's N (", parts.size(), " parts), got ", packed_n.size());
+  const size_t count = parts.size();
+  TORCH_CHECK(packed_n.empty() || packed_n.size() == count, "packed_n must be empty (blocks as stored) or give ",
+              "each packed part's N (", count, " parts), got ", packed_n.size());
+  TORCH_CHECK(types.size() == 1 || types.size() == count, "types must hold one K-quant type for all parts or one per part (",
+              count, " parts), got ", types.size());
+  TORCH_CHECK(prefetch.size() == 1 || prefetch.size() == count, "prefetch must hold one distance for all parts or one per ",
+              "part (", count, " parts), got ", prefetch.size());
+  if (types.size() != count) types.assign(count, types[0]);
+  if (prefetch.size() != count) prefetch.assign(count, prefetch[0]);
+  for (size_t i = 0; i < count; ++i) {
+    tgs_kquant::block_bytes(types[i]);
+    TORCH_CHECK(prefetch[i] >= 0, "prefetch must be >= 0, got ", prefetch[i]);
+  }
   int64_t N = 0;
-  for (size_t i = 0; i < parts.size(); ++i) N += packed_n.empty() ? parts[i].size(0) : packed_n[i];
+  for (size_t i = 0; i < count; ++i) N += packed_n.empty() ? parts[i].size(0) : packed_n[i];
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.is_contiguous() && bias.numel() == N),
               "bias must be empty or ", dtype, " [", N, "]");
-  auto y = torch::empty({M, N}, x.options());
+  shape.back() = N;
+  // at::empty: the output of an op that records no autograd history (a fifth less fixed cost than torch::empty's)
+  auto y = at::empty(shape, x.options());
   if (M == 0) return y;
   thread_local std::vector<int8_t> qs;
   thread_local std::vector<float> ds;
@@ -1445,19 +1487,18 @@ torch::Tensor kquant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, i
   ss.resize(M * (K / 16));
   tgs_kquant::q8k_quantize(reinterpret_cast<const uint8_t*>(x.data_ptr()), dtype, x.element_size(), M, K, qs.data(),
                            ds.data(), ss.data());
-  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
   const bool bf16 = dtype == torch::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   uint16_t* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
-  int64_t col = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (packed_n.empty()) {
-      tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, parts[i], type, prefetch, yf, yh, N, col);
+  if (packed_n.empty()) {
+    int64_t col = 0;
+    for (size_t i = 0; i < count; ++i) {
+      tgs_kquant::mm_into({qs.data(), ds.data(), ss.data()}, M, K, parts[i], types[i], prefetch[i], yf, yh, N, col);
       col += parts[i].size(0);
     }
+  } else {
+    tgs_kquant::mm_packed_into({qs.data(), ds.data(), ss.data()}, M, K, parts, packed_n, types, prefetch, yf, yh, N, 0);
   }
-  if (!packed_n.empty())
-    tgs_kquant::mm_packed_into({qs.data(), ds.data(), ss.data()}, M, K, parts, packed_n, type, prefetch, yf, yh, N, 0);
   if (bias.numel()) {
     if (dtype == torch::kBFloat16) {
       uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -1491,8 +1532,8 @@ void kquant_mm_packed_into(torch::Tensor q, torch::Tensor d, torch::Tensor s, to
   TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
               col0 >= 0 && col0 + n <= out.size(1),
               "out must be float32 or bfloat16 [", M, ", >= ", col0 + n, "] with contiguous rows");
-  tgs_kquant::mm_packed_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, {pack}, {n}, type,
-                             prefetch, bf16 ? nullptr : out.data_ptr<float>(),
+  tgs_kquant::mm_packed_into({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()}, M, K, {pack}, {n}, {type},
+                             {prefetch}, bf16 ? nullptr : out.data_ptr<float>(),
                              bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0), col0);
 }
 
