@@ -225,7 +225,9 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
     """The embedded model on the CPU: every decode layer takes the fused calls (bfloat16: the one-call
     block; float32: rotary and the store in one call, then SDPA), and tokens, logprobs and the KV
     cache equal the eager path's. The native attention's switch (bfloat16) or the native pointwise
-    ops' (float32) turns them off."""
+    ops' (float32) turns them off. The layers run one by one here (TGS_CPU_DECODE_STEP=0: the plan of
+    layers/cpu_decode_step.py calls the same native functions without `_cpu_decode`; its own test is
+    tests/test_cpu_decode_step.py)."""
     from helpers import ids_request, random_ids
 
     from text_generation_server import about
@@ -250,6 +252,7 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
             tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
         return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]
 
+    monkeypatch.setenv("TGS_CPU_DECODE_STEP", "0")
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
     got, got_cache = run()
     assert taken and all(taken)  # 4 layers x 11 decode steps
