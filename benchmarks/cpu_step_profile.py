@@ -118,6 +118,8 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
     wrap_forward(net, "model (glue)")
     wrap_forward(net.embeddings, "embedding")
     wrap_forward(net.norm, "final norm")
+    if hasattr(net.norm, "add_forward"):  # the chained layers' last residual add runs inside it
+        net.norm.add_forward = clock.wrap("final norm", net.norm.add_forward)
     wrap_forward(net.head, "head")
     nbytes["head"] += weight_bytes(net.head)
     for layer in net.layers:

@@ -314,6 +314,7 @@ class DecoderModel(torch.nn.Module):
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
         # (head=False: the final normed hidden states of those rows, for `logits` in pieces)
         hidden = self.embeddings(input_ids, positions)
+        normed = None  # the final norm's output, where the chained path's last add ran inside it
         ctx = ForwardContext(positions, cache, meta, hidden.dtype, seq_lens)
         with ctx.kernel_phase():
             self.chains_residuals()
@@ -332,13 +333,19 @@ class DecoderModel(torch.nn.Module):
                     pending = None
                     for layer in self.layers:
                         hidden, pending = layer.forward_chained(hidden, pending, ctx)
-                hidden = hidden + pending
+                if logits_indices is None and _llama_rms(self.norm):  # the last add inside the final norm
+                    normed = self.norm.add_forward(hidden, pending)[0]
+                else:
+                    hidden = hidden + pending
             else:
                 for layer in self.layers:
                     hidden = layer(hidden, ctx)
-        if logits_indices is not None:
-            hidden = hidden.index_select(0, logits_indices)
-        hidden = self.norm(hidden)
+        if normed is not None:
+            hidden = normed
+        else:
+            if logits_indices is not None:
+                hidden = hidden.index_select(0, logits_indices)
+            hidden = self.norm(hidden)
         return self.logits(hidden) if head else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
