@@ -281,6 +281,9 @@ if module is not None:
     out["attn"] = module.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.1, 0).float().tolist()
     gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     out["silu"] = module.silu_mul_bf16(gu, 100).float().tolist()
+    scores = torch.randn(3, 1000, generator=torch.Generator().manual_seed(14)).round()  # ties
+    scores[1, 500] = float("nan")
+    out["argmax"] = module.argmax_f32(scores).tolist()
 print("RESULT" + json.dumps(out))
 """
 
@@ -303,3 +306,6 @@ def test_the_avx2_build_computes_what_this_one_does():
     gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     torch.testing.assert_close(torch.tensor(got["silu"]), cpu_native.native().silu_mul_bf16(gu, 100).float(),
                                atol=1e-2, rtol=1e-2)
+    scores = torch.randn(3, 1000, generator=torch.Generator().manual_seed(14)).round()
+    scores[1, 500] = float("nan")
+    assert got["argmax"] == scores.argmax(dim=-1).tolist()  # the greedy argmax: torch's index there too
