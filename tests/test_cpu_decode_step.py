@@ -93,6 +93,16 @@ def test_the_plan_steps_aside(monkeypatch):
     finally:
         handle.remove()
     assert results == []  # a hooked layer: the model does not ask the plan
+    seen = []
+    handle = lm.model.layers[2].mlp.register_forward_pre_hook(lambda module, args: seen.append(1))
+    try:
+        decode_once()
+    finally:
+        handle.remove()
+    assert results == [False] and seen  # a hooked MLP: the eager layers, and the hook saw its call
+    results.clear()
+    decode_once()
+    assert results == [True]
 
 
 def test_argmax_is_torchs_index():

@@ -51,6 +51,8 @@ class _Layer:
     attn_modules: dict  # attn._modules ("qkv", "o_proj")
     mlp_modules: dict  # mlp._modules ("gate_up", "down")
     rotary: int  # id() of the layer's RotaryEmbedding
+    layer_modules: dict  # the DecoderLayer's _modules: its parts must still be these ones
+    parts: tuple  # (attention, MLP, input norm, MLP norm): the modules whose hooks the plan would skip
     layer_id: int
     heads: int
     kv_heads: int
@@ -86,7 +88,8 @@ class CpuDecodeStep:
                     and layer.input_norm.weight.dtype == layer.mlp_norm.weight.dtype):
                 return None
             out.append(_Layer(layer.input_norm._parameters, layer.input_norm.eps, layer.mlp_norm._parameters,
-                              layer.mlp_norm.eps, attn, attn._modules, mlp._modules, id(attn.rotary), attn.layer_id,
+                              layer.mlp_norm.eps, attn, attn._modules, mlp._modules, id(attn.rotary), layer._modules,
+                              (attn, mlp, layer.input_norm, layer.mlp_norm), attn.layer_id,
                               attn.heads, attn.kv_heads, attn.head_dim, attn.scale, attn.window or 0, mlp.local))
         if not out or len({layer.input_params["weight"].dtype for layer in out}) != 1:
             return None
@@ -107,6 +110,21 @@ class CpuDecodeStep:
         self._cache_key = key
         return True
 
+    def _unchanged(self) -> bool:
+        """Whether each layer still holds the parts the plan was made from, none of them hooked (a hook on
+        an attention, MLP or norm module would see the eager calls, not the plan's; the linears are
+        called as modules, so theirs run)."""
+        for layer in self.layers:
+            attn, mlp, input_norm, mlp_norm = layer.parts
+            mods = layer.layer_modules
+            if (mods["self_attn"] is not attn or mods["mlp"] is not mlp or mods["input_norm"] is not input_norm
+                    or mods["mlp_norm"] is not mlp_norm):
+                return False
+            for part in layer.parts:
+                if part._forward_hooks or part._forward_pre_hooks:
+                    return False
+        return True
+
     def run(self, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, the last layer's pending output) as the chained layers give them, or None where
         this step is not one the plan takes (the caller then runs the layers eagerly)."""
@@ -124,7 +142,7 @@ class CpuDecodeStep:
         if dtype == torch.bfloat16 and env.get(NATIVE_DECODE_ENV, "1").strip().lower() in _OFF:
             return None
         ext = cpu_native.native()
-        if ext is None or not self._cache_fits(ctx.cache, dtype):
+        if ext is None or not self._cache_fits(ctx.cache, dtype) or not self._unchanged():
             return None
         # cos and sin of each rotary (one for most models), checked as _cpu_decode checks them.
         shapes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
