@@ -225,7 +225,9 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
     """The embedded model on the CPU: every decode layer takes the fused calls (bfloat16: the one-call
     block; float32: rotary and the store in one call, then SDPA), and tokens, logprobs and the KV
     cache equal the eager path's. The native attention's switch (bfloat16) or the native pointwise
-    ops' (float32) turns them off."""
+    ops' (float32) turns them off. The layers run one by one here (TGS_CPU_DECODE_STEP=0: the plan of
+    layers/cpu_decode_step.py calls the same native functions without `_cpu_decode`; its own test is
+    tests/test_cpu_decode_step.py)."""
     from helpers import ids_request, random_ids
 
     from text_generation_server import about
@@ -250,6 +252,7 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
             tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
         return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]
 
+    monkeypatch.setenv("TGS_CPU_DECODE_STEP", "0")
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
     got, got_cache = run()
     assert taken and all(taken)  # 4 layers x 11 decode steps
@@ -278,6 +281,9 @@ if module is not None:
     out["attn"] = module.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.1, 0).float().tolist()
     gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     out["silu"] = module.silu_mul_bf16(gu, 100).float().tolist()
+    scores = torch.randn(3, 1000, generator=torch.Generator().manual_seed(14)).round()  # ties
+    scores[1, 500] = float("nan")
+    out["argmax"] = module.argmax_f32(scores).tolist()
 print("RESULT" + json.dumps(out))
 """
 
@@ -300,3 +306,6 @@ def test_the_avx2_build_computes_what_this_one_does():
     gu = torch.randn(2, 2 * 100, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     torch.testing.assert_close(torch.tensor(got["silu"]), cpu_native.native().silu_mul_bf16(gu, 100).float(),
                                atol=1e-2, rtol=1e-2)
+    scores = torch.randn(3, 1000, generator=torch.Generator().manual_seed(14)).round()
+    scores[1, 500] = float("nan")
+    assert got["argmax"] == scores.argmax(dim=-1).tolist()  # the greedy argmax: torch's index there too

@@ -33,6 +33,8 @@ arithmetic:
   rounding, returned too). The only one not bit for bit: torch's mean sums in its own cascade
   order, this in 16 lanes then a tree (the scale a float32 ulp apart in about half the rows); the
   exactness tests against transformers judge it (tests/test_cpu_pointwise_f32.py says how far).
+- `argmax_f32`: torch.argmax over each row of float32 logits (first maximal index, NaN first), for a
+  greedy step's choice (generation/sampling.py `greedy_choice`): the same index, ~10x sooner.
 """
 
 SOURCE = r"""
@@ -88,6 +90,29 @@ inline vf exp16(vf x0) {
   p = p * scale;
   p = x0 > hi ? splat(__builtin_inff()) : p;  // past float32's range: inf and 0, as expf gives
   return x0 < lo ? splat(0.f) : p;
+}
+
+// 16 floats rounded to bfloat16 as to_bf rounds each (nearest even, a NaN kept a quiet NaN): their bits
+// in the low halves of the lanes, or (bf16_round) the rounded values as floats. Exact integer steps,
+// so the same bits as to_bf lane by lane on every build; a loop over them is a few instructions a
+// vector where to_bf's branch kept the compiler to one value at a time.
+inline vu32 usplat(uint32_t v) { return vu32{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+inline vu32 to_bf_bits(vf v) {
+  vu32 u;
+  std::memcpy(&u, &v, sizeof(u));
+  const vu32 rounded = (u + usplat(0x7FFFu) + ((u >> 16) & usplat(1u))) >> 16;
+  const vu32 quiet = (u >> 16) | usplat(0x40u);
+  return (u & usplat(0x7FFFFFFFu)) > usplat(0x7F800000u) ? quiet : rounded;
+}
+inline vf bf16_round(vf v) {
+  const vu32 b = to_bf_bits(v) << 16;
+  vf r;
+  std::memcpy(&r, &b, sizeof(r));
+  return r;
+}
+inline void store_bf_bits(uint16_t* dst, vu32 b) {
+  const vu16 h = __builtin_convertvector(b, vu16);
+  std::memcpy(dst, &h, sizeof(h));
 }
 
 inline float exp1(float x) {  // the same arithmetic for one value (tails)
@@ -192,14 +217,10 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
       const uint16_t* u = g + n;
       uint16_t* o = bits(out) + r * n;
       int64_t i = 0;
-      for (; i + 16 <= n; i += 16) {
+      for (; i + 16 <= n; i += 16) {  // bf16(bf16(s) * u), to_bf's rounding 16 lanes at a time
         const vf x = load_bf16(g + i);
         const vf s = x / (splat(1.f) + exp16(-x));
-        float sf[16], uf[16];
-        std::memcpy(sf, &s, sizeof(sf));
-        const vf uv = load_bf16(u + i);
-        std::memcpy(uf, &uv, sizeof(uf));
-        for (int j = 0; j < 16; ++j) o[i + j] = to_bf(bf(to_bf(sf[j])) * uf[j]);
+        store_bf_bits(o + i, to_bf_bits(bf16_round(s) * load_bf16(u + i)));
       }
       for (; i < n; ++i) {
         const float x = bf(g[i]);
@@ -387,6 +408,58 @@ torch::Tensor rotary_store_f32(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   return q;
 }
 
+// Each row's argmax as torch.argmax gives it: the first index of the largest value (-0 equal to +0), or
+// of the first NaN where the row has one. A greedy step's choice over a 151936-word vocabulary took
+// torch's reduction ~130 us on the 2-core EPYC; this reads the row about 1.5 times, 16 lanes at a time.
+torch::Tensor argmax_f32(torch::Tensor x) {
+  using namespace tgs_pointwise;
+  check_rows_f32(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "argmax over an empty row");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* base = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {  // one row a step at c=1: too little to split
+    const float* p = base + r * x.stride(0);
+    const int64_t n16 = n - n % 16;
+    float m = -__builtin_inff();
+    bool nan = false;
+    if (n16 > 0) {
+      vf acc = splat(-__builtin_inff());
+      vi32 nans = __builtin_convertvector(splat(0.f), vi32);
+      for (int64_t i = 0; i < n16; i += 16) {
+        const vf v = load_f(p + i);
+        acc = v > acc ? v : acc;  // a NaN never enters (its comparisons are false)
+        nans |= v != v;
+      }
+      for (int j = 0; j < 16; ++j) {
+        nan = nan || nans[j] != 0;
+        m = acc[j] > m ? acc[j] : m;
+      }
+    }
+    for (int64_t i = n16; i < n; ++i) {
+      nan = nan || p[i] != p[i];
+      m = p[i] > m ? p[i] : m;
+    }
+    int64_t found = 0;
+    if (nan) {
+      while (p[found] == p[found]) ++found;
+    } else {
+      int64_t i = 0;
+      for (; i < n16; i += 16) {  // the first chunk holding the maximum, then its first lane
+        const vi32 hit = load_f(p + i) == splat(m);
+        bool any = false;
+        for (int j = 0; j < 16; ++j) any = any || hit[j] != 0;
+        if (any) break;
+      }
+      while (p[i] != m) ++i;
+      found = i;
+    }
+    op[r] = found;
+  }
+  return out;
+}
+
 torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
   using namespace tgs_pointwise;
   check_rows_f32(gate_up, "gate_up");
@@ -425,7 +498,7 @@ torch::Tensor silu_mul_f32(torch::Tensor gate_up, int64_t n) {
 """
 
 FUNCTIONS = ["rms_norm_bf16", "rotary_bf16", "silu_mul_bf16", "rms_norm_f32", "rotary_f32", "silu_mul_f32",
-             "rotary_store_f32"]
+             "rotary_store_f32", "argmax_f32"]
 
 
 def with_pointwise_kernels(source: str, functions: list[str]) -> tuple[str, list[str]]:

@@ -97,3 +97,19 @@ def rotary_f32(module: cpu_native.Extension, x: torch.Tensor, cos: torch.Tensor,
 def silu_mul_f32(module: cpu_native.Extension, gate_up: torch.Tensor, local: int) -> torch.Tensor:
     """silu(gate) * up over gate_up's [gate | up] float32 halves (torch's bits at AVX-512 and AVX2)."""
     return module.silu_mul_f32(gate_up, local)
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(scores, dim=-1) for float32 CPU scores [rows, vocab] with unit-stride rows, in one
+    native call (the same index: first maximal, NaN first); None where it does not apply or the
+    extension was not built by the time of the call (this never builds it: sampling may run before
+    any layer did)."""
+    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2 or scores.stride(-1) != 1
+            or scores.shape[-1] == 0):
+        return None
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    decided, module = cpu_native.loaded()
+    if not decided or module is None:
+        return None
+    return module.argmax_f32(scores)

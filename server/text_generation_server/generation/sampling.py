@@ -21,6 +21,7 @@ from loguru import logger
 from torch import Tensor
 
 from text_generation_server.generation import request_fields
+from text_generation_server.kernels import cpu_pointwise
 from text_generation_server.generation.grammar import GrammarMatcher, GrammarSpec, PendingMasks, apply_masks
 
 # Rows of [L, V] log-softmax computed at once by prefill_logprobs; bounds its memory.
@@ -189,9 +190,13 @@ def greedy_choice(logits: Tensor) -> tuple[Tensor, Tensor]:
 
     The log-softmax is torch's fused kernel, the chooser's own: the logprobs are the values the
     full path reports, bit for bit, and a CUDA graph runs this after the forward (no launches of
-    its own); eagerly it is four launches whatever the batch."""
+    its own); eagerly it is four launches whatever the batch. On the CPU the argmax is one native
+    call where the extension is loaded (torch's took ~130 us over a 151936-word vocabulary on the
+    2-core EPYC, ~0.4% of a 1.5B model's step): the same index."""
     scores = logits.to(torch.float32)
-    ids = scores.argmax(dim=-1)
+    ids = cpu_pointwise.argmax(scores) if scores.device.type == "cpu" else None
+    if ids is None:
+        ids = scores.argmax(dim=-1)
     picked = torch.empty(ids.shape[0], 2, dtype=torch.float64, device=scores.device)
     picked[:, 0].copy_(ids)
     picked[:, 1:].copy_(torch.log_softmax(scores, dim=-1).gather(1, ids[:, None]))

@@ -30,8 +30,15 @@ class ForwardContext:
         key = id(rotary)
         found = self._rope.get(key)
         if found is None:
-            found = self._rope[key] = rotary.cos_sin(self.positions, self.dtype, self.meta.max_position,
-                                                     self.seq_lens)
+            positions = self.positions
+            if positions.device.type == "cpu" and positions.shape[0] == 1 and not self.meta.is_prefill:
+                # one decode row on the CPU: from the rotary's blocks (RotaryEmbedding.decode_cos_sin says why)
+                position, bound = int(positions[0]), self.meta.max_position
+                if position <= bound < rotary.max_positions:  # else cos_sin raises as it does
+                    found = rotary.decode_cos_sin(position, self.dtype)
+            if found is None:
+                found = rotary.cos_sin(positions, self.dtype, self.meta.max_position, self.seq_lens)
+            self._rope[key] = found
         return found
 
     def kernel_phase(self) -> AbstractContextManager[None]:

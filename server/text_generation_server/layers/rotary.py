@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels import cpu_pointwise, fused_pointwise
 
@@ -398,6 +399,9 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             sign[:half] = -1
         self._sign = sign
+        # One-row CPU decode steps read cos/sin from blocks of positions computed once (`decode_cos_sin`):
+        # dtype -> {block: (cos, sin)}; None once a block's rows were found to differ from one-row calls.
+        self._decode_blocks: dict[torch.dtype, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = {}
 
     def _freqs(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
         # -> [tokens, rotary_dim / 2] angles, float32
@@ -440,6 +444,43 @@ class RotaryEmbedding(torch.nn.Module):
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos.to(dtype).unsqueeze(1), (sin * self._sign).to(dtype).unsqueeze(1)
+
+    DECODE_BLOCK = 64  # positions per block of `decode_cos_sin`
+
+    def decode_cos_sin(self, position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`cos_sin` of one position on the CPU ([1, 1, rotary_dim] views), from a block of 64 positions
+        computed together the first time one of them is asked for; None where this embedding's
+        frequencies depend on the sequence's length, or its blocks were found to differ from one-row
+        calls (the caller then calls `cos_sin`).
+
+        Why: a single-stream decode step asked `cos_sin` for its one position, ~10 small torch ops
+        (20-130 us on the 2-core EPYC with OpenMP's passive waits, up to 10% of the embedded model's
+        step). The block's rows are the bits a one-row call gives (elementwise ops on the same
+        values); each new block's first and last rows are compared with one-row calls, and any
+        difference (a torch whose cos takes another path for a longer tensor) turns the blocks off."""
+        blocks = self._decode_blocks
+        if blocks is None or self.length_dependent or not 0 <= position < self.max_positions:
+            return None
+        per_dtype = blocks.get(dtype)
+        if per_dtype is None:
+            per_dtype = blocks[dtype] = {}
+        block, row = divmod(position, self.DECODE_BLOCK)
+        found = per_dtype.get(block)
+        if found is None:
+            start = block * self.DECODE_BLOCK
+            end = min(start + self.DECODE_BLOCK, self.max_positions)
+            positions = torch.arange(start, end, device=self.inv_freq.device)
+            cos, sin = self.cos_sin(positions, dtype, end - 1)
+            for i in (0, end - start - 1):
+                one_cos, one_sin = self.cos_sin(positions[i:i + 1], dtype, start + i)
+                if not (torch.equal(one_cos, cos[i:i + 1]) and torch.equal(one_sin, sin[i:i + 1])):
+                    logger.warning("rotary: a block of positions computed together differs from one-row calls "
+                                   "(position {}); decode steps compute cos/sin per step", start + i)
+                    self._decode_blocks = None
+                    return None
+            found = per_dtype[block] = (cos, sin)
+        cos, sin = found
+        return cos[row:row + 1], sin[row:row + 1]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] rotated by cos/sin [tokens, 1, rotary_dim]."""

@@ -15,6 +15,7 @@ import torch
 
 from text_generation_server.layers.attention import AttentionMetadata, KVCache, KVLayout
 from text_generation_server.layers.context import ForwardContext
+from text_generation_server.layers.cpu_decode_step import CpuDecodeStep
 from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.rotary import RopeConfig
 from text_generation_server.layers.tensor_parallel import (
@@ -263,6 +264,10 @@ class DecoderModel(torch.nn.Module):
         self.head = head
         self.process_group = process_group
         self._chained: bool | None = None  # every layer hands its residual add on (forward_chained)
+        # The CPU decode step's plan (layers/cpu_decode_step.py) and the layer list it was made for:
+        # warmup's probe (engine/warmup_probe.py) runs with a shorter list in `layers` for a while.
+        self._cpu_step: CpuDecodeStep | None = None
+        self._cpu_step_layers: torch.nn.ModuleList | None = None
 
     def chains_residuals(self) -> bool:
         """Whether the layers hand their last residual add on to the next layer's norm on the CPU
@@ -309,22 +314,38 @@ class DecoderModel(torch.nn.Module):
         # input_ids, positions: [tokens] -> logits [len(logits_indices) or tokens, vocab] float32
         # (head=False: the final normed hidden states of those rows, for `logits` in pieces)
         hidden = self.embeddings(input_ids, positions)
+        normed = None  # the final norm's output, where the chained path's last add ran inside it
         ctx = ForwardContext(positions, cache, meta, hidden.dtype, seq_lens)
         with ctx.kernel_phase():
             self.chains_residuals()
             # On the CPU only: there each call is host time a step waits for; on CUDA the graphs
             # replay the launches and the fused add's bits are not measured against torch's there.
             if self._chained and hidden.device.type == "cpu" and not _hooked(self.layers):
-                pending = None
-                for layer in self.layers:
-                    hidden, pending = layer.forward_chained(hidden, pending, ctx)
-                hidden = hidden + pending
+                stepped = None
+                if not meta.is_prefill:  # a decode step: its layers in the fewest calls (layers/cpu_decode_step.py)
+                    if self._cpu_step_layers is not self.layers:
+                        self._cpu_step, self._cpu_step_layers = CpuDecodeStep.plan(self.layers), self.layers
+                    if self._cpu_step is not None:
+                        stepped = self._cpu_step.run(hidden, ctx)
+                if stepped is not None:
+                    hidden, pending = stepped
+                else:
+                    pending = None
+                    for layer in self.layers:
+                        hidden, pending = layer.forward_chained(hidden, pending, ctx)
+                if logits_indices is None and _llama_rms(self.norm):  # the last add inside the final norm
+                    normed = self.norm.add_forward(hidden, pending)[0]
+                else:
+                    hidden = hidden + pending
             else:
                 for layer in self.layers:
                     hidden = layer(hidden, ctx)
-        if logits_indices is not None:
-            hidden = hidden.index_select(0, logits_indices)
-        hidden = self.norm(hidden)
+        if normed is not None:
+            hidden = normed
+        else:
+            if logits_indices is not None:
+                hidden = hidden.index_select(0, logits_indices)
+            hidden = self.norm(hidden)
         return self.logits(hidden) if head else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
