@@ -378,6 +378,60 @@ inline vf fmadd(vf a, vf b, vf c) {
 // ---- int8: y[m, n] = s[n] * sum_k x[m, k] * w[n, k] -------------------------------------------
 // y[m, n] = s[n] * sum_k x[m, k] * w[n, k] for NB output rows from n, w int8 codes or bfloat16
 // (then s is null: no scale).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 form, in 8-float registers: the generic 16-float vectors below compiled to ~15 GB/s a core
+// at one row on AVX2 (hot bfloat16 weights, where torch's oneDNN matrix-vector product reads 23;
+// BENCHMARKS.md issue #32 session 10). The same arithmetic lane for lane (16 lanes: k % 16 < 8 in
+// `lo`, the rest in `hi`; one FMA per lane and step; the lanes summed 0..15 in order; the same tail),
+// so the same bits as the generic form.
+inline __m256 avx2_w8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 avx2_w8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <int M, int NB, typename T>
+inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
+                      int64_t prefetch) {
+  __m256 lo[M][NB], hi[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) lo[m][b] = hi[m][b] = _mm256_setzero_ps();
+  auto step = [&](int64_t kk) {
+    __m256 wl[NB], wh[NB];
+    for (int b = 0; b < NB; ++b) {
+      wl[b] = avx2_w8(w + (n + b) * K + kk);
+      wh[b] = avx2_w8(w + (n + b) * K + kk + 8);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xl = _mm256_loadu_ps(x + m * K + kk), xh = _mm256_loadu_ps(x + m * K + kk + 8);
+      for (int b = 0; b < NB; ++b) {
+        lo[m][b] = _mm256_fmadd_ps(xl, wl[b], lo[m][b]);
+        hi[m][b] = _mm256_fmadd_ps(xh, wh[b], hi[m][b]);
+      }
+    }
+  };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    if (prefetch)
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < int(64 * sizeof(T)); line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+                             PREFETCH_LOCALITY);
+    for (int64_t kk = k; kk < k + 64; kk += 16) step(kk);
+  }
+  for (; k + 16 <= K; k += 16) step(k);
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, lo[m][b]);
+      _mm256_store_ps(lanes + 8, hi[m][b]);
+      float t = 0.f;
+      for (int j = 0; j < 16; ++j) t += lanes[j];
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b) * K + kk]), t);
+      y[m * N + n + b] = s ? t * s[n + b] : t;
+    }
+}
+#else
 template <int M, int NB, typename T>
 inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
                       int64_t prefetch) {
@@ -417,6 +471,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
       y[m * N + n + b] = s ? t * s[n + b] : t;
     }
 }
+#endif
 
 template <int M, int NB, typename T>
 void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
@@ -435,6 +490,17 @@ template <typename T>
 void gemv_chunk(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
                 int64_t pf) {
   switch (M) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    // 16 AVX2 registers: two per accumulator (lo, hi), two per weight vector, two for x
+    case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 2: gemv_impl<2, 2>(xp, wp, sp, yp, K, N, pf); break;
+    case 3: gemv_impl<3, 1>(xp, wp, sp, yp, K, N, pf); break;
+    case 4: gemv_impl<4, 1>(xp, wp, sp, yp, K, N, pf); break;
+    case 5: gemv_impl<5, 1>(xp, wp, sp, yp, K, N, pf); break;
+    case 6: gemv_impl<6, 1>(xp, wp, sp, yp, K, N, pf); break;
+    case 7: gemv_impl<7, 1>(xp, wp, sp, yp, K, N, pf); break;
+    default: gemv_impl<8, 1>(xp, wp, sp, yp, K, N, pf); break;
+#else
     case 1: gemv_impl<1, 2>(xp, wp, sp, yp, K, N, pf); break;  // two independent FMA chains
     case 2: gemv_impl<2, 4>(xp, wp, sp, yp, K, N, pf); break;
     case 3: gemv_impl<3, 2>(xp, wp, sp, yp, K, N, pf); break;
@@ -443,6 +509,7 @@ void gemv_chunk(int64_t M, const float* xp, const T* wp, const float* sp, float*
     case 6: gemv_impl<6, 2>(xp, wp, sp, yp, K, N, pf); break;
     case 7: gemv_impl<7, 1>(xp, wp, sp, yp, K, N, pf); break;
     default: gemv_impl<8, 1>(xp, wp, sp, yp, K, N, pf); break;
+#endif
   }
 }
 
