@@ -31,8 +31,11 @@ class ForwardContext:
         found = self._rope.get(key)
         if found is None:
             positions = self.positions
-            if positions.device.type == "cpu" and positions.shape[0] == 1 and not self.meta.is_prefill:
-                # one decode row on the CPU: from the rotary's blocks (RotaryEmbedding.decode_cos_sin says why)
+            if (positions.device.type == "cpu" and positions.shape[0] == 1 and not self.meta.is_prefill
+                    and not torch._C._is_torch_function_mode_enabled()):
+                # one decode row on the CPU: from the rotary's blocks (RotaryEmbedding.decode_cos_sin says
+                # why). Not under a torch function mode: the CUDA-graph emulation's guard (engine/cuda_graphs.py)
+                # records a forward that must read no position on the host, as a real graph replays any.
                 position, bound = int(positions[0]), self.meta.max_position
                 if position <= bound < rotary.max_positions:  # else cos_sin raises as it does
                     found = rotary.decode_cos_sin(position, self.dtype)
