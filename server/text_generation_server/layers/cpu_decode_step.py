@@ -157,17 +157,27 @@ class CpuDecodeStep:
         for layer in self.layers:
             if shapes[layer.rotary][0].shape[-1] != layer.head_dim:  # every dimension rotated
                 return None
+        meta, cache = ctx.meta, ctx.cache
+        keys, values, slots = cache.keys, cache.values, meta.slots
         if dtype == torch.bfloat16:
-            return self._run_bf16(ext, hidden, ctx, shapes)
-        return self._run_f32(ext, hidden, ctx, shapes, backend)
+            norm, silu_mul, attention = ext.rms_norm_bf16, ext.silu_mul_bf16, ext.decode_attention_bf16
+            tables, lens = meta.block_tables, meta.seq_lens
 
-    def _run_bf16(self, ext, hidden: torch.Tensor, ctx: ForwardContext,
-                  shapes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden: [rows, hidden] bfloat16
-        meta, cache = ctx.meta, ctx.cache
-        keys, values = cache.keys, cache.values
-        slots, tables, lens = meta.slots, meta.block_tables, meta.seq_lens
-        norm, attention, silu_mul = ext.rms_norm_bf16, ext.decode_attention_bf16, ext.silu_mul_bf16
+            def attend(layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                i = layer.layer_id
+                return attention(qkv, cos, sin, keys[i], values[i], slots, tables, lens, layer.heads, layer.kv_heads,
+                                 layer.scale, layer.window)
+        else:  # float32: the attention stays torch's SDPA (SelfAttention._cpu_decode says why)
+            norm, silu_mul, rotary_store = ext.rms_norm_f32, ext.silu_mul_f32, ext.rotary_store_f32
+            rows = hidden.shape[0]
+
+            def attend(layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                i = layer.layer_id
+                q = rotary_store(qkv, cos, sin, keys[i], values[i], slots, layer.heads, layer.kv_heads)
+                return backend.decode(q, keys[i], values[i], meta, layer.scale, layer.attn.window).reshape(
+                    rows, layer.heads * layer.head_dim)
+
+        # The layers, eight calls each; hidden: [rows, hidden] in the step's dtype.
         pending = None
         for layer in self.layers:
             cos, sin = shapes[layer.rotary]
@@ -179,41 +189,7 @@ class CpuDecodeStep:
             qkv = linears["qkv"](normed)
             if qkv.stride(-1) != 1:
                 qkv = qkv.contiguous()
-            i = layer.layer_id
-            out = attention(qkv, cos, sin, keys[i], values[i], slots, tables, lens, layer.heads, layer.kv_heads,
-                            layer.scale, layer.window)
-            mlp_in, hidden = norm(hidden, layer.mlp_params["weight"], layer.mlp_eps, linears["o_proj"](out))
-            linears = layer.mlp_modules
-            gate_up = linears["gate_up"](mlp_in)
-            if gate_up.stride(-1) != 1:
-                gate_up = gate_up.contiguous()
-            pending = linears["down"](silu_mul(gate_up, layer.local))
-        return hidden, pending
-
-    def _run_f32(self, ext, hidden: torch.Tensor, ctx: ForwardContext,
-                 shapes: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 backend: TorchAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden: [rows, hidden] float32; the attention stays torch's SDPA (SelfAttention._cpu_decode says why)
-        meta, cache = ctx.meta, ctx.cache
-        keys, values = cache.keys, cache.values
-        slots = meta.slots
-        rows = hidden.shape[0]
-        norm, rotary_store, silu_mul = ext.rms_norm_f32, ext.rotary_store_f32, ext.silu_mul_f32
-        pending = None
-        for layer in self.layers:
-            cos, sin = shapes[layer.rotary]
-            if pending is None:
-                normed = norm(hidden, layer.input_params["weight"], layer.input_eps, None)[0]
-            else:
-                normed, hidden = norm(hidden, layer.input_params["weight"], layer.input_eps, pending)
-            linears = layer.attn_modules
-            qkv = linears["qkv"](normed)
-            if qkv.stride(-1) != 1:
-                qkv = qkv.contiguous()
-            i = layer.layer_id
-            q = rotary_store(qkv, cos, sin, keys[i], values[i], slots, layer.heads, layer.kv_heads)
-            out = backend.decode(q, keys[i], values[i], meta, layer.scale, layer.attn.window).reshape(
-                rows, layer.heads * layer.head_dim)
+            out = attend(layer, qkv, cos, sin)
             mlp_in, hidden = norm(hidden, layer.mlp_params["weight"], layer.mlp_eps, linears["o_proj"](out))
             linears = layer.mlp_modules
             gate_up = linears["gate_up"](mlp_in)
