@@ -498,3 +498,15 @@ class InProcessClient:
             return await method(request, self.ctx)
         except StepFailedInShard as exc:
             raise grpc.aio.AioRpcError(exc.code(), None, None, details=exc.details()) from None
+
+
+def decode_three_requests(lm) -> tuple[list, list]:
+    """Three prompts of 20-38 ids decoded 12 tokens each on a fresh KV cache of 48 blocks: each step's
+    (request id, token ids, logprobs), and a copy of the whole cache after (what a fused path must equal)."""
+    lm.allocate_kv_cache(48)
+    batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 12) for i in range(3)])
+    tokens = []
+    while batch is not None:
+        generations, batch, _ = lm.generate_token(batch)
+        tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
+    return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]

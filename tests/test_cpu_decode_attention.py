@@ -228,7 +228,7 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
     ops' (float32) turns them off. The layers run one by one here (TGS_CPU_DECODE_STEP=0: the plan of
     layers/cpu_decode_step.py calls the same native functions without `_cpu_decode`; its own test is
     tests/test_cpu_decode_step.py)."""
-    from helpers import ids_request, random_ids
+    from helpers import decode_three_requests
 
     from text_generation_server import about
     from text_generation_server.layers import self_attention
@@ -243,27 +243,18 @@ def test_the_model_decodes_through_the_fused_calls_with_the_eager_bits(monkeypat
         taken.append(out is not None)
         return out
 
-    def run():
-        lm.allocate_kv_cache(48)
-        batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 12) for i in range(3)])
-        tokens = []
-        while batch is not None:
-            generations, batch, _ = lm.generate_token(batch)
-            tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
-        return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]
-
     monkeypatch.setenv("TGS_CPU_DECODE_STEP", "0")
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
-    got, got_cache = run()
+    got, got_cache = decode_three_requests(lm)
     assert taken and all(taken)  # 4 layers x 11 decode steps
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", lambda self, hidden, ctx: None)
-    want, want_cache = run()
+    want, want_cache = decode_three_requests(lm)
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
     monkeypatch.setattr(self_attention.SelfAttention, "_cpu_decode", counting)
     monkeypatch.setenv(switch, "0")
     taken.clear()
-    run()
+    decode_three_requests(lm)
     assert taken and not any(taken)
 
 

@@ -30,7 +30,7 @@ def test_the_plan_decodes_every_layer_with_the_eager_bits(monkeypatch, dtype):
     """After warmup (whose probe runs a shorter layer list for a while), every decode step of the
     embedded model runs through the plan over all its layers, and tokens, logprobs and the KV cache
     equal the eager layers' (TGS_CPU_DECODE_STEP=0), with three requests of different lengths."""
-    from helpers import ids_request, random_ids
+    from helpers import decode_three_requests, ids_request, random_ids
 
     lm = embedded(dtype)
     lm.warmup([ids_request(0, random_ids(20, 1, 1000), 2)], 64, 64, 64, 0.5, max_batch_total_tokens=256,
@@ -45,20 +45,11 @@ def test_the_plan_decodes_every_layer_with_the_eager_bits(monkeypatch, dtype):
 
     monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", counting)
 
-    def run():
-        lm.allocate_kv_cache(48)
-        batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 12) for i in range(3)])
-        tokens = []
-        while batch is not None:
-            generations, batch, _ = lm.generate_token(batch)
-            tokens.append([(g.request_id, g.tokens.ids, g.tokens.logprobs) for g in generations])
-        return tokens, [t.clone() for t in (*lm.kv_cache.keys, *lm.kv_cache.values)]
-
-    got, got_cache = run()
+    got, got_cache = decode_three_requests(lm)
     assert len(ran) == 11 and all(ran)  # 11 decode steps, each over the 4 layers
     monkeypatch.setenv(cpu_decode_step.ENV, "0")
     ran.clear()
-    want, want_cache = run()
+    want, want_cache = decode_three_requests(lm)
     assert ran and not any(ran)  # switched off: every step ran the layers one by one
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
