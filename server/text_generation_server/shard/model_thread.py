@@ -25,6 +25,7 @@ import selectors
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -149,8 +150,15 @@ class ModelThread(Executor):
         self.answer_ns: int | None = None  # what a Decode's answer costs this thread, call to answer sent (EMA)
         self._thread = threading.Thread(target=self._loop, name=f"{name}_0")
         self._thread.start()
+        alive = weakref.ref(self)  # (the exit hook must not keep a shut-down thread's executor alive)
+
+        def stop_at_exit() -> None:
+            worker = alive()
+            if worker is not None:
+                worker._stop()
+
         try:  # stop with the interpreter, as concurrent.futures' own workers do
-            threading._register_atexit(self._stop)  # type: ignore[attr-defined]
+            threading._register_atexit(stop_at_exit)  # type: ignore[attr-defined]
         except (AttributeError, RuntimeError):
             pass
 
