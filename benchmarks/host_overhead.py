@@ -67,11 +67,12 @@ COLUMNS = ("batch", "X nominal µs", "in-process X µs", "in-process step µs", 
            "served inter-token µs", "exposed host µs", "host CPU per step µs", "client CPU per step µs")
 
 
-def standin_env(wait_us: int, stats_path: Path) -> dict[str, str]:
-    """The variables that turn the stand-in on (engine/standin.py), with its stats file."""
-    from text_generation_server.engine.standin import ACK_ENV, ACK_VALUE, FORWARD_US_ENV, STATS_ENV
+def standin_env(wait_us: int, stats_path: Path, device: str = "stream") -> dict[str, str]:
+    """The variables that turn the stand-in on (engine/standin.py), with its stats file and its
+    device mode (`stream`: a GPU's timing; `blocking`: a forward that holds the host for X)."""
+    from text_generation_server.engine.standin import ACK_ENV, ACK_VALUE, DEVICE_ENV, FORWARD_US_ENV, STATS_ENV
 
-    return {FORWARD_US_ENV: str(wait_us), ACK_ENV: ACK_VALUE, STATS_ENV: str(stats_path)}
+    return {FORWARD_US_ENV: str(wait_us), ACK_ENV: ACK_VALUE, STATS_ENV: str(stats_path), DEVICE_ENV: device}
 
 
 @dataclass
@@ -126,21 +127,27 @@ def off_cycle(ids: list[int], cycle: list[int]) -> int:
 class InProcess:
     """The model as a rank loads it, stand-in included, stepped by `generate_token` here."""
 
-    def __init__(self, model: str, dtype: str | None, stats_path: Path, max_batch: int, new_tokens: int):
+    def __init__(self, model: str, dtype: str | None, stats_path: Path, max_batch: int, new_tokens: int,
+                 device: str = "stream"):
         import torch
 
         from text_generation_server.engine.standin import StandinStats
         from text_generation_server.launcher.rank import cpu_threads_per_rank, weight_bytes_of
         from text_generation_server.models.loader import get_model
+        from text_generation_server.settings.serve_args import DEFAULT_CUDA_GRAPHS
 
         self.stats = StandinStats.create(stats_path)
-        with environment(standin_env(0, stats_path)):
-            self.lm = get_model(model, dtype=dtype)
+        with environment(standin_env(0, stats_path, device)):
+            # The graphs serve's ranks capture (in stream mode; a blocking stand-in has none).
+            self.lm = get_model(model, dtype=dtype, cuda_graphs=DEFAULT_CUDA_GRAPHS)
         self.threads = cpu_threads_per_rank(os.cpu_count() or 1, 1, weight_bytes_of(self.lm.model))
         torch.set_num_threads(self.threads)
         self.new_tokens = new_tokens
         prompt_tokens = len(self.lm.tokenizer.encode(PROMPT).ids) + 8
-        self.lm.allocate_kv_cache(1 + max_batch * self.lm.blocks_for(prompt_tokens + new_tokens))
+        max_total = prompt_tokens + new_tokens
+        self.lm.allocate_kv_cache(1 + max_batch * self.lm.blocks_for(max_total))
+        if self.lm.graph_buckets and self.lm.graphs_off_reason() is None:
+            self.lm.capture_decode_graphs(max_total)
 
     @property
     def cycle(self) -> list[int]:
@@ -277,7 +284,7 @@ async def amain(args: argparse.Namespace) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="tgs-host-overhead-")
     served_stats_path, local_stats_path = Path(tmp.name) / "served.stats", Path(tmp.name) / "in-process.stats"
     try:
-        ours = InProcess(args.model, args.dtype, local_stats_path, max(batches), args.new_tokens)
+        ours = InProcess(args.model, args.dtype, local_stats_path, max(batches), args.new_tokens, args.device)
     except ValueError as exc:
         print(f"host_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
         tmp.cleanup()
@@ -299,7 +306,8 @@ async def amain(args: argparse.Namespace) -> int:
             stats_path = served_stats_path.with_suffix(f".{index}")
             stats = StandinStats.create(stats_path, waits[0])
             servers.append(Served(label, StartedServer(args.model, side_flags, args.startup_timeout_s,
-                                                       env={**standin_env(waits[0], stats_path), **side_env}), stats))
+                                                       env={**standin_env(waits[0], stats_path, args.device), **side_env}),
+                                   stats))
         for served in servers:
             await served.server.wait_ready()
         streamed, broken = await measure(args, ours, servers, batches, waits, cells)
@@ -323,7 +331,7 @@ async def amain(args: argparse.Namespace) -> int:
         "## Host overhead: a decode step with a stand-in forward",
         "",
         f"`python benchmarks/host_overhead.py{quick} --model {args.model} --batches {args.batches} "
-        f"--waits-us {args.waits_us} --new-tokens {args.new_tokens} --rounds {args.rounds}"
+        f"--waits-us {args.waits_us} --new-tokens {args.new_tokens} --rounds {args.rounds} --device {args.device}"
         f"{' --server-args ' + shlex.quote(args.server_args) if args.server_args else ''}"
         f"{' --compare-server-args ' + shlex.quote(args.compare_server_args) if args.compare_server_args else ''}"
         f"{' --compare-env ' + shlex.quote(args.compare_env) if args.compare_env else ''}`, "
@@ -336,7 +344,11 @@ async def amain(args: argparse.Namespace) -> int:
         *md_table(COLUMNS, rows, "r" * len(COLUMNS)),
         "",
         f"Medians of {args.rounds} interleaved round(s), each column its own (host = step - X per round), "
-        f"{args.new_tokens} new tokens per client. Targets (issue "
+        f"{args.new_tokens} new tokens per client. The stand-in's device: {args.device} ("
+        + ("a GPU's timing: the forward queues X on an emulated device and the step's readback waits for it; "
+           "decode steps replay graphs and launch ahead" if args.device == "stream" else
+           "the forward holds the thread that calls it for X, as a CPU's forward does; no graphs, no launch ahead")
+        + "). Targets (issue "
         "#31): exposed host <= 100 µs at batch 1 and <= 300 µs at batch 64 with X = 1000; served inter-token "
         "(host work, X = 0) <= 300 µs at batch 1 and <= 1500 µs at batch 64.",
     ]
@@ -364,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a checkpoint folder both sides load (default: {EMBEDDED_MODEL_ID}, the embedded model)")
     parser.add_argument("--dtype", default=None, help="--dtype of both sides (default: serve's)")
     parser.add_argument("--server-args", default="", help="more serve flags")
+    parser.add_argument("--device", choices=("stream", "blocking"), default="stream",
+                        help="the stand-in's device (engine/standin.py): stream (default) times it as a GPU, "
+                             "whose forward runs while the host works on, with graphs and launch ahead; "
+                             "blocking holds the calling thread for X, as a CPU's forward does "
+                             "(--compare-env TGS_BENCHMARK_STANDIN_DEVICE=blocking puts the two side by side)")
     parser.add_argument("--compare-env", default="",
                         help="VAR=VALUE[,VAR=VALUE]: the compared server's extra environment (e.g. "
                              "TGS_DECODE_PIPELINE=0), alone or with --compare-server-args")

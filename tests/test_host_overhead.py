@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from text_generation_server.engine.standin import (
-    ACK_ENV, ACK_VALUE, FORWARD_US_ENV, STATS_ENV, StandinForward, StandinStats, canned_cycle, standin_wait_us,
+    ACK_ENV, ACK_VALUE, DEVICE_ENV, FORWARD_US_ENV, STATS_ENV, StandinForward, StandinStats, canned_cycle, standin_wait_us,
 )
 from text_generation_server.engine.types import GenerationRequest
 from text_generation_server.models.loader import get_model
@@ -71,6 +71,7 @@ def test_the_stand_in_serves_its_cycle_and_counts_its_calls(monkeypatch, tmp_pat
     monkeypatch.setenv(FORWARD_US_ENV, "0")
     monkeypatch.setenv(ACK_ENV, ACK_VALUE)
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats"))
+    monkeypatch.delenv(DEVICE_ENV, raising=False)  # the blocking device (test_standin_stream.py: the other)
     lm = get_model(None)
     standin = lm.model
     assert isinstance(standin, StandinForward)

@@ -38,7 +38,9 @@ from text_generation_server.engine.batch import Batch, BlockAllocator, RequestSt
 from text_generation_server.engine.batch_builder import BatchBuilder
 from text_generation_server.engine.cuda_graphs import PAD_SLOT, CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from text_generation_server.engine.prefill import PromptSpan, advance_prompts, flatten_step, plan_chunks
-from text_generation_server.engine.readback import DeviceClock, Readback, UploadBuffer, to_host, unpack_choices
+from text_generation_server.engine.readback import (
+    DeviceClock, EmulatedStream, Readback, UploadBuffer, to_host, unpack_choices,
+)
 from text_generation_server.engine.types import (
     GeneratedText,
     Generation,
@@ -141,14 +143,21 @@ class CausalLM:
         # Prompt tokens one forward may compute (set by warmup); later chunks of a long prompt
         # are sized within it. None: no limit (the CLI and tests without warmup).
         self.max_prefill_tokens: int | None = None
-        self.readback = Readback(device)
-        self.clock = DeviceClock(device)  # the forward's own time, reported as forward_ns
+        # The benchmarks' emulated device (engine/standin.py, stream mode): a GPU's timing on a CPU,
+        # its queue waited on by the readback, its graphs recorded by the stand-in's capturer.
+        stream = getattr(model, "stream", None)
+        stream = stream if isinstance(stream, EmulatedStream) else None
+        if stream is not None and graph_capturer is None:
+            graph_capturer = model.graph_capturer()
+        self.readback = Readback(device, stream)
+        self.clock = DeviceClock(device, stream)  # the forward's own time, reported as forward_ns
         self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
         # Launch ahead (decode graphs on CUDA): once a decode step's tokens are on the host, the next
         # step is enqueued at once, and the Python work of this one (detokenizing, stopping, the
         # answer, the shard's decode ahead) runs while the device computes it. Not on a CPU, where
         # a launch is the forward itself and would only delay this step's answer.
-        self.launch_ahead = device.type == "cuda" and os.environ.get(LAUNCH_AHEAD_ENV, "1") not in ("0", "false", "no")
+        self.launch_ahead = (device.type == "cuda" or stream is not None) and \
+            os.environ.get(LAUNCH_AHEAD_ENV, "1") not in ("0", "false", "no")
         self._launched: LaunchedStep | None = None
         self._launched_rows: UploadBuffer | None = None  # rows taken from a launched step (a filtered batch)
         self.launched_taken = 0  # launched steps a decode step used, and dropped ones (logs, benchmarks, tests)
@@ -655,7 +664,7 @@ class CausalLM:
         if not self.graph_buckets:
             return "no batch sizes asked for (--cuda-graphs 0)" if self.device.type == "cuda" else \
                 f"not on CUDA ({self.device.type})"
-        if not self.attention.graph_safe:
+        if not self.attention.graph_safe and not getattr(self.model, "attention_free", False):
             return (f"attention backend {self.attention.name} is not graph-safe (its decode reads sequence "
                     "lengths on the host); --attention-backend triton-paged is")
         for module in self.model.modules():

@@ -15,6 +15,7 @@ one sync of a step, however many requests ask for how much. On a CPU the same co
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -70,40 +71,98 @@ class DeviceClock:
 
     On CUDA two timing events are recorded around the forward's launches; they are read after
     the step's readback has waited on the device, so reading them never waits. On a CPU the
-    device is the host, and the forward's wall time is its time."""
+    device is the host, and the forward's wall time is its time; on an `EmulatedStream` (the
+    benchmarks' stand-in device) it is the device time of the launches between start and stop."""
 
-    def __init__(self, device: torch.device):
-        self._cuda = torch.device(device).type == "cuda"
+    def __init__(self, device: torch.device, stream: "EmulatedStream | None" = None):
+        self._cuda = torch.device(device).type == "cuda" and stream is None
+        self._stream = stream
         if self._cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
         self._t0 = self._t1 = 0
 
     def start(self) -> None:
-        self._t0 = time.perf_counter_ns()
+        self._t0 = self._stream.launches if self._stream is not None else time.perf_counter_ns()
         if self._cuda:
             self._start.record()
 
     def stop(self) -> None:
         """After the forward's last launch (on CUDA: not its end, which `elapsed_ns` reads later)."""
-        self._t1 = time.perf_counter_ns()
+        self._t1 = self._stream.launches if self._stream is not None else time.perf_counter_ns()
         if self._cuda:
             self._end.record()
 
     def elapsed_ns(self) -> int:
         """The forward's device time; on CUDA call it once the step's readback has waited."""
+        if self._stream is not None:
+            return self._stream.device_ns(self._t0, self._t1)
         if self._cuda:
             return int(self._start.elapsed_time(self._end) * 1e6)
         return self._t1 - self._t0
 
 
+class EmulatedStream:
+    """A device queue in time only, for the benchmarks' stand-in forward (engine/standin.py) in its
+    "stream" mode: a launch returns at once and occupies the emulated device for its duration after
+    whatever was launched before it, and the step's one sync (`Readback.fetch`) sleeps until the
+    queue is empty. So the host's work overlaps the device's as it does beside a GPU, and what the
+    host adds to a step (issue #31's exposed host time) is measured on a machine without one.
+
+    A sleep wakes late on a busy machine; the lateness is counted as the last launch's device time
+    (the emulation's, not the host's), as the blocking stand-in counts it inside its own wait.
+    `on_complete(prefill, device_ns)` is told each launch's device time when a sync completes it."""
+
+    HISTORY = 64  # completed launches kept for DeviceClock (a step reads its last one or two)
+
+    def __init__(self, on_complete=None):
+        self.launches = 0  # launches so far; a launch's index is its count before it
+        self.ready_ns = 0  # perf_counter_ns when the last launch ends
+        self._pending: deque[list] = deque()  # [index, begin_ns, end_ns, prefill] not yet synchronized
+        self._done: deque[tuple[int, int]] = deque(maxlen=self.HISTORY)  # (index, device ns)
+        self._on_complete = on_complete
+
+    def launch(self, duration_ns: int, prefill: bool = False) -> None:
+        """Enqueues `duration_ns` of device work after what is queued (from now when it is idle)."""
+        begin = max(time.perf_counter_ns(), self.ready_ns)
+        self.ready_ns = begin + max(0, duration_ns)
+        self._pending.append([self.launches, begin, self.ready_ns, prefill])
+        self.launches += 1
+
+    def synchronize(self) -> None:
+        """Waits (sleeping, so other threads run) until every launch has ended."""
+        remaining = self.ready_ns - time.perf_counter_ns()
+        if remaining > 0:
+            time.sleep(remaining / 1e9)
+            late = time.perf_counter_ns() - self.ready_ns
+            if late > 0 and self._pending:
+                self._pending[-1][2] += late
+                self.ready_ns += late
+        while self._pending:
+            index, begin, end, prefill = self._pending.popleft()
+            self._done.append((index, end - begin))
+            if self._on_complete is not None:
+                self._on_complete(prefill, end - begin)
+
+    def device_ns(self, first: int, stop: int) -> int:
+        """The device time of launches first..stop-1 that a sync completed (0 for any it has not)."""
+        total = 0
+        for index, ns in reversed(self._done):  # the newest first: a step asks for its last launch or two
+            if index < first:
+                break
+            if index < stop:
+                total += ns
+        return total
+
+
 class Readback:
     """One device-to-host transfer per step, into a pinned buffer kept between steps."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stream: EmulatedStream | None = None):
         self.device = torch.device(device)
         self._host: torch.Tensor | None = None
-        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._event = torch.cuda.Event() if self.device.type == "cuda" and stream is None else None
+        self._stream = stream
 
     def fetch(self, packed: torch.Tensor) -> list[float]:
         """The values of `packed` (float64, contiguous) on the host: one copy and one wait."""
@@ -114,6 +173,8 @@ class Readback:
             self._host = torch.empty(size, dtype=torch.float64, pin_memory=_pinned(self.device))
         host = self._host[:count]
         host.copy_(flat, non_blocking=True)
+        if self._stream is not None:
+            self._stream.synchronize()
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
             self._event.synchronize()

@@ -24,9 +24,20 @@ plausibly-shaped nonsense, so turning it on takes two environment variables of t
   anything else, a rank with the first variable refuses to start (ValueError: `serve` exits
   with the message), so a stray or half-copied environment fails loudly instead of serving.
 
-When on, every rank logs a warning block at load, and CUDA graphs are off (`graph_blocker`:
-a replayed graph would skip the wait). On CUDA the wait is a host-side sleep, i.e. a device
-that blocks the host; the benchmark is meant for CPUs.
+When on, every rank logs a warning block at load. How the wait relates to the host,
+`TGS_BENCHMARK_STANDIN_DEVICE` (rank environment, like the switch):
+
+- `blocking` (the default): the forward itself sleeps X, as a CPU's forward occupies the
+  thread that calls it. CUDA graphs are off (`graph_blocker`: a replayed graph would skip the
+  wait), and so is launch ahead. On CUDA the sleep is a device that blocks the host.
+- `stream`: a GPU's timing, on a machine without one. The forward returns at once and queues X
+  µs of work on an emulated device queue (`engine/readback.EmulatedStream`); the step's one sync
+  (its readback) sleeps until the queue is empty. Decode steps replay emulated graphs
+  (`DirectReplayCapturer`: the recorded forward, checked at capture as CUDA graphs require) and
+  launch ahead as on CUDA, so the host's work for step N runs while the "device" computes step
+  N+1, and what the host still adds to a step is the exposed time issue #31 bounds. The host
+  work of making the canned logits and the greedy choice in the graph stays host work (it
+  runs on this machine's cores), outside X.
 
 Measuring X instead of assuming it: `TGS_BENCHMARK_STANDIN_STATS=<file>` (optional) names a
 small file of int64 slots (`STAT_SLOTS`) that every rank maps and rank 0 updates per forward:
@@ -47,10 +58,14 @@ import torch
 from loguru import logger
 from tokenizers import Tokenizer
 
+from text_generation_server.engine.readback import EmulatedStream
+
 FORWARD_US_ENV = "TGS_BENCHMARK_STANDIN_FORWARD_US"
 ACK_ENV = "TGS_BENCHMARK_STANDIN_ACK"
 ACK_VALUE = "canned-logits-not-the-model"
 STATS_ENV = "TGS_BENCHMARK_STANDIN_STATS"
+DEVICE_ENV = "TGS_BENCHMARK_STANDIN_DEVICE"
+DEVICE_MODES = ("blocking", "stream")
 MAX_WAIT_US = 10_000_000  # 10 s: anything above is a typo, not a forward
 CYCLE_LENGTH = 16
 PEAK_LOGIT = 20.0  # the cycle's token against 0 everywhere else: p ~ 1 - vocab * e^-20
@@ -81,6 +96,14 @@ def standin_wait_us(environ: Mapping[str, str] = os.environ) -> int | None:
     if not 0 <= wait_us <= MAX_WAIT_US:
         raise ValueError(f"{FORWARD_US_ENV} must be in [0, {MAX_WAIT_US}] µs, got {wait_us}")
     return wait_us
+
+
+def standin_device_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """`blocking` or `stream` (module docstring); ValueError naming the variable for anything else."""
+    mode = environ.get(DEVICE_ENV, "blocking").strip().lower() or "blocking"
+    if mode not in DEVICE_MODES:
+        raise ValueError(f"{DEVICE_ENV} must be one of {', '.join(DEVICE_MODES)}, got {environ.get(DEVICE_ENV)!r}")
+    return mode
 
 
 class StandinStats:
@@ -138,17 +161,27 @@ class StandinForward(torch.nn.Module):
     """The model with its forward replaced (see the module docstring); every other attribute
     (config, kv_layout, heads, the weights in state_dict) is the wrapped model's."""
 
-    graph_blocker = f"the benchmark stand-in forward ({FORWARD_US_ENV}) is on: a graph would skip its wait"
+    # Neither mode reads the KV cache: graphs need no graph-safe attention backend (CausalLM asks).
+    attention_free = True
 
     def __init__(self, inner: torch.nn.Module, wait_us: int, cycle: list[int], device: torch.device,
-                 stats: StandinStats | None = None, record: bool = True):
+                 stats: StandinStats | None = None, record: bool = True, mode: str = "blocking"):
         """stats: the file whose wait_us overrides `wait_us`; record: whether this one counts its
-        forwards there (rank 0 only, so a step is counted once)."""
+        forwards there (rank 0 only, so a step is counted once); mode: `blocking` or `stream`
+        (module docstring)."""
         super().__init__()
+        if mode not in DEVICE_MODES:
+            raise ValueError(f"stand-in device mode must be one of {DEVICE_MODES}, got {mode!r}")
         self.inner = inner
         self.wait_us = wait_us
         self.stats = stats
         self.record = record
+        self.mode = mode
+        # The emulated device queue of "stream" mode; CausalLM's readback and clock use it.
+        self.stream = EmulatedStream(self._completed) if mode == "stream" else None
+        self._unrecorded_cpu = [0]  # stream mode: CPU ns of launches a sync has not completed yet
+        self.graph_blocker = None if mode == "stream" else \
+            f"the benchmark stand-in forward ({FORWARD_US_ENV}) blocks the host: a graph would skip its wait"
         self.vocab_size = inner.config.vocab_size
         self.cycle = list(cycle)
         # Row i: the logits that choose cycle[i]; a step's logits are rows of it, one copy.
@@ -171,15 +204,34 @@ class StandinForward(torch.nn.Module):
         # As DecoderModel.forward. head=False returns, in place of hidden states, the rows'
         # positions [rows, 1]: all `logits` needs to make their canned logits.
         start, cpu_start = time.perf_counter_ns(), time.thread_time_ns()
+        if self.stream is not None:
+            # Queued first, as a graph launch is: what making the logits costs this machine's
+            # host runs while the emulated device computes, as a real device's forward would.
+            self.stream.launch(self.current_wait_us() * 1000, bool(getattr(meta, "is_prefill", False)))
         rows = positions if logits_indices is None else positions.index_select(0, logits_indices)
         out = self.logits(rows[:, None]) if head else rows[:, None]
         cpu_ns = time.thread_time_ns() - cpu_start
+        if self.stream is not None:
+            self._unrecorded_cpu[0] += cpu_ns
+            return out
         remaining_ns = self.current_wait_us() * 1000 - (time.perf_counter_ns() - start)
         if remaining_ns > 0:
             time.sleep(remaining_ns / 1e9)  # releases the GIL, as a device wait does
         if self.stats is not None and self.record:
             self.stats.add(bool(getattr(meta, "is_prefill", False)), time.perf_counter_ns() - start, cpu_ns)
         return out
+
+    def _completed(self, prefill: bool, device_ns: int) -> None:
+        """Stream mode: a launch's device time, once a sync completed it, into the stats."""
+        if self.stats is not None and self.record:
+            self.stats.add(prefill, device_ns, self._unrecorded_cpu[0])
+        self._unrecorded_cpu[0] = 0
+
+    def graph_capturer(self):
+        """What records decode graphs on a CPU in stream mode (engine/cuda_graphs.py)."""
+        from text_generation_server.engine.cuda_graphs import DirectReplayCapturer
+
+        return DirectReplayCapturer()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [rows, 1] positions (from forward) -> [rows, vocab] float32
@@ -193,6 +245,7 @@ def from_environment(net: torch.nn.Module, tokenizer: Tokenizer, eos_token_ids: 
     wait_us = standin_wait_us(environ)
     if wait_us is None:
         return net
+    mode = standin_device_mode(environ)
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     cycle = canned_cycle(net.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True),
                          special | set(eos_token_ids))
@@ -204,7 +257,8 @@ def from_environment(net: torch.nn.Module, tokenizer: Tokenizer, eos_token_ids: 
     banner = "!" * 100
     logger.warning(banner)
     logger.warning("BENCHMARK STAND-IN FORWARD ON ({}={}): this server does NOT run the model. Every forward returns "
-                   "canned logits (tokens {}...) after a {} µs wait.", FORWARD_US_ENV, wait_us, cycle[:4], wait_us)
+                   "canned logits (tokens {}...) after a {} µs wait ({} device).", FORWARD_US_ENV, wait_us, cycle[:4],
+                   wait_us, mode)
     logger.warning("Only benchmarks/host_overhead.py sets it; unset {} to serve the model.", FORWARD_US_ENV)
     logger.warning(banner)
-    return StandinForward(net, wait_us, cycle, device, stats, record=rank == 0)
+    return StandinForward(net, wait_us, cycle, device, stats, record=rank == 0, mode=mode)
