@@ -51,6 +51,21 @@ def test_launches_queue_behind_each_other_and_the_sync_waits_for_the_last():
     assert stream.device_ns(0, 2) == done[0][1] + done[1][1] and stream.device_ns(2, 3) == 0
 
 
+def test_an_event_waits_for_the_work_before_it_only():
+    """What lets a step launch its successor before it reads its own tokens: the readback's wait
+    is for the copy it enqueued, not for the step launched after it (CUDA's event semantics)."""
+    done = []
+    stream = EmulatedStream(lambda prefill, ns: done.append(ns))
+    start = time.perf_counter_ns()
+    stream.launch(3_000_000)
+    event = stream.record()
+    stream.launch(30_000_000)
+    stream.wait(event)
+    assert len(done) == 1 and time.perf_counter_ns() - start < 30_000_000
+    stream.synchronize()
+    assert len(done) == 2 and time.perf_counter_ns() - start >= 33_000_000
+
+
 def test_the_readback_is_the_sync():
     stream = EmulatedStream()
     readback = Readback(torch.device("cpu"), stream)

@@ -65,10 +65,11 @@ class LaunchedStep:
 
     request_ids: list[int]
     lengths: list[int]  # each row's sequence length with the step's input token (0: a row left out)
-    inputs: list[int]  # each row's input token
+    inputs: list[int]  # each row's input token (filled once on the host when launched from the device's)
     logits: torch.Tensor  # [rows, vocab] (device): rows that sample, or ask for top-n, choose from them
     tokens: torch.Tensor  # [rows] greedy ids (device)
     picked: torch.Tensor  # [rows, 2] (id, logprob) pairs (device)
+    clock: DeviceClock | None = None  # times its forward
 
     def rows_for(self, batch: Batch) -> list[int] | None:
         """Where each of the batch's rows sits in this step, or None when a row was not launched as
@@ -151,6 +152,9 @@ class CausalLM:
             graph_capturer = model.graph_capturer()
         self.readback = Readback(device, stream)
         self.clock = DeviceClock(device, stream)  # the forward's own time, reported as forward_ns
+        # A step launched ahead times its forward on the other clock: it is launched before this
+        # step's clock is read (`_launch_next`), and becomes `clock` when a step takes it.
+        self._spare_clock = DeviceClock(device, stream)
         self._inputs: UploadBuffer | None = None  # an eager decode step's inputs (_decode_forward)
         # Launch ahead (decode graphs on CUDA): once a decode step's tokens are on the host, the next
         # step is enqueued at once, and the Python work of this one (detokenizing, stopping, the
@@ -294,8 +298,9 @@ class CausalLM:
         taken = self._take_launched(launched, batch) if launched is not None else None
         chosen = picked_rows = None
         if taken is not None:
-            # Its forward ran (or runs) on the device already; the clock holds its times.
+            # Its forward ran (or runs) on the device already; its clock holds its times.
             logits, chosen, picked_rows = taken
+            self.clock, self._spare_clock = launched.clock, self.clock
             emit, prompt_spans, speculative = None, [], None
         else:
             self.clock.start()
@@ -320,14 +325,21 @@ class CausalLM:
             # is enqueued before the readback waits, so the device runs it meanwhile.
             next_ids, pairs = chosen
             self._append(batch, next_ids)
-            next_list, chosen_logprobs = unpack_choices(self.readback.fetch(pairs))
+            # The successor goes to the device before this step's tokens come to the host: it reads
+            # them on the device (the overlap schedulers' order), so the device never waits for the
+            # sync, the host's wake-up or the Python between them.
+            pending = self.readback.start(pairs)
+            launched = self._launch_next(batch, None, next_ids)
+            next_list, chosen_logprobs = unpack_choices(self.readback.wait(pending))
             if picked_rows is not None:  # a launched step ran rows this batch no longer has
                 next_list = [next_list[i] for i in picked_rows]
                 chosen_logprobs = [chosen_logprobs[i] for i in picked_rows]
+            if launched is not None:
+                launched.inputs = [t if n else 0 for t, n in zip(next_list, launched.lengths)]
+            self._launched = launched
             tops = None
             prompt_lps: list[list[float]] = []
-            device_ns = self.clock.elapsed_ns()  # read before the launch below restarts the clock
-            self._launched = self._launch_next(batch, next_list)
+            device_ns = self.clock.elapsed_ns()
         else:
             if self._text_vocab < logits.shape[-1]:
                 logits = logits[:, : self._text_vocab]  # a view: ids keep their meaning
@@ -579,7 +591,8 @@ class CausalLM:
         logits = self.model(input_ids, positions_t, self.kv_cache, meta)
         return logits, (self._greedy_choice(logits) if greedy else None)
 
-    def _launch_next(self, batch: Batch, next_ids: list[int]) -> LaunchedStep | None:
+    def _launch_next(self, batch: Batch, next_ids: list[int] | None,
+                     device_ids: torch.Tensor | None = None) -> LaunchedStep | None:
         """Enqueues the decode step that follows this one from the graph serving it, before this
         step's host work, so the device never waits for that work (what SGLang's overlap scheduler
         does; issue #31). Any decode step without speculation qualifies: its inputs are known once
@@ -588,34 +601,42 @@ class CausalLM:
         Rows this token ends by length are padding rows (their next slot lies past their blocks);
         rows ending by EOS or a stop sequence still run, and the batch that takes the step leaves
         them out: one row-step of device work, not a wait. None when the step cannot be launched
-        so; the next `generate_token` then runs it as usual. The clock times the launched forward
-        (on CUDA: its device time, read by the step that takes it after its readback)."""
+        so; the next `generate_token` then runs it as usual. The spare clock times the launched
+        forward (on CUDA: its device time, read by the step that takes it after its readback).
+
+        next_ids: this step's tokens on the host; or None, with `device_ids` [rows] on the device:
+        the launch reads them there, before the host has them (the caller fills `inputs` after)."""
         graphs = self.graphs
         if not self.launch_ahead or graphs is None or self._speculate or self._rope_switch is not None:
             return None
         states = batch.states
         block_size = self.block_size
-        tokens, positions, slots, lengths = [], [], [], []
-        for state, token in zip(states, next_ids):
+        positions, slots, lengths = [], [], []
+        for state in states:
             position = state.length  # the new token's position
             slot = -1 if state.finished or state.stopping.current_tokens + 1 >= state.stopping.max_new_tokens \
                 else state.slot(position, block_size)
             if slot < 0:
-                tokens.append(0), positions.append(0), slots.append(PAD_SLOT), lengths.append(0)
+                positions.append(0), slots.append(PAD_SLOT), lengths.append(0)
             else:
-                tokens.append(token), positions.append(position), slots.append(slot), lengths.append(position + 1)
+                positions.append(position), slots.append(slot), lengths.append(position + 1)
         max_len = max(lengths)
         if max_len == 0 or graphs.refusal(self.kv_cache, len(states), max_len) is not None:
             return None  # the step runs as usual then, and counts why it could not replay
+        # Rows left out carry token 0 (from the host) or whatever this step chose (from the device):
+        # either way their slot is PAD_SLOT and their length 0, so nothing reads what they compute.
+        tokens = [t if n else 0 for t, n in zip(next_ids, lengths)] if next_ids is not None else [0] * len(states)
         self._route(states, [1] * len(states), graph=True)
-        self.clock.start()
-        replayed = graphs.run(self.kv_cache, (tokens, positions, slots, lengths), batch.block_tables, max_len)
-        self.clock.stop()
+        clock = self._spare_clock
+        clock.start()
+        replayed = graphs.run(self.kv_cache, (tokens, positions, slots, lengths), batch.block_tables, max_len,
+                              device_ids=device_ids)
+        clock.stop()
         if replayed is None:
             return None
         logits, ids, picked = replayed
         return LaunchedStep(request_ids=batch.request_ids, lengths=lengths, inputs=tokens, logits=logits, tokens=ids,
-                            picked=picked)
+                            picked=picked, clock=clock)
 
     def _take_launched(self, launched: LaunchedStep, batch: Batch
                        ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, list[int] | None] | None:

@@ -361,7 +361,8 @@ class DecodeGraphs:
 
     # -- replay -----------------------------------------------------------------------------------
     def run(self, kv_cache: KVCache, inputs: Sequence[Sequence[int]], block_tables: torch.Tensor,
-            max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+            max_seq_len: int, device_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(logits [n, vocab], greedy ids [n], greedy (id, logprob) pairs [n, 2]) of one decode
         step from its graph, or None when the step must run eagerly (the reason is counted in
         stats.eager and logged once). The greedy outputs are zeros without a `choose`.
@@ -369,7 +370,9 @@ class DecodeGraphs:
         inputs: four host lists of n ints (input ids, positions, slots, sequence lengths after
         this step); block_tables [n, width] on the device, never written in place (a table that
         is the last step's object is not copied again); max_seq_len: the longest sequence after
-        this step. The outputs are views of static buffers that the next replay overwrites.
+        this step; device_ids: [n] input ids on the device (the last step's choice, read there:
+        one device-to-device copy), in place of inputs[0]. The outputs are views of static buffers
+        that the next replay overwrites.
         """
         rows = len(inputs[0])
         reason = self.refusal(kv_cache, rows, max_seq_len)
@@ -382,6 +385,8 @@ class DecodeGraphs:
             host[:, rows:self._live_rows] = 0  # rows a larger batch left behind (PAD_SLOT is 0)
         self._live_rows = rows
         self._upload.push()
+        if device_ids is not None:
+            self.input_ids[:rows].copy_(device_ids[:rows])
         if self._tables is None or self._tables() is not block_tables:
             # Columns past max_blocks cannot be needed (positions < max_seq_len); narrower tables
             # leave stale columns, zeroed so no row keeps another batch's blocks.

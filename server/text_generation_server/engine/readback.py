@@ -129,17 +129,40 @@ class EmulatedStream:
         self._pending.append([self.launches, begin, self.ready_ns, prefill])
         self.launches += 1
 
+    def record(self) -> int:
+        """An event after what is queued now (CUDA's `Event.record`): `wait` on it waits for that
+        work, not for what is launched after it."""
+        return self.launches
+
     def synchronize(self) -> None:
         """Waits (sleeping, so other threads run) until every launch has ended."""
-        remaining = self.ready_ns - time.perf_counter_ns()
+        self.wait(self.launches)
+
+    def wait(self, event: int) -> None:
+        """Waits until the launches before `event` (a `record`) have ended."""
+        pending = self._pending
+        if not pending or pending[0][0] >= event:
+            return
+        last = pending[0]
+        for item in pending:
+            if item[0] >= event:
+                break
+            last = item
+        remaining = last[2] - time.perf_counter_ns()
         if remaining > 0:
             time.sleep(remaining / 1e9)
-            late = time.perf_counter_ns() - self.ready_ns
-            if late > 0 and self._pending:
-                self._pending[-1][2] += late
+            late = time.perf_counter_ns() - last[2]
+            if late > 0:
+                # The emulated device ran late (the sleep woke late): that launch ended now, and
+                # every launch queued behind it starts that much later.
+                for item in pending:
+                    if item[0] > last[0]:
+                        item[1] += late
+                    if item[0] >= last[0]:
+                        item[2] += late
                 self.ready_ns += late
-        while self._pending:
-            index, begin, end, prefill = self._pending.popleft()
+        while pending and pending[0][0] < event:
+            index, begin, end, prefill = pending.popleft()
             self._done.append((index, end - begin))
             if self._on_complete is not None:
                 self._on_complete(prefill, end - begin)
@@ -163,9 +186,16 @@ class Readback:
         self._host: torch.Tensor | None = None
         self._event = torch.cuda.Event() if self.device.type == "cuda" and stream is None else None
         self._stream = stream
+        self._mark = 0  # the emulated stream's event of the copy in flight
 
     def fetch(self, packed: torch.Tensor) -> list[float]:
         """The values of `packed` (float64, contiguous) on the host: one copy and one wait."""
+        return self.wait(self.start(packed))
+
+    def start(self, packed: torch.Tensor) -> torch.Tensor:
+        """Enqueues the copy of `packed` (float64, contiguous) into the pinned buffer; returns the
+        host view that `wait` reads. Work enqueued after it (the next step's launch) may overwrite
+        `packed` on the device: the copy reads it first, in stream order."""
         flat = packed.reshape(-1)
         count = flat.numel()
         if self._host is None or self._host.numel() < count:
@@ -173,10 +203,17 @@ class Readback:
             self._host = torch.empty(size, dtype=torch.float64, pin_memory=_pinned(self.device))
         host = self._host[:count]
         host.copy_(flat, non_blocking=True)
-        if self._stream is not None:
-            self._stream.synchronize()
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
+        if self._stream is not None:
+            self._mark = self._stream.record()
+        return host
+
+    def wait(self, host: torch.Tensor) -> list[float]:
+        """The step's one sync: waits for the copy `start` enqueued; its values."""
+        if self._stream is not None:
+            self._stream.wait(self._mark)
+        if self._event is not None:
             self._event.synchronize()
         return host.tolist()
 
