@@ -72,6 +72,35 @@ def test_calls_are_answered_in_order_on_the_model_thread(tmp_path, inline):
         worker.shutdown(wait=True)
 
 
+def test_answers_keep_their_order_when_the_writer_changes(tmp_path):
+    """With a sender thread and the device's time (serve_steps' `device_ns`): a short device step
+    has the model thread write the answer, a long one hands it over; answers handed over and not yet
+    written keep the model thread from writing one past them."""
+    writers = []
+    device = iter([0, 10**9, 10**9, 0, 0, 10**9, 0] * 10)
+
+    def handle(payload: bytes):
+        def build() -> bytes:
+            writers.append(threading.current_thread().name)
+            time.sleep(0.001)  # a slow build: the sender's queue is still full when the next call comes
+            return payload.upper()
+        return build
+
+    worker = ModelThread("test-model")
+    try:
+        path = str(tmp_path / "s.steps")
+        worker.serve_steps(open_step_listener(path), handle, inline=False, device_ns=lambda: next(device))
+        a = connect(path)
+        for i in range(30):  # one at a time, then a burst
+            a.sendall(frame(f"call {i}".encode()))
+            assert read_frame(a) == f"CALL {i}".encode()
+        a.sendall(b"".join(frame(f"more {i}".encode()) for i in range(30)))
+        assert [read_frame(a) for _ in range(30)] == [f"MORE {i}".encode() for i in range(30)]
+        assert {"test-model_0"} < set(writers) and worker.send_ns > 0
+    finally:
+        worker.shutdown(wait=True)
+
+
 def test_a_chain_sees_a_call_waiting_on_the_socket(tmp_path):
     worker = ModelThread("test-model")
     try:

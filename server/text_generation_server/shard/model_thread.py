@@ -148,6 +148,10 @@ class ModelThread(Executor):
         self._resumable = 0  # deferred calls whose off-thread work is done, queued to run here
         self._resumable_lock = threading.Lock()  # (counted up on the worker's thread, down on this one)
         self.answer_ns: int | None = None  # what a Decode's answer costs this thread, call to answer sent (EMA)
+        self.send_ns: int | None = None  # building and writing one answer, wherever it ran (EMA)
+        self._device_ns: Callable[[], int] | None = None  # the last step's device time (serve_steps)
+        self._queued_sends = 0  # answers handed to the sender and not yet written
+        self._sends_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}_0")
         self._thread.start()
         alive = weakref.ref(self)  # (the exit hook must not keep a shut-down thread's executor alive)
@@ -180,7 +184,7 @@ class ModelThread(Executor):
 
     # -- the step socket ----------------------------------------------------------------------
     def serve_steps(self, listener: socket.socket, handle: Callable[[bytes], Callable[[], bytes] | Deferred],
-                    inline: bool) -> None:
+                    inline: bool, device_ns: Callable[[], int] | None = None) -> None:
         """Accepts connections on `listener` and runs each frame's call with `handle(payload)` on this
         thread; what it returns builds the answer's bytes (or is a Deferred call). `handle` raises
         FrameError for a payload that is not a call: its connection drops.
@@ -188,10 +192,15 @@ class ModelThread(Executor):
         `inline`: this thread builds and writes each answer before it goes on (a CPU rank: every
         core it has runs its forward, so another thread would only take one from it); otherwise a
         sender thread does, while this one already runs the next step (a GPU rank: the device must
-        not wait for a batch's answer to be converted)."""
+        not wait for a batch's answer to be converted). `device_ns` (with a sender): the last step's
+        device time; while it is under twice what an answer costs to build and write, the step
+        leaves this thread no wait to hide the answer in, and handing it over costs more than
+        writing it (the two threads trade the GIL), so this thread writes it, unless answers
+        handed over earlier are still unwritten (a connection's answers keep their order)."""
         self._handle = handle
         if not inline:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-answers")
+            self._device_ns = device_ns
         self.submit(self._listen, listener)
 
     def steps_waiting(self, decodes_wait: bool = False) -> bool:
@@ -327,25 +336,43 @@ class ModelThread(Executor):
         self._send(connection, deferred.then(deferred.future))
 
     def _send(self, connection: _Connection, build: Callable[[], bytes]) -> None:
-        if self._sender is not None:
+        if self._sender is not None and not self._send_here():
+            with self._sends_lock:
+                self._queued_sends += 1
             self._sender.submit(self._send_later, connection, build)
         elif not connection.closed:
+            started = time.perf_counter_ns()
             connection.protocol.send(build())
+            self._sent(time.perf_counter_ns() - started)
 
-    @staticmethod
-    def _send_later(connection: _Connection, build: Callable[[], bytes]) -> None:
+    def _send_here(self) -> bool:
+        """With a sender: whether this thread writes the answer itself now (serve_steps' `device_ns`)."""
+        if self._device_ns is None or self.send_ns is None or self._queued_sends:
+            return False
+        return self._device_ns() < 2 * self.send_ns
+
+    def _sent(self, spent: int) -> None:
+        self.send_ns = spent if self.send_ns is None else (3 * self.send_ns + spent) // 4
+
+    def _send_later(self, connection: _Connection, build: Callable[[], bytes]) -> None:
         """On the sender thread: the answer built and written. A failed write shuts the socket, and
         the model thread, reading its end, drops the connection (its selector is its own)."""
-        if connection.closed:
-            return
         try:
-            connection.sock.sendall(frame(build()))
-        except OSError:
-            connection.closed = True
+            if connection.closed:
+                return
+            started = time.perf_counter_ns()
             try:
-                connection.sock.shutdown(socket.SHUT_RDWR)
+                connection.sock.sendall(frame(build()))
             except OSError:
-                pass
+                connection.closed = True
+                try:
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._sent(time.perf_counter_ns() - started)
+        finally:
+            with self._sends_lock:
+                self._queued_sends -= 1
 
     def _lost(self, connection: _Connection, exc: BaseException | None) -> None:
         if isinstance(exc, FrameError):

@@ -580,7 +580,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if inline is None:
             # The benchmarks' stand-in forward (engine/standin.py) leaves the host free as a device does.
             inline = self.model.device.type == "cpu" and not isinstance(self.model.model, StandinForward)
-        self._executor.serve_steps(open_step_listener(path), self._socket_step, inline=inline)
+        # A device step too short to hide an answer's conversion in: the model thread writes it.
+        self._executor.serve_steps(open_step_listener(path), self._socket_step, inline=inline,
+                                   device_ns=lambda: self.model.last_device_ns)
         self.step_socket = path
 
     def _socket_step(self, payload: bytes) -> Callable[[], bytes] | Deferred:
