@@ -277,7 +277,7 @@ class DecodeGraphs:
         self._cache: weakref.ref | None = None
         self._tables: weakref.ref | None = None  # the batch block table the buffer holds now
         self._table_rows = 0
-        self._live_rows = 0
+        self._live_rows = [0, 0]  # rows the last push from each upload mirror held
         self._choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._logged: set[str] = set()
 
@@ -309,9 +309,9 @@ class DecodeGraphs:
                              "or sizes tensors from device values")
         memo_for = (lambda *_: {}) if attention_free else backend.capture_memo
         self.release()
-        self._upload.host()[:] = 0
+        self._upload.zero()
         self._pad(0, self.buckets[-1])
-        self._live_rows = 0
+        self._live_rows = [0, 0]  # per upload mirror
         self._tables, self._table_rows = None, 0
         self._choose = choose
         before = self.capturer.memory_reserved()
@@ -381,9 +381,12 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= rows)
         host = self._upload.host()
         host[:, :rows] = inputs
-        if self._live_rows > rows:
-            host[:, rows:self._live_rows] = 0  # rows a larger batch left behind (PAD_SLOT is 0)
-        self._live_rows = rows
+        # Rows a larger batch left behind in this mirror (the upload's two mirrors take turns, so
+        # it is the one before last's): padding (PAD_SLOT is 0).
+        live = self._live_rows[self._upload.turn]
+        if live > rows:
+            host[:, rows:live] = 0
+        self._live_rows[self._upload.turn] = rows
         self._upload.push()
         if device_ids is not None:
             self.input_ids[:rows].copy_(device_ids[:rows])

@@ -28,20 +28,40 @@ def _pinned(device: torch.device) -> bool:
 class UploadBuffer:
     """A device buffer fed from a pinned host mirror with one copy.
 
-    Write the values into `host()` (a numpy view of the pinned mirror), then `push()`: one
+    Write the values into `host()` (a numpy view of a pinned mirror), then `push()`: one
     non-blocking copy of the whole mirror, so a step's inputs cost one launch however many
-    rows and columns they have. `host()` first waits for the last push to have left the
-    mirror (it has, once the step it fed was read back; the wait only guards a step that
-    failed before its readback)."""
+    rows and columns they have. Two mirrors take turns: a step launched before the last one is
+    read back (launch ahead) writes the other one, and `host()` waits only for the push before
+    last to have left its mirror (it has, once the step it fed was read back; the wait only
+    guards a step that failed before its readback). The values written are the whole row set:
+    a mirror holds what was written into it two pushes ago, so write every value a step reads."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.device = torch.device(device)
         self.tensor = torch.zeros(shape, dtype=dtype, device=self.device)  # what the device reads
-        self._host = torch.zeros(shape, dtype=dtype, pin_memory=_pinned(self.device))
-        self._view = self._host.numpy()
-        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._mirrors = [torch.zeros(shape, dtype=dtype, pin_memory=_pinned(self.device)) for _ in range(2)]
+        self._views = [m.numpy() for m in self._mirrors]
+        self._events = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(2)]
+        self._pendings = [False, False]
+        self._turn = 0
+        self._host, self._view, self._event = self._mirrors[0], self._views[0], self._events[0]
         self._pending = False
         self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def turn(self) -> int:
+        """Which mirror `host()` gives now (0 or 1)."""
+        return self._turn
+
+    def zero(self) -> None:
+        """Both mirrors to zeros (each waited for first)."""
+        for _ in range(2):
+            self.host()[:] = 0
+            self._pendings[self._turn] = False
+            self._turn ^= 1
+            self._host, self._view, self._event = (self._mirrors[self._turn], self._views[self._turn],
+                                                   self._events[self._turn])
+            self._pending = self._pendings[self._turn]
 
     def rows(self, count: int) -> tuple[torch.Tensor, ...]:
         """The device buffer's rows, each cut to its first `count` entries (views, made once)."""
@@ -57,11 +77,17 @@ class UploadBuffer:
         return self._view
 
     def push(self) -> torch.Tensor:
-        """Copies the mirror to the device (one launch); returns the device buffer."""
+        """Copies the mirror to the device (one launch); returns the device buffer. The next
+        `host()` is the other mirror."""
         self.tensor.copy_(self._host, non_blocking=True)
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
             self._pending = True
+        self._pendings[self._turn] = self._pending
+        self._turn ^= 1
+        turn = self._turn
+        self._host, self._view, self._event = self._mirrors[turn], self._views[turn], self._events[turn]
+        self._pending = self._pendings[turn]
         return self.tensor
 
 
