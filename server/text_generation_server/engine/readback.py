@@ -39,13 +39,12 @@ class UploadBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.device = torch.device(device)
         self.tensor = torch.zeros(shape, dtype=dtype, device=self.device)  # what the device reads
-        self._mirrors = [torch.zeros(shape, dtype=dtype, pin_memory=_pinned(self.device)) for _ in range(2)]
-        self._views = [m.numpy() for m in self._mirrors]
+        mirrors = [torch.zeros(shape, dtype=dtype, pin_memory=_pinned(self.device)) for _ in range(2)]
+        self._mirrors = mirrors
+        self._views = [m.numpy() for m in mirrors]
         self._events = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(2)]
-        self._pendings = [False, False]
-        self._turn = 0
-        self._host, self._view, self._event = self._mirrors[0], self._views[0], self._events[0]
-        self._pending = False
+        self._pending = [False, False]  # a push from that mirror may not have left it yet
+        self._turn = 0  # the mirror `host()` gives
         self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -54,14 +53,10 @@ class UploadBuffer:
         return self._turn
 
     def zero(self) -> None:
-        """Both mirrors to zeros (each waited for first)."""
+        """Both mirrors to zeros."""
         for _ in range(2):
             self.host()[:] = 0
-            self._pendings[self._turn] = False
             self._turn ^= 1
-            self._host, self._view, self._event = (self._mirrors[self._turn], self._views[self._turn],
-                                                   self._events[self._turn])
-            self._pending = self._pendings[self._turn]
 
     def rows(self, count: int) -> tuple[torch.Tensor, ...]:
         """The device buffer's rows, each cut to its first `count` entries (views, made once)."""
@@ -71,23 +66,22 @@ class UploadBuffer:
         return views
 
     def host(self) -> np.ndarray:
-        if self._pending and self._event is not None:
-            self._event.synchronize()
-        self._pending = False
-        return self._view
+        turn = self._turn
+        if self._pending[turn]:
+            self._events[turn].synchronize()
+            self._pending[turn] = False
+        return self._views[turn]
 
     def push(self) -> torch.Tensor:
         """Copies the mirror to the device (one launch); returns the device buffer. The next
         `host()` is the other mirror."""
-        self.tensor.copy_(self._host, non_blocking=True)
-        if self._event is not None:
-            self._event.record(torch.cuda.current_stream(self.device))
-            self._pending = True
-        self._pendings[self._turn] = self._pending
-        self._turn ^= 1
         turn = self._turn
-        self._host, self._view, self._event = self._mirrors[turn], self._views[turn], self._events[turn]
-        self._pending = self._pendings[turn]
+        self.tensor.copy_(self._mirrors[turn], non_blocking=True)
+        event = self._events[turn]
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.device))
+            self._pending[turn] = True
+        self._turn = turn ^ 1
         return self.tensor
 
 
