@@ -113,7 +113,7 @@ def test_a_layer_tiles_at_load_and_keeps_its_bits(native, monkeypatch, case_):
     plain = cpu.CpuInt4PackQ8Kernel.build(w, bias, torch.bfloat16)
     assert tiled.tiled is not None and tiled.packed is None and tiled.scales_f32 is None
     assert plain.tiled is None and plain.packed is not None
-    assert tiled.preference_scope == cpu_act_int8.TILED_SCOPE != plain.preference_scope
+    assert tiled.preference_scope == plain.preference_scope == cpu_act_int8.SCOPE  # the same names, the same bits
     x = torch.randn(11, k).bfloat16()
     with torch.inference_mode():
         for prefill in (True, False):

@@ -142,7 +142,6 @@ class Int4PackLinear(torch.nn.Module):
             self.tiled = cpu_act_int8.tile_for_layer(self.packed, self.scales_f32, self.offsets_f32,
                                                      self.group_size, self.block)
             self.packed = self.scales_f32 = self.offsets_f32 = None
-            self.preference_scope = cpu_act_int8.TILED_SCOPE
 
     # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
     # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row

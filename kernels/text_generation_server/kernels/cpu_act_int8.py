@@ -140,8 +140,6 @@ def int4_q8_linear(module: cpu_native.Extension, x: torch.Tensor, packed: torch.
 # The tiled layout (`tile`) for the layers that take int8 activations: on by default where the native
 # kernels are built; "off" keeps torch's layout read in place (the same bits: for A/B runs).
 TILED_ENV = "TGS_CPU_INT4_TILED"
-# The tiled layers' measured names are kept apart from those of torch's layout (kernels/cpu_tuning.py).
-TILED_SCOPE = "q8-tiled"
 
 
 def tiled_enabled(module: cpu_native.Extension | None) -> bool:
