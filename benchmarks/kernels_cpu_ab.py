@@ -10,6 +10,7 @@ milliseconds, and the weight bytes read per second at that time.
     TGS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         python benchmarks/kernels_cpu_ab.py --base 2fbacd7 --what int4-op   # AVX2: the int4 kernel vs torch's op
     python benchmarks/kernels_cpu_ab.py --what int4-q8 --rows 1,2,4,8   # int4: exact vs int8 activations
+    python benchmarks/kernels_cpu_ab.py --what int4-tiled --rows 1,8 --q8-variants q8,q8-pf0  # torch layout vs tiled
     python benchmarks/kernels_cpu_ab.py --what int8-q8 --rows 1,2,4,8   # int8 (and the int8 head): the same
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
@@ -82,7 +83,8 @@ def best(fn: Callable[[int], object], calls: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
-    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8 (comma-separated; "
+    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8, int4-tiled (comma-separated; "
+                        "int4-tiled: the int8-activation kernel over torch's layout against the tiled one; "
                         "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
                         "ones; int8-q8 also times the 151936 x 1536 head)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
@@ -104,12 +106,15 @@ def main() -> int:
     copies = 6
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     for k, n in shapes:
-        if not what & {"int4", "int4-op", "int4-q8"}:
+        if not what & {"int4", "int4-op", "int4-q8", "int4-tiled"}:
             break
         codes = [torch.randint(0, 16, (n, k), dtype=torch.int32) for _ in range(copies)]
         packs = [torch._convert_weight_to_int4pack_for_cpu(c, 2) for c in codes]
         s, c = torch.rand(k // 128, n), torch.randn(k // 128, n)
         sz = torch.stack([s, c], dim=-1).bfloat16()
+        block = cpu_native.int4_block() or 64
+        no_bias = torch.empty(0, dtype=torch.bfloat16)
+        tiles = [cpu_act_int8.tile(p, s, c, 128, block) for p in packs] if "int4-tiled" in what else []
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             res: dict[str, list[float]] = {}
@@ -123,6 +128,16 @@ def main() -> int:
                         lambda i: cpu_native.int4pack_mm(new, x, packs[i % copies], s, c, 128), 2 * copies))
                     res.setdefault("torch op", []).append(best(
                         lambda i: torch._weight_int4pack_mm_for_cpu(x, packs[i % copies], 128, sz), 2 * copies))
+                if "int4-tiled" in what:  # int8 activations: torch's layout read in place vs tiled at load
+                    for name in args.q8_variants.split(","):
+                        rows_, pf, grain = cpu_act_int8.VARIANTS[name]
+                        pf = cpu_act_int8.PREFETCH_BYTES if pf < 0 else pf
+                        res.setdefault(f"{name} torch layout", []).append(best(
+                            lambda i: new.int4_q8_linear(x, packs[i % copies], s, c, no_bias, 128, block, rows_,
+                                                         pf, grain or cpu_native.INT4_BLOCK_GRAIN), 2 * copies))
+                        res.setdefault(f"{name} tiled", []).append(best(
+                            lambda i: new.int4_q8_tiled_linear(x, tiles[i % copies], no_bias, 128, block, rows_,
+                                                               pf, grain or cpu_native.INT4_BLOCK_GRAIN), 2 * copies))
                 if "int4-q8" in what:
                     res.setdefault("exact", []).append(best(
                         lambda i: cpu_native.int4pack_mm(new, x, packs[i % copies], s, c, 128), 2 * copies))

@@ -37,6 +37,15 @@ def pack(codes: torch.Tensor, block: int) -> torch.Tensor:
     return (parts[..., : block // 2] | (parts[..., block // 2:] << 4)).reshape(n, k // 2).contiguous()
 
 
+def layout(module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A q8 layer's codes in torch's layout with its float32 scales and offsets (cpu_act_int8.untile of
+    its tiled bytes where it has them)."""
+    if module.tiled is not None:
+        assert module.packed is None and module.scales_f32 is None  # torch's layout let go
+        return cpu_act_int8.untile(module.tiled, module.group_size, module.block)
+    return module.packed, module.scales_f32, module.offsets_f32
+
+
 SHAPES = [  # (K, N, group size): K of 3, 5, 9, 13 blocks of 32, uneven group counts, N of 1-5 blocks
     (96, 64, 32), (160, 192, 32), (288, 128, 96), (416, 320, 32), (512, 64, 256), (384, 128, 128)]
 
@@ -168,8 +177,7 @@ def test_a_layer_runs_every_row_count_and_phase_on_the_same_arithmetic(native, m
         xp = torch.nn.functional.pad(xp, (0, 1))
     if module.perm is not None:
         xp = xp.index_select(1, module.perm)
-    want = cpu_act_int8.reference(xp.bfloat16().float(), module.packed, module.scales_f32, module.offsets_f32,
-                                  module.group_size, cpu_native.int4_block())
+    want = cpu_act_int8.reference(xp.bfloat16().float(), *layout(module), module.group_size, cpu_native.int4_block())
     torch.testing.assert_close(prompt.float(), (want.float().bfloat16().float() + bias.bfloat16().float()
                                                 ).bfloat16().float(), rtol=2e-2, atol=2e-2)
     # against the exact weights: within the int8 step of the activations (stated: 2% relative, Frobenius)
@@ -193,20 +201,21 @@ def test_the_one_call_layer_path_has_the_bits_of_the_torch_ops_it_replaces(nativ
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(9, k, generator=g) * 3).bfloat16()
     x[1, :32] = 0  # a zero block
+    packed, scales, offsets = layout(module)
     for rows in (1, 2, 3, 8, 9):
         for variant in cpu_act_int8.VARIANTS:
-            want = cpu_act_int8.int4_q8_mm(native, x[:rows].float(), module.packed, module.scales_f32,
-                                           module.offsets_f32, gs, block, variant).bfloat16()
+            want = cpu_act_int8.int4_q8_mm(native, x[:rows].float(), packed, scales, offsets, gs, block,
+                                           variant).bfloat16()
             if b is not None:
                 want = want + module.bias
-            got = cpu_act_int8.int4_q8_linear(native, x[:rows], module.packed, module.scales_f32, module.offsets_f32,
-                                              module.bias, gs, block, variant)
+            got = cpu_act_int8.int4_q8_linear(native, x[:rows], packed, scales, offsets, module.bias, gs, block, variant)
             assert got.dtype == torch.bfloat16 and torch.equal(got, want), (rows, variant)
+            if module.tiled is not None:
+                assert torch.equal(cpu_act_int8.int4_q8_tiled_linear(native, x[:rows], module.tiled, module.bias, gs,
+                                                                     block, variant), want), (rows, variant)
     # bfloat16 x is read as it is: int4_q8_mm gives the bits of its float32 copy
-    assert torch.equal(cpu_act_int8.int4_q8_mm(native, x, module.packed, module.scales_f32, module.offsets_f32, gs,
-                                               block), cpu_act_int8.int4_q8_mm(native, x.float(), module.packed,
-                                                                               module.scales_f32, module.offsets_f32,
-                                                                               gs, block))
+    assert torch.equal(cpu_act_int8.int4_q8_mm(native, x, packed, scales, offsets, gs, block),
+                       cpu_act_int8.int4_q8_mm(native, x.float(), packed, scales, offsets, gs, block))
     general = cpu.CpuInt4PackQ8Kernel.build(w, b, torch.bfloat16)
     general.direct_q8 = False
     with torch.inference_mode():
@@ -215,8 +224,10 @@ def test_the_one_call_layer_path_has_the_bits_of_the_torch_ops_it_replaces(nativ
                 assert torch.equal(module(x), general(x))
                 assert torch.equal(module(x[:1].reshape(1, 1, k)), general(x[:1]).reshape(1, 1, n))
     with pytest.raises(RuntimeError, match="bias must be empty or bfloat16"):
-        native.int4_q8_linear(x, module.packed, module.scales_f32, module.offsets_f32, torch.zeros(n + 1).bfloat16(),
-                              gs, block, 2, 0, 1)
+        native.int4_q8_linear(x, packed, scales, offsets, torch.zeros(n + 1).bfloat16(), gs, block, 2, 0, 1)
+    if module.tiled is not None:
+        with pytest.raises(RuntimeError, match="bias must be empty or bfloat16"):
+            native.int4_q8_tiled_linear(x, module.tiled, torch.zeros(n + 1).bfloat16(), gs, block, 2, 0, 1)
 
 
 def _model(tmp_path, monkeypatch, mode: str):

@@ -180,14 +180,16 @@ def int8_activations(native, monkeypatch):
 
 
 def watch_q8_calls(cpu_act_int8, monkeypatch) -> None:
-    """The int4 layer's one-call path names its variant to cpu_act_int8.int4_q8_linear, not to `run`."""
-    real = cpu_act_int8.int4_q8_linear
+    """The int4 layer's one-call path names its variant to cpu_act_int8.int4_q8_linear (int4_q8_tiled_linear
+    on the tiled layout), not to `run`."""
+    for name in ("int4_q8_linear", "int4_q8_tiled_linear"):
+        real = getattr(cpu_act_int8, name)
 
-    def recorded(*args, **kwargs):
-        RAN.append(args[-1])
-        return real(*args, **kwargs)
+        def recorded(*args, real=real, **kwargs):
+            RAN.append(args[-1])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_act_int8, "int4_q8_linear", recorded)
+        monkeypatch.setattr(cpu_act_int8, name, recorded)
 
 
 def q8_model(seed: int = 0) -> torch.nn.Module:

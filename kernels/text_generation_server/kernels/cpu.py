@@ -116,6 +116,7 @@ class Int4PackLinear(torch.nn.Module):
         # output (an eighth more than the packed codes at g=128).
         self.register_buffer("scales_f32", None)
         self.register_buffer("offsets_f32", None)
+        self.register_buffer("tiled", None)  # use_int8_activations(): cpu_act_int8.tile's layout
         if self._dequantizes():
             sz = scales_and_zeros.float()
             self.scales_f32 = sz[..., 0].contiguous()
@@ -135,6 +136,12 @@ class Int4PackLinear(torch.nn.Module):
         self.direct_q8 = (self.native is not None and not self.padded and self.perm is None
                           and self.compute_dtype == self.act_dtype == torch.bfloat16
                           and (self.bias is None or self.bias.dtype == torch.bfloat16))
+        if self.tiled is None and cpu_act_int8.tiled_enabled(self.native):
+            # The codes and scales rearranged for the int8-activation kernel (cpu_act_int8.tile: the same
+            # bits); torch's layout and the float32 scales are let go (the tiled bytes hold them).
+            self.tiled = cpu_act_int8.tile_for_layer(self.packed, self.scales_f32, self.offsets_f32,
+                                                     self.group_size, self.block)
+            self.packed = self.scales_f32 = self.offsets_f32 = None
 
     # The ways to compute (kernels/phase.py): "native" the packed bytes read in place for any row
     # count (NATIVE_VARIANTS: the same bits under every name), "op" torch's int4 op, "dequant" row
@@ -177,6 +184,12 @@ class Int4PackLinear(torch.nn.Module):
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         # x: [M, Kp] compute dtype, permuted and padded -> [M, N] compute dtype
         if variant in cpu_act_int8.VARIANTS:
+            if self.tiled is not None:
+                if x.dtype == torch.bfloat16 == self.compute_dtype:
+                    return cpu_act_int8.int4_q8_tiled_linear(self.native, x, self.tiled, None, self.group_size,
+                                                             self.block, variant)
+                return cpu_act_int8.int4_q8_tiled_mm(self.native, x, self.tiled, self.group_size, self.block,
+                                                     variant).to(self.compute_dtype)
             if self.native is not None and x.dtype == torch.bfloat16 == self.compute_dtype:
                 return cpu_act_int8.int4_q8_linear(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
                                                    None, self.group_size, self.block, variant)
@@ -199,9 +212,13 @@ class Int4PackLinear(torch.nn.Module):
             # int8 activations, bfloat16 throughout, no permutation: one native call with the bias, one
             # variant for every row (they all give a row the same bits, so a prefill that carries
             # decoding rows needs no split), the bits of the general path below
-            y = cpu_act_int8.int4_q8_linear(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
-                                            self.bias, self.group_size, self.block,
-                                            choose_variant(self, x.shape[0]))
+            variant = choose_variant(self, x.shape[0])
+            if self.tiled is not None:
+                y = cpu_act_int8.int4_q8_tiled_linear(self.native, x, self.tiled, self.bias, self.group_size,
+                                                      self.block, variant)
+            else:
+                y = cpu_act_int8.int4_q8_linear(self.native, x, self.packed, self.scales_f32, self.offsets_f32,
+                                                self.bias, self.group_size, self.block, variant)
             return y.reshape(*lead, self.out_features)
         if self.padded:
             x = torch.nn.functional.pad(x, (0, 1))

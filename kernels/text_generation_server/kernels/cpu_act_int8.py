@@ -136,6 +136,58 @@ def int4_q8_linear(module: cpu_native.Extension, x: torch.Tensor, packed: torch.
                                  grain or cpu_native.INT4_BLOCK_GRAIN)
 
 
+
+# The tiled layout (`tile`) for the layers that take int8 activations: on by default where the native
+# kernels are built; "off" keeps torch's layout read in place (the same bits: for A/B runs).
+TILED_ENV = "TGS_CPU_INT4_TILED"
+
+
+def tiled_enabled(module: cpu_native.Extension | None) -> bool:
+    """Whether int4 layers with int8 activations get the tiled layout: a native build that has its kernel,
+    and TILED_ENV not 0/false/no/off."""
+    if module is None or not hasattr(module, "int4_q8_tiled_linear"):
+        return False
+    return os.environ.get(TILED_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def tile_for_layer(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                   block: int) -> torch.Tensor:
+    """`tile`'s bytes in a buffer of the packed layers' huge-page arena (kernels/cpu_kquant.py PackArena),
+    torch's allocator when TGS_CPU_KQUANT_HUGEPAGES is off.
+
+    Why huge pages: a one-row call streams the layer once, and on 4 KiB pages (torch's buffers on a
+    machine whose transparent huge pages are "madvise") every 4 KiB is a TLB miss and a boundary the
+    hardware prefetchers stop at (BENCHMARKS.md, issue #32 session 11: the tiled kernel one thread,
+    cold, 1536 x 17920: 25 GB/s on 4 KiB pages, 32 on huge ones)."""
+    from text_generation_server.kernels import cpu_kquant  # its arena; imported here: it imports this module's peers
+
+    tiled = tile(packed, scales, offsets, group_size, block)
+    if not cpu_kquant.hugepages_enabled():
+        return tiled
+    out = cpu_kquant._ARENA.take(tiled.numel()).view(tiled.shape)
+    out.copy_(tiled)
+    return out
+
+
+def int4_q8_tiled_linear(module: cpu_native.Extension, x: torch.Tensor, tiled: torch.Tensor,
+                         bias: torch.Tensor | None, group_size: int, block: int, variant: str = Q8) -> torch.Tensor:
+    """`int4_q8_linear` over the tiled layout (`tile`): the same bits."""
+    rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
+    return module.int4_q8_tiled_linear(x.contiguous(), tiled, _NO_BIAS if bias is None else bias, group_size, block,
+                                       rows, PREFETCH_BYTES if prefetch < 0 else prefetch,
+                                       grain or cpu_native.INT4_BLOCK_GRAIN)
+
+
+def int4_q8_tiled_mm(module: cpu_native.Extension, x: torch.Tensor, tiled: torch.Tensor, group_size: int,
+                     block: int, variant: str = Q8) -> torch.Tensor:
+    """`int4_q8_mm` over the tiled layout (float32 [M, N]): the same bits."""
+    if x.dtype != torch.bfloat16:
+        x = x.float()
+    rows, prefetch, grain = VARIANTS.get(variant, VARIANTS[Q8])
+    return module.int4_q8_tiled_mm(x.contiguous(), tiled, group_size, block, rows,
+                                   PREFETCH_BYTES if prefetch < 0 else prefetch, grain or cpu_native.INT4_BLOCK_GRAIN,
+                                   False)
+
 # The int8 kernel's names (rows per pass, prefetch bytes; -1: cpu_native.PREFETCH_BYTES): the same bits.
 INT8_VARIANTS: dict[str, tuple[int, int]] = {Q8: (2, -1), "q8-r1": (1, -1), "q8-r4": (4, -1), "q8-pf0": (2, 0)}
 
@@ -194,6 +246,49 @@ def unpack(packed: torch.Tensor, block: int) -> torch.Tensor:
     parts = packed.reshape(n // block, k, block // 2)
     return torch.cat([parts & 15, parts >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
 
+
+
+def tile(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, block: int) -> torch.Tensor:
+    """torch's CPU int4 layout (`block` outputs per block) with its float32 scales and offsets [K / group_size, N]
+    rearranged for the int8-activation kernel (cpu_native_q8_src.py "tiled"): uint8 [N / block, K / group_size,
+    group_size * block / 2 + 8 * block].
+
+    Why at load: in torch's layout a kernel step gathers each output's four input rows with a byte permute and
+    reads the scales from two more strided streams; tiled, each block is one contiguous stream whose quads are
+    a load and two masks away from the dot product's operands. The codes and scales are the same bytes, so
+    the results are the same bits."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if block not in (32, 64) or n % block or group_size % BLOCK or k % group_size:
+        raise ValueError(f"cannot tile int4 codes [{n}, {k}] in {block}-output blocks with group size {group_size}")
+    groups = k // group_size
+    if scales.shape != (groups, n) or offsets.shape != (groups, n):
+        raise ValueError(f"scales and offsets must be [{groups}, {n}], got {list(scales.shape)} and {list(offsets.shape)}")
+    # torch's bytes as [block, group, quad, row in quad, vector, lane] -> [block, group, quad, vector, lane, row]
+    codes = packed.reshape(n // block, groups, group_size // 4, 4, block // 32, 16).permute(0, 1, 2, 4, 5, 3)
+    codes = codes.reshape(n // block, groups, group_size * block // 2)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # float32 [G, N] -> bytes [N / block, G, 4 block]
+        t = t.float().reshape(groups, n // block, block).permute(1, 0, 2).contiguous()
+        return t.view(torch.uint8).reshape(n // block, groups, 4 * block)
+
+    return torch.cat([codes, per_block(scales), per_block(offsets)], dim=2).contiguous()
+
+
+def untile(tiled: torch.Tensor, group_size: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tile`'s inverse: (torch's packed codes uint8 [N, K / 2], scales, offsets float32 [K / group_size, N])."""
+    nb, groups, part = tiled.shape
+    code_bytes = group_size * block // 2
+    if part != code_bytes + 8 * block:
+        raise ValueError(f"tiled parts of {part} bytes are not group size {group_size} x {block}-output blocks")
+    n, k = nb * block, groups * group_size
+    codes = tiled[..., :code_bytes].reshape(nb, groups, group_size // 4, block // 32, 16, 4).permute(0, 1, 2, 5, 3, 4)
+    packed = codes.reshape(n, k // 2).contiguous()
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.float32).reshape(nb, groups, block).permute(1, 0, 2).reshape(groups, n)
+
+    return (packed, per_group(tiled[..., code_bytes:code_bytes + 4 * block]),
+            per_group(tiled[..., code_bytes + 4 * block:]).contiguous())
 
 def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
               block: int) -> torch.Tensor:

@@ -323,6 +323,139 @@ void q8_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_
 }
 
 
+// ---- the same product over a layout prepared at load ("tiled", cpu_act_int8.tile) ----------------
+// torch's layout puts 4 input rows' bytes of an output 32 (B = 64) or 16 (B = 32) bytes apart, so the
+// kernel above spends a byte permute per 64 bytes gathering each output's quad into one 32-bit lane,
+// and reads s and c from two more streams whose rows lie 4N bytes apart. Tiled, block nb (outputs
+// nb B .. nb B + B - 1) is G contiguous parts, one per group g: gs / 4 quads of 2B bytes (vector h of
+// a quad, 64 bytes: lane j holds, for input rows k .. k + 3, torch's byte 16h + j of that row: the low
+// nibble output 16h + j, the high one output B / 2 + 16h + j), then s[g, block] and c[g, block] as
+// float32: a block streams from one start to one end, and one load, one AND, one shift and one AND make
+// a quad's code vectors (the same codes in the same lanes as q8_codes'). The arithmetic is the kernel's
+// above, step for step: the same bits (tests/test_cpu_act_int8_tiled.py).
+inline int64_t q8t_part_bytes(int64_t gs, int64_t B) { return gs * B / 2 + 8 * B; }
+#if Q8_ISA == 2
+template <int B>
+inline void q8t_codes(const uint8_t* p, __m512i* w) {
+  constexpr int H = B / 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < H; ++h) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * h);
+    w[h] = _mm512_and_si512(v, nibble);
+    w[H + h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+}
+#elif Q8_ISA == 1
+template <int B>
+inline void q8t_codes(const uint8_t* p, __m256i* w) {  // lanes 0-7 of vector h, then 8-15: q8_codes' order
+  constexpr int H = B / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < H; ++h) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
+    w[2 * h] = _mm256_and_si256(a, nibble);
+    w[2 * h + 1] = _mm256_and_si256(b, nibble);
+    w[B / 16 + 2 * h] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble);
+    w[B / 16 + 2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+  }
+}
+#endif
+
+#if defined(Q8_ISA)
+template <int B, int R>
+void q8t_block(const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled, const Q8Out& out, int64_t K,
+               int64_t gs, int64_t nb, int64_t m0, int64_t prefetch) {
+  constexpr int V = B / Q8_LANES;
+  const int64_t nblk = K / Q8_BLOCK, G = K / gs, part = q8t_part_bytes(gs, B), per_group = gs / Q8_BLOCK;
+  const uint8_t* src = tiled + nb * G * part;
+  alignas(64) float t[R][B];
+  alignas(64) float yl[R][B];
+  std::memset(yl, 0, sizeof(yl));
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* base = src + g * part;
+    std::memset(t, 0, sizeof(t));
+    for (int64_t b = 0; b < per_group; ++b) {
+      q8acc acc[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = q8_zero();
+      const int64_t k0 = g * gs + b * Q8_BLOCK;
+      for (int q = 0; q < Q8_BLOCK / 4; ++q) {
+        const uint8_t* p = base + (b * (Q8_BLOCK / 4) + q) * (2 * B);
+        if (prefetch) {
+          __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+          if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
+        }
+        q8w w[V];
+        q8t_codes<B>(p, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4; std::memcpy(&x4, xq + (m0 + r) * K + k0 + 4 * q, 4);
+          for (int j = 0; j < V; ++j) acc[r][j] = q8_dot(acc[r][j], w[j], x4);
+        }
+      }
+      for (int r = 0; r < R; ++r) q8_block_end(t[r], acc[r], V, dx[(m0 + r) * nblk + g * per_group + b]);
+    }
+    const float* sc = reinterpret_cast<const float*>(base + gs * B / 2);  // s[g, block], then c[g, block]
+    for (int r = 0; r < R; ++r) q8_group_end(yl[r], t[r], sc, sc + B, xs[(m0 + r) * G + g], 0, B);
+  }
+  for (int r = 0; r < R; ++r) q8_store(out, m0 + r, nb * B, yl[r], B);
+}
+
+template <int B, int R>
+void q8t_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled, const Q8Out& out, int64_t M,
+              int64_t K, int64_t gs, int64_t b0, int64_t b1, int64_t prefetch) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    int64_t m = 0;
+    for (; m + R <= M; m += R) q8t_block<B, R>(xq, dx, xs, tiled, out, K, gs, nb, m, prefetch);
+    for (; m < M; ++m) q8t_block<B, 1>(xq, dx, xs, tiled, out, K, gs, nb, m, prefetch);
+  }
+}
+
+template <int B>
+void q8t_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled,
+                const Q8Out& out, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t prefetch, int64_t block_grain) {
+  tgs::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
+    switch (rows_per_pass) {
+      case 1: q8t_rows<B, 1>(xq, dx, xs, tiled, out, M, K, gs, b0, b1, prefetch); break;
+      case 4: q8t_rows<B, 4>(xq, dx, xs, tiled, out, M, K, gs, b0, b1, prefetch); break;
+      default: q8t_rows<B, 2>(xq, dx, xs, tiled, out, M, K, gs, b0, b1, prefetch); break;
+    }
+  });
+}
+#endif
+
+// The generic build: q8_generic's steps, each code and scale found in the tiled layout.
+void q8t_generic(const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled, const Q8Out& out,
+                 int64_t M, int64_t K, int64_t N, int64_t gs, int64_t block) {
+  const int64_t half = block / 2, nblk = K / Q8_BLOCK, G = K / gs, part = q8t_part_bytes(gs, block);
+  tgs::parallel_for(0, N, block, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t nb = n / block, j = n % block, byte = j % half;
+      const int shift = j < half ? 0 : 4;
+      const int64_t lane = (byte / 16) * 64 + (byte % 16) * 4;  // vector byte / 16, lane byte % 16
+      for (int64_t m = 0; m < M; ++m) {
+        float y = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* base = tiled + (nb * G + g) * part;
+          float t = 0.f;
+          for (int64_t b = 0; b < gs / Q8_BLOCK; ++b) {
+            int32_t acc = 0;
+            for (int64_t kk = b * Q8_BLOCK; kk < (b + 1) * Q8_BLOCK; ++kk)
+              acc += int32_t((base[(kk / 4) * 2 * block + lane + kk % 4] >> shift) & 15) *
+                     int32_t(xq[m * K + g * gs + kk]);
+            t = std::fma(dx[m * nblk + g * (gs / Q8_BLOCK) + b], float(acc), t);
+          }
+          float s, c;
+          std::memcpy(&s, base + gs * half + 4 * j, 4);
+          std::memcpy(&c, base + gs * half + 4 * (block + j), 4);
+          y = std::fma(t, s, y);
+          y = std::fma(xs[m * G + g], c, y);
+        }
+        q8_store1(out, m, n, y);
+      }
+    }
+  });
+}
+
 // ---- int8 codes x int8 activations: y[m, n] = s[n] * sum_b dx[m, b] * sum_{k in b} w[n, k] * xq[m, k] ---------
 // Lanes are 4-input-row groups ("quads"): a 64-input chunk c is 16 lanes, lane l summing quad 16c + l in
 // integers (exact), then f[l] = fma(float(that), dx of the lane's 32-wide block, f[l]) chunk by chunk;
@@ -565,6 +698,69 @@ torch::Tensor int4_q8_mm_generic(torch::Tensor x, torch::Tensor packed, torch::T
   return y;
 }
 
+namespace {
+// Checks the tiled product's arguments; returns (N, K, G, M).
+std::array<int64_t, 4> q8t_check(const torch::Tensor& x, const torch::Tensor& tiled, int64_t gs, int64_t block) {
+  TORCH_CHECK(block == 64 || block == 32, "block must be 64 or 32, got ", block);
+  TORCH_CHECK(gs > 0 && gs % Q8_BLOCK == 0, "group size ", gs, " must be a multiple of 32");
+  TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 3 &&
+              tiled.size(2) == q8t_part_bytes(gs, block), "tiled must be contiguous uint8 [N / ", block,
+              ", K / ", gs, ", ", q8t_part_bytes(gs, block), "] (cpu_act_int8.tile), got ", tiled.sizes(), " ",
+              tiled.scalar_type());
+  const int64_t N = tiled.size(0) * block, G = tiled.size(1), K = G * gs;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16)
+              && x.is_contiguous(), "x must be contiguous float32 or bfloat16 [M, ", K, "], got ", x.sizes(), " ",
+              x.scalar_type());
+  return {N, K, G, x.size(0)};
+}
+
+void q8t_run(const Q8Scratch& q, const torch::Tensor& tiled, const Q8Out& out, int64_t M, int64_t K, int64_t N,
+             int64_t gs, int64_t block, int64_t rows_per_pass, int64_t prefetch, int64_t block_grain, bool generic) {
+  const uint8_t* tp = tiled.data_ptr<uint8_t>();
+#if defined(Q8_ISA)
+  if (!generic) {
+    if (block == 64)
+      q8t_blocks<64>(rows_per_pass, q.xq.data(), q.dx.data(), q.xs.data(), tp, out, M, K, N, gs, prefetch, block_grain);
+    else
+      q8t_blocks<32>(rows_per_pass, q.xq.data(), q.dx.data(), q.xs.data(), tp, out, M, K, N, gs, prefetch, block_grain);
+    return;
+  }
+#endif
+  q8t_generic(q.xq.data(), q.dx.data(), q.xs.data(), tp, out, M, K, N, gs, block);
+}
+}  // namespace
+
+// int4_q8_mm over the tiled layout (cpu_act_int8.tile of torch's packed codes, s and c): the same
+// arithmetic and bits, float32 [M, N]; generic: the generic loops whatever the build (tests).
+torch::Tensor int4_q8_tiled_mm(torch::Tensor x, torch::Tensor tiled, int64_t gs, int64_t block, int64_t rows_per_pass,
+                               int64_t prefetch, int64_t block_grain, bool generic) {
+  const auto [N, K, G, M] = q8t_check(x, tiled, gs, block);
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0) return y;
+  const Q8Scratch& q = q8_scratch(x, M, K, gs);
+  q8t_run(q, tiled, Q8Out{y.data_ptr<float>(), nullptr, nullptr, N}, M, K, N, gs, block, rows_per_pass, prefetch,
+          block_grain, generic);
+  return y;
+}
+
+// int4_q8_linear over the tiled layout: bfloat16 x [M, K] -> bfloat16 [M, N] (+ bias), the same bits.
+torch::Tensor int4_q8_tiled_linear(torch::Tensor x, torch::Tensor tiled, torch::Tensor bias, int64_t gs, int64_t block,
+                                   int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
+  const auto [N, K, G, M] = q8t_check(x, tiled, gs, block);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
+              bias.numel() == N), "bias must be empty or bfloat16 [", N, "]");
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Q8Scratch& q = q8_scratch(x, M, K, gs);
+  const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
+  q8t_run(q, tiled, Q8Out{nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), bp, N}, M, K, N, gs, block,
+          rows_per_pass, prefetch, block_grain, false);
+  return y;
+}
+
 // Which integer dot product this build has for int4_q8_mm: 2 AVX512-VNNI (with VBMI byte permutes),
 // 1 AVX2 (AVX-VNNI where the CPU has it, else vpmaddubsw + vpmaddwd), 0 the generic loops (correct,
 // not fast: cpu_act_int8 keeps exact activations there unless asked).
@@ -627,4 +823,4 @@ int64_t int8_q8_isa() {
 }
 """
 
-FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
+FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_tiled_mm", "int4_q8_tiled_linear", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
