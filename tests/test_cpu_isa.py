@@ -61,7 +61,7 @@ CHILD = r"""
 import json, sys, torch
 from text_generation_server.kernels import cpu_native
 sys.path.insert(0, "tests")
-from test_cpu_isa import case
+from test_cpu_isa import case, silu_case
 module = cpu_native.native()
 x, packed, s, c, gs, q8, s8 = case()
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "built": module is not None,
@@ -92,6 +92,11 @@ if module is not None:
     w16 = (q8.float() / 128).bfloat16()
     out["bf16_gemm"] = cpu_native.bf16_gemm(module, x, w16, s8).float().tolist()
     out["bf16_gemm_prompt"] = DenseLinear(w16, None).prompt_variant()
+    # silu * up and the RMSNorm: exp, the bfloat16 roundings and the NaN test in 8-lane AVX2 code
+    gu = silu_case()
+    out["silu_bits"] = module.silu_mul_bf16(gu, gu.shape[1] // 2).view(torch.int16).tolist()
+    out["norm_bits"] = module.rms_norm_bf16(gu, torch.ones(gu.shape[1], dtype=torch.bfloat16), 1e-6, None)[0].view(
+        torch.int16).tolist()
 print("RESULT" + json.dumps(out))
 """
 
@@ -107,6 +112,14 @@ def case():
     s8 = torch.rand(n, generator=g)
     x = torch.randn(5, k, generator=g).bfloat16()
     return x, packed, s, c, gs, q8, s8
+
+
+def silu_case() -> torch.Tensor:
+    """gate_up [3, 2 * 200] bfloat16: values across exp's range and past it (+-100, inf, NaN), 200 % 16 != 0."""
+    g = torch.Generator().manual_seed(1)
+    gu = torch.randn(3, 400, generator=g) * torch.tensor([1.0, 8.0, 40.0]).unsqueeze(1)
+    gu[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 88.5])
+    return gu.bfloat16()
 
 
 @pytest.mark.skipif(not X86, reason="the AVX2 switch applies to x86-64 CPUs only (tested above: ignored elsewhere)")
@@ -142,3 +155,8 @@ def test_the_avx2_build_computes_what_the_native_one_does():
     w16 = (q8.float() / 128).bfloat16()
     assert torch.equal(torch.tensor(got["bf16_gemm"]), cpu_native.bf16_gemm(module, x, w16, s8).float())
     assert got["bf16_gemm_prompt"] == "native-gemm"
+    # the pointwise ops' AVX2 code (exp, roundings, NaN test by 8-lane intrinsics) gives this build's bits
+    gu = silu_case()
+    assert got["silu_bits"] == module.silu_mul_bf16(gu, gu.shape[1] // 2).view(torch.int16).tolist()
+    norm = module.rms_norm_bf16(gu, torch.ones(gu.shape[1], dtype=torch.bfloat16), 1e-6, None)[0]
+    assert got["norm_bits"] == norm.view(torch.int16).tolist()

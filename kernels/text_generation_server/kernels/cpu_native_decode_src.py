@@ -70,8 +70,10 @@ inline float lanes_sum(vf v) {
 // in order, then `lanes_sum`; values: positions in order), so the blocking changes no bit.
 #if defined(__AVX512F__)
 constexpr int DB_MAX = 4;  // 4 x 4 accumulators + 4 value vectors of 32 zmm registers
+#elif defined(__AVX2__)
+constexpr int DB_MAX = 1;  // a vf is two of AVX2's 16 ymm: 4 x 1 accumulators + a value vector + a weight
 #else
-constexpr int DB_MAX = 2;  // a vf is two ymm (AVX2) or four NEON registers
+constexpr int DB_MAX = 2;  // a vf is four of NEON's 32 registers
 #endif
 constexpr int GB_MAX = 4;
 

@@ -7,7 +7,10 @@ ran 3x slower than llama.cpp's AVX2 build there (BENCHMARKS.md, issue #32 sessio
 c=8 0.34x). The arithmetic here is the one llama.cpp's AVX2 BF16 dot product uses (its ggml_vec_dot_bf16
 widens bfloat16 to float32 in registers and multiplies with FMA; read for the method, not copied):
 a bfloat16 weight widened to float32 is its bits shifted into the high half (exact), then plain
-float32 FMAs, blocked so the widened weights are made once per call and stay in L1.
+float32 FMAs. The weights are widened in registers as the tiles read them (a block's 16 rows, one
+k-pass at a time): widening a block into a float32 copy first and tiling over that copy ran 10-45%
+slower at 3-32 rows (the copy's stores and reloads), and no faster at 128 (BENCHMARKS.md, issue #32
+session 11).
 
 Bits: for output n of row m, lane l (0..7) of a float32 accumulator sums x[m, k] * w[n, k] for
 k = l, l + 8, l + 16, ... in increasing k, each step one IEEE fused multiply-add from 0; the 8 lanes
@@ -22,21 +25,24 @@ namespace {
 
 // ---- bfloat16 weights x float32 rows through float32 FMAs ----------------------------------------
 constexpr int64_t BG_NB = 16;   // outputs per block: a thread's unit of work
-constexpr int64_t BG_KC = 256;  // k per pass: the tiles' widened weights, 16 x 256 floats = 16 KiB (L1)
+constexpr int64_t BG_KC = 256;  // k per pass: the rows' x and the block's weights of a pass stay in L1
 constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's rows: the lane sums stay in L2)
-constexpr int BG_R = 6;         // rows per tile
-constexpr int BG_C = 2;         // outputs per tile: 6 x 2 accumulators + 2 weights + 1 row = 15 of AVX2's 16
-                                // registers (AVX2 build, one thread, 64 rows of Qwen2.5-1.5B's shapes: 40-43
-                                // GFLOP/s against 28-33 for 3 x 4 and 4 x 3; BENCHMARKS.md, issue #32 session 9)
+// Tiles: R rows x C outputs, R * C accumulators + C widened weights in AVX2's 16 registers (the row's x
+// a memory operand of the FMA). Rows go in groups of 6 (6 x 2 tiles), the last groups split so none has
+// 1 or 2 rows (7 = 4 + 3, 8 = 4 + 4), with C by R (bg_cols). AVX2 build, 2 threads, Qwen2.5-1.5B's
+// shapes (BENCHMARKS.md, issue #32 session 11): 8 rows 4 x 3 96-110 GFLOP/s against 6 x 2 + 2 x 2 71-88
+// pre-widened; 3 rows 3 x 4 57-83 against 42-50.
+constexpr int BG_R = 6;
+inline int bg_cols(int r) { return r >= 5 ? 2 : r == 4 ? 3 : 4; }
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bg_v;
 inline bg_v bg_zero() { return _mm256_setzero_ps(); }
 inline bg_v bg_load(const float* p) { return _mm256_loadu_ps(p); }
 inline void bg_store(float* p, bg_v v) { _mm256_storeu_ps(p, v); }
 inline bg_v bg_fma(bg_v a, bg_v b, bg_v c) { return _mm256_fmadd_ps(a, b, c); }
-inline void bg_widen8(const uint16_t* src, float* dst) {
+inline bg_v bg_widen8(const uint16_t* src) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #else
 typedef float bg_v __attribute__((vector_size(32)));
@@ -48,11 +54,10 @@ inline bg_v bg_fma(bg_v a, bg_v b, bg_v c) {
   for (int i = 0; i < 8; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 }
-inline void bg_widen8(const uint16_t* src, float* dst) {
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t u = uint32_t(src[i]) << 16;
-    std::memcpy(dst + i, &u, 4);
-  }
+inline bg_v bg_widen8(const uint16_t* src) {
+  uint32_t u[8];
+  for (int i = 0; i < 8; ++i) u[i] = uint32_t(src[i]) << 16;
+  bg_v v; std::memcpy(&v, u, sizeof(v)); return v;
 }
 #endif
 inline float bg_widen1(uint16_t v) { const uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -63,14 +68,19 @@ inline uint16_t bg_round(float f) {  // round to nearest even, as torch's .to(bf
 }
 
 // R rows x C outputs over one k-pass: acc (lane sums, [row][output][8], row stride BG_NB * 8) continued.
+// w: the first output's bfloat16 row at the pass's k (outputs K apart), widened here; `prefetch` bytes
+// ahead of each row's read (0: none; the block's first row group only).
 template <int R, int C>
-void bg_tile(const float* x, int64_t K, const float* w, int64_t ws, int64_t kc, float* acc) {
+void bg_tile(const float* x, int64_t K, const uint16_t* w, int64_t kc, float* acc, int64_t prefetch) {
   bg_v a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = bg_load(acc + (r * BG_NB + c) * 8);
   for (int64_t k = 0; k < kc; k += 8) {
+    if (prefetch && k % 32 == 0)
+      for (int c = 0; c < C; ++c)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + c * K + k) + prefetch, 0, PREFETCH_LOCALITY);
     bg_v wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = bg_load(w + c * ws + k);
+    for (int c = 0; c < C; ++c) wv[c] = bg_widen8(w + c * K + k);
     for (int r = 0; r < R; ++r) {
       const bg_v xv = bg_load(x + r * K + k);
       for (int c = 0; c < C; ++c) a[r][c] = bg_fma(xv, wv[c], a[r][c]);
@@ -80,9 +90,16 @@ void bg_tile(const float* x, int64_t K, const float* w, int64_t ws, int64_t kc, 
     for (int c = 0; c < C; ++c) bg_store(acc + (r * BG_NB + c) * 8, a[r][c]);
 }
 
-typedef void (*BgTile)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+typedef void (*BgTile)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
 template <int R>
-BgTile bg_tile_for(int c) { return c == 1 ? bg_tile<R, 1> : bg_tile<R, 2>; }
+BgTile bg_tile_for(int c) {
+  switch (c) {
+    case 1: return bg_tile<R, 1>;
+    case 2: return bg_tile<R, 2>;
+    case 3: return bg_tile<R, 3>;
+    default: return bg_tile<R, 4>;
+  }
+}
 inline BgTile bg_tile_for(int r, int c) {
   switch (r) {
     case 1: return bg_tile_for<1>(c);
@@ -94,30 +111,29 @@ inline BgTile bg_tile_for(int r, int c) {
   }
 }
 
-// Outputs n0 .. n0 + nb (nb <= BG_NB) of all M rows. wf: BG_NB * (K - K % 8) floats, acc: M * BG_NB * 8 floats.
-// The block's weight rows are widened first, each read start to end (one stream at a time, prefetched
-// ahead: 16 rows read a pass at a time left the hardware prefetcher 16 short streams, and a cold
-// 1536 x 17920 layer streamed at 5 GB/s), then the tiles run k-pass by k-pass over the widened copy.
+// Rows in the next tile group from m0 of M: 6, except that the last 7 or 8 go as 4 + 3 or 4 + 4.
+inline int bg_rows(int64_t m0, int64_t M) {
+  const int64_t left = M - m0;
+  if (left == 7 || left == 8) return 4;
+  return int(std::min<int64_t>(BG_R, left));
+}
+
+// Outputs n0 .. n0 + nb (nb <= BG_NB) of all M rows. acc: M * BG_NB * 8 floats. k-pass by k-pass, each
+// row group's tiles over the block's outputs.
 void bg_block(const float* x, const uint16_t* w, const float* bias, float* y, uint16_t* yh, int64_t M, int64_t K,
-              int64_t N, int64_t n0, int64_t nb, float* wf, float* acc, int64_t prefetch) {
+              int64_t N, int64_t n0, int64_t nb, float* acc, int64_t prefetch) {
   const int64_t K8 = K - K % 8;
-  for (int64_t j = 0; j < nb; ++j) {
-    const uint16_t* src = w + (n0 + j) * K;
-    for (int64_t k = 0; k < K8; k += 8) {
-      if (prefetch && k % 32 == 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(src + k) + prefetch, 0, PREFETCH_LOCALITY);
-      bg_widen8(src + k, wf + j * K8 + k);
-    }
-  }
   std::fill(acc, acc + M * BG_NB * 8, 0.f);
   for (int64_t k0 = 0; k0 < K8; k0 += BG_KC) {
     const int64_t kc = std::min(BG_KC, K8 - k0);
-    for (int64_t m0 = 0; m0 < M; m0 += BG_R) {
-      const int r = int(std::min<int64_t>(BG_R, M - m0));
-      for (int64_t j0 = 0; j0 < nb; j0 += BG_C) {
-        const int c = int(std::min<int64_t>(BG_C, nb - j0));
-        bg_tile_for(r, c)(x + m0 * K + k0, K, wf + j0 * K8 + k0, K8, kc, acc + (m0 * BG_NB + j0) * 8);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int r = bg_rows(m0, M), cols = bg_cols(r);
+      for (int64_t j0 = 0; j0 < nb; j0 += cols) {
+        const int c = int(std::min<int64_t>(cols, nb - j0));
+        bg_tile_for(r, c)(x + m0 * K + k0, K, w + (n0 + j0) * K + k0, kc, acc + (m0 * BG_NB + j0) * 8,
+                          m0 == 0 ? prefetch : 0);
       }
+      m0 += r;
     }
   }
   for (int64_t m = 0; m < M; ++m)
@@ -135,10 +151,9 @@ void bg_gemm(const float* x, const uint16_t* w, const float* bias, float* y, uin
              int64_t N, int64_t prefetch) {
   const int64_t blocks = (N + BG_NB - 1) / BG_NB;
   tgs::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> wf(BG_NB * (K - K % 8)), acc(M * BG_NB * 8);
+    std::vector<float> acc(M * BG_NB * 8);
     for (int64_t b = b0; b < b1; ++b)
-      bg_block(x, w, bias, y, yh, M, K, N, b * BG_NB, std::min(BG_NB, N - b * BG_NB), wf.data(), acc.data(),
-               prefetch);
+      bg_block(x, w, bias, y, yh, M, K, N, b * BG_NB, std::min(BG_NB, N - b * BG_NB), acc.data(), prefetch);
   });
 }
 

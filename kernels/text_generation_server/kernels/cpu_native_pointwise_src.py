@@ -69,6 +69,46 @@ inline void rotate_head_bf16(const uint16_t* xp, const uint16_t* cp, const uint1
 // degree-7 polynomial for expf (about 1 float32 ulp; the constants are the published ones). Past
 // [-87.3, 88.37] the result is 0 or inf (denormal results are flushed to 0: no bfloat16 softmax
 // weight or silu here tells them apart).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2: the same operations on 8-float halves by intrinsics. GCC 12 lowered the generic form's
+// lane selects (the range clamps, `?:` on 16-float vectors) to scalar compares and moves, one lane at
+// a time: silu * up took 54 us a call on the AVX2 build against 12 at AVX-512 (Qwen2.5-1.5B's 8960
+// features; BENCHMARKS.md, issue #32 session 11). The multiply-adds are fused where the AVX-512
+// build's contraction fuses them (x * log2(e) + magic, the two r - n * c steps, the polynomial's
+// p * r + c, and (p * r) * r + r), so both builds give the same bits (tests/test_cpu_isa.py).
+inline __m256 exp8_avx2(__m256 x0) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  const __m256 above = _mm256_cmp_ps(x0, hi, _CMP_GT_OQ), below = _mm256_cmp_ps(x0, lo, _CMP_LT_OQ);
+  __m256 x = _mm256_blendv_ps(x0, hi, above);
+  x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  p = _mm256_blendv_ps(p, _mm256_set1_ps(__builtin_inff()), above);
+  return _mm256_blendv_ps(p, _mm256_setzero_ps(), below);
+}
+inline vf exp16(vf x0) {
+  __m256 lo, hi;
+  std::memcpy(&lo, &x0, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x0) + 32, 32);
+  lo = exp8_avx2(lo);
+  hi = exp8_avx2(hi);
+  vf r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+#else
 inline vf exp16(vf x0) {
   const vf hi = splat(88.3762626647949f), lo = splat(-87.3365447504f);
   vf x = x0 > hi ? hi : x0;
@@ -91,6 +131,7 @@ inline vf exp16(vf x0) {
   p = x0 > hi ? splat(__builtin_inff()) : p;  // past float32's range: inf and 0, as expf gives
   return x0 < lo ? splat(0.f) : p;
 }
+#endif
 
 // 16 floats rounded to bfloat16 as to_bf rounds each (nearest even, a NaN kept a quiet NaN): their bits
 // in the low halves of the lanes, or (bf16_round) the rounded values as floats. Exact integer steps,
@@ -102,7 +143,25 @@ inline vu32 to_bf_bits(vf v) {
   std::memcpy(&u, &v, sizeof(u));
   const vu32 rounded = (u + usplat(0x7FFFu) + ((u >> 16) & usplat(1u))) >> 16;
   const vu32 quiet = (u >> 16) | usplat(0x40u);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // The NaN test and the choice on 8-lane halves by intrinsics: GCC 12 lowers a compare or `?:` of
+  // 16-lane vectors lane by lane (scalar compares and moves) where the target's vectors are narrower.
+  // A signed compare (AVX2 has no unsigned one) of the non-negative masked bits: the same answer.
+  __m256i uh[2], qh[2], rh[2];
+  std::memcpy(uh, &u, 64);
+  std::memcpy(qh, &quiet, 64);
+  std::memcpy(rh, &rounded, 64);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(uh[h], _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    rh[h] = _mm256_blendv_epi8(rh[h], qh[h], nan);
+  }
+  vu32 out;
+  std::memcpy(&out, rh, 64);
+  return out;
+#else
   return (u & usplat(0x7FFFFFFFu)) > usplat(0x7F800000u) ? quiet : rounded;
+#endif
 }
 inline vf bf16_round(vf v) {
   const vu32 b = to_bf_bits(v) << 16;
@@ -205,6 +264,38 @@ torch::Tensor rotary_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
   return o;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+namespace tgs_pointwise {
+// AVX2: silu * up for 8 values in 8-float registers, the 16-lane loop's operations lane for lane
+// (exp8_avx2 is exp16's arithmetic; to_bf's rounding and NaN test as in to_bf_bits), so the same bits.
+// The 16-lane form went through the stack between its two halves on every call of exp16 and the
+// rounding (GCC 12 moves a 64-byte vector to and from two ymm registers by 64-bit pieces). Returns
+// the 8 bfloat16 results in the low 128 bits.
+inline __m256i bf_round_avx2(__m256 v) {  // to_bf's bits in each 32-bit lane
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+inline __m256 bf8_avx2(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256i silu_mul_avx2(const uint16_t* g, const uint16_t* u) {
+  const __m256 x = bf8_avx2(g);
+  const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8_avx2(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)))));
+  const __m256 sr = _mm256_castsi256_ps(_mm256_slli_epi32(bf_round_avx2(s), 16));
+  const __m256i b = bf_round_avx2(_mm256_mul_ps(sr, bf8_avx2(u)));
+  // 8 x 32-bit lanes (each < 2^16) to 8 x 16 bits in order: pack within 128-bit halves, then gather them
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+}
+}  // namespace tgs_pointwise
+#endif
+
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
   using namespace tgs_pointwise;
   check_rows(gate_up, "gate_up");
@@ -217,6 +308,12 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up, int64_t n) {
       const uint16_t* u = g + n;
       uint16_t* o = bits(out) + r * n;
       int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      for (; i + 8 <= n; i += 8) {  // the same arithmetic in 8-lane registers (silu_avx2)
+        const __m128i h = _mm256_castsi256_si128(silu_mul_avx2(g + i, u + i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), h);
+      }
+#endif
       for (; i + 16 <= n; i += 16) {  // bf16(bf16(s) * u), to_bf's rounding 16 lanes at a time
         const vf x = load_bf16(g + i);
         const vf s = x / (splat(1.f) + exp16(-x));
