@@ -14,27 +14,13 @@ import sys
 import pytest
 import torch
 from helpers import make_weight
+from test_cpu_act_int8 import native, pack  # noqa: F401 (native: the fixture)
 
 from text_generation_server.kernels import cpu, cpu_act_int8, cpu_native
 from text_generation_server.kernels.phase import forward_phase
 
 torch.set_num_threads(2)
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@pytest.fixture
-def native():
-    module = cpu_native.native()
-    if module is None or cpu_native.int4_block() is None:
-        pytest.skip(f"no native int4 kernels here: {cpu_native.unavailable_reason() or 'int4 layout'}")
-    return module
-
-
-def pack(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """Codes [N, K] in torch's CPU int4 layout with `block` outputs per block (cpu_act_int8.unpack's inverse)."""
-    n, k = codes.shape
-    parts = codes.t().reshape(k, n // block, block).permute(1, 0, 2).to(torch.uint8)  # [N / B, K, B]
-    return (parts[..., : block // 2] | (parts[..., block // 2:] << 4)).reshape(n, k // 2).contiguous()
 
 
 def case(k: int, n: int, gs: int, block: int, seed: int):

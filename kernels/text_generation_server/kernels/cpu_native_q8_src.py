@@ -667,6 +667,16 @@ torch::Tensor int4_q8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s,
 }
 
 // The layer's product in one call (kernels/cpu.py, Int4PackLinear with int8 activations): x [M, K]
+// What the bfloat16 entry points (torch's layout, the tiled one) check alike; the bias's data or null.
+static const uint16_t* q8_bf16_args(const torch::Tensor& x, const torch::Tensor& bias, int64_t N, int64_t prefetch,
+                                    int64_t block_grain) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
+              bias.numel() == N), "bias must be empty or bfloat16 [", N, "]");
+  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  return bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
+}
+
 // bfloat16 -> bfloat16 [M, N], int4_q8_mm's float32 result rounded as torch's .to(bfloat16) and, when
 // bias (bfloat16 [N]) has elements, plus the bias as torch's bfloat16 add: the bits of those ops, without
 // the float32 copies of x and y or the separate passes (the fixed cost of a decode step's small layers).
@@ -674,14 +684,10 @@ torch::Tensor int4_q8_linear(torch::Tensor x, torch::Tensor packed, torch::Tenso
                              torch::Tensor bias, int64_t gs, int64_t block, int64_t rows_per_pass, int64_t prefetch,
                              int64_t block_grain) {
   const auto [N, K, G, M] = q8_check(x, packed, s, c, gs, block);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
-              bias.numel() == N), "bias must be empty or bfloat16 [", N, "]");
-  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  const uint16_t* bp = q8_bf16_args(x, bias, N, prefetch, block_grain);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const Q8Scratch& q = q8_scratch(x, M, K, gs);
-  const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
   q8_run(q, packed, s, c, Q8Out{nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), bp, N}, M, K, N, gs, block,
          rows_per_pass, prefetch, block_grain, false);
   return y;
@@ -748,14 +754,10 @@ torch::Tensor int4_q8_tiled_mm(torch::Tensor x, torch::Tensor tiled, int64_t gs,
 torch::Tensor int4_q8_tiled_linear(torch::Tensor x, torch::Tensor tiled, torch::Tensor bias, int64_t gs, int64_t block,
                                    int64_t rows_per_pass, int64_t prefetch, int64_t block_grain) {
   const auto [N, K, G, M] = q8t_check(x, tiled, gs, block);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
-              bias.numel() == N), "bias must be empty or bfloat16 [", N, "]");
-  TORCH_CHECK(prefetch >= 0 && block_grain >= 1, "prefetch must be >= 0 and block_grain >= 1");
+  const uint16_t* bp = q8_bf16_args(x, bias, N, prefetch, block_grain);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const Q8Scratch& q = q8_scratch(x, M, K, gs);
-  const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
   q8t_run(q, tiled, Q8Out{nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), bp, N}, M, K, N, gs, block,
           rows_per_pass, prefetch, block_grain, false);
   return y;
