@@ -136,7 +136,6 @@ def int4_q8_linear(module: cpu_native.Extension, x: torch.Tensor, packed: torch.
                                  grain or cpu_native.INT4_BLOCK_GRAIN)
 
 
-
 # The tiled layout (`tile`) for the layers that take int8 activations: on by default where the native
 # kernels are built; "off" keeps torch's layout read in place (the same bits: for A/B runs).
 TILED_ENV = "TGS_CPU_INT4_TILED"
@@ -161,12 +160,7 @@ def tile_for_layer(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Te
     cold, 1536 x 17920: 25 GB/s on 4 KiB pages, 32 on huge ones)."""
     from text_generation_server.kernels import cpu_kquant  # its arena; imported here: it imports this module's peers
 
-    tiled = tile(packed, scales, offsets, group_size, block)
-    if not cpu_kquant.hugepages_enabled():
-        return tiled
-    out = cpu_kquant._ARENA.take(tiled.numel()).view(tiled.shape)
-    out.copy_(tiled)
-    return out
+    return cpu_kquant.in_arena(tile(packed, scales, offsets, group_size, block))
 
 
 def int4_q8_tiled_linear(module: cpu_native.Extension, x: torch.Tensor, tiled: torch.Tensor,
@@ -187,6 +181,7 @@ def int4_q8_tiled_mm(module: cpu_native.Extension, x: torch.Tensor, tiled: torch
     return module.int4_q8_tiled_mm(x.contiguous(), tiled, group_size, block, rows,
                                    PREFETCH_BYTES if prefetch < 0 else prefetch, grain or cpu_native.INT4_BLOCK_GRAIN,
                                    False)
+
 
 # The int8 kernel's names (rows per pass, prefetch bytes; -1: cpu_native.PREFETCH_BYTES): the same bits.
 INT8_VARIANTS: dict[str, tuple[int, int]] = {Q8: (2, -1), "q8-r1": (1, -1), "q8-r4": (4, -1), "q8-pf0": (2, 0)}
@@ -247,7 +242,6 @@ def unpack(packed: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat([parts & 15, parts >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
 
 
-
 def tile(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, block: int) -> torch.Tensor:
     """torch's CPU int4 layout (`block` outputs per block) with its float32 scales and offsets [K / group_size, N]
     rearranged for the int8-activation kernel (cpu_native_q8_src.py "tiled"): uint8 [N / block, K / group_size,
@@ -289,6 +283,7 @@ def untile(tiled: torch.Tensor, group_size: int, block: int) -> tuple[torch.Tens
 
     return (packed, per_group(tiled[..., code_bytes:code_bytes + 4 * block]),
             per_group(tiled[..., code_bytes + 4 * block:]).contiguous())
+
 
 def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
               block: int) -> torch.Tensor:

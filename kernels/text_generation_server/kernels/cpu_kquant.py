@@ -293,6 +293,16 @@ class PackArena:
 _ARENA = PackArena()
 
 
+def in_arena(t: torch.Tensor) -> torch.Tensor:
+    """`t` (uint8, contiguous) copied into the packed layers' huge-page arena; `t` itself when
+    TGS_CPU_KQUANT_HUGEPAGES is off. For other layouts prepared at load that a one-row call streams."""
+    if not hugepages_enabled():
+        return t
+    out = _ARENA.take(t.numel()).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def pack(module, blocks: torch.Tensor, type_id: int, arena: PackArena | None = _ARENA) -> torch.Tensor:
     """The blocks in the packed form (kquant_pack), in a buffer of `arena` (None: torch's allocator)."""
     if arena is None:

@@ -138,28 +138,34 @@ inline vf exp16(vf x0) {
 // so the same bits as to_bf lane by lane on every build; a loop over them is a few instructions a
 // vector where to_bf's branch kept the compiler to one value at a time.
 inline vu32 usplat(uint32_t v) { return vu32{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: to_bf's bits for 8 floats, in each 32-bit lane, by intrinsics: GCC 12 lowers a compare or `?:`
+// of 16-lane vectors lane by lane (scalar compares and moves) where the target's vectors are narrower.
+// A signed compare (AVX2 has no unsigned one) of the non-negative masked bits: the same answer.
+inline __m256i bf_round_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+#endif
 inline vu32 to_bf_bits(vf v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 halves[2];
+  std::memcpy(halves, &v, 64);
+  const __m256i bits[2] = {bf_round_avx2(halves[0]), bf_round_avx2(halves[1])};
+  vu32 out;
+  std::memcpy(&out, bits, 64);
+  return out;
+#else
   vu32 u;
   std::memcpy(&u, &v, sizeof(u));
   const vu32 rounded = (u + usplat(0x7FFFu) + ((u >> 16) & usplat(1u))) >> 16;
   const vu32 quiet = (u >> 16) | usplat(0x40u);
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // The NaN test and the choice on 8-lane halves by intrinsics: GCC 12 lowers a compare or `?:` of
-  // 16-lane vectors lane by lane (scalar compares and moves) where the target's vectors are narrower.
-  // A signed compare (AVX2 has no unsigned one) of the non-negative masked bits: the same answer.
-  __m256i uh[2], qh[2], rh[2];
-  std::memcpy(uh, &u, 64);
-  std::memcpy(qh, &quiet, 64);
-  std::memcpy(rh, &rounded, 64);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(uh[h], _mm256_set1_epi32(0x7FFFFFFF)),
-                                           _mm256_set1_epi32(0x7F800000));
-    rh[h] = _mm256_blendv_epi8(rh[h], qh[h], nan);
-  }
-  vu32 out;
-  std::memcpy(&out, rh, 64);
-  return out;
-#else
   return (u & usplat(0x7FFFFFFFu)) > usplat(0x7F800000u) ? quiet : rounded;
 #endif
 }
@@ -267,20 +273,10 @@ torch::Tensor rotary_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 namespace tgs_pointwise {
 // AVX2: silu * up for 8 values in 8-float registers, the 16-lane loop's operations lane for lane
-// (exp8_avx2 is exp16's arithmetic; to_bf's rounding and NaN test as in to_bf_bits), so the same bits.
+// (exp8_avx2 is exp16's arithmetic; bf_round_avx2 to_bf_bits' rounding and NaN test), so the same bits.
 // The 16-lane form went through the stack between its two halves on every call of exp16 and the
 // rounding (GCC 12 moves a 64-byte vector to and from two ymm registers by 64-bit pieces). Returns
 // the 8 bfloat16 results in the low 128 bits.
-inline __m256i bf_round_avx2(__m256 v) {  // to_bf's bits in each 32-bit lane
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  return _mm256_blendv_epi8(rounded, quiet, nan);
-}
 inline __m256 bf8_avx2(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));

@@ -666,7 +666,6 @@ torch::Tensor int4_q8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s,
   return y;
 }
 
-// The layer's product in one call (kernels/cpu.py, Int4PackLinear with int8 activations): x [M, K]
 // What the bfloat16 entry points (torch's layout, the tiled one) check alike; the bias's data or null.
 static const uint16_t* q8_bf16_args(const torch::Tensor& x, const torch::Tensor& bias, int64_t N, int64_t prefetch,
                                     int64_t block_grain) {
@@ -677,6 +676,7 @@ static const uint16_t* q8_bf16_args(const torch::Tensor& x, const torch::Tensor&
   return bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
 }
 
+// The layer's product in one call (kernels/cpu.py, Int4PackLinear with int8 activations): x [M, K]
 // bfloat16 -> bfloat16 [M, N], int4_q8_mm's float32 result rounded as torch's .to(bfloat16) and, when
 // bias (bfloat16 [N]) has elements, plus the bias as torch's bfloat16 add: the bits of those ops, without
 // the float32 copies of x and y or the separate passes (the fixed cost of a decode step's small layers).
