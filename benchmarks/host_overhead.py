@@ -13,6 +13,12 @@ clients, greedy, the same prompt) x X. Per cell:
   cell is streaming (after the last admission, before the first finish), median over clients;
 - exposed host = served inter-token - served X: what the host adds to each step that the
   forward's wait does not hide;
+- gRPC floor: the same B clients against benchmarks/grpc_floor.py, a server on the router's
+  stack that only streams (no model, no scheduler): what one token per stream costs this machine
+  and these clients before a server does any work of its own. Above floor = served inter-token -
+  max(served X, floor): what `serve` adds over that (a server that only streams, overlapped with
+  its device, sends a step's tokens every max(X, floor) at best). Where the floor is above a
+  target, the target is out of reach of any server on this stack with these clients here;
 - host CPU per step: CPU seconds of the server's processes (launcher, router, ranks) over the
   cell, the stand-in's own CPU taken out (rank 0's: with several ranks the others' is counted
   as host work), / the router's decode steps (its
@@ -64,7 +70,8 @@ PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 QUICK = {"batches": "1,8", "waits_us": "0,1000", "new_tokens": 24, "rounds": 1}
 FULL = {"batches": "1,8,64", "waits_us": "0,1000", "new_tokens": 64, "rounds": 3}
 COLUMNS = ("batch", "X nominal µs", "in-process X µs", "in-process step µs", "in-process host µs", "served X µs",
-           "served inter-token µs", "exposed host µs", "host CPU per step µs", "client CPU per step µs")
+           "served inter-token µs", "exposed host µs", "gRPC floor µs", "above floor µs", "host CPU per step µs",
+           "client CPU per step µs")
 
 
 def standin_env(wait_us: int, stats_path: Path, device: str = "stream") -> dict[str, str]:
@@ -218,6 +225,61 @@ def exposed(itl: float | None, x: float | None) -> float | None:
     return itl - x if itl is not None and x is not None else None
 
 
+def above_floor(itl: float | None, x: float | None, floor: float | None) -> float | None:
+    """What a server adds over a server that only streams, at a step whose device takes x: such a
+    server's tokens come every max(x, floor) at best (its streaming overlapped with the device)."""
+    if itl is None or x is None or floor is None:
+        return None
+    return itl - max(x, floor)
+
+
+class FloorServer:
+    """benchmarks/grpc_floor.py in its own process, as the router runs in its own."""
+
+    def __init__(self, startup_timeout_s: float) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, str(BENCH_DIR / "grpc_floor.py"), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.startup_timeout_s = startup_timeout_s
+        self.target: str | None = None
+
+    async def wait_ready(self) -> None:
+        from grpc_floor import READY_LINE
+
+        def ready_line() -> str:
+            seen = []
+            for line in self.proc.stdout:  # its log lines first (stderr is merged)
+                if line.startswith(READY_LINE):
+                    return line
+                seen.append(line)
+            raise RuntimeError(f"grpc_floor.py exited with code {self.proc.wait()}: {''.join(seen[-20:])}")
+
+        line = await asyncio.wait_for(asyncio.to_thread(ready_line), self.startup_timeout_s)
+        self.target = line[len(READY_LINE):].strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 - a stuck process is killed
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def floor_round(stub, batch_size: int, new_tokens: int) -> float | None:
+    """Inter-token µs of `batch_size` clients against the floor server (grpc_floor.py)."""
+    from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+
+    request = cpb.GenerateRequest(inputs=PROMPT, parameters=cpb.GenerateParameters(max_new_tokens=new_tokens))
+    streams = await asyncio.gather(*(stream(stub, request) for _ in range(batch_size)))
+    if any(len(s.ids) != new_tokens for s in streams):
+        raise RuntimeError(f"the floor server streamed {[len(s.ids) for s in streams]} tokens, not {new_tokens} each")
+    return inter_token_us([s.stamps for s in streams])
+
+
 @dataclass
 class Served:
     """One `serve` under test: its flags' label, the process and its stand-in's stats file."""
@@ -227,35 +289,43 @@ class Served:
     stats: object
 
 
-SERVED_COLUMNS = ("served X µs", "served inter-token µs", "exposed host µs", "host CPU per step µs",
-                  "client CPU per step µs")
+SERVED_COLUMNS = ("served X µs", "served inter-token µs", "exposed host µs", "above floor µs",
+                  "host CPU per step µs", "client CPU per step µs")
 
 
-async def measure(args: argparse.Namespace, ours: InProcess, servers: list[Served], batches: list[int],
-                  waits: list[int], cells: Cells) -> tuple[int, int]:
+async def measure(args: argparse.Namespace, ours: InProcess, servers: list[Served], floor: FloorServer,
+                  batches: list[int], waits: list[int], cells: Cells) -> tuple[int, int]:
     """Every round of every cell, in-process and each server side by side; (tokens streamed,
     tokens off the stand-in's cycle). A server's cells are keyed (batch, X, its index). The
     clients of a server share one channel, opened once: a new connection's first tokens can
     stall for tens of ms (seen here: 35-40 ms before the first token, then the backlog at once),
-    which would be measured as a short inter-token time."""
+    which would be measured as a short inter-token time. The floor server (grpc_floor.py) runs
+    each batch once a round, beside the first X's cells; its figure serves every X's."""
     import grpc
 
     from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
 
     streamed = broken = 0
     channels = [grpc.aio.insecure_channel(s.server.target) for s in servers]
+    floor_channel = grpc.aio.insecure_channel(floor.target)
     try:
         stubs = [cpb_grpc.TextGenerationStub(c) for c in channels]
-        for channel in channels:
+        floor_stub = cpb_grpc.TextGenerationStub(floor_channel)
+        for channel in (*channels, floor_channel):
             await channel.channel_ready()
         for b in batches:  # warm-up of every side at every batch size
             ours.round(b, waits[0])
+            await floor_round(floor_stub, b, 4)
             for served, stub in zip(servers, stubs):
                 await served_round(served.server, served.stats, stub, b, waits[0], 4)
         for _ in range(args.rounds):
+            floors: dict[int, float | None] = {}
             for wait in waits:
                 for b in batches:
                     cell = (b, wait)
+                    if b not in floors:
+                        floors[b] = await floor_round(floor_stub, b, args.new_tokens)
+                    cells.add(cell, "gRPC floor µs", floors[b])
                     step, x_local = ours.round(b, wait)
                     cells.add(cell, "in-process X µs", x_local)
                     cells.add(cell, "in-process step µs", step)
@@ -268,10 +338,12 @@ async def measure(args: argparse.Namespace, ours: InProcess, servers: list[Serve
                             cells.add(key, name, value)
                         cells.add(key, "exposed host µs", exposed(measures["served inter-token µs"],
                                                                   measures["served X µs"]))
+                        cells.add(key, "above floor µs", above_floor(measures["served inter-token µs"],
+                                                                     measures["served X µs"], floors[b]))
                         streamed += sum(len(s) for s in ids)
                         broken += sum(off_cycle(s, ours.cycle) for s in ids)
     finally:
-        for channel in channels:
+        for channel in (*channels, floor_channel):
             await channel.close()
     return streamed, broken
 
@@ -301,6 +373,7 @@ async def amain(args: argparse.Namespace) -> int:
         sides.append((label, [*flags, *shlex.split(args.compare_server_args)], compare_env))
     servers: list[Served] = []
     cells = Cells()
+    floor = FloorServer(args.startup_timeout_s)
     try:
         for index, (label, side_flags, side_env) in enumerate(sides):
             stats_path = served_stats_path.with_suffix(f".{index}")
@@ -310,8 +383,10 @@ async def amain(args: argparse.Namespace) -> int:
                                    stats))
         for served in servers:
             await served.server.wait_ready()
-        streamed, broken = await measure(args, ours, servers, batches, waits, cells)
+        await floor.wait_ready()
+        streamed, broken = await measure(args, ours, servers, floor, batches, waits, cells)
     finally:
+        floor.stop()
         for served in servers:
             served.server.stop()
             served.stats.close()

@@ -120,6 +120,46 @@ def test_inter_token_counts_the_steady_window_only():
     assert ho.inter_token_us([[0.0]]) is None
 
 
+def test_above_floor_is_over_the_larger_of_device_and_floor():
+    assert ho.above_floor(1500.0, 1000.0, 400.0) == pytest.approx(500.0)  # the device's step hides the floor
+    assert ho.above_floor(1500.0, 0.0, 1200.0) == pytest.approx(300.0)
+    assert ho.above_floor(1500.0, 1000.0, None) is None
+
+
+def test_the_floor_server_streams_every_client_its_tokens():
+    """benchmarks/grpc_floor.py through real sockets: each of several concurrent streams gets
+    exactly the tokens it asked for, the last message with the generated text."""
+    floor = ho.FloorServer(startup_timeout_s=60)
+    try:
+        asyncio.run(floor.wait_ready())
+
+        async def run() -> list[list]:
+            import grpc
+
+            from text_generation_server.pb.text_generation.v1 import text_generation_pb2 as cpb
+            from text_generation_server.pb.text_generation.v1 import text_generation_pb2_grpc as cpb_grpc
+
+            async with grpc.aio.insecure_channel(floor.target) as channel:
+                stub = cpb_grpc.TextGenerationStub(channel)
+                request = cpb.GenerateRequest(inputs="x", parameters=cpb.GenerateParameters(max_new_tokens=5))
+
+                async def one() -> list:
+                    return [msg async for msg in stub.GenerateStream(request)]
+
+                itl = await ho.floor_round(stub, 3, 6)
+                assert itl is not None and itl > 0
+                return await asyncio.gather(*(one() for _ in range(4)))
+
+        for messages in asyncio.run(run()):
+            assert len(messages) == 5
+            assert [m.HasField("generated_text") for m in messages] == [False] * 4 + [True]
+            ids = [m.token.id for m in messages]
+            assert ids == list(range(ids[0], ids[0] + 5))  # one token a step, the steps in order
+    finally:
+        floor.stop()
+    assert floor.proc.returncode is not None
+
+
 def test_off_cycle_counts_tokens_the_stand_in_did_not_choose():
     cycle = [7, 8, 9]
     assert ho.off_cycle([8, 9, 7, 8], cycle) == 0
@@ -180,6 +220,10 @@ def test_quick_run_on_the_embedded_model(capsys, monkeypatch):
                                                              abs=1.01), row
         assert values["exposed host µs"] == pytest.approx(values["served inter-token µs"] - values["served X µs"],
                                                           abs=1.01), row
+        # The floor server streamed the same clients; what serve adds is measured over it.
+        assert values["gRPC floor µs"] > 0, row
+        assert values["above floor µs"] == pytest.approx(
+            values["served inter-token µs"] - max(values["served X µs"], values["gRPC floor µs"]), abs=1.01), row
         # A step holds the wait (a short window's mean can dip below it when two tokens arrive together).
         assert values["served inter-token µs"] >= nominal * 0.5, row
         assert values["host CPU per step µs"] > 0 and values["client CPU per step µs"] > 0, row
