@@ -5,8 +5,20 @@ kernels/cpu_act_int8.py). The suite's exactness tests compare layers and models 
 references (dequantized weights, transformers), so it runs with exact activations unless the caller
 chose (`TGS_CPU_INT8_ACTIVATIONS=auto pytest ...` runs it under the default); tests/test_cpu_act_int8.py
 sets the policy per test.
+
+Kernel measurements (kernels/select.py: the choices warmup times per machine) go to a folder of the
+session's own unless the caller names one in TGS_KERNEL_CACHE: a test must neither read choices an
+earlier run or a benchmark left in ~/.cache nor leave its tiny models' entries there. The servers
+the tests start inherit it.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TGS_CPU_INT8_ACTIVATIONS", "off")
+if "TGS_KERNEL_CACHE" not in os.environ:
+    _kernel_cache = tempfile.mkdtemp(prefix="tgs-test-kernel-cache-")
+    os.environ["TGS_KERNEL_CACHE"] = _kernel_cache
+    atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
