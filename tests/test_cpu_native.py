@@ -200,6 +200,18 @@ def test_bf16_matrix_vector_product_matches_float_arithmetic(native, rows, k, n)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5  # float32 sums of exact products
 
 
+@pytest.mark.parametrize("k,n", [(200, 37), (1536, 50)], ids=str)  # tails of K; N past each tile's outputs
+def test_bf16_product_rows_bits_do_not_depend_on_the_batch(native, k, n):
+    # bfloat16 x: vdpbf16ps with AVX512-BF16, in tiles of 1-8 rows x 2-4 outputs by the row count
+    g = torch.Generator().manual_seed(k + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(8, k, generator=g).bfloat16()
+    alone = torch.cat([native.bf16_gemv(x[m:m + 1], w, cpu_native.PREFETCH_BYTES) for m in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(native.bf16_gemv(x[:rows], w, cpu_native.PREFETCH_BYTES), alone[:rows]), rows
+    want = x.double() @ w.double().t()
+    assert ((alone.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
     from text_generation_server.kernels.dense import DenseLinear
     from text_generation_server.layers.tensor_parallel import TensorParallelHead
