@@ -200,6 +200,18 @@ def test_bf16_matrix_vector_product_matches_float_arithmetic(native, rows, k, n)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5  # float32 sums of exact products
 
 
+@pytest.mark.parametrize("k,n", [(200, 37), (1536, 50)], ids=str)  # tails of K; N past each tile's outputs
+def test_bf16_product_rows_bits_do_not_depend_on_the_batch(native, k, n):
+    # bfloat16 x: vdpbf16ps with AVX512-BF16, in tiles of 1-8 rows x 2-4 outputs by the row count
+    g = torch.Generator().manual_seed(k + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(8, k, generator=g).bfloat16()
+    alone = torch.cat([native.bf16_gemv(x[m:m + 1], w, cpu_native.PREFETCH_BYTES) for m in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(native.bf16_gemv(x[:rows], w, cpu_native.PREFETCH_BYTES), alone[:rows]), rows
+    want = x.double() @ w.double().t()
+    assert ((alone.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
     from text_generation_server.kernels.dense import DenseLinear
     from text_generation_server.layers.tensor_parallel import TensorParallelHead
@@ -212,16 +224,19 @@ def test_bf16_dense_layers_and_the_head_take_decode_rows_natively(native):
         assert layer.native is native
         recorder = Recorder(native)
         layer.native = recorder
-        for lead in ((1,), (2,), (1, 2), (3,), (40,)):
+        for lead in ((1,), (2,), (1, 2), (3,), (8,), (9,), (40,)):
             x = torch.randn(*lead, 64, generator=g).bfloat16()
             want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
             got = layer(x)
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             assert ((got.float() - want).abs().max() / want.abs().max()).item() < BOUND[torch.bfloat16]
-        # 1, 2 and 1x2 rows; 3 and 40 rows: torch's GEMM, or on a build without AVX512-BF16 (an AVX2
-        # machine, TGS_CPU_ISA=avx2) the native one (cpu_native.bf16_gemm_fits)
-        gemm = {"bf16_gemm": 2} if cpu_native.bf16_gemm_fits(native, w) else {}
-        assert recorder.calls == {"bf16_gemv": 3, **gemm}
+        # 1, 2 and 1x2 rows natively; with AVX512-BF16 also 3 and 8 (vdpbf16ps, the weights read once
+        # per 8 rows). Past the bound (9 and 40 rows; 3 and 8 without AVX512-BF16): torch's GEMM, or on a
+        # build without AVX512-BF16 (an AVX2 machine, TGS_CPU_ISA=avx2) the native one (bf16_gemm_fits)
+        bf16_dot = bool(native.bf16_gemm_has_bf16_dot())
+        assert cpu_native.dense_gemv_max_rows(native, w) == (8 if bf16_dot else 2)
+        gemm = {"bf16_gemm": 2 if bf16_dot else 4} if cpu_native.bf16_gemm_fits(native, w) else {}
+        assert recorder.calls == {"bf16_gemv": 5 if bf16_dot else 3, **gemm}
     # float32 weights: the float32 matrix-vector product (tests/test_cpu_dense_gemv.py)
     layer = DenseLinear(w, None).to(torch.float32)
     assert layer.native is native and layer(torch.randn(1, 64)).dtype == torch.float32

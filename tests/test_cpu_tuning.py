@@ -265,3 +265,37 @@ def test_exact_and_int8_activation_choices_of_one_shape_stay_apart(native, monke
     # the exact layers read their own choices back and measure nothing
     assert tune_cpu_layers(again, timer=stand_in_timer(int4_seconds, calls))[shape_key(again[0].linear_spec)][1] \
         == "native-r2" and calls == []
+
+
+def test_dense_bf16_layers_choose_between_the_native_product_and_torchs_gemm():
+    from text_generation_server.quantizers.weights import UnquantizedWeight
+
+    if cpu_native.native() is None:  # any build: the AVX2 one offers the product at 1-8 rows too
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(11)
+
+    def dense(dtype: torch.dtype, n: int = 96) -> torch.nn.Module:
+        weight = UnquantizedWeight(torch.randn(n, 128, generator=g).to(dtype))
+        return watched(build_linear(weight, None, dtype, "cpu"))
+
+    m = torch.nn.ModuleList([dense(torch.bfloat16), dense(torch.bfloat16), dense(torch.float32)])
+    # Stand-ins: the native product fastest at 1-2 rows, torch's GEMM at 4-8 (as with AMX).
+    seconds = lambda variant, rows: {"gemv": 1.0 if rows <= 2 else 3.0, "gemm": 2.0}.get(variant, 9.0)
+    calls: list[int] = []
+    chosen = tune_cpu_layers(m, timer=stand_in_timer(seconds, calls))
+    key = shape_key(m[0].linear_spec)
+    # decode buckets only (prompts keep one path); the float32 layer is never timed (its bits stay pinned)
+    assert chosen == {key: {1: "gemv", 2: "gemv", 4: "gemm", 8: "gemm"}}
+    assert m[0].measured == m[1].measured == chosen[key] and m[2].measured == {}
+    assert choose_variant(m[1], 3) == "gemm" and choose_variant(m[1], 2) == "gemv"
+    assert choose_variant(m[1], 9) == m[1].static_variant(9)  # past 8 rows: the static choice
+    assert "padded-gemm" not in json.loads(preferences("cpu").path.read_text())["choices"][key]["rows<=8"]["ms"]
+    x = torch.randn(8, 128).bfloat16()
+    with torch.inference_mode(), forward_phase(prefill=True):
+        assert m[0].prompt_variant() in ("padded-gemm", "native-gemm")  # not measured: one prompt path
+        assert torch.equal(m[0](x), m[0].run(x, m[0].prompt_variant()))
+    # The product wins everywhere (another shape): chosen up to 8 rows on any build (also where 2 rows
+    # is its default, without AVX512-BF16).
+    m = torch.nn.ModuleList([dense(torch.bfloat16, n=64)])
+    assert tune_cpu_layers(m, timer=stand_in_timer(lambda v, r: 1.0 if v == "gemv" else 2.0)) == {
+        shape_key(m[0].linear_spec): {1: "gemv", 2: "gemv", 4: "gemv", 8: "gemv"}}

@@ -372,13 +372,19 @@ def test_decode_rows_still_take_the_fast_paths(native):
     in_place = cpu_native.int4_native_ok(native)  # the int4 kernel runs on AVX-512 builds
     assert choose_variant(layers["cpu-int4pack"], 8) == ("native" if in_place else "op")
     assert choose_variant(layers["cpu-int4pack"], 64) == "dequant"
-    assert choose_variant(layers["dense"], 2) == "gemv" and choose_variant(layers["dense"], 3) == "gemm"
+    dense = layers["dense"]
+    bound = cpu_native.dense_gemv_max_rows(native, dense.weight)  # bf16: 8 rows with AVX512-BF16, else 2
+    past = "native-gemm" if cpu_native.bf16_gemm_fits(native, dense.weight) else "gemm"
+    assert choose_variant(dense, 2) == choose_variant(dense, bound) == "gemv"
+    assert choose_variant(dense, bound + 1) == past
     with forward_phase(prefill=True):
         assert {choose_variant(layers["cpu-int8"], r) for r in (1, 8, 45)} == {"dequant"}
         # int4 prompts read the packed codes in place at every row count (row-invariant: kernels/cpu.py)
         assert {choose_variant(layers["cpu-int4pack"], r) for r in (1, 8, 45, 300)} == {
             "native" if in_place else "dequant"}
-        assert {choose_variant(layers["dense"], r) for r in (1, 2, 45)} == {"padded-gemm"}
+        # dense prompts: one path, torch's GEMM padded, or the native GEMM on a build without AVX512-BF16
+        assert {choose_variant(dense, r) for r in (1, 2, 45)} == {
+            "native-gemm" if past == "native-gemm" else "padded-gemm"}
     assert PROMPT_MIN_ROWS >= 12  # torch's float32 GEMM changes path below 12 rows (kernels/phase.py)
 
 

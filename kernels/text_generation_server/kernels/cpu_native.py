@@ -66,11 +66,17 @@ INT8_GEMV_MAX_ROWS = 8
 INT8_GEMV_MAX_K = 65536
 INT8_DEQUANT_MIN_ROWS = 32
 # bfloat16 weights (dense layers and the head): rows up to which the matrix-vector product runs
-# instead of torch's GEMM (oneDNN). Cold Qwen2.5-1.5B shapes, 2 cores: 1.4-1.5x oneDNN at one row,
-# 1.2-1.4x at two, even at four, 0.55-0.8x at eight (BENCHMARKS.md).
-BF16_GEMV_MAX_ROWS = 2
+# instead of torch's GEMM (oneDNN). With AVX512-BF16 the product multiplies bf16 x by the weights as
+# they lie (vdpbf16ps) and reads each weight once for up to 8 rows: cold Qwen2.5-1.5B shapes on the
+# 2-core EPYC (no AMX), 1.7-2.6x oneDNN's speed at 3-8 rows on qkv, o_proj and gate_up, level on down
+# (BENCHMARKS.md, issue #32 session 12; 0.55-0.8x at 8 rows before x was taken as bfloat16). On a
+# build without it (x widened to float32 FMAs) 2 rows: 1.4-1.5x oneDNN at one row, 1.2-1.4x at two,
+# and the native GEMM takes 3+ rows there (BF16_GEMM_ENV). A machine's measurement may move either
+# bound per layer shape and row bucket (kernels/cpu_tuning.py).
+BF16_GEMV_MAX_ROWS = 8
+BF16_GEMV_MAX_ROWS_FLOAT = 2
 # bfloat16 weights on a build without AVX512-BF16 (an AVX2 machine, TGS_CPU_ISA=avx2): prompts and decode
-# batches past BF16_GEMV_MAX_ROWS run the native GEMM (`bf16_gemm`: weights widened to float32 in
+# batches past BF16_GEMV_MAX_ROWS_FLOAT run the native GEMM (`bf16_gemm`: weights widened to float32 in
 # registers, FMA) instead of torch's bfloat16 GEMM, which has no fast path there (3x slower than
 # llama.cpp's AVX2 build; 2.1-3.1x slower than this kernel at 8-128 rows on Qwen2.5-1.5B's shapes,
 # one thread: BENCHMARKS.md, issue #32 session 9). With AVX512-BF16 torch's GEMM was 2-4x faster and stays.
@@ -244,7 +250,8 @@ def native() -> Extension | None:
                         "larger batches: {}), float32 ones up to {} rows, int8 layers through dequantized bf16 GEMMs "
                         "from {} rows; torch's ops otherwise (each a default "
                         "this machine's measurements may change: kernels/cpu_tuning.py)", INT4_DEQUANT_MIN_ROWS,
-                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K, BF16_GEMV_MAX_ROWS,
+                        INT8_GEMV_MAX_ROWS, INT8_GEMV_MAX_K,
+                        BF16_GEMV_MAX_ROWS if _state["bf16_dot"] else BF16_GEMV_MAX_ROWS_FLOAT,
                         "the native GEMM" if _bf16_gemm_wanted(_state["bf16_dot"]) else
                         f"torch's GEMM, AVX512-BF16 here; {BF16_GEMM_ENV}=on: the native one", F32_GEMV_MAX_ROWS,
                         INT8_DEQUANT_MIN_ROWS)
@@ -333,12 +340,16 @@ def for_dense_weight(weight: torch.Tensor) -> Extension | None:
     return native()
 
 
-def dense_gemv_max_rows(weight: torch.Tensor) -> int:
-    """Rows up to which a native matrix-vector product (bfloat16 or float32 weights) runs `weight`
-    (0: it cannot: another dtype or device, or a weight not contiguous)."""
+def dense_gemv_max_rows(module: Extension, weight: torch.Tensor, any_build: bool = False) -> int:
+    """Rows up to which `module`'s native matrix-vector product (bfloat16 or float32 weights) runs
+    `weight` by default (0: it cannot: another dtype or device, or a weight not contiguous); for
+    bfloat16, by whether the build multiplies bfloat16 pairs (BF16_GEMV_MAX_ROWS' comment).
+    `any_build`: the rows it can run on any build, where a measurement may choose it (cpu_tuning.py)."""
     if weight.dtype == torch.float32:
         return F32_GEMV_MAX_ROWS if f32_gemv_fits(1, weight) else 0
-    return BF16_GEMV_MAX_ROWS if bf16_gemv_fits(1, weight) else 0
+    if not bf16_gemv_fits(1, weight):
+        return 0
+    return BF16_GEMV_MAX_ROWS if any_build or _has_bf16_dot(module) else BF16_GEMV_MAX_ROWS_FLOAT
 
 
 def dense_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -381,9 +392,14 @@ def bf16_gemm_fits(module: Extension | None, weight: torch.Tensor) -> bool:
     if module is None or not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
                               and weight.is_contiguous()):
         return False
+    return _bf16_gemm_wanted(_has_bf16_dot(module))
+
+
+def _has_bf16_dot(module: Extension) -> bool:
+    """Whether `module` was built with AVX512-BF16 (vdpbf16ps)."""
     if "bf16_dot" not in _state:  # read when the extension loads (native()); a reset() forgets it
         _state["bf16_dot"] = bool(module.bf16_gemm_has_bf16_dot())
-    return _bf16_gemm_wanted(bool(_state["bf16_dot"]))
+    return bool(_state["bf16_dot"])
 
 
 def _bf16_gemm_wanted(has_bf16_dot: bool) -> bool:
@@ -410,7 +426,8 @@ def bf16_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (M <= BF16_GEMV_MAX_ROWS)."""
+    """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (the weights read
+    once per 8 rows)."""
     y = module.bf16_gemv(_gemv_input(x), weight, PREFETCH_BYTES)
     if bias is not None:
         y = y + bias.float()

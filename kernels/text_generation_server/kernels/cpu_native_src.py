@@ -572,12 +572,34 @@ void gemv_impl_bx(const uint16_t* x, const T* w, const float* s, float* y, int64
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows_bx<M, 1>(x, w, s, y, K, N, n, prefetch);
 }
 
+// bfloat16 weights at 3-8 rows: wider tiles than the int8 codes' (which spend registers on their
+// conversion): 3-6 rows x 4 outputs, 7-8 rows x 3 (up to 24 accumulators, the weight vectors and one
+// of x in the 32 registers), fewer loads of x per weight byte. Cold Qwen2.5-1.5B shapes, 2 threads, the
+// 2-core EPYC: the down projection (K = 8960) 1.15-1.27x at 4-8 rows, the K = 1536 shapes level to
+// 1.05x, the same bits (BENCHMARKS.md, issue #32 session 12).
+inline bool gemv_bf16_wide_bx(int64_t rows, const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N,
+                              int64_t pf) {
+  switch (rows) {
+    case 3: gemv_impl_bx<3, 4>(x, w, nullptr, y, K, N, pf); return true;
+    case 4: gemv_impl_bx<4, 4>(x, w, nullptr, y, K, N, pf); return true;
+    case 5: gemv_impl_bx<5, 4>(x, w, nullptr, y, K, N, pf); return true;
+    case 6: gemv_impl_bx<6, 4>(x, w, nullptr, y, K, N, pf); return true;
+    case 7: gemv_impl_bx<7, 3>(x, w, nullptr, y, K, N, pf); return true;
+    case 8: gemv_impl_bx<8, 3>(x, w, nullptr, y, K, N, pf); return true;
+    default: return false;
+  }
+}
+inline bool gemv_bf16_wide_bx(int64_t, const uint16_t*, const int8_t*, float*, int64_t, int64_t, int64_t) {
+  return false;  // int8 codes keep their tiles
+}
+
 template <typename T>
 void gemv_dispatch_bx(int64_t M, const uint16_t* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
                       int64_t pf) {
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const uint16_t* x = xp + m0 * K;
     float* y = yp + m0 * N;
+    if (sp == nullptr && gemv_bf16_wide_bx(std::min<int64_t>(8, M - m0), x, wp, y, K, N, pf)) continue;
     switch (std::min<int64_t>(8, M - m0)) {
       case 1: gemv_impl_bx<1, 4>(x, wp, sp, y, K, N, pf); break;
       case 2: gemv_impl_bx<2, 4>(x, wp, sp, y, K, N, pf); break;

@@ -41,17 +41,22 @@ TUNING_ENV = "TGS_CPU_TUNING"
 # Decode batch sizes measured (rows 3, 5-7 share the buckets of 4 and 8), and the prompt bucket.
 DECODE_ROWS = (1, 2, 4, 8)
 TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
-# The CPU kernels whose layers offer variants worth timing (dense bfloat16 and float32 layers and
-# the head have one native variant each, up to 2 and 8 rows, measured in BENCHMARKS.md; not timed
-# per machine: torch's GEMM is their alternative, and a float32 decode row's bits would then depend
-# on the machine's timings, where the exactness tests pin one path). The same holds for the dense bf16
-# GEMM (cpu_native.bf16_gemm, dense.py "native-gemm"): chosen by the build's instruction set (no
-# AVX512-BF16: torch's bf16 GEMM is 2-3x slower there, BENCHMARKS.md session 9), not by a timing.
+# The CPU kernels whose layers offer variants worth timing. Dense bfloat16 layers (kernel "dense",
+# bf16 weights only: DENSE_DTYPES) choose between the native matrix-vector product and torch's GEMM
+# per decode bucket: with AVX512-BF16 the product wins at 1-8 rows on the 2-core EPYC, but oneDNN with
+# AMX (or another machine's memory) may win at 4-8 rows, so the static bound (cpu_native.BF16_GEMV_MAX_ROWS)
+# is only the default; their prompts keep one path (padded-gemm or native-gemm) and are not timed.
+# Dense float32 layers are not timed per machine: a float32 decode row's bits would then depend on
+# the machine's timings, where the exactness tests pin one path. The dense bf16 GEMM
+# (cpu_native.bf16_gemm, dense.py "native-gemm") is chosen for prompts by the build's instruction set
+# (no AVX512-BF16: torch's bf16 GEMM is 2-3x slower there, BENCHMARKS.md session 9), not by a timing.
+# The head (layers/tensor_parallel.py) is not built through the kernel table and keeps the static bound.
 # The int8-activation layers (kernels/cpu_act_int8.py) offer their own names (rows per pass, prefetch
 # distance: the same bits under each) and keep their choices under their own scope in the file
 # (Int4PackLinear/Int8Linear.preference_scope "q8"), so a machine that ran the exact layers of a shape
 # before does not hand their names to these, nor these theirs back.
-TUNED_KERNELS = ("cpu-int4pack", "cpu-int8", "cpu-int4pack-q8", "cpu-int8-q8")
+TUNED_KERNELS = ("cpu-int4pack", "cpu-int8", "cpu-int4pack-q8", "cpu-int8-q8", "dense")
+DENSE_DTYPES = (torch.bfloat16,)  # the dense layers' weight dtypes worth timing (above)
 FALLBACK = "op"  # torch's weight-only op: where a failed measurement leaves a bucket
 # Shapes whose weights take more than this many bytes (a vocabulary-sized head) are measured at the
 # decode buckets only: at 64 rows each of their variants costs tenths of a second a call.
@@ -66,7 +71,7 @@ def not_worth_timing(bucket: int, variant: str) -> bool:
     6 rows, int8 activations: 4; the names give the same bits; at 64 rows each costs tens of
     milliseconds a call, and the prefetch distance matters least there)."""
     if bucket <= max(DECODE_ROWS):
-        return variant == "dequant"
+        return variant in ("dequant", "padded-gemm")  # padded-gemm: torch's GEMM as "gemm", for prompts
     if variant in cpu_act_int8.VARIANTS or variant in cpu_act_int8.INT8_VARIANTS:
         return variant not in (cpu_act_int8.Q8, "q8-r4")
     return variant in cpu_native.INT4_NATIVE_VARIANTS and variant not in (cpu_native.INT4_NATIVE, "native-r6")
@@ -90,6 +95,20 @@ def _scope(layer: Any) -> str:
     return getattr(layer, "preference_scope", "")
 
 
+def _worth_timing(module: Any) -> bool:
+    """A CPU layer whose kernel offers measured variants (TUNED_KERNELS; dense: bf16 weights only)."""
+    name = getattr(module, "kernel_name", None)
+    if name not in TUNED_KERNELS or not isinstance(getattr(module, "measured", None), dict):
+        return False
+    return name != "dense" or getattr(getattr(module, "weight", None), "dtype", None) in DENSE_DTYPES
+
+
+def _decode_only(layer: Any) -> bool:
+    """Layers measured at the decode buckets only: a vocabulary-sized weight (LARGE_BYTES), or a
+    dense one (its prompts keep one path, and decode batches past 8 rows stay on torch's GEMM)."""
+    return _weight_bytes(layer) > LARGE_BYTES or getattr(layer, "kernel_name", None) == "dense"
+
+
 def _tuned_layers(model: torch.nn.Module) -> dict[str, list[tuple[LinearSpec, Any]]]:
     """Key -> (spec, layer) for the model's CPU layers of one shape and preference scope whose kernel
     offers measured variants (phase.RowVariantLayer); the key is the shape key, followed by the
@@ -97,9 +116,7 @@ def _tuned_layers(model: torch.nn.Module) -> dict[str, list[tuple[LinearSpec, An
     groups: dict[str, list[tuple[LinearSpec, Any]]] = {}
     for module in model.modules():
         spec = getattr(module, "linear_spec", None)
-        if (isinstance(spec, LinearSpec) and spec.device_type == "cpu"
-                and getattr(module, "kernel_name", None) in TUNED_KERNELS
-                and isinstance(getattr(module, "measured", None), dict)):
+        if isinstance(spec, LinearSpec) and spec.device_type == "cpu" and _worth_timing(module):
             key = shape_key(spec) + (f" {_scope(module)}" if _scope(module) else "")
             groups.setdefault(key, []).append((spec, module))
     return groups
@@ -120,8 +137,8 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
             # a name this layer cannot run (the file edited, or another kernel's) counts as unmeasured
             known = {b: c for b, c in store.row_choices(spec, _scope(layers[0])).items()
                      if b in buckets and c in layers[0].variants(b)}
-            large = _weight_bytes(layers[0]) > LARGE_BYTES
-            missing = [b for b in buckets if b not in known and not (large and b > max(DECODE_ROWS))] \
+            decode_only = _decode_only(layers[0])
+            missing = [b for b in buckets if b not in known and not (decode_only and b > max(DECODE_ROWS))] \
                 if enabled else []
             failed: list[int] = []
             cached = bool(known)

@@ -3,7 +3,9 @@
 A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py picks per forward):
 - "gemv": on the CPU, a decode-sized input against bfloat16 or float32 weights runs the native
   matrix-vector product, which streams the weights faster than torch's GEMM there
-  (kernels/cpu_native.py; up to BF16_GEMV_MAX_ROWS or F32_GEMV_MAX_ROWS rows). For float32 it
+  (kernels/cpu_native.py; by default up to BF16_GEMV_MAX_ROWS rows with AVX512-BF16, else
+  BF16_GEMV_MAX_ROWS_FLOAT, or F32_GEMV_MAX_ROWS; for bfloat16 weights a machine's measurement may
+  choose it or torch's GEMM per decode bucket up to 8 rows, kernels/cpu_tuning.py). For float32 it
   matters most on small models: torch's GEMM costs tens of microseconds a call in fixed work on a
   0.5 MiB matrix at one row, most of a step of the embedded model (BENCHMARKS.md, session 7);
 - "gemm": torch's F.linear;
@@ -55,7 +57,8 @@ class DenseProduct:
     bias: torch.Tensor | None
     measured: dict[int, str]
     _native: cpu_native.Extension | None = None
-    _gemv_rows = 0  # rows up to which the native product runs this weight (0: never)
+    _gemv_rows = 0  # rows up to which the native product runs this weight by default (0: never)
+    _gemv_any = 0  # rows up to which it can run it (a measured choice, kernels/cpu_tuning.py)
     _native_gemm = False  # the native bfloat16 GEMM runs prompts and larger decode batches (cpu_native.bf16_gemm_fits)
     _pending = False  # float32: the extension is looked up on the first decode call (native_for)
 
@@ -67,11 +70,12 @@ class DenseProduct:
     def native(self, module: cpu_native.Extension | None) -> None:
         self._native = module
         self._pending = module is None and _deferred(self.weight)
-        self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(self.weight)
+        self._gemv_rows = 0 if module is None else cpu_native.dense_gemv_max_rows(module, self.weight)
+        self._gemv_any = 0 if module is None else cpu_native.dense_gemv_max_rows(module, self.weight, any_build=True)
         self._native_gemm = cpu_native.bf16_gemm_fits(module, self.weight)
 
     def variants(self, rows: int) -> tuple[str, ...]:
-        found = ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_rows else ("gemm", "padded-gemm")
+        found = ("gemv", "gemm", "padded-gemm") if 0 < rows <= self._gemv_any else ("gemm", "padded-gemm")
         return (*found, "native-gemm") if self._native_gemm else found
 
     def prompt_variant(self) -> str:
