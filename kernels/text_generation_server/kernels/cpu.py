@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
@@ -352,6 +353,9 @@ def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int)
     return order
 
 
+_TABLE_ANNOUNCED: list[bool] = []  # the table layout's startup line, once a process
+
+
 class Int8Linear(torch.nn.Module):
     # x: [..., K] -> [..., N]
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None,
@@ -405,8 +409,17 @@ class Int8Linear(torch.nn.Module):
                 or not cpu_native.int8_table_enabled(self.native) or self.in_features > cpu_native.INT8_GEMV_MAX_K
                 or self.in_features % 16 or int(self.weight.min()) == -128):
             return False
-        self.weight = cpu_native.int8_table_pack(self.weight)
+        from text_generation_server.kernels import cpu_kquant  # its arena; imported here: it imports this module's peers
+
+        # In the huge-page arena (as cpu_act_int8.tile_for_layer's int4 layout): a one-row call streams the
+        # codes once, and on 4 KiB pages each page is a TLB miss and a stop for the hardware prefetchers.
+        self.weight = cpu_kquant.in_arena(cpu_native.int8_table_pack(self.weight).view(torch.uint8)).view(torch.int8)
         self.table_layout = True
+        if not _TABLE_ANNOUNCED:
+            _TABLE_ANNOUNCED.append(True)
+            logger.info("int8 layers with exact activations: codes in the table layout (AVX512-VBMI byte lookups, "
+                        "the same results; {}=off keeps the plain one); decode batches up to {} rows on the "
+                        "matrix-vector kernel", cpu_native.TABLE_ENV, cpu_native.INT8_DEQUANT_MIN_ROWS - 1)
         return True
 
     # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel (at one of the
