@@ -45,6 +45,13 @@ def test_the_layout_is_sign_magnitude_in_the_unpack_order():
     assert sorted(cpu_native.TABLE_ORDER) == list(range(64))
 
 
+def test_the_native_pack_gives_the_torch_forms_bytes(native):
+    for n, k in ((3, 64), (70, 200), (129, 1536)):
+        w, _ = codes(n, k, seed=n)
+        want = cpu_native.int8_table_pack(w, rows_per_piece=50)  # the torch form, in pieces
+        assert torch.equal(cpu_native.int8_table_pack(w, module=native), want), (n, k)
+
+
 def test_codes_of_minus_128_are_refused():
     with pytest.raises(ValueError, match="-128"):
         cpu_native.int8_table_pack(torch.full((2, 64), -128, dtype=torch.int8))

@@ -413,7 +413,7 @@ class Int8Linear(torch.nn.Module):
 
         # In the huge-page arena (as cpu_act_int8.tile_for_layer's int4 layout): a one-row call streams the
         # codes once, and on 4 KiB pages each page is a TLB miss and a stop for the hardware prefetchers.
-        self.weight = cpu_kquant.in_arena(cpu_native.int8_table_pack(self.weight).view(torch.uint8)).view(torch.int8)
+        self.weight = cpu_kquant.in_arena(cpu_native.int8_table_pack(self.weight, module=self.native).view(torch.uint8)).view(torch.int8)
         self.table_layout = True
         if not _TABLE_ANNOUNCED:
             _TABLE_ANNOUNCED.append(True)

@@ -323,21 +323,26 @@ def int8_table_enabled(module: Extension | None) -> bool:
     return os.environ.get(TABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def int8_table_pack(codes: torch.Tensor, rows_per_piece: int = 8192) -> torch.Tensor:
+def int8_table_pack(codes: torch.Tensor, rows_per_piece: int = 8192, module: Extension | None = None) -> torch.Tensor:
     """int8 codes [N, K] (none -128) in the table layout int8_table_gemv reads: each full 64-code chunk of
     a row sign-magnitude (bit 7 the sign, bits 0-6 |v|) in TABLE_ORDER; the K % 64 tail as it is.
 
     Why at load: converting plain int8 codes to the bfloat16 that vdpbf16ps multiplies takes 10
     instructions per 64 (sign-extend, convert, pack), which bounds the one-row product below the
-    memory's speed on a core; this layout takes 5 (two byte-table lookups, an OR, two unpacks)."""
+    memory's speed on a core; this layout takes 5 (two byte-table lookups, an OR, two unpacks).
+    `module`: the extension packs (its `int8_table_pack_into`; these torch ops took 1.2 s for a
+    151936 x 1536 head on 2 threads); the torch form otherwise (the same bytes)."""
     if codes.dtype != torch.int8 or codes.dim() != 2:
         raise ValueError(f"int8_table_pack takes int8 codes [N, K], got {codes.dtype} {list(codes.shape)}")
     n, k = codes.shape
     if n and int(codes.min()) == -128:
         raise ValueError("int8_table_pack: a code is -128, which sign-magnitude bytes cannot hold")
+    out = torch.empty_like(codes, memory_format=torch.contiguous_format)
+    if module is not None and hasattr(module, "int8_table_pack_into"):
+        module.int8_table_pack_into(codes.contiguous(), out)
+        return out
     full = k // 64 * 64
     order = torch.tensor(TABLE_ORDER, dtype=torch.long)
-    out = torch.empty_like(codes, memory_format=torch.contiguous_format)
     for n0 in range(0, n, rows_per_piece):  # pieces: a 150k-row head without several full-size temporaries
         part = codes[n0:n0 + rows_per_piece]
         rows = part.shape[0]

@@ -936,6 +936,41 @@ torch::Tensor int8_table_unpack(const torch::Tensor& w) {
 
 }  // namespace
 
+// The table layout of plain int8 codes w [N, K] (none -128; cpu_native.int8_table_pack checks) into out
+// (int8 [N, K]), at load (torch's index ops took 1.2 s for a 151936 x 1536 head).
+void int8_table_pack_into(torch::Tensor w, torch::Tensor out) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  TORCH_CHECK(out.sizes() == w.sizes() && out.scalar_type() == torch::kChar && out.is_contiguous(),
+              "out must be contiguous int8 of w's shape");
+  const int64_t N = w.size(0), K = w.size(1), full = K / 64 * 64;
+  const int8_t* src = w.data_ptr<int8_t>();
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  int order[64];
+  for (int p = 0; p < 64; ++p) order[p] = p % 16 < 8 ? 8 * (p / 16) + p % 16 : 32 + 8 * (p / 16) + p % 16 - 8;
+  tgs::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* row = src + n * K;
+      uint8_t* to = dst + n * K;
+      int64_t k = 0;
+#if defined(INT8_TABLE_ISA)
+      alignas(64) uint8_t idx[64];
+      for (int p = 0; p < 64; ++p) idx[p] = uint8_t(order[p]);
+      const __m512i index = _mm512_load_si512(idx), sign = _mm512_set1_epi8(char(0x80));
+      for (; k < full; k += 64) {  // byte permute, |v| (no -128 here), the sign ORed back
+        const __m512i v = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(row + k));
+        _mm512_storeu_si512(to + k, _mm512_ternarylogic_epi32(_mm512_abs_epi8(v), v, sign, 0xF8));
+      }
+#endif
+      for (; k < full; k += 64)
+        for (int p = 0; p < 64; ++p) {
+          const int v = row[k + order[p]];
+          to[k + p] = uint8_t(v < 0 ? 0x80 | -v : v);
+        }
+      for (k = full; k < K; ++k) to[k] = uint8_t(row[k]);
+    }
+  });
+}
+
 // x [M, K] bfloat16 or float32 (chunks of up to 8 rows) @ (w [N, K] in the table layout * s [N])^T ->
 // [M, N] float32: int8_gemv's bits on the plain codes, in every build (the table kernel where it is
 // built and x is bfloat16; elsewhere the codes are unpacked and int8_gemv's kernel runs).
@@ -1020,4 +1055,4 @@ int64_t int8_table_isa() {
 }
 """
 
-FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_tiled_mm", "int4_q8_tiled_linear", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa", "int8_table_gemv", "int8_table_dequant", "int8_table_isa"]
+FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_tiled_mm", "int4_q8_tiled_linear", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa", "int8_table_gemv", "int8_table_dequant", "int8_table_pack_into", "int8_table_isa"]
