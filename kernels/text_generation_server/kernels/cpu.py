@@ -375,7 +375,7 @@ class Int8Linear(torch.nn.Module):
         self.out_features = weight.shape[0]
         self.row_invariant = False  # keep_rows_invariant()
         self.int8_activations = False  # use_int8_activations()
-        self.table_layout = False  # keep_rows_invariant(): `weight` in cpu_native.int8_table_pack's layout
+        self.table_layout = False  # use_table_layout(): `weight` in cpu_native.int8_table_pack's layout
 
     def use_int8_activations(self) -> None:
         """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
@@ -409,11 +409,12 @@ class Int8Linear(torch.nn.Module):
                 or not cpu_native.int8_table_enabled(self.native) or self.in_features > cpu_native.INT8_GEMV_MAX_K
                 or self.in_features % 16 or int(self.weight.min()) == -128):
             return False
-        from text_generation_server.kernels import cpu_kquant  # its arena; imported here: it imports this module's peers
+        from text_generation_server.kernels import cpu_kquant  # imported here: it imports this module's peers
 
         # In the huge-page arena (as cpu_act_int8.tile_for_layer's int4 layout): a one-row call streams the
         # codes once, and on 4 KiB pages each page is a TLB miss and a stop for the hardware prefetchers.
-        self.weight = cpu_kquant.in_arena(cpu_native.int8_table_pack(self.weight, module=self.native).view(torch.uint8)).view(torch.int8)
+        packed = cpu_native.int8_table_pack(self.weight, module=self.native)
+        self.weight = cpu_kquant.in_arena(packed.view(torch.uint8)).view(torch.int8)
         self.table_layout = True
         if not _TABLE_ANNOUNCED:
             _TABLE_ANNOUNCED.append(True)
