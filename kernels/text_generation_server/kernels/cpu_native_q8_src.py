@@ -1,4 +1,5 @@
-"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), part of
+"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), and of the
+exact int8 kernel over codes rearranged at load (`int8_table_gemv`, its section below), part of
 cpu_native_src.SOURCE.
 
 The scheme is llama.cpp's Q8_0 activations (its quantize_row_q8_0 and Q4 x Q8 dot products, read for
