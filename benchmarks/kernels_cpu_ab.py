@@ -12,6 +12,7 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --what int4-q8 --rows 1,2,4,8   # int4: exact vs int8 activations
     python benchmarks/kernels_cpu_ab.py --what int4-tiled --rows 1,8 --q8-variants q8,q8-pf0  # torch layout vs tiled
     python benchmarks/kernels_cpu_ab.py --what int8-q8 --rows 1,2,4,8   # int8 (and the int8 head): the same
+    python benchmarks/kernels_cpu_ab.py --what int8-table --rows 1,8     # int8 exact: plain vs table layout
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products where they refuse bfloat16, as before issue #32).
@@ -86,7 +87,8 @@ def main() -> int:
     parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8, int4-tiled (comma-separated; "
                         "int4-tiled: the int8-activation kernel over torch's layout against the tiled one; "
                         "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
-                        "ones; int8-q8 also times the 151936 x 1536 head)")
+                        "ones; int8-q8 also times the 151936 x 1536 head; int8-table: the exact int8 kernel on the plain "
+                        "layout against the table one, the head too)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
@@ -149,8 +151,9 @@ def main() -> int:
             print(f"int4 {k}x{n} rows={m}: " + "  ".join(
                 f"{label} {min(v) * 1e3:.2f} ms ({n * k / 2 / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
                 flush=True)
-    for k, n in [*shapes, (1536, 151936)] if "int8-q8" in what else []:
+    for k, n in [*shapes, (1536, 151936)] if what & {"int8-q8", "int8-table"} else []:
         ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(2 if n > 100000 else copies)]
+        tables = [cpu_native.int8_table_pack(w) for w in ws] if "int8-table" in what else []
         sc = torch.rand(n)
         for m in [r for r in rows if r <= 8]:
             x = torch.randn(m, k).bfloat16()
@@ -158,7 +161,11 @@ def main() -> int:
             for _ in range(args.rounds):
                 res.setdefault("exact", []).append(best(
                     lambda i: new.int8_gemv(x, ws[i % len(ws)], sc, cpu_native.PREFETCH_BYTES), 2 * len(ws)))
-                for name in args.q8_variants.split(","):
+                if tables:  # the same product (the same bits) on the table layout (cpu_native.int8_table_pack)
+                    res.setdefault("table", []).append(best(
+                        lambda i: new.int8_table_gemv(x, tables[i % len(tables)], sc, cpu_native.PREFETCH_BYTES),
+                        2 * len(tables)))
+                for name in args.q8_variants.split(",") if "int8-q8" in what else []:
                     res.setdefault(name, []).append(best(
                         lambda i, name=name: cpu_act_int8.int8_q8_gemv(new, x, ws[i % len(ws)], sc, name), 2 * len(ws)))
             print(f"int8 {k}x{n} rows={m}: " + "  ".join(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from loguru import logger
 
 from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
@@ -352,6 +353,9 @@ def _padded_order(g_idx: torch.Tensor, perm: torch.Tensor, gs: int, padded: int)
     return order
 
 
+_TABLE_ANNOUNCED: list[bool] = []  # the table layout's startup line, once a process
+
+
 class Int8Linear(torch.nn.Module):
     # x: [..., K] -> [..., N]
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None,
@@ -371,6 +375,7 @@ class Int8Linear(torch.nn.Module):
         self.out_features = weight.shape[0]
         self.row_invariant = False  # keep_rows_invariant()
         self.int8_activations = False  # use_int8_activations()
+        self.table_layout = False  # use_table_layout(): `weight` in cpu_native.int8_table_pack's layout
 
     def use_int8_activations(self) -> None:
         """Every row count, prompts and decode alike, takes int8 activations (kernels/cpu_act_int8.py):
@@ -388,7 +393,35 @@ class Int8Linear(torch.nn.Module):
         if self.int8_activations:
             return True
         self.row_invariant = self._native_ok() and cpu_native.int8_row_invariant_fits(self.in_features)
+        if self.row_invariant:
+            self.use_table_layout()
         return self.row_invariant
+
+    def use_table_layout(self) -> bool:
+        """Rearranges the codes into cpu_native.int8_table_pack's layout where this build reads it faster
+        (AVX512-BF16 + VBMI) and the layer can take it: bfloat16 activations and compute, exact
+        activations, no code -128, K within the matrix-vector kernel's range. Every variant but torch's
+        op keeps its bits (the op, the plain layout's choice at 9-31 rows, gives way to the matrix-vector
+        kernel in chunks of 8 rows). True when the layer now has the layout."""
+        if self.table_layout:
+            return True
+        if (self.int8_activations or not self._native_ok() or self.act_dtype != torch.bfloat16
+                or not cpu_native.int8_table_enabled(self.native) or self.in_features > cpu_native.INT8_GEMV_MAX_K
+                or self.in_features % 16 or int(self.weight.min()) == -128):
+            return False
+        from text_generation_server.kernels import cpu_kquant  # imported here: it imports this module's peers
+
+        # In the huge-page arena (as cpu_act_int8.tile_for_layer's int4 layout): a one-row call streams the
+        # codes once, and on 4 KiB pages each page is a TLB miss and a stop for the hardware prefetchers.
+        packed = cpu_native.int8_table_pack(self.weight, module=self.native)
+        self.weight = cpu_kquant.in_arena(packed.view(torch.uint8)).view(torch.int8)
+        self.table_layout = True
+        if not _TABLE_ANNOUNCED:
+            _TABLE_ANNOUNCED.append(True)
+            logger.info("int8 layers with exact activations: codes in the table layout (AVX512-VBMI byte lookups, "
+                        "the same results; {}=off keeps the plain one); decode batches up to {} rows on the "
+                        "matrix-vector kernel", cpu_native.TABLE_ENV, cpu_native.INT8_DEQUANT_MIN_ROWS - 1)
+        return True
 
     # The ways to compute (kernels/phase.py): "gemv" the native matrix-vector kernel (at one of the
     # prefetch distances of cpu_native.INT8_GEMV_VARIANTS: the same bits under each name), "op" torch's
@@ -401,6 +434,8 @@ class Int8Linear(torch.nn.Module):
             return tuple(cpu_act_int8.INT8_VARIANTS)
         if self.row_invariant:
             return tuple(cpu_native.INT8_GEMV_VARIANTS)
+        if self.table_layout:
+            return cpu_native.int8_table_variants(rows)
         return cpu_native.int8_variants(rows, self.in_features) if self._native_ok() else ("op",)
 
     def prompt_variant(self) -> str:
@@ -419,6 +454,8 @@ class Int8Linear(torch.nn.Module):
             # the prefetch distance measured for the largest decode bucket (the same bits under each name)
             chosen = self.measured.get(cpu_native.INT8_GEMV_MAX_ROWS, "")
             return chosen if chosen in cpu_native.INT8_GEMV_VARIANTS else "gemv"
+        if self.table_layout:
+            return cpu_native.int8_table_variant(rows)
         return cpu_native.int8_variant(rows, self.in_features) if self._native_ok() else "op"
 
     def run(self, x: torch.Tensor, variant: str) -> torch.Tensor:
@@ -429,10 +466,17 @@ class Int8Linear(torch.nn.Module):
             return cpu_act_int8.int8_q8_gemv(self.native, x, self.weight, self.scales_f32, variant
                                              ).to(self.compute_dtype)
         prefetch = cpu_native.INT8_GEMV_VARIANTS.get(variant)
+        if self.table_layout and variant != "dequant":
+            if prefetch is None:
+                raise ValueError(f"an int8 layer in the table layout has no {variant!r} variant (torch's op "
+                                 "reads the plain layout)")
+            return cpu_native.int8_table_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype,
+                                              prefetch)
         if prefetch is not None:
             return cpu_native.int8_gemv(self.native, x, self.weight, self.scales_f32, self.compute_dtype, prefetch)
         if variant == "dequant":
-            return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype)
+            return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype,
+                                                self.table_layout)
         return torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -452,6 +496,7 @@ class CpuInt8Kernel(QuantKernel):
     """torch._weight_int8pack_mm: one scale per output channel, any code width up to 8 bits."""
 
     name = "cpu-int8"
+    TABLE_LAYOUT = True  # Int8Linear.use_table_layout where it pays (exact activations only)
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -478,8 +523,11 @@ class CpuInt8Kernel(QuantKernel):
         q8 = (weight.qweight.t().to(torch.int16) - mid).to(torch.int8).contiguous()  # [N, K]
         offset = scales * (mid - zeros)  # zero for symmetric weights
         compute = _compute_dtype(act_dtype)
-        return Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
-                          None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
+        module = Int8Linear(q8, scales.to(compute), None if bool((offset == 0).all()) else offset,
+                            None if bias is None else bias.to(act_dtype), act_dtype, scales_f32=scales.contiguous())
+        if cls.TABLE_LAYOUT:
+            module.use_table_layout()
+        return module
 
 
 
@@ -489,6 +537,7 @@ class CpuInt8Q8Kernel(CpuInt8Kernel):
     `--cpu-int8-activations`."""
 
     name = "cpu-int8-q8"
+    TABLE_LAYOUT = False  # its integer kernel reads the plain codes
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:

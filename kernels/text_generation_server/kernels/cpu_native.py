@@ -314,15 +314,81 @@ def int8_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: 
     return module.int8_gemv(_gemv_input(x), weight, scales, distance).to(out_dtype)
 
 
+# Byte p of a 64-code chunk in the table layout holds code TABLE_ORDER[p] (cpu_native_q8_src.py
+# `int8_table_gemv`: the order its byte unpacks give back codes 0-31, then 32-63).
+TABLE_ORDER = [8 * (p // 16) + p % 16 if p % 16 < 8 else 32 + 8 * (p // 16) + p % 16 - 8 for p in range(64)]
+# TGS_CPU_INT8_TABLE=off keeps the plain layout for the layers that would take the table one (the same bits
+# at 1-8 rows and in prompts; 9-31 rows then run torch's op instead of the matrix-vector kernel).
+TABLE_ENV = "TGS_CPU_INT8_TABLE"
+
+
+def int8_table_enabled(module: Extension | None) -> bool:
+    """Whether int8 layers with exact activations take the table layout: a build with its kernel
+    (AVX512-BF16 and AVX512-VBMI), TABLE_ENV not 0/false/no/off."""
+    if module is None or not hasattr(module, "int8_table_isa") or not int(module.int8_table_isa()):
+        return False
+    return os.environ.get(TABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def int8_table_pack(codes: torch.Tensor, rows_per_piece: int = 8192, module: Extension | None = None) -> torch.Tensor:
+    """int8 codes [N, K] (none -128) in the table layout int8_table_gemv reads: each full 64-code chunk of
+    a row sign-magnitude (bit 7 the sign, bits 0-6 |v|) in TABLE_ORDER; the K % 64 tail as it is.
+
+    Why at load: converting plain int8 codes to the bfloat16 that vdpbf16ps multiplies takes 10
+    instructions per 64 (sign-extend, convert, pack), which bounds the one-row product below the
+    memory's speed on a core; this layout takes 5 (two byte-table lookups, an OR, two unpacks).
+    `module`: the extension packs (its `int8_table_pack_into`; these torch ops took 1.2 s for a
+    151936 x 1536 head on 2 threads); the torch form otherwise (the same bytes)."""
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(f"int8_table_pack takes int8 codes [N, K], got {codes.dtype} {list(codes.shape)}")
+    n, k = codes.shape
+    if n and int(codes.min()) == -128:
+        raise ValueError("int8_table_pack: a code is -128, which sign-magnitude bytes cannot hold")
+    out = torch.empty_like(codes, memory_format=torch.contiguous_format)
+    if module is not None and hasattr(module, "int8_table_pack_into"):
+        module.int8_table_pack_into(codes.contiguous(), out)
+        return out
+    full = k // 64 * 64
+    order = torch.tensor(TABLE_ORDER, dtype=torch.long)
+    for n0 in range(0, n, rows_per_piece):  # pieces: a 150k-row head without several full-size temporaries
+        part = codes[n0:n0 + rows_per_piece]
+        rows = part.shape[0]
+        chunks = part[:, :full].reshape(rows, full // 64, 64).index_select(2, order).to(torch.int16)
+        sm = torch.where(chunks < 0, 128 - chunks, chunks).to(torch.uint8)  # 0x80 | |v| for v < 0
+        out[n0:n0 + rows, :full] = sm.view(torch.int8).reshape(rows, full)
+        out[n0:n0 + rows, full:] = part[:, full:]
+    return out
+
+
+def int8_table_variant(rows: int) -> str:
+    """The static choice for an int8 layer in the table layout: the matrix-vector kernel below
+    INT8_DEQUANT_MIN_ROWS rows (in chunks of INT8_GEMV_MAX_ROWS: torch's op, which the plain layout
+    takes at 9-31 rows, cannot read this one), the dequantized GEMM from there."""
+    return "gemv" if rows < INT8_DEQUANT_MIN_ROWS else "dequant"
+
+
+def int8_table_variants(rows: int) -> tuple[str, ...]:
+    """Every variant that can run `rows` rows of an int8 layer in the table layout."""
+    return tuple(INT8_GEMV_VARIANTS) + ("dequant",) if rows > 0 else ("gemv",)
+
+
+def int8_table_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                    out_dtype: torch.dtype, prefetch: int = -1) -> torch.Tensor:
+    """int8_gemv for codes in the table layout (int8_table_pack): the same bits."""
+    distance = PREFETCH_BYTES if prefetch < 0 else prefetch
+    return module.int8_table_gemv(_gemv_input(x), weight, scales, distance).to(out_dtype)
+
+
 def int8_dequant_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, table: bool = False) -> torch.Tensor:
     """The same product through DEQUANT_ROWS-row blocks of the weight dequantized to bfloat16 and
-    torch's bfloat16 GEMM (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py)."""
+    torch's bfloat16 GEMM (prompt inputs padded to PROMPT_MIN_ROWS rows, kernels/phase.py); `table`:
+    the weight is in int8_table_pack's layout (the same bits)."""
     rows = x.shape[0]
     xb = pad_prompt_rows(x.to(torch.bfloat16).contiguous())
     n = weight.shape[0]
-    parts = [xb @ module.int8_dequant(weight, scales, n0, min(n, n0 + DEQUANT_ROWS)).t()
-             for n0 in range(0, n, DEQUANT_ROWS)]
+    dequant = module.int8_table_dequant if table else module.int8_dequant
+    parts = [xb @ dequant(weight, scales, n0, min(n, n0 + DEQUANT_ROWS)).t() for n0 in range(0, n, DEQUANT_ROWS)]
     return torch.cat(parts, dim=1)[:rows].to(out_dtype)
 
 

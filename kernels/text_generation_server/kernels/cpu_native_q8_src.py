@@ -1,4 +1,5 @@
-"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), part of
+"""C++ source of the int4 and int8 kernels with int8 activations (`int4_q8_mm`, `int8_q8_gemv`), and of the
+exact int8 kernel over codes rearranged at load (`int8_table_gemv`, its section below), part of
 cpu_native_src.SOURCE.
 
 The scheme is llama.cpp's Q8_0 activations (its quantize_row_q8_0 and Q4 x Q8 dot products, read for
@@ -823,6 +824,236 @@ int64_t int8_q8_isa() {
   return 0;
 #endif
 }
+
+namespace {
+
+// ---- int8 codes in the table layout x exact bfloat16 activations (`int8_table_gemv`) ------------------
+// int8_gemv's product (bfloat16 x through vdpbf16ps, the same instructions on the same operands in the
+// same order, so the same bits), for codes rearranged at load (cpu_native.int8_table_pack) so that their
+// conversion to bfloat16 costs 5 instructions per 64 codes instead of 10. Each full 64-code chunk of a
+// row is stored sign-magnitude (bit 7 the sign, bits 0-6 |v|; v = -128 has no such byte, so such
+// weights keep the plain layout), its bytes ordered so that vpunpcklbw / vpunpckhbw of two byte tables
+// give codes 0-31 and 32-63 in order: the stored byte 16 L + o holds code 8 L + o for o < 8, code
+// 32 + 8 L + o - 8 for o >= 8 (L the 128-bit lane). Two vpermi2b look up the low and the high byte of
+// bfloat16(|v|) (128-entry tables: the index's bit 7, the sign, is ignored), one vpternlogd ORs the sign
+// into the high byte, two unpacks interleave them. A row's K % 64 tail stays plain int8, read as
+// int8_gemv reads it. Measured: BENCHMARKS.md, issue #32 session 12.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define INT8_TABLE_ISA 1
+struct Int8Tables {
+  __m512i lo0, lo1, hi0, hi1, sign;
+};
+inline Int8Tables int8_tables() {
+  alignas(64) uint8_t lo[128], hi[128];
+  for (int v = 0; v < 128; ++v) {
+    const float f = float(v);  // at most 7 significant bits: its bfloat16 is its top half, exactly
+    uint32_t u; std::memcpy(&u, &f, 4);
+    lo[v] = uint8_t(u >> 16);
+    hi[v] = uint8_t(u >> 24);
+  }
+  return {_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi), _mm512_load_si512(hi + 64),
+          _mm512_set1_epi8(char(0x80))};
+}
+inline void int8_table_words(const Int8Tables& t, __m512i b, __m512i& w0, __m512i& w1) {
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, b, t.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, b, t.hi1), b, t.sign, 0xF8);  // a | (b & c)
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+template <int M, int NB>
+inline void int8_table_rows(const Int8Tables& t, const uint16_t* x, const int8_t* w, const float* s, float* y,
+                            int64_t K, int64_t N, int64_t n, int64_t prefetch) {
+  __m512 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512i w0[NB], w1[NB];
+    for (int b = 0; b < NB; ++b) {
+      const int8_t* p = w + (n + b) * K + k;
+      if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+      int8_table_words(t, _mm512_loadu_si512(p), w0[b], w1[b]);
+    }
+    for (int m = 0; m < M; ++m) {  // int8_gemv's order per accumulator: codes k .. k + 31, then k + 32 .. k + 63
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32);
+      for (int b = 0; b < NB; ++b) {
+        acc[m][b] = _mm512_dpbf16_ps(acc[m][b], x0, (__m512bh)w0[b]);
+        acc[m][b] = _mm512_dpbf16_ps(acc[m][b], x1, (__m512bh)w1[b]);
+      }
+    }
+  }
+  if (k + 32 <= K) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load_w32(w + (n + b) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, (__m512bh)wv[b]);
+    }
+    k += 32;
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      vf a; std::memcpy(&a, &acc[m][b], 64);
+      float r = hsum(a);
+      for (int64_t kk = k; kk < K; ++kk) r = __builtin_fmaf(weight_value(x[m * K + kk]), weight_value(w[(n + b) * K + kk]), r);
+      y[m * N + n + b] = r * s[n + b];
+    }
+}
+
+template <int M, int NB>
+void int8_table_impl(const uint16_t* x, const int8_t* w, const float* s, float* y, int64_t K, int64_t N,
+                     int64_t prefetch) {
+  const Int8Tables t = int8_tables();
+  const int64_t blocks = N / NB;
+  tgs::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) int8_table_rows<M, NB>(t, x, w, s, y, K, N, i * NB, prefetch);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) int8_table_rows<M, 1>(t, x, w, s, y, K, N, n, prefetch);
+}
+#endif
+
+// The plain int8 codes of the table layout (its inverse, for builds and inputs the table kernel does not take).
+torch::Tensor int8_table_unpack(const torch::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), full = K / 64 * 64;
+  auto out = torch::empty_like(w);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
+  int8_t* dst = out.data_ptr<int8_t>();
+  tgs::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t k = 0; k < full; k += 64)
+        for (int p = 0; p < 64; ++p) {
+          const int lane = p / 16, o = p % 16;
+          const int code = o < 8 ? 8 * lane + o : 32 + 8 * lane + o - 8;
+          const uint8_t b = src[n * K + k + p];
+          dst[n * K + k + code] = int8_t((b & 0x80) ? -int(b & 0x7F) : int(b & 0x7F));
+        }
+      for (int64_t k = full; k < K; ++k) dst[n * K + k] = int8_t(src[n * K + k]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// The table layout of plain int8 codes w [N, K] (none -128; cpu_native.int8_table_pack checks) into out
+// (int8 [N, K]), at load (torch's index ops took 1.2 s for a 151936 x 1536 head).
+void int8_table_pack_into(torch::Tensor w, torch::Tensor out) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  TORCH_CHECK(out.sizes() == w.sizes() && out.scalar_type() == torch::kChar && out.is_contiguous(),
+              "out must be contiguous int8 of w's shape");
+  const int64_t N = w.size(0), K = w.size(1), full = K / 64 * 64;
+  const int8_t* src = w.data_ptr<int8_t>();
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  int order[64];
+  for (int p = 0; p < 64; ++p) order[p] = p % 16 < 8 ? 8 * (p / 16) + p % 16 : 32 + 8 * (p / 16) + p % 16 - 8;
+  tgs::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* row = src + n * K;
+      uint8_t* to = dst + n * K;
+      int64_t k = 0;
+#if defined(INT8_TABLE_ISA)
+      alignas(64) uint8_t idx[64];
+      for (int p = 0; p < 64; ++p) idx[p] = uint8_t(order[p]);
+      const __m512i index = _mm512_load_si512(idx), sign = _mm512_set1_epi8(char(0x80));
+      for (; k < full; k += 64) {  // byte permute, |v| (no -128 here), the sign ORed back
+        const __m512i v = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(row + k));
+        _mm512_storeu_si512(to + k, _mm512_ternarylogic_epi32(_mm512_abs_epi8(v), v, sign, 0xF8));
+      }
+#endif
+      for (; k < full; k += 64)
+        for (int p = 0; p < 64; ++p) {
+          const int v = row[k + order[p]];
+          to[k + p] = uint8_t(v < 0 ? 0x80 | -v : v);
+        }
+      for (k = full; k < K; ++k) to[k] = uint8_t(row[k]);
+    }
+  });
+}
+
+// x [M, K] bfloat16 or float32 (chunks of up to 8 rows) @ (w [N, K] in the table layout * s [N])^T ->
+// [M, N] float32: int8_gemv's bits on the plain codes, in every build (the table kernel where it is
+// built and x is bfloat16; elsewhere the codes are unpacked and int8_gemv's kernel runs).
+torch::Tensor int8_table_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t prefetch) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.numel() == N && s.is_contiguous(), "s must be float32 [N]");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
+#if defined(INT8_TABLE_ISA)
+  if (x.scalar_type() == torch::kBFloat16) {
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const int8_t* wp = w.data_ptr<int8_t>();
+    const float* sp = s.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // int8_gemv's chunks and tiles
+      const uint16_t* xm = xp + m0 * K;
+      float* ym = y.data_ptr<float>() + m0 * N;
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: int8_table_impl<1, 4>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 2: int8_table_impl<2, 4>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 3: int8_table_impl<3, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 4: int8_table_impl<4, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 5: int8_table_impl<5, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 6: int8_table_impl<6, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+        case 7: int8_table_impl<7, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+        default: int8_table_impl<8, 2>(xm, wp, sp, ym, K, N, prefetch); break;
+      }
+    }
+    return y;
+  }
+#endif
+  const torch::Tensor plain = int8_table_unpack(w);
+  return gemv_any<int8_t>(x, plain.data_ptr<int8_t>(), s.data_ptr<float>(), N, K, prefetch);
+}
+
+// Rows n0..n1 of a table-layout int8 weight as bfloat16 [n1 - n0, K]: w * s, int8_dequant's bits on the
+// plain codes (the table's words are the codes' exact values; the same product and rounding follow).
+torch::Tensor int8_table_dequant(torch::Tensor w, torch::Tensor s, int64_t n0, int64_t n1) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  const int64_t K = w.size(1);
+  TORCH_CHECK(K % 16 == 0 && 0 <= n0 && n0 < n1 && n1 <= w.size(0), "bad rows or K");
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.numel() == w.size(0) && s.is_contiguous(), "s must be float32 [N]");
+#if defined(INT8_TABLE_ISA)
+  auto out = torch::empty({n1 - n0, K}, w.options().dtype(torch::kBFloat16));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t full = K / 64 * 64;
+  tgs::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    const Int8Tables t = int8_tables();
+    for (int64_t n = a; n < b; ++n) {
+      const vf scale_v = splat(sp[n]);
+      uint16_t* row = op + (n - n0) * K;
+      for (int64_t k = 0; k < full; k += 64) {
+        __m512i words[2];
+        int8_table_words(t, _mm512_loadu_si512(wp + n * K + k), words[0], words[1]);
+        for (int q = 0; q < 4; ++q) {  // 16 codes: bfloat16 bits widened to float32 (exact), times the scale
+          const __m256i half = q % 2 ? _mm512_extracti64x4_epi64(words[q / 2], 1) : _mm512_castsi512_si256(words[q / 2]);
+          const vf v = from_m512(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+          store_bf16(row + k + 16 * q, v * scale_v);
+        }
+      }
+      for (int64_t k = full; k < K; k += 16) store_bf16(row + k, load_i8(wp + n * K + k) * scale_v);
+    }
+  });
+  return out;
+#else
+  return int8_dequant(int8_table_unpack(w.slice(0, n0, n1).contiguous()), s.slice(0, n0, n1).contiguous(), 0, n1 - n0);
+#endif
+}
+
+// Whether int8_table_gemv has its table kernel in this build (AVX512-BF16 and AVX512-VBMI): 1, else 0
+// (it still gives int8_gemv's bits, through an unpacked copy of the codes: the layout is not worth it).
+int64_t int8_table_isa() {
+#if defined(INT8_TABLE_ISA)
+  return 1;
+#else
+  return 0;
+#endif
+}
 """
 
-FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_tiled_mm", "int4_q8_tiled_linear", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa"]
+FUNCTIONS = ["int4_q8_mm", "int4_q8_linear", "int4_q8_mm_generic", "int4_q8_tiled_mm", "int4_q8_tiled_linear", "int4_q8_isa", "int8_q8_gemv", "int8_q8_isa", "int8_table_gemv", "int8_table_dequant", "int8_table_pack_into", "int8_table_isa"]
