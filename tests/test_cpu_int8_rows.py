@@ -17,14 +17,6 @@ from text_generation_server.kernels.phase import forward_phase
 torch.set_num_threads(2)
 
 
-@pytest.fixture
-def native():
-    module = cpu_native.native()
-    if module is None:  # test_cpu_native's build test fails on such a machine and says why
-        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
-    return module
-
-
 def int8_case(n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)

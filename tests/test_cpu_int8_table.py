@@ -15,14 +15,6 @@ from text_generation_server.kernels.phase import forward_phase
 torch.set_num_threads(2)
 
 
-@pytest.fixture
-def native():
-    module = cpu_native.native()
-    if module is None:  # test_cpu_native's build test fails on such a machine and says why
-        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
-    return module
-
-
 def codes(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
