@@ -27,13 +27,14 @@ namespace {
 constexpr int64_t BG_NB = 16;   // outputs per block: a thread's unit of work
 constexpr int64_t BG_KC = 256;  // k per pass: the rows' x and the block's weights of a pass stay in L1
 constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's rows: the lane sums stay in L2)
-// Tiles: R rows x C outputs, R * C accumulators + C widened weights in AVX2's 16 registers (the row's x
-// a memory operand of the FMA). Rows go in groups of 6 (6 x 2 tiles), the last groups split so none has
-// 1 or 2 rows (7 = 4 + 3, 8 = 4 + 4), with C by R (bg_cols). AVX2 build, 2 threads, Qwen2.5-1.5B's
-// shapes (BENCHMARKS.md, issue #32 session 11): 8 rows 4 x 3 96-110 GFLOP/s against 6 x 2 + 2 x 2 71-88
-// pre-widened; 3 rows 3 x 4 57-83 against 42-50.
+// Tiles: R rows x C outputs, R * C accumulators + C widened weights + the row's x in AVX2's 16 registers.
+// Rows go in groups of 6 (6 x 2 tiles), the last groups split so none has 1 or 2 rows (7 = 4 + 3,
+// 8 = 4 + 4), with C by R (bg_cols). AVX2 build, 2 threads, Qwen2.5-1.5B's shapes (BENCHMARKS.md, issue #32
+// session 11): 8 rows 4 x 3 96-110 GFLOP/s against 6 x 2 + 2 x 2 71-88 pre-widened. 3 rows take 3 x 3:
+// 3 x 4 needs 17 registers once x is held in one (bg_tile), and spilled to 0.54x 3 x 3 (one core, hot;
+// issue #32 session 12).
 constexpr int BG_R = 6;
-inline int bg_cols(int r) { return r >= 5 ? 2 : r == 4 ? 3 : 4; }
+inline int bg_cols(int r) { return r >= 5 ? 2 : r >= 3 ? 3 : 4; }
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bg_v;
 inline bg_v bg_zero() { return _mm256_setzero_ps(); }
@@ -82,7 +83,14 @@ void bg_tile(const float* x, int64_t K, const uint16_t* w, int64_t kc, float* ac
     bg_v wv[C];
     for (int c = 0; c < C; ++c) wv[c] = bg_widen8(w + c * K + k);
     for (int r = 0; r < R; ++r) {
-      const bg_v xv = bg_load(x + r * K + k);
+      bg_v xv = bg_load(x + r * K + k);
+#if defined(__AVX2__) && defined(__FMA__)
+      // x loaded once into a register for the C FMAs. Left to itself the compiler folds the load into each
+      // FMA (C loads of the same x); on Zen 4 that held the tile to about half of FMA peak: 6 x 2 62 against
+      // 100 GFLOP/s, 4 x 3 60 against 92, one core, hot in L1 (issue #32 session 12). The empty asm only
+      // pins xv to a register; the FMAs and their order (the bits) are the same.
+      if (R * C + C + 1 <= 16) asm("" : "+v"(xv));
+#endif
       for (int c = 0; c < C; ++c) a[r][c] = bg_fma(xv, wv[c], a[r][c]);
     }
   }
