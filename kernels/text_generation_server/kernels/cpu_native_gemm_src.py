@@ -27,13 +27,14 @@ namespace {
 constexpr int64_t BG_NB = 16;   // outputs per block: a thread's unit of work
 constexpr int64_t BG_KC = 256;  // k per pass: the rows' x and the block's weights of a pass stay in L1
 constexpr int64_t BG_MC = 128;  // rows per pass over the weights (a prompt's rows: the lane sums stay in L2)
-// Tiles: R rows x C outputs, R * C accumulators + C widened weights in AVX2's 16 registers (the row's x
-// a memory operand of the FMA). Rows go in groups of 6 (6 x 2 tiles), the last groups split so none has
-// 1 or 2 rows (7 = 4 + 3, 8 = 4 + 4), with C by R (bg_cols). AVX2 build, 2 threads, Qwen2.5-1.5B's
-// shapes (BENCHMARKS.md, issue #32 session 11): 8 rows 4 x 3 96-110 GFLOP/s against 6 x 2 + 2 x 2 71-88
-// pre-widened; 3 rows 3 x 4 57-83 against 42-50.
+// Tiles: R rows x C outputs, R * C accumulators + C widened weights + the row's x in AVX2's 16 registers.
+// Rows go in groups of 6 (6 x 2 tiles), the last groups split so none has 1 or 2 rows (7 = 4 + 3,
+// 8 = 4 + 4), with C by R (bg_cols). AVX2 build, 2 threads, Qwen2.5-1.5B's shapes (BENCHMARKS.md, issue #32
+// session 11): 8 rows 4 x 3 96-110 GFLOP/s against 6 x 2 + 2 x 2 71-88 pre-widened. 3 rows take 3 x 3:
+// 3 x 4 needs 17 registers once x is held in one (bg_tile), and spilled to 0.54x 3 x 3 (one core, hot;
+// issue #32 session 12).
 constexpr int BG_R = 6;
-inline int bg_cols(int r) { return r >= 5 ? 2 : r == 4 ? 3 : 4; }
+inline int bg_cols(int r) { return r >= 5 ? 2 : r >= 3 ? 3 : 4; }
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bg_v;
 inline bg_v bg_zero() { return _mm256_setzero_ps(); }
@@ -68,21 +69,27 @@ inline uint16_t bg_round(float f) {  // round to nearest even, as torch's .to(bf
 }
 
 // R rows x C outputs over one k-pass: acc (lane sums, [row][output][8], row stride BG_NB * 8) continued.
-// w: the first output's bfloat16 row at the pass's k (outputs K apart), widened here; `prefetch` bytes
-// ahead of each row's read (0: none; the block's first row group only).
+// w: the first output's bfloat16 row at the pass's k (outputs K apart), widened here; pw: where the same
+// C rows' reads will be later (bg_block), prefetched alongside (nullptr: none).
 template <int R, int C>
-void bg_tile(const float* x, int64_t K, const uint16_t* w, int64_t kc, float* acc, int64_t prefetch) {
+void bg_tile(const float* x, int64_t K, const uint16_t* w, int64_t kc, float* acc, const uint16_t* pw) {
   bg_v a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = bg_load(acc + (r * BG_NB + c) * 8);
   for (int64_t k = 0; k < kc; k += 8) {
-    if (prefetch && k % 32 == 0)
-      for (int c = 0; c < C; ++c)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + c * K + k) + prefetch, 0, PREFETCH_LOCALITY);
+    if (pw && k % 32 == 0)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(pw + c * K + k, 0, PREFETCH_LOCALITY);
     bg_v wv[C];
     for (int c = 0; c < C; ++c) wv[c] = bg_widen8(w + c * K + k);
     for (int r = 0; r < R; ++r) {
-      const bg_v xv = bg_load(x + r * K + k);
+      bg_v xv = bg_load(x + r * K + k);
+#if defined(__AVX2__) && defined(__FMA__)
+      // x loaded once into a register for the C FMAs. Left to itself the compiler folds the load into each
+      // FMA (C loads of the same x); on Zen 4 that held the tile to about half of FMA peak: 6 x 2 62 against
+      // 100 GFLOP/s, 4 x 3 60 against 92, one core, hot in L1 (issue #32 session 12). The empty asm only
+      // pins xv to a register; the FMAs and their order (the bits) are the same.
+      if (R * C + C + 1 <= 16) asm("" : "+v"(xv));
+#endif
       for (int c = 0; c < C; ++c) a[r][c] = bg_fma(xv, wv[c], a[r][c]);
     }
   }
@@ -90,7 +97,7 @@ void bg_tile(const float* x, int64_t K, const uint16_t* w, int64_t kc, float* ac
     for (int c = 0; c < C; ++c) bg_store(acc + (r * BG_NB + c) * 8, a[r][c]);
 }
 
-typedef void (*BgTile)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+typedef void (*BgTile)(const float*, int64_t, const uint16_t*, int64_t, float*, const uint16_t*);
 template <int R>
 BgTile bg_tile_for(int c) {
   switch (c) {
@@ -130,8 +137,19 @@ void bg_block(const float* x, const uint16_t* w, const float* bias, float* y, ui
       const int r = bg_rows(m0, M), cols = bg_cols(r);
       for (int64_t j0 = 0; j0 < nb; j0 += cols) {
         const int c = int(std::min<int64_t>(cols, nb - j0));
-        bg_tile_for(r, c)(x + m0 * K + k0, K, w + (n0 + j0) * K + k0, kc, acc + (m0 * BG_NB + j0) * 8,
-                          m0 == 0 ? prefetch : 0);
+        // Prefetch `prefetch` bytes ahead in the order the weights are read: a block's BG_NB rows k-pass
+        // by k-pass, then the next block's. So k + prefetch / 2 / BG_NB of these rows, past K in the blocks
+        // after this one (the first row group's tiles only). It was `prefetch` bytes ahead in memory, which
+        // lands in rows this block reads at the same time where K is short, and stays in the row (the
+        // block's first 16 KiB of each row not prefetched) where K = 8960: 1.09-1.25x at 3-8 rows on
+        // Qwen2.5-1.5B's K = 1536 shapes, 1.30-1.72x on the down projection, level at 64-128 rows (AVX2 build,
+        // 2 threads, cold; issue #32 session 12). The distance measured best of 4 (1, 2, 4, 8 KiB a row).
+        const uint16_t* pw = nullptr;
+        if (prefetch && m0 == 0) {
+          const int64_t t = k0 + prefetch / 2 / BG_NB, row = n0 + j0 + BG_NB * (t / K);
+          if (row + c <= N) pw = w + row * K + t % K;
+        }
+        bg_tile_for(r, c)(x + m0 * K + k0, K, w + (n0 + j0) * K + k0, kc, acc + (m0 * BG_NB + j0) * 8, pw);
       }
       m0 += r;
     }
@@ -160,7 +178,7 @@ void bg_gemm(const float* x, const uint16_t* w, const float* bias, float* y, uin
 }  // namespace
 
 // x [M, K] float32 or bfloat16 @ w [N, K] bfloat16 ^T (+ bias [N] float32, or an empty tensor) -> [M, N]
-// float32 (weights prefetched `prefetch` bytes ahead), or bfloat16 when out_bf16 (the float32 sum plus bias
+// float32 (weights prefetched `prefetch` bytes ahead in the order they are read: bg_block), or bfloat16 when out_bf16 (the float32 sum plus bias
 // rounded once). See the header for the bits.
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor bias, bool out_bf16, int64_t prefetch) {
   TORCH_CHECK(prefetch >= 0, "prefetch must be >= 0");
