@@ -46,13 +46,13 @@ def test_the_switch_and_what_the_ranks_start_with(monkeypatch):
 
 
 def test_avx2_flags_and_build_name(monkeypatch):
-    native_name = cpu_native._build_name()
+    native_name = cpu_native.build_name()
     monkeypatch.setenv(cpu_native.ISA_ENV, "avx2")
     if X86:
         assert cpu_native.isa() == "avx2" and "-mno-avx512f" in cpu_native.cflags()
-        assert cpu_native._build_name() != native_name
+        assert cpu_native.build_name() != native_name
     else:
-        assert cpu_native.isa() == "native" and cpu_native._build_name() == native_name
+        assert cpu_native.isa() == "native" and cpu_native.build_name() == native_name
     monkeypatch.setenv(cpu_native.ISA_ENV, "native")
     assert cpu_native.cflags() == cpu_native.CFLAGS
 

@@ -162,9 +162,9 @@ def test_a_failed_build_falls_back_and_says_why(fresh_native, monkeypatch):
 
 
 def test_build_name_depends_on_the_cpu(monkeypatch):
-    first = cpu_native._build_name()
+    first = cpu_native.build_name()
     monkeypatch.setattr(cpu_native, "cpu_signature", lambda: "model name: another CPU\nflags: sse2\n")
-    assert cpu_native._build_name() != first and cpu_native._build_name().startswith("tgs_cpu_native_")
+    assert cpu_native.build_name() != first and cpu_native.build_name().startswith("tgs_cpu_native_")
 
 
 def test_copies_of_a_layer_share_the_extension(native):

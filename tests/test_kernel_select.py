@@ -434,3 +434,14 @@ def test_a_cached_prefix_and_its_remainder_give_the_bits_of_a_whole_prefill(quan
     hit = run_to_end(lm, lm.make_batch(1, [request(cache_len=40)]))[1]
     assert hit["ids"] == whole["ids"] and hit["lps"] == whole["lps"]
     assert hit["prompt"][41:] == whole["prompt"][41:]
+
+
+def test_cpu_measurements_belong_to_the_kernels_build(monkeypatch):
+    """Choices timed with one build of the native kernels (its source, its instruction set) are not read
+    by another: a faster kernel, or an --cpu-isa avx2 process without the first build's variants,
+    measures afresh."""
+    monkeypatch.setattr(cpu_native, "build_name", lambda: "tgs_cpu_native_aaaa")
+    first = select.device_signature("cpu")
+    monkeypatch.setattr(cpu_native, "build_name", lambda: "tgs_cpu_native_bbbb")
+    second = select.device_signature("cpu")
+    assert first != second and "tgs_cpu_native_bbbb" in second

@@ -181,7 +181,9 @@ def _check_torch_isa() -> None:
                            os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
 
 
-def _build_name() -> str:
+def build_name() -> str:
+    """The extension's name for this process: a digest of its source, compiler flags (the instruction
+    set), torch's version and the CPU. Kernel measurements are kept under it too (kernels/select.py)."""
     digest = hashlib.sha256()
     for part in (SOURCE, " ".join(cflags() + LDFLAGS), torch.__version__, cpu_signature()):
         digest.update(part.encode())
@@ -217,7 +219,7 @@ def native() -> Extension | None:
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                name = _build_name()
+                name = build_name()
                 _check_torch_isa()
                 logger.info("native CPU kernels: loading {} for the {} instruction set (built once per machine, "
                             "about a minute)", name, "AVX2" if isa() == "avx2" else "native")

@@ -84,7 +84,10 @@ def dense_fallback_allowed() -> bool:
 
 # -- measured preferences ------------------------------------------------------------------------
 def device_signature(device_type: str) -> str:
-    """What a measurement holds for: the processor and torch's version."""
+    """What a measurement holds for: the processor and torch's version; on a CPU also the native kernels'
+    build (their source and instruction set: cpu_native.build_name), so a new release of the kernels or
+    an `--cpu-isa avx2` process measures afresh instead of reading the choices another build's timings
+    made (a faster GEMM, or variants that build does not have)."""
     if device_type == "cuda":
         try:
             major, minor = torch.cuda.get_device_capability()
@@ -92,7 +95,7 @@ def device_signature(device_type: str) -> str:
         except (RuntimeError, AssertionError, ValueError) as exc:  # no usable GPU: nothing measured applies
             what = f"cuda (no device: {type(exc).__name__})"
     elif device_type == "cpu":
-        what = cpu_native.cpu_signature()
+        what = f"{cpu_native.cpu_signature()}native kernels {cpu_native.build_name()}"
     else:
         what = f"{device_type} (no device)"
     return f"{what}\ntorch {torch.__version__}"
