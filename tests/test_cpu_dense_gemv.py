@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.dense import DenseLinear
 from text_generation_server.kernels.phase import forward_phase
-from test_cpu_int8_rows import native  # noqa: F401 (a fixture)
 from test_cpu_native import Recorder, fresh_native  # noqa: F401 (a fixture)
 
 torch.set_num_threads(2)
