@@ -17,8 +17,22 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("TGS_CPU_INT8_ACTIVATIONS", "off")
 if "TGS_KERNEL_CACHE" not in os.environ:
     _kernel_cache = tempfile.mkdtemp(prefix="tgs-test-kernel-cache-")
     os.environ["TGS_KERNEL_CACHE"] = _kernel_cache
     atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
+
+
+@pytest.fixture
+def native():
+    """The native CPU kernels' extension, or the test skipped where it cannot be built (test_cpu_native's
+    build test fails on such a machine and says why)."""
+    from text_generation_server.kernels import cpu_native
+
+    module = cpu_native.native()
+    if module is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    return module
