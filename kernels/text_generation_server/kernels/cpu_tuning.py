@@ -57,6 +57,7 @@ TUNED_ROWS = (*DECODE_ROWS, cpu_native.INT4_PROMPT_BUCKET)
 # before does not hand their names to these, nor these theirs back.
 TUNED_KERNELS = ("cpu-int4pack", "cpu-int8", "cpu-int4pack-q8", "cpu-int8-q8", "dense")
 DENSE_DTYPES = (torch.bfloat16,)  # the dense layers' weight dtypes worth timing (above)
+DENSE_GEMMS = ("gemm", "native-gemm")  # a dense layer's GEMM variants (kernels/dense.py)
 FALLBACK = "op"  # torch's weight-only op: where a failed measurement leaves a bucket
 # Shapes whose weights take more than this many bytes (a vocabulary-sized head) are measured at the
 # decode buckets only: at 64 rows each of their variants costs tenths of a second a call.
@@ -69,7 +70,14 @@ def not_worth_timing(bucket: int, variant: str) -> bool:
     batches of up to 8 rows (it dequantizes the whole layer per call: 10-30x slower there), and at
     the prompt bucket the native kernels' names but their default and their longest passes (int4:
     6 rows, int8 activations: 4; the names give the same bits; at 64 rows each costs tens of
-    milliseconds a call, and the prefetch distance matters least there)."""
+    milliseconds a call, and the prefetch distance matters least there). A dense layer's GEMMs are
+    not timed against its static choice at 1-2 rows: the timer calls a layer back to back, its
+    weights warm in the caches, where the GEMMs' passes over them gain and a decode step's cold read
+    does not (the AVX2 build's warmup chose the native GEMM at one row on three of Qwen2.5-1.5B's four
+    shapes, 0.41 against 1.06 ms warm on the down projection, level cold; issue #32 session 12); at
+    1-2 rows the matrix-vector product reads each weight once, which is all a cold step can do."""
+    if bucket <= 2 and variant in DENSE_GEMMS:
+        return True
     if bucket <= max(DECODE_ROWS):
         return variant in ("dequant", "padded-gemm")  # padded-gemm: torch's GEMM as "gemm", for prompts
     if variant in cpu_act_int8.VARIANTS or variant in cpu_act_int8.INT8_VARIANTS:
