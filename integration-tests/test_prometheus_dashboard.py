@@ -97,6 +97,11 @@ def loaded(server, prometheus):
     assert successes >= len(jobs)
     prometheus.wait_for(f'sum(tgi_request_success{{container="{SERVICE_LABEL}"}})',
                         lambda r: r and float(r[0]["value"][1]) == successes)
+    # The refused request came after the last success: a scrape can show every success and not it yet.
+    refused = final.value("tgi_request_failure_total", err="validation")
+    assert refused >= 1
+    prometheus.wait_for(f'sum(tgi_request_failure{{container="{SERVICE_LABEL}",err="validation"}})',
+                        lambda r: r and float(r[0]["value"][1]) == refused)
     return final
 
 
