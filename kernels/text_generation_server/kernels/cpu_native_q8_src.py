@@ -988,19 +988,12 @@ torch::Tensor int8_table_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s,
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const int8_t* wp = w.data_ptr<int8_t>();
     const float* sp = s.data_ptr<float>();
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // int8_gemv's chunks and tiles
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // int8_gemv's chunks and tiles (bx_row_tiles)
       const uint16_t* xm = xp + m0 * K;
       float* ym = y.data_ptr<float>() + m0 * N;
-      switch (std::min<int64_t>(8, M - m0)) {
-        case 1: int8_table_impl<1, 4>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 2: int8_table_impl<2, 4>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 3: int8_table_impl<3, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 4: int8_table_impl<4, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 5: int8_table_impl<5, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 6: int8_table_impl<6, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-        case 7: int8_table_impl<7, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-        default: int8_table_impl<8, 2>(xm, wp, sp, ym, K, N, prefetch); break;
-      }
+      bx_row_tiles(std::min<int64_t>(8, M - m0), [&](auto rows, auto outputs) {
+        int8_table_impl<decltype(rows)::value, decltype(outputs)::value>(xm, wp, sp, ym, K, N, prefetch);
+      });
     }
     return y;
   }

@@ -593,6 +593,23 @@ inline bool gemv_bf16_wide_bx(int64_t, const uint16_t*, const int8_t*, float*, i
   return false;  // int8 codes keep their tiles
 }
 
+// The tiles of the bfloat16-x products at 1-8 rows (gemv_impl_bx, and int8_table_impl on its layout):
+// calls f(rows, outputs per tile) with both as std::integral_constant, for the template arguments.
+template <typename F>
+inline void bx_row_tiles(int64_t rows, F&& f) {
+  using std::integral_constant;
+  switch (rows) {
+    case 1: f(integral_constant<int, 1>{}, integral_constant<int, 4>{}); break;
+    case 2: f(integral_constant<int, 2>{}, integral_constant<int, 4>{}); break;
+    case 3: f(integral_constant<int, 3>{}, integral_constant<int, 2>{}); break;
+    case 4: f(integral_constant<int, 4>{}, integral_constant<int, 2>{}); break;
+    case 5: f(integral_constant<int, 5>{}, integral_constant<int, 2>{}); break;
+    case 6: f(integral_constant<int, 6>{}, integral_constant<int, 2>{}); break;
+    case 7: f(integral_constant<int, 7>{}, integral_constant<int, 2>{}); break;
+    default: f(integral_constant<int, 8>{}, integral_constant<int, 2>{}); break;
+  }
+}
+
 template <typename T>
 void gemv_dispatch_bx(int64_t M, const uint16_t* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
                       int64_t pf) {
@@ -600,16 +617,9 @@ void gemv_dispatch_bx(int64_t M, const uint16_t* xp, const T* wp, const float* s
     const uint16_t* x = xp + m0 * K;
     float* y = yp + m0 * N;
     if (sp == nullptr && gemv_bf16_wide_bx(std::min<int64_t>(8, M - m0), x, wp, y, K, N, pf)) continue;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: gemv_impl_bx<1, 4>(x, wp, sp, y, K, N, pf); break;
-      case 2: gemv_impl_bx<2, 4>(x, wp, sp, y, K, N, pf); break;
-      case 3: gemv_impl_bx<3, 2>(x, wp, sp, y, K, N, pf); break;
-      case 4: gemv_impl_bx<4, 2>(x, wp, sp, y, K, N, pf); break;
-      case 5: gemv_impl_bx<5, 2>(x, wp, sp, y, K, N, pf); break;
-      case 6: gemv_impl_bx<6, 2>(x, wp, sp, y, K, N, pf); break;
-      case 7: gemv_impl_bx<7, 2>(x, wp, sp, y, K, N, pf); break;
-      default: gemv_impl_bx<8, 2>(x, wp, sp, y, K, N, pf); break;
-    }
+    bx_row_tiles(std::min<int64_t>(8, M - m0), [&](auto rows, auto outputs) {
+      gemv_impl_bx<decltype(rows)::value, decltype(outputs)::value>(x, wp, sp, y, K, N, pf);
+    });
   }
 }
 #endif
