@@ -161,10 +161,43 @@ def test_warmups_kernel_timing_tunes_cpu_layers(native, monkeypatch):
     m = model(seed=11)
     seen = []
     real = cpu_tuning.tune_rows
-    monkeypatch.setattr(cpu_tuning, "tune_rows", lambda module, spec, rows, timer, store, skip:
-                        seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store, skip))
+    monkeypatch.setattr(cpu_tuning, "tune_rows", lambda module, spec, rows, timer, store, skip, **kw:
+                        seen.append(spec) or real(module, spec, rows, stand_in_timer(int4_seconds), store, skip, **kw))
     result = tune_kernels(m, [])  # on a CPU warmup passes no CUDA graph sizes
     assert len(seen) == 3 and result[shape_key(m[0].linear_spec)][1] == "native-r2"
+
+
+def test_timed_calls_go_round_the_layers_of_a_shape(native):
+    """Each timed call runs on another layer of the shape (its weights cold, as in a decode step); each
+    variant's check against the static choice runs on the first layer, so the results compare."""
+    int4 = lambda s: build_linear(make_weight(256, 128, 4, 64, False, False, seed=s), None, torch.bfloat16, "cpu")
+    m = torch.nn.ModuleList([int4(s) for s in range(3)])
+    called: list[tuple[int, str]] = []
+    for index, layer in enumerate(m):
+        run = layer.run
+        layer.run = lambda x, variant, index=index, run=run: called.append((index, variant)) or run(x, variant)
+    timed: list[list[tuple[int, str]]] = []
+    positions: set[int] = set()
+
+    def timer(fn):
+        start = len(called)
+        for _ in range(4):
+            fn()
+        timed.append(called[start:])
+        positions.update(range(start, len(called)))
+        return {"native-r2": 1.0}.get(called[-1][1], 2.0)
+
+    chosen = tune_cpu_layers(m, rows=(1,), timer=timer)
+    assert chosen == {shape_key(m[0].linear_spec): {1: "native-r2"}}
+    assert len(timed) >= 3
+    for calls in timed:
+        assert len({variant for _, variant in calls}) == 1  # one variant per timing
+        layers = [index for index, _ in calls]
+        assert all(a != b for a, b in zip(layers, layers[1:])) and set(layers) == {0, 1, 2}
+    checks = [c for i, c in enumerate(called) if i not in positions]
+    assert checks and {index for index, _ in checks} == {0}
+    # the forced choice is put back on every layer after the timing
+    assert all(layer.measured == {1: "native-r2"} for layer in m)
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ the matrix-vector kernel at each prefetch distance, torch's op and the dequantiz
 select.tune_rows, which checks each result against the static choice's, logs what it measured and
 what it chose, and keeps the winner per bucket in the machine's preferences file (per CPU model and
 flags and torch version, TGS_KERNEL_CACHE). A later start reads the file and measures nothing.
+Each timed call runs on another layer of the shape (select.tune_rows' peers): a decode step reads
+each layer's weights once, cold, and a small matrix timed back to back on one layer sits in the
+caches, where the variants that reuse cached weights win buckets they lose in a step.
 
 - Decode buckets (DECODE_ROWS) choose among all variants: decode rows may take any path.
 - The prompt bucket (cpu_native.INT4_PROMPT_BUCKET rows) chooses the int4 prompt path's name among
@@ -152,7 +155,8 @@ def tune_cpu_layers(model: torch.nn.Module, rows: Sequence[int] = TUNED_ROWS, ti
             cached = bool(known)
             if missing:
                 try:
-                    measured = tune_rows(layers[0], spec, missing, timer or cpu_timer, store, not_worth_timing)
+                    measured = tune_rows(layers[0], spec, missing, timer or cpu_timer, store, not_worth_timing,
+                                         peers=layers)
                 except Exception as exc:  # noqa: BLE001 - a measurement must never take a server down
                     logger.warning("CPU kernels for {}: not measured ({}: {})", key, type(exc).__name__, exc)
                     measured = {}

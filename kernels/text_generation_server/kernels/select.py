@@ -37,6 +37,7 @@ prompt path, whatever the row count (kernels/phase.py).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -247,10 +248,18 @@ def measure(candidates: Mapping[str, Callable[[], torch.Tensor]], timer: Timer |
 
 
 def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], timer: Timer | None = None,
-              prefs: Preferences | None = None, skip: Callable[[int, str], bool] | None = None) -> dict[int, str]:
+              prefs: Preferences | None = None, skip: Callable[[int, str], bool] | None = None,
+              peers: Sequence[torch.nn.Module] = ()) -> dict[int, str]:
     """Measures a built module's variants (kernels/phase.py) for decode batches of each row count in
     `rows`, keeps the winner per row bucket in the module and in the preferences, and returns them.
-    `skip(bucket, variant)`: variants not worth timing there (the static choice is always timed)."""
+    `skip(bucket, variant)`: variants not worth timing there (the static choice is always timed).
+
+    `peers`: other built layers of the same shape and kernel (a model's 28 o_proj). The timed calls go
+    round them and the module, each call on weights the previous ones did not touch, so a shape that
+    fits the caches is timed as a decode step reads it: cold, once per step. Timed back to back on one
+    layer, a 2.4 MB int8 matrix sat in L2/L3 and torch's op won its one-row bucket at 0.16 ms, where
+    in a step the layer then took 0.46 ms (5 GB/s; the AVX2 build on the 2-core EPYC, issue #32
+    session 13). The check of each variant's result against the static choice's runs on the module."""
     measured = getattr(module, "measured", None)
     if not isinstance(measured, dict):
         return {}
@@ -258,27 +267,38 @@ def tune_rows(module: torch.nn.Module, spec: LinearSpec, rows: Sequence[int], ti
     scope = getattr(module, "preference_scope", "")
     tensors = [*module.parameters(), *module.buffers()]
     device = tensors[0].device if tensors else torch.device(spec.device_type)
+    layers = [module, *(p for p in peers if p is not module and isinstance(getattr(p, "measured", None), dict))]
+    turn = itertools.count(1)  # one rotation for every variant's timed calls
     chosen: dict[int, str] = {}
     for count in rows:
         bucket = row_bucket(count)
         x = torch.randn(bucket, spec.in_features, dtype=spec.act_dtype, device=device)
 
-        def forced(variant: str) -> torch.Tensor:
-            saved = measured.get(bucket)
-            measured[bucket] = variant
+        def forced(variant: str, layer: torch.nn.Module) -> torch.Tensor:
+            choices = layer.measured
+            saved = choices.get(bucket)
+            choices[bucket] = variant
             try:
                 with forward_phase(prefill=False):
-                    return module(x)
+                    return layer(x)
             finally:
                 if saved is None:
-                    measured.pop(bucket, None)
+                    choices.pop(bucket, None)
                 else:
-                    measured[bucket] = saved
+                    choices[bucket] = saved
+
+        def rotating(variant: str) -> Callable[[], torch.Tensor]:
+            calls = itertools.count()  # this variant's first call (measure's check) runs on the module
+
+            def call() -> torch.Tensor:
+                layer = layers[0] if next(calls) == 0 else layers[next(turn) % len(layers)]
+                return forced(variant, layer)
+            return call
 
         static = module.static_variant(bucket)  # type: ignore[operator]
         names = [static] + [v for v in module.variants(bucket)  # type: ignore[operator]
                             if v != static and not (skip is not None and skip(bucket, v))]
-        choice, timings = measure({v: (lambda v=v: forced(v)) for v in names}, timer,
+        choice, timings = measure({v: rotating(v) for v in names}, timer,
                                   f"{shape_key(spec)} {_bucket_key(bucket, scope)}")
         if choice is not None:
             measured[bucket] = chosen[bucket] = choice
