@@ -116,17 +116,31 @@ def test_the_policy_is_one_flag_and_one_variable(monkeypatch):
                                                       "TGS_CPU_INT8_ACTIVATIONS=off)")
 
     class Build:
-        def __init__(self, isa):
-            self.isa = isa
+        def __init__(self, isa, bf16_dot=False):
+            self.isa, self.bf16_dot = isa, bf16_dot
 
         def int4_q8_isa(self):
             return self.isa
+
+        def int8_q8_isa(self):
+            return self.isa
+
+        def bf16_gemm_has_bf16_dot(self):
+            return int(self.bf16_dot)
 
     monkeypatch.setenv(cpu_act_int8.ENV, "auto")
     assert cpu_act_int8.decision(Build(2))[0] and cpu_act_int8.decision(Build(1))[0]
     use, why = cpu_act_int8.decision(Build(0))
     assert not use and "no AVX2 or AVX512-VNNI" in why
     assert not cpu_act_int8.decision(None)[0]
+    # int8 layers: int8 activations where the build has an integer kernel and no bfloat16 dot product
+    assert cpu_act_int8.decision(Build(1), "int8")[0] and cpu_act_int8.decision(Build(2), "int8")[0]
+    use, why = cpu_act_int8.decision(Build(2, bf16_dot=True), "int8")
+    assert not use and "AVX512-BF16" in why and cpu_act_int8.decision(Build(2, bf16_dot=True))[0]
+    assert not cpu_act_int8.decision(Build(0), "int8")[0] and not cpu_act_int8.decision(None, "int8")[0]
+    assert "int4 and int8 layers round" in cpu_act_int8.describe(Build(1))
+    line = cpu_act_int8.describe(Build(2, bf16_dot=True))
+    assert "int4 layers round" in line and "int8 layers multiply exact bfloat16 activations" in line
     monkeypatch.setenv(cpu_act_int8.ENV, "on")
     assert cpu_act_int8.decision(Build(0))[0] and cpu_act_int8.decision(None)[0]
     assert "generic loops (slow)" in cpu_act_int8.describe(Build(0))
@@ -312,9 +326,12 @@ def test_int8_layers_and_the_int8_head_take_the_policy(native, monkeypatch):
     spec = w.spec(torch.bfloat16, "cpu")
     monkeypatch.setenv(cpu_act_int8.ENV, "off")
     assert choose_kernel(spec)[0] is cpu.CpuInt8Kernel
-    monkeypatch.setenv(cpu_act_int8.ENV, "auto")  # int4 layers only (measured: BENCHMARKS.md)
+    monkeypatch.setenv(cpu_act_int8.ENV, "auto")  # int8 layers: exact where the build has AVX512-BF16
     kernel, rejected = choose_kernel(spec)
-    assert kernel is cpu.CpuInt8Kernel and rejected[-1][0] == "cpu-int8-q8" and "int4 layers only" in rejected[-1][1]
+    if cpu_act_int8.has_bf16_dot(native):
+        assert kernel is cpu.CpuInt8Kernel and rejected[-1][0] == "cpu-int8-q8" and "AVX512-BF16" in rejected[-1][1]
+    else:
+        assert kernel is cpu.CpuInt8Q8Kernel
     monkeypatch.setenv(cpu_act_int8.ENV, "on")
     assert choose_kernel(spec)[0] is cpu.CpuInt8Q8Kernel
     module = cpu.CpuInt8Q8Kernel.build(w, None, torch.bfloat16)

@@ -8,8 +8,11 @@ int8 step of max|x| / 127 per block of 32: about 0.2-0.5% relative error per dot
 the 4-bit weights' own), so it is a policy, switched with `serve --cpu-int8-activations` (ENV):
 - auto (the default): int4 layers on CPUs take int8 activations where this build has an integer dot
   product kernel (AVX512-VNNI, or AVX2), as llama.cpp's users get for quantized weights; exact
-  activations elsewhere (the generic loops are correct but not faster than the exact path), and for
-  per-channel int8 layers (EETQ, the int8 head), whose integer kernel measured no faster here;
+  activations elsewhere (the generic loops are correct but not faster than the exact path). Per-channel
+  int8 layers (EETQ, the int8 head) take them too where the build has no bfloat16 dot product
+  (AVX512-BF16): there exact activations cost a widening and a float FMA per weight per row (AVX2
+  build, Qwen2.5-1.5B EETQ: one-row step 1.12x, 8 streams 1.6-2x with int8 activations); with it they
+  stream near the bandwidth exactly and the integer kernel measured no faster, so they stay exact;
 - on: int8 activations wherever an int4 or per-channel int8 layer runs on the CPU (the generic loops,
   or the torch reference below when the native kernels cannot be built: slow, for checking numerics);
 - off: exact activations (the path the exactness tests against transformers take; tests/conftest.py
@@ -69,15 +72,24 @@ def native_isa(module: cpu_native.Extension | None, codes: str = "int4") -> int:
     return int(module.int4_q8_isa() if codes == "int4" else module.int8_q8_isa())
 
 
+def has_bf16_dot(module: cpu_native.Extension | None) -> bool:
+    """Whether `module` multiplies bfloat16 pairs (AVX512-BF16 `vdpbf16ps`), which makes exact
+    activations cheap for per-channel int8 weights."""
+    probe = getattr(module, "bf16_gemm_has_bf16_dot", None)
+    return bool(probe()) if probe is not None else False
+
+
 def decision(module: cpu_native.Extension | None, codes: str = "int4") -> tuple[bool, str]:
     """Whether `codes` layers take int8 activations in this process, and why (for the kernel log)."""
     chosen, isa = mode(), native_isa(module, codes)
     if chosen == "off":
         return False, f"activations kept exact ({FLAG} off / {ENV}=off)"
-    if chosen == "auto" and codes == "int8":
-        # Measured (BENCHMARKS.md, issue #32 third round): per-channel int8 weights already stream near
-        # the bandwidth with exact activations at 1-2 rows, and the integer kernel was 0.7x at 8 rows.
-        return False, f"auto takes int8 activations for int4 layers only ({FLAG} on for int8 layers too)"
+    if chosen == "auto" and codes == "int8" and has_bf16_dot(module):
+        # Measured (BENCHMARKS.md, issue #32 third round): with AVX512-BF16 per-channel int8 weights
+        # already stream near the bandwidth with exact activations at 1-2 rows, and the integer kernel
+        # was 0.7x at 8 rows. Without it (AVX2) the exact form is the slower one (module docstring).
+        return False, (f"auto keeps int8 layers' activations exact where the build has AVX512-BF16 "
+                       f"({FLAG} on for int8 activations there too)")
     if chosen == "auto" and isa < 1:
         why = "no native CPU extension" if isa < 0 else "no AVX2 or AVX512-VNNI integer dot product in this build"
         return False, f"{why}: activations kept exact ({FLAG} auto; 'on' forces the slow form)"
@@ -91,8 +103,11 @@ def describe(module: cpu_native.Extension | None) -> str:
         return f"{FLAG} {mode()}: int4 and int8 layers multiply exact bfloat16 activations ({why})"
     how = {2: "AVX512-VNNI vpdpbusd", 1: "AVX2 integer dot products", 0: "generic loops (slow)",
            -1: "the torch reference (slow)"}[native_isa(module)]
-    return (f"{FLAG} {mode()}: int4 and int8 layers round activations to int8 per {BLOCK}-wide block (llama.cpp's Q8_0) "
-            f"and multiply in integers ({how}); '{FLAG} off' keeps them exact")
+    int8_use, int8_why = decision(module, "int8")
+    which = "int4 and int8 layers" if int8_use else "int4 layers"
+    exact = "" if int8_use else f"; int8 layers multiply exact bfloat16 activations ({int8_why})"
+    return (f"{FLAG} {mode()}: {which} round activations to int8 per {BLOCK}-wide block (llama.cpp's Q8_0) "
+            f"and multiply in integers ({how}){exact}; '{FLAG} off' keeps them exact")
 
 
 def announce(module: cpu_native.Extension | None) -> None:

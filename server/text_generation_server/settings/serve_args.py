@@ -408,7 +408,8 @@ class ServeArgs:
     cpu_int8_activations: str = setting(  # the ranks get CPU_INT8_ACTIVATIONS_ENV (kernels/cpu_act_int8.py reads it)
         "auto", "int4 layers on CPUs: round activations to int8 per 32-wide block and multiply in integers, as "
         "llama.cpp does (faster decode, ~0.2-0.5% relative error per product): auto (where the CPU has AVX2 or "
-        "AVX512-VNNI integer dot products), on, or off (exact bfloat16 activations).",
+        "AVX512-VNNI integer dot products; int8 layers too where it lacks AVX512-BF16), on, or off (exact "
+        "bfloat16 activations).",
         choices=CPU_INT8_ACTIVATIONS_MODES, env=(CPU_INT8_ACTIVATIONS_ENV,),
     )
     cpu_affinity: str = setting(  # launcher/cpu_affinity.py: each CPU rank pins itself, the router takes what is left
