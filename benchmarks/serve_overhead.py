@@ -137,36 +137,48 @@ async def served_round(server: StartedServer, new_tokens: int) -> dict[str, floa
 
 async def amain(args: argparse.Namespace) -> int:
     flags, model_args = parse_server_args(args.server_args)
+    compare_env = parse_compare_env(args.compare_env)
     samples = Samples()
     try:
         ours = InProcess(args.model, model_args, args.new_tokens)
     except ValueError as exc:  # CheckpointError, a bad dtype or quantization: what serve would refuse too
         print(f"serve_overhead: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
-    server = StartedServer(args.model, flags, args.startup_timeout_s)
+    # With --compare-env a second server with those variables runs beside the first, one at a time:
+    # rounds go in-process, served, served (compared), so both servers meet the same drift.
+    servers = [("served", StartedServer(args.model, flags, args.startup_timeout_s))]
+    if compare_env:
+        label = "served " + " ".join(f"{k}={v}" for k, v in compare_env.items())
+        servers.append((label, StartedServer(args.model, flags, args.startup_timeout_s, env=compare_env)))
     try:
-        await server.wait_ready()
-        await served_round(server, 8)  # warm-up of both
+        for _, server in servers:
+            await server.wait_ready()
+            await served_round(server, 8)  # warm-up of both
         ours.round()
         for _ in range(args.rounds):
             step, forward = ours.round()
             samples.add("in-process step", step)
             samples.add("in-process forward", forward)
-            for name, ms in (await served_round(server, args.new_tokens)).items():
-                samples.add(name, ms)
+            for label, server in servers:
+                for name, ms in (await served_round(server, args.new_tokens)).items():
+                    samples.add(name.replace("served", label, 1), ms)
     finally:
-        server.stop()
+        for _, server in servers:
+            server.stop()
     base = samples.median("in-process step")
+    names = ["in-process step", "in-process forward"]
+    for label, _ in servers:
+        names += [f"{label} client", f"{label} router step", f"{label} forward"]
     # Milliseconds to 3 places: issue #31's target is the served step within 0.15 ms of the in-process one.
     rows = [[name, fmt_value(samples.median(name), "{:.3f}"), ratio(samples.median(name), base),
              fmt_value(None if base is None or samples.median(name) is None else samples.median(name) - base, "{:+.3f}")]
-            for name in ("in-process step", "in-process forward", "served client", "served router step",
-                         "served forward")]
+            for name in names]
+    compare = f" --compare-env {shlex.quote(args.compare_env)}" if compare_env else ""
     lines = [
         "## serve vs in-process decode step",
         "",
         f"`python benchmarks/serve_overhead.py --model {args.model} --server-args {shlex.quote(args.server_args)} "
-        f"--new-tokens {args.new_tokens} --rounds {args.rounds}`, {now_iso()}",
+        f"--new-tokens {args.new_tokens} --rounds {args.rounds}{compare}`, {now_iso()}",
         "",
         machine_line(f"{ours.threads} torch thread(s) in-process"),
         load_line(),
@@ -180,6 +192,14 @@ async def amain(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_compare_env(text: str) -> dict[str, str]:
+    """--compare-env's VAR=VALUE,VAR=VALUE items."""
+    bad = [item for item in text.split(",") if item and "=" not in item]
+    if bad:
+        raise ValueError(f"--compare-env takes VAR=VALUE items, got {bad}")
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from text_generation_server.about import EMBEDDED_MODEL_ID
@@ -191,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--compare-env", default="",
+                        help="VAR=VALUE,...: a second server with these variables, its rounds interleaved with the first's")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error("--new-tokens must be >= 2 and --rounds >= 1")
     try:
         parse_server_args(args.server_args)
+        parse_compare_env(args.compare_env)
     except ValueError as exc:
         parser.error(str(exc))
     return asyncio.run(amain(args))

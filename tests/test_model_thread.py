@@ -264,3 +264,53 @@ def test_a_step_socket_path_over_the_limit_is_an_oserror(tmp_path):
     """serve_shard logs it and serves the Steps stream instead (a unix socket path holds ~107 bytes)."""
     with pytest.raises(OSError):
         open_step_listener(str(tmp_path / ("x" * 120)) + ".steps")
+
+
+def test_an_answer_larger_than_the_socket_buffer_arrives_whole(tmp_path):
+    """The model thread's first write() takes what the socket buffer holds; the rest follows (in
+    order, whole) once the router reads: a big answer must not be cut or reordered."""
+    big = bytes(range(256)) * 8192  # 2 MiB: far over a unix socket's buffer
+    thread = ModelThread("test")
+    path = str(tmp_path / "s.steps")
+    thread.serve_steps(open_step_listener(path), lambda payload: (lambda: big if payload == b"big" else payload),
+                       inline=True)
+    try:
+        sock = connect(path)
+        sock.sendall(frame(b"big") + frame(b"small"))
+        time.sleep(0.2)  # let the model thread fill the buffer and wait on it before anything is read
+        assert read_frame(sock) == big
+        assert read_frame(sock) == b"small"
+        sock.close()
+    finally:
+        thread.shutdown()
+
+
+def test_posted_work_runs_in_order_and_a_failure_does_not_stop_the_thread():
+    thread = ModelThread("test")
+    ran: list[str] = []
+    gate = threading.Event()
+    try:
+        thread.submit(gate.wait, 10)  # holds the thread while the rest queues behind it
+        thread.post(ran.append, "first")
+        thread.post(lambda: 1 / 0)
+        done = thread.submit(ran.append, "second")
+        gate.set()
+        done.result(timeout=10)
+        assert ran == ["first", "second"]
+    finally:
+        thread.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        thread.post(ran.append, "late")
+
+
+def test_shutdown_drops_posted_work_with_the_queued_futures():
+    thread = ModelThread("test")
+    gate = threading.Event()
+    ran: list[str] = []
+    thread.submit(gate.wait, 10)
+    thread.post(ran.append, "posted")
+    queued = thread.submit(ran.append, "submitted")
+    thread.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    thread.thread.join(timeout=10)
+    assert queued.cancelled() and ran == []

@@ -40,3 +40,22 @@ def test_one_round_on_the_embedded_model(capsys):
     for name in ("in-process step", "in-process forward", "served client", "served router step", "served forward"):
         assert float(rows[name]) > 0, (name, out)
     assert "within 1.1x" in out
+
+
+def test_compare_env_items():
+    assert so.parse_compare_env("") == {}
+    assert so.parse_compare_env("TGS_ROUTER_NICE=0,TGS_X=a=b") == {"TGS_ROUTER_NICE": "0", "TGS_X": "a=b"}
+    with pytest.raises(ValueError, match="VAR=VALUE"):
+        so.parse_compare_env("TGS_ROUTER_NICE")
+
+
+def test_a_compared_server_gets_its_own_rows(capsys):
+    """--compare-env: a second server with the variables set, its rounds beside the first's."""
+    assert so.main(["--server-args", "--dtype float32 --max-total-tokens 128", "--new-tokens", "6",
+                    "--rounds", "1", "--startup-timeout-s", "240", "--compare-env", "TGS_DECODE_AHEAD=0"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    for name in ("served client", "served TGS_DECODE_AHEAD=0 client", "served TGS_DECODE_AHEAD=0 forward"):
+        assert float(rows[name]) > 0, (name, out)
+    assert "--compare-env TGS_DECODE_AHEAD=0" in out

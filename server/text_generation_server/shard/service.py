@@ -704,7 +704,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         """Queues the batch's next step (and up to `chain` - 1 after it) behind this call on the model thread."""
         if not self.decode_ahead:
             return
-        self._executor.submit(self._on_model_thread, self._run_ahead, batch, chain)
+        self._executor.post(self._on_model_thread, self._run_ahead, batch, chain)
 
     def _run_ahead(self, batch: Batch, chain: int = 1) -> None:
         if self.cache.get(batch.batch_id) is not batch or batch.batch_id in self._ahead:
