@@ -127,18 +127,18 @@ class DenseLinear(DenseProduct, torch.nn.Module):
 
     def decode_stamp(self, rows: int) -> tuple:
         """What `decode_call(rows)` was resolved from (kernels/cpu.py, Int4PackLinear.decode_stamp): the
-        parameters by id, the weight's storage and dtype (`.to()` may swap a parameter's data in place)."""
+        parameters by id and the weight's dtype (`.to()` may swap a parameter's data in place; the call reads
+        the parameters' data when it runs)."""
         params = self._parameters
-        weight = params["weight"]
         bias = params["bias"] if "bias" in params else self.__dict__.get("bias")  # None: a plain attribute
-        return (id(weight), weight.data_ptr(), weight.dtype, id(bias), id(self._native), self._pending,
-                self.measured.get(row_bucket(rows)))
+        weight = params["weight"]
+        return (id(weight), weight.dtype, id(bias), id(self._native), self._pending, self.measured.get(row_bucket(rows)))
 
     def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for a decode forward of `rows` contiguous CPU `dtype` rows, resolved once (as
-        Int4PackLinear.decode_call): the native matrix-vector product's call with the weight, the bias
-        (its float32 copy made once) and the prefetch bound, or torch's F.linear, as `dense_product`
-        runs them (the same ops, the same bits); None for the other variants."""
+        Int4PackLinear.decode_call): the native matrix-vector product's call with the weight, the bias and
+        the prefetch bound, or torch's F.linear, as `dense_product` runs them (the same ops, the same
+        bits); None for the other variants."""
         weight, bias = self.weight, self.bias
         if (self._pending or weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != dtype or rows < 1
                 or (bias is not None and bias.dtype != dtype)):
@@ -156,8 +156,7 @@ class DenseLinear(DenseProduct, torch.nn.Module):
         fn, prefetch = self._native.bf16_gemv, cpu_native.PREFETCH_BYTES
         if bias is None:
             return lambda x: fn(x, weight, prefetch).to(dtype)
-        bias32 = bias.float()
-        return lambda x: (fn(x, weight, prefetch) + bias32).to(dtype)
+        return lambda x: (fn(x, weight, prefetch) + bias.float()).to(dtype)
 
     def _apply(self, fn, recurse: bool = True):
         # .to() may change the weight's device or dtype: the native path follows it.

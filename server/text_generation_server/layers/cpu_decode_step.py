@@ -89,7 +89,9 @@ class CpuDecodeStep:
         self.layers = layers
         self.rotaries = list({layer.rotary: layer.attn.rotary for layer in layers}.values())
         self._cache_key: tuple[int, int, torch.dtype] | None = None  # the cache last found fit, and its dtype
-        # (rows, dtype) -> per linear in step order: (wrapper, kernel module, its decode_stamp, the call)
+        # Where each linear's module is found, in step order (each layer's qkv, o_proj, gate_up, down), and per
+        # (rows, dtype) each one's (wrapper, kernel module, its decode_stamp, the call) or None.
+        self._slots = [(getattr(layer, group), name) for layer in layers for group, name in _LINEARS]
         self._bound: dict[tuple[int, torch.dtype], list[tuple | None]] = {}
 
     @classmethod
@@ -143,25 +145,38 @@ class CpuDecodeStep:
 
     def _linear_calls(self, rows: int, dtype: torch.dtype) -> list:
         """Each layer's four linears (qkv, o_proj, gate_up, down, layer by layer) as this step calls them:
-        the resolved one-row call where the module path would make only that call, else the module."""
-        wrappers = [getattr(layer, group)[name] for layer in self.layers for group, name in _LINEARS]
+        the resolved one-row call where the module path would make only that call, else the module. A
+        resolved call is kept while its wrapper and kernel module are the same objects, neither hooked nor
+        given a forward on the instance, no LoRA set, and the kernel module's stamp unchanged (~1 us a
+        linear a step; what the first resolution checks beyond that cannot change without a new object)."""
+        slots = self._slots
         if (os.environ.get(BIND_ENV, "1").strip().lower() in _OFF or current_phase() == PREFILL
                 or _global_hooks()):
-            return wrappers
+            return [mods[name] for mods, name in slots]
         cached = self._bound.get((rows, dtype))
         if cached is None:
-            cached = self._bound[(rows, dtype)] = [None] * len(wrappers)
+            cached = self._bound[(rows, dtype)] = [None] * len(slots)
         calls = []
-        for i, wrapper in enumerate(wrappers):
+        append = calls.append
+        for i, (mods, name) in enumerate(slots):
+            wrapper = mods[name]
+            entry = cached[i]
+            if entry is not None and entry[0] is wrapper:
+                inner = entry[1]
+                if (wrapper._modules.get("linear") is inner and not (
+                        wrapper._forward_hooks or wrapper._forward_pre_hooks or inner._forward_hooks
+                        or inner._forward_pre_hooks or wrapper.lora is not None or "lora" in wrapper._modules
+                        or "forward" in wrapper.__dict__ or "forward" in inner.__dict__)
+                        and inner.decode_stamp(rows) == entry[2]):
+                    append(entry[3])
+                    continue
             inner = _plain_inner(wrapper)
             if inner is None:
-                calls.append(wrapper)
+                cached[i] = None
+                append(wrapper)
                 continue
-            stamp = inner.decode_stamp(rows)
-            entry = cached[i]
-            if entry is None or entry[0] is not wrapper or entry[1] is not inner or entry[2] != stamp:
-                entry = cached[i] = (wrapper, inner, stamp, inner.decode_call(rows, dtype) or wrapper)
-            calls.append(entry[3])
+            entry = cached[i] = (wrapper, inner, inner.decode_stamp(rows), inner.decode_call(rows, dtype) or wrapper)
+            append(entry[3])
         return calls
 
     def run(self, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
