@@ -165,3 +165,17 @@ def test_the_plan_binds_its_linears_and_steps_aside_for_hooks(monkeypatch):
     assert got == want and all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
     assert seen.count(1) >= steps and seen.count(2) >= steps
     assert len(calls) == len(wrappers) + 2 * steps  # the hooked and the replaced linears' decode calls
+    # LoRA set on a linear (models/adapters.py sets `module.lora`): that linear through its wrapper, which adds it
+    added: list[int] = []
+
+    class Adapter:
+        def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            added.append(x.shape[0])
+            return out
+
+    wrappers[4].lora = Adapter()
+    try:
+        got, _ = decode_three_requests(lm)
+    finally:
+        del wrappers[4].lora
+    assert got == want and len(added) == 1 + steps  # the prefill and every decode step

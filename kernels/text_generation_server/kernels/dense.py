@@ -132,7 +132,8 @@ class DenseLinear(DenseProduct, torch.nn.Module):
         params = self._parameters
         bias = params["bias"] if "bias" in params else self.__dict__.get("bias")  # None: a plain attribute
         weight = params["weight"]
-        return (id(weight), weight.dtype, id(bias), id(self._native), self._pending, self.measured.get(row_bucket(rows)))
+        return (id(weight), weight.dtype, id(bias), id(self._native), self._pending,
+                self.measured.get(row_bucket(rows)))
 
     def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for a decode forward of `rows` contiguous CPU `dtype` rows, resolved once (as
