@@ -81,6 +81,16 @@ class Clock:
                     self.stack[-1][1] += spent
         return timed
 
+    def by_instance(self, categories: dict[int, str], method: Callable) -> Callable:
+        """A class-level `method` timed under its instance's category (`categories`: id -> name); other
+        instances run untimed."""
+        def timed(module, *args, **kwargs):
+            category = categories.get(id(module))
+            if category is None or not self.on:
+                return method(module, *args, **kwargs)
+            return self.wrap(category, method)(module, *args, **kwargs)
+        return timed
+
     def reset(self) -> None:
         self.exclusive.clear()
         self.calls.clear()
@@ -111,6 +121,10 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
 
     net = lm.model
     nbytes: dict[str, int] = defaultdict(int)
+    # The layers' linears are timed at their classes' forward (category by instance), not by a forward set on
+    # each instance: the decode plan calls a linear's resolved one-row call only where nothing is set on the
+    # instance (layers/cpu_decode_step.py), and its resolved calls are timed as it hands them out below.
+    linears: dict[int, str] = {}
 
     def wrap_forward(module: torch.nn.Module, category: str) -> None:
         module.forward = clock.wrap(category, module.forward)
@@ -131,13 +145,13 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
         for name in ("qkv", "kv", "o_proj"):
             sub = getattr(attn, name, None)
             if sub is not None:
-                wrap_forward(sub, f"linear {name}")
+                linears[id(sub)] = f"linear {name}"
                 nbytes[f"linear {name}"] += weight_bytes(sub)
         wrap_forward(mlp, "mlp activation (silu * up)")
         for name in ("gate_up", "down", "fc_in", "fc_out"):
             sub = getattr(mlp, name, None)
             if sub is not None:
-                wrap_forward(sub, f"linear {name}")
+                linears[id(sub)] = f"linear {name}"
                 nbytes[f"linear {name}"] += weight_bytes(sub)
         for norm_name in ("input_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
             norm = getattr(layer, norm_name)
@@ -155,6 +169,23 @@ def instrument(lm, clock: Clock) -> tuple[dict[str, int], Callable[[], None]]:
     originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in wrapped]
     for cls, name, category in wrapped:
         setattr(cls, name, clock.wrap(category, getattr(cls, name)))
+    for cls in {type(part) for layer in net.layers for part in layer.modules() if id(part) in linears}:
+        originals.append((cls, "forward", cls.__dict__["forward"]))
+        cls.forward = clock.by_instance(linears, cls.__dict__["forward"])
+    plan_calls = CpuDecodeStep.__dict__["_linear_calls"]
+    originals.append((CpuDecodeStep, "_linear_calls", plan_calls))
+
+    def timed_calls(plan, rows, dtype):
+        calls = plan_calls(plan, rows, dtype)
+        if not clock.on:
+            return calls
+        names = [linears.get(id(getattr(layer, group)[name]), "linear") for layer in plan.layers
+                 for group, name in (("attn_modules", "qkv"), ("attn_modules", "o_proj"), ("mlp_modules", "gate_up"),
+                                     ("mlp_modules", "down"))]
+        return [call if isinstance(call, torch.nn.Module) else clock.wrap(name, call)
+                for name, call in zip(names, calls)]
+
+    CpuDecodeStep._linear_calls = timed_calls
     # The CPU decode step's fused native calls (layers/self_attention.py, `_cpu_decode`).
     from text_generation_server.kernels import cpu_native
 

@@ -23,13 +23,14 @@ Exactness arguments, so the kernels can take more than the obvious cases:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from loguru import logger
 
 from text_generation_server.kernels import cpu_act_int8, cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantizedWeight, QuantKernel
-from text_generation_server.kernels.phase import choose_variant, run_rows
+from text_generation_server.kernels.phase import choose_variant, decode_variant, row_bucket, run_rows
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # the op's qGroupSize values, largest (fewest scales) first
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,6 +206,34 @@ class Int4PackLinear(torch.nn.Module):
             return cpu_native.int4pack_dequant_gemm(self.native, x, self.packed, self.scales_and_zeros,
                                                     self.group_size)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def decode_stamp(self, rows: int) -> tuple:
+        """What `decode_call(rows)` was resolved from: the tensors it binds (by id; the call holds them,
+        so an id is not reused while it lives), the switch and the measured name. A caller keeps a
+        resolved call while the stamp stays the same."""
+        buffers = self._buffers
+        return (id(buffers["tiled"]), id(buffers["packed"]), id(buffers["bias"]), self.direct_q8,
+                self.measured.get(row_bucket(rows)))
+
+    def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` for a decode forward of `rows` contiguous `dtype` rows [rows, K], resolved once: the
+        native function and its bound arguments, without the module call, the variant choice and the
+        wrappers' argument checks per call (a decode step makes 4 such calls a layer, ~10 us of Python
+        each against ~60 us of weights for Qwen2.5-1.5B's qkv; BENCHMARKS.md, #32 session 13). The same
+        native call as forward's one-call path, so the same bits; None where forward takes another path."""
+        if not self.direct_q8 or self.native is None or dtype != torch.bfloat16:
+            return None
+        rows_per_pass, prefetch, grain = cpu_act_int8.VARIANTS.get(decode_variant(self, rows),
+                                                                   cpu_act_int8.VARIANTS[cpu_act_int8.Q8])
+        prefetch = cpu_act_int8.PREFETCH_BYTES if prefetch < 0 else prefetch
+        grain = grain or cpu_native.INT4_BLOCK_GRAIN
+        bias = torch.empty(0, dtype=torch.bfloat16) if self.bias is None else self.bias
+        gs, block = self.group_size, self.block
+        if self.tiled is not None:
+            fn, tiled = self.native.int4_q8_tiled_linear, self.tiled
+            return lambda x: fn(x, tiled, bias, gs, block, rows_per_pass, prefetch, grain)
+        fn, packed, s, c = self.native.int4_q8_linear, self.packed, self.scales_f32, self.offsets_f32
+        return lambda x: fn(x, packed, s, c, bias, gs, block, rows_per_pass, prefetch, grain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -478,6 +507,36 @@ class Int8Linear(torch.nn.Module):
             return cpu_native.int8_dequant_gemm(self.native, x, self.weight, self.scales_f32, self.compute_dtype,
                                                 self.table_layout)
         return torch._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
+
+    def decode_stamp(self, rows: int) -> tuple:
+        """What `decode_call(rows)` was resolved from (Int4PackLinear.decode_stamp says why)."""
+        buffers = self._buffers
+        return (id(buffers["weight"]), id(buffers["scales_f32"]), id(buffers["offset"]), id(buffers["bias"]),
+                self.int8_activations, self.row_invariant, self.table_layout, self.measured.get(row_bucket(rows)))
+
+    def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` for a decode forward of `rows` contiguous `dtype` rows, resolved once (as
+        Int4PackLinear.decode_call): the matrix-vector kernel's native call (plain or table layout) and the
+        same torch ops after it, so the same bits; None for the other variants."""
+        if not self._native_ok() or dtype != torch.bfloat16 or self.act_dtype != dtype or rows < 1:
+            return None
+        prefetch = cpu_native.INT8_GEMV_VARIANTS.get(decode_variant(self, rows))
+        if prefetch is None:
+            return None
+        distance = cpu_native.PREFETCH_BYTES if prefetch < 0 else prefetch
+        fn = self.native.int8_table_gemv if self.table_layout else self.native.int8_gemv
+        weight, scales, offset, bias = self.weight, self.scales_f32, self.offset, self.bias
+        compute, act = self.compute_dtype, self.act_dtype
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            y = fn(x, weight, scales, distance).to(compute)
+            if offset is not None:
+                y = (y.float() + x.float().sum(dim=1, keepdim=True) * offset).to(act)
+            else:
+                y = y.to(act)
+            return y if bias is None else y + bias
+
+        return call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -19,6 +19,7 @@ A dense layer computes x @ W^T (+ bias) one of three ways (kernels/phase.py pick
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 
 from text_generation_server.kernels import cpu_native
 from text_generation_server.kernels.base import LinearSpec, QuantKernel
-from text_generation_server.kernels.phase import PREFILL, current_phase, decode_variant, prompt_linear, run_rows
+from text_generation_server.kernels.phase import (PREFILL, current_phase, decode_variant, prompt_linear, row_bucket,
+                                                  run_rows)
 
 
 def _deferred(weight: torch.Tensor) -> bool:
@@ -122,6 +124,40 @@ class DenseLinear(DenseProduct, torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.native = native_for(weight)
         self.measured = {}
+
+    def decode_stamp(self, rows: int) -> tuple:
+        """What `decode_call(rows)` was resolved from (kernels/cpu.py, Int4PackLinear.decode_stamp): the
+        parameters by id and the weight's dtype (`.to()` may swap a parameter's data in place; the call reads
+        the parameters' data when it runs)."""
+        params = self._parameters
+        bias = params["bias"] if "bias" in params else self.__dict__.get("bias")  # None: a plain attribute
+        weight = params["weight"]
+        return (id(weight), weight.dtype, id(bias), id(self._native), self._pending,
+                self.measured.get(row_bucket(rows)))
+
+    def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` for a decode forward of `rows` contiguous CPU `dtype` rows, resolved once (as
+        Int4PackLinear.decode_call): the native matrix-vector product's call with the weight, the bias and
+        the prefetch bound, or torch's F.linear, as `dense_product` runs them (the same ops, the same
+        bits); None for the other variants."""
+        weight, bias = self.weight, self.bias
+        if (self._pending or weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != dtype or rows < 1
+                or (bias is not None and bias.dtype != dtype)):
+            return None
+        variant = decode_variant(self, rows)
+        if variant == "gemm":
+            return lambda x: F.linear(x, weight, bias)
+        if variant != "gemv" or self._native is None:
+            return None
+        if dtype == torch.float32:
+            fn, min_bytes = self._native.f32_gemv, cpu_native.F32_PARALLEL_MIN_BYTES
+            return lambda x: fn(x, weight, bias, cpu_native.PREFETCH_BYTES, min_bytes)
+        if dtype != torch.bfloat16:
+            return None
+        fn, prefetch = self._native.bf16_gemv, cpu_native.PREFETCH_BYTES
+        if bias is None:
+            return lambda x: fn(x, weight, prefetch).to(dtype)
+        return lambda x: (fn(x, weight, prefetch) + bias.float()).to(dtype)
 
     def _apply(self, fn, recurse: bool = True):
         # .to() may change the weight's device or dtype: the native path follows it.

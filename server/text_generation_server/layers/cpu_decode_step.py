@@ -16,6 +16,16 @@ same native functions on the same inputs, so the same bits (tests/test_cpu_decod
 logits and caches with that path). Where anything differs from what the plan was built for, `run`
 returns None and the model takes the eager path; TGS_CPU_DECODE_STEP=0 makes it always do so (read
 per step, so a benchmark can switch it between steps).
+
+The four linears of a layer are called through their one-row native call resolved once (`_linear_calls`:
+the kernel module's `decode_call`, kept while its `decode_stamp` holds), not through the tensor-parallel
+wrapper, the kernel module and its variant choice each call: at one row that Python was ~10-20 us of a
+~60-90 us q/k/v or o_proj call on Qwen2.5-1.5B (BENCHMARKS.md, #32 session 13). The same native call
+with the same arguments, so the same bits. A linear goes through its modules as before wherever the
+modules would do more than that call: a forward hook (its own, its kernel's, or a global one), a
+`forward` replaced on the instance, LoRA, a row linear over several ranks, a replaced kernel module, a
+prefill phase, or a kernel module without a resolved call for these rows; TGS_CPU_DECODE_BIND=0 calls
+every linear as a module (read per step).
 """
 
 from __future__ import annotations
@@ -27,14 +37,18 @@ import torch
 import torch.nn.functional as F
 
 from text_generation_server.kernels import cpu_native, cpu_pointwise, fused_pointwise
+from text_generation_server.kernels.phase import PREFILL, current_phase
 from text_generation_server.layers.attention import DEFAULT_BACKEND, NATIVE_DECODE_ENV, KVCache, TorchAttention
 from text_generation_server.layers.context import ForwardContext
 from text_generation_server.layers.mlp import GatedMLP
 from text_generation_server.layers.norm import RMSNorm
 from text_generation_server.layers.self_attention import SelfAttention
+from text_generation_server.layers.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
 
 ENV = "TGS_CPU_DECODE_STEP"
+BIND_ENV = "TGS_CPU_DECODE_BIND"
 _OFF = ("0", "false", "no", "off")
+_LINEARS = (("attn_modules", "qkv"), ("attn_modules", "o_proj"), ("mlp_modules", "gate_up"), ("mlp_modules", "down"))
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,10 @@ class CpuDecodeStep:
         self.layers = layers
         self.rotaries = list({layer.rotary: layer.attn.rotary for layer in layers}.values())
         self._cache_key: tuple[int, int, torch.dtype] | None = None  # the cache last found fit, and its dtype
+        # Where each linear's module is found, in step order (each layer's qkv, o_proj, gate_up, down), and per
+        # (rows, dtype) each one's (wrapper, kernel module, its decode_stamp, the call) or None.
+        self._slots = [(getattr(layer, group), name) for layer in layers for group, name in _LINEARS]
+        self._bound: dict[tuple[int, torch.dtype], list[tuple | None]] = {}
 
     @classmethod
     def plan(cls, layers: torch.nn.ModuleList) -> CpuDecodeStep | None:
@@ -124,6 +142,42 @@ class CpuDecodeStep:
                 if part._forward_hooks or part._forward_pre_hooks:
                     return False
         return True
+
+    def _linear_calls(self, rows: int, dtype: torch.dtype) -> list:
+        """Each layer's four linears (qkv, o_proj, gate_up, down, layer by layer) as this step calls them:
+        the resolved one-row call where the module path would make only that call, else the module. A
+        resolved call is kept while its wrapper and kernel module are the same objects, neither hooked nor
+        given a forward on the instance, no LoRA set, and the kernel module's stamp unchanged (~1 us a
+        linear a step; what the first resolution checks beyond that cannot change without a new object)."""
+        slots = self._slots
+        if (os.environ.get(BIND_ENV, "1").strip().lower() in _OFF or current_phase() == PREFILL
+                or _global_hooks()):
+            return [mods[name] for mods, name in slots]
+        cached = self._bound.get((rows, dtype))
+        if cached is None:
+            cached = self._bound[(rows, dtype)] = [None] * len(slots)
+        calls = []
+        append = calls.append
+        for i, (mods, name) in enumerate(slots):
+            wrapper = mods[name]
+            entry = cached[i]
+            if entry is not None and entry[0] is wrapper:
+                inner = entry[1]
+                if (wrapper._modules.get("linear") is inner and not (
+                        wrapper._forward_hooks or wrapper._forward_pre_hooks or inner._forward_hooks
+                        or inner._forward_pre_hooks or wrapper.lora is not None or "lora" in wrapper._modules
+                        or "forward" in wrapper.__dict__ or "forward" in inner.__dict__)
+                        and inner.decode_stamp(rows) == entry[2]):
+                    append(entry[3])
+                    continue
+            inner = _plain_inner(wrapper)
+            if inner is None:
+                cached[i] = None
+                append(wrapper)
+                continue
+            entry = cached[i] = (wrapper, inner, inner.decode_stamp(rows), inner.decode_call(rows, dtype) or wrapper)
+            append(entry[3])
+        return calls
 
     def run(self, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, the last layer's pending output) as the chained layers give them, or None where
@@ -178,6 +232,7 @@ class CpuDecodeStep:
                     rows, layer.heads * layer.head_dim)
 
         # The layers, eight calls each; hidden: [rows, hidden] in the step's dtype.
+        calls = iter(self._linear_calls(hidden.shape[0], dtype))
         pending = None
         for layer in self.layers:
             cos, sin = shapes[layer.rotary]
@@ -185,15 +240,36 @@ class CpuDecodeStep:
                 normed = norm(hidden, layer.input_params["weight"], layer.input_eps, None)[0]
             else:
                 normed, hidden = norm(hidden, layer.input_params["weight"], layer.input_eps, pending)
-            linears = layer.attn_modules
-            qkv = linears["qkv"](normed)
+            qkv_call, o_call, gate_up_call, down_call = next(calls), next(calls), next(calls), next(calls)
+            qkv = qkv_call(normed)
             if qkv.stride(-1) != 1:
                 qkv = qkv.contiguous()
             out = attend(layer, qkv, cos, sin)
-            mlp_in, hidden = norm(hidden, layer.mlp_params["weight"], layer.mlp_eps, linears["o_proj"](out))
-            linears = layer.mlp_modules
-            gate_up = linears["gate_up"](mlp_in)
+            mlp_in, hidden = norm(hidden, layer.mlp_params["weight"], layer.mlp_eps, o_call(out))
+            gate_up = gate_up_call(mlp_in)
             if gate_up.stride(-1) != 1:
                 gate_up = gate_up.contiguous()
-            pending = linears["down"](silu_mul(gate_up, layer.local))
+            pending = down_call(silu_mul(gate_up, layer.local))
         return hidden, pending
+
+
+def _global_hooks() -> bool:
+    """Whether a global module hook is registered (every module call would run it)."""
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def _plain_inner(wrapper: torch.nn.Module) -> torch.nn.Module | None:
+    """The kernel module of a tensor-parallel linear whose call is only its kernel module's (no LoRA,
+    one rank, no hook or instance-level `forward` on either), if that module resolves one-row calls."""
+    kind = type(wrapper)
+    if kind is not TensorParallelColumnLinear and (kind is not TensorParallelRowLinear
+                                                   or wrapper.process_group.size != 1):
+        return None
+    inner = wrapper._modules.get("linear")
+    if (inner is None or wrapper.lora is not None or "lora" in wrapper._modules or wrapper._forward_hooks
+            or wrapper._forward_pre_hooks or inner._forward_hooks or inner._forward_pre_hooks
+            or "forward" in wrapper.__dict__ or "forward" in inner.__dict__
+            or getattr(type(inner), "decode_call", None) is None):
+        return None
+    return inner
