@@ -335,3 +335,22 @@ def test_dense_bf16_layers_choose_between_the_native_product_and_torchs_gemm():
     m = torch.nn.ModuleList([dense(torch.bfloat16, n=64)])
     assert tune_cpu_layers(m, timer=stand_in_timer(lambda v, r: 1.0 if v == "gemv" else 2.0)) == {
         shape_key(m[0].linear_spec): {1: "gemv", 2: "gemv", 4: "gemv", 8: "gemv"}}
+
+
+def test_page_in_reads_every_page_of_every_tensor(monkeypatch):
+    """The tensors of a shape's layers are read once before the timings go round them (tune_rows'
+    peers): weights mapped from the checkpoint would otherwise time their first read from the file."""
+    layers = [torch.nn.Linear(4096, 3, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
+    layers[0].register_buffer("codes", torch.zeros(5000, dtype=torch.int8))
+    layers[1].register_buffer("fp8", torch.zeros(4, 1500).to(torch.float8_e4m3fn))
+    seen: list[tuple[int, int]] = []
+    real = torch.Tensor.sum
+
+    def spying(t, *args, **kwargs):
+        seen.append((t.data_ptr(), t.numel()))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sum", spying)
+    select.page_in(layers)
+    tensors = [*layers[0].parameters(), *layers[0].buffers(), *layers[1].parameters(), *layers[1].buffers()]
+    assert sorted(seen) == sorted((t.data_ptr(), -(-t.numel() * t.element_size() // 4096)) for t in tensors)
