@@ -194,7 +194,7 @@ async def amain(args: argparse.Namespace) -> int:
 
 def parse_compare_env(text: str) -> dict[str, str]:
     """--compare-env's VAR=VALUE,VAR=VALUE items."""
-    bad = [item for item in text.split(",") if item and "=" not in item]
+    bad = [item for item in text.split(",") if item and ("=" not in item or item.startswith("="))]
     if bad:
         raise ValueError(f"--compare-env takes VAR=VALUE items, got {bad}")
     return dict(item.split("=", 1) for item in text.split(",") if item)

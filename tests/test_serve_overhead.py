@@ -47,6 +47,8 @@ def test_compare_env_items():
     assert so.parse_compare_env("TGS_ROUTER_NICE=0,TGS_X=a=b") == {"TGS_ROUTER_NICE": "0", "TGS_X": "a=b"}
     with pytest.raises(ValueError, match="VAR=VALUE"):
         so.parse_compare_env("TGS_ROUTER_NICE")
+    with pytest.raises(ValueError, match="VAR=VALUE"):
+        so.parse_compare_env("=1")  # no variable name
 
 
 def test_a_compared_server_gets_its_own_rows(capsys):

@@ -11,7 +11,8 @@ the 4-bit weights' own), so it is a policy, switched with `serve --cpu-int8-acti
   activations elsewhere (the generic loops are correct but not faster than the exact path). Per-channel
   int8 layers (EETQ, the int8 head) take them too where the build has no bfloat16 dot product
   (AVX512-BF16): there exact activations cost a widening and a float FMA per weight per row (AVX2
-  build, Qwen2.5-1.5B EETQ: one-row step 1.12x, 8 streams 1.6-2x with int8 activations); with it they
+  build, Qwen2.5-1.5B EETQ against llama.cpp's Q8_0 in the same runs: ~0.65x / ~0.53x single stream /
+  8 streams exact, 0.94x / 1.19x with int8 activations; BENCHMARKS.md #32 session 13); with it they
   stream near the bandwidth exactly and the integer kernel measured no faster, so they stay exact;
 - on: int8 activations wherever an int4 or per-channel int8 layer runs on the CPU (the generic loops,
   or the torch reference below when the native kernels cannot be built: slow, for checking numerics);

@@ -74,11 +74,12 @@ def not_worth_timing(bucket: int, variant: str) -> bool:
     the prompt bucket the native kernels' names but their default and their longest passes (int4:
     6 rows, int8 activations: 4; the names give the same bits; at 64 rows each costs tens of
     milliseconds a call, and the prefetch distance matters least there). A dense layer's GEMMs are
-    not timed against its static choice at 1-2 rows: the timer calls a layer back to back, its
-    weights warm in the caches, where the GEMMs' passes over them gain and a decode step's cold read
-    does not (the AVX2 build's warmup chose the native GEMM at one row on three of Qwen2.5-1.5B's four
-    shapes, 0.41 against 1.06 ms warm on the down projection, level cold; issue #32 session 12); at
-    1-2 rows the matrix-vector product reads each weight once, which is all a cold step can do."""
+    not timed against its static choice at 1-2 rows: at 1-2 rows the matrix-vector product reads each
+    weight once, which is all a cold step can do. (They were left out when timings still ran warm on
+    one layer, where the GEMMs' passes gained: the AVX2 build's warmup chose the native GEMM at one
+    row on three of Qwen2.5-1.5B's four shapes, 0.41 against 1.06 ms warm on the down projection,
+    level cold; issue #32 session 12. Timings now go round a shape's layers, cold; the rule stays,
+    and keeps a first start shorter.)"""
     if bucket <= 2 and variant in DENSE_GEMMS:
         return True
     if bucket <= max(DECODE_ROWS):
