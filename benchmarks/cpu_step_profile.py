@@ -22,6 +22,7 @@ and the linear times are compared against bytes / bandwidth.
     flock /tmp/tgs-bench.lock python benchmarks/cpu_step_profile.py ~/.cache/tgs-bench/models/qwen2.5-coder-1.5b/tgs-int4-rtn-g128 \
         --quantize-lm-head int8
     flock /tmp/tgs-bench.lock python benchmarks/cpu_step_profile.py ~/.cache/tgs-bench/models/qwen2.5-coder-1.5b/hf
+    flock /tmp/tgs-bench.lock python benchmarks/cpu_step_profile.py ~/.cache/tgs-bench/models/qwen2.5-coder-1.5b/hf --quantize eetq
     flock /tmp/tgs-bench.lock python benchmarks/cpu_step_profile.py --dtype float32   # the embedded model
 
 --compare ENV=VALUE[,...] runs the same steps a second time with environment switches set inside
@@ -215,7 +216,7 @@ def load(args: argparse.Namespace):
 
     from text_generation_server.models.loader import get_model
 
-    lm = get_model(args.model, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head)
+    lm = get_model(args.model, dtype=args.dtype, quantize=args.quantize, quantize_lm_head=args.quantize_lm_head)
     limit = args.prompt + args.steps + 8
     lm.warmup([ids_request(0, random_ids(args.prompt, 1, 1000), 2)], limit, limit, limit, 0.5,
               max_batch_total_tokens=4 * limit, max_batch_size=1)
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=EMBEDDED_MODEL_ID,
                         help=f"checkpoint folder or GGUF file (default: {EMBEDDED_MODEL_ID}, the embedded model)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantize", default=None,
+                        help="as serve's flag (e.g. eetq: int8 per channel, quantized on load)")
     parser.add_argument("--quantize-lm-head", default="auto", help="as serve's flag (auto: its default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (serve's rule gives 2 on 2 cores)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens before the decode steps")

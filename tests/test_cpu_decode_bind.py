@@ -179,3 +179,67 @@ def test_the_plan_binds_its_linears_and_steps_aside_for_hooks(monkeypatch):
     finally:
         del wrappers[4].lora
     assert got == want and len(added) == 1 + steps  # the prefill and every decode step
+
+
+def test_a_replaced_linear_is_forgotten_at_every_row_count(monkeypatch):
+    """A linear replaced in the model (its wrapper given a new kernel module) is resolved afresh at the next
+    decode step, whatever its row count, and no other row count's entry keeps the old module (and its
+    weights) alive: a batch size that stops recurring must not pin a replaced layer's tensors."""
+    import gc
+    import weakref
+
+    from helpers import ids_request, random_ids
+
+    lm = embedded()
+    lm.allocate_kv_cache(48)
+    plans: list[cpu_decode_step.CpuDecodeStep] = []
+    real_run = cpu_decode_step.CpuDecodeStep.run
+
+    def keeping(self, hidden, ctx):
+        plans.append(self)
+        return real_run(self, hidden, ctx)
+
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", keeping)
+
+    def decode(requests: int) -> list:
+        batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 4) for i in range(requests)])
+        tokens = []
+        while batch is not None:
+            generations, batch, _ = lm.generate_token(batch)
+            tokens.append([g.tokens.ids for g in generations])
+        return tokens
+
+    decode(3)
+    want = decode(1)
+    plan = plans[-1]
+    assert {key[0] for key in plan._bound} >= {1, 3}
+    wrapper = lm.model.layers[0].self_attn.qkv
+    old = wrapper._modules["linear"]
+    assert any(entry is not None and entry[1] is old for entries in plan._bound.values() for entry in entries)
+    replacement = DenseLinear(old.weight.detach().clone(), None if old.bias is None else old.bias.detach().clone())
+    wrapper._modules["linear"] = replacement
+    gone = weakref.ref(old)
+    del old
+    got = decode(1)  # only one row: the three-row entries are not looked at
+    assert got == want
+    assert all(entry is None or entry[1] is not gone() for entries in plan._bound.values() for entry in entries)
+    gc.collect()
+    assert gone() is None, "the replaced module is still referenced"
+
+
+def test_a_decode_batch_on_the_native_gemm_resolves_with_its_bits(monkeypatch):
+    """Past the matrix-vector product's rows a dense bfloat16 layer's decode batch runs the native GEMM where
+    it is wanted (a build without AVX512-BF16, or TGS_CPU_BF16_GEMM=on on any build): its resolved call is
+    that GEMM's, with forward's bits (before, such a layer went through its module every step)."""
+    from text_generation_server.kernels.dense import decode_variant
+
+    monkeypatch.setenv(cpu_native.BF16_GEMM_ENV, "on")
+    layer = DenseLinear(torch.randn(192, 256).to(torch.bfloat16), torch.randn(192).to(torch.bfloat16))
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    rows = [r for r in (3, 5, 8, 16) if decode_variant(layer, r) == "native-gemm"]
+    assert rows, "no decode row count ran the native GEMM"
+    with torch.inference_mode(), forward_phase(prefill=False):
+        for r in rows:
+            call = layer.decode_call(r, torch.bfloat16)
+            assert call is not None
+            assert same_bits(call(x[:r].contiguous()), layer(x[:r])), r

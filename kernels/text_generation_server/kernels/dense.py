@@ -138,8 +138,8 @@ class DenseLinear(DenseProduct, torch.nn.Module):
     def decode_call(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for a decode forward of `rows` contiguous CPU `dtype` rows, resolved once (as
         Int4PackLinear.decode_call): the native matrix-vector product's call with the weight, the bias and
-        the prefetch bound, or torch's F.linear, as `dense_product` runs them (the same ops, the same
-        bits); None for the other variants."""
+        the prefetch bound, the native GEMM's, torch's F.linear or the padded prompt GEMM, as `run` runs
+        them (the same ops, the same bits); None for anything else."""
         weight, bias = self.weight, self.bias
         if (self._pending or weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != dtype or rows < 1
                 or (bias is not None and bias.dtype != dtype)):
@@ -147,7 +147,13 @@ class DenseLinear(DenseProduct, torch.nn.Module):
         variant = decode_variant(self, rows)
         if variant == "gemm":
             return lambda x: F.linear(x, weight, bias)
-        if variant != "gemv" or self._native is None:
+        if variant == "padded-gemm":
+            return lambda x: prompt_linear(x, weight, bias)
+        module = self._native
+        if variant == "native-gemm" and module is not None:
+            # decode batches past the matrix-vector product's rows on a build without AVX512-BF16
+            return lambda x: cpu_native.bf16_gemm(module, x, weight, bias)
+        if variant != "gemv" or module is None:
             return None
         if dtype == torch.float32:
             fn, min_bytes = self._native.f32_gemv, cpu_native.F32_PARALLEL_MIN_BYTES

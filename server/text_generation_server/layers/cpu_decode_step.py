@@ -170,6 +170,11 @@ class CpuDecodeStep:
                         and inner.decode_stamp(rows) == entry[2]):
                     append(entry[3])
                     continue
+            if entry is not None:
+                # What slot i was resolved from changed: forget it at every row count, so a count that
+                # stops recurring does not keep a replaced layer's tensors alive through its call.
+                for other in self._bound.values():
+                    other[i] = None
             inner = _plain_inner(wrapper)
             if inner is None:
                 cached[i] = None
