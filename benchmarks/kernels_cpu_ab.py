@@ -82,11 +82,13 @@ BF16_SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936,
 COLD_BYTES = 160 * 2**20
 
 
-def bf16_rounds(versions: dict, shapes: list[tuple[int, int]], rows: list[int], rounds: int) -> None:
+def bf16_rounds(versions: dict, shapes: list[tuple[int, int]], rows: list[int], rounds: int,
+                prefetch: list[int]) -> None:
     """The bfloat16 matrix-vector product of each version (`bf16_gemv`) against torch's F.linear and a
     plain read of the same bytes (a float32 sum over the weights' bits: the read bandwidth a kernel can
     hope for), interleaved per round, cold weights. Figures: the median over rounds of each round's
-    best call, and the weight bytes read per second at that time."""
+    best call, and the weight bytes read per second at that time. `prefetch`: the distances (bytes)
+    each version is timed at (the first unlabelled; the rest as "label pfN")."""
     for k, n in shapes:
         nbytes = n * k * 2
         copies = max(2, -(-COLD_BYTES // nbytes))
@@ -95,9 +97,11 @@ def bf16_rounds(versions: dict, shapes: list[tuple[int, int]], rows: list[int], 
             x = torch.randn(m, k).bfloat16()
             res: dict[str, list[float]] = {}
             for _ in range(rounds):
-                for label, mod in versions.items():
-                    res.setdefault(label, []).append(best(lambda i: mod.bf16_gemv(x, ws[i % copies], 16384),
-                                                          2 * copies))
+                for pf in prefetch:
+                    for label, mod in versions.items():
+                        name = label if pf == prefetch[0] else f"{label} pf{pf}"
+                        res.setdefault(name, []).append(best(lambda i: mod.bf16_gemv(x, ws[i % copies], pf),
+                                                             2 * copies))
                 res.setdefault("F.linear", []).append(best(
                     lambda i: torch.nn.functional.linear(x, ws[i % copies]), 2 * copies))
                 if m == rows[0]:
@@ -130,6 +134,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
                         help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
+    parser.add_argument("--bf16-prefetch", default=str(cpu_native.PREFETCH_BYTES),
+                        help="prefetch distances in bytes the bf16 products are timed at (comma-separated)")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -213,7 +219,8 @@ def main() -> int:
                 flush=True)
     if "bf16" in what:
         bf16_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.bf16_shapes.split(",")]
-        bf16_rounds(versions, bf16_shapes, [r for r in rows if r <= 8], args.rounds)
+        bf16_rounds(versions, bf16_shapes, [r for r in rows if r <= 8], args.rounds,
+                    [int(v) for v in args.bf16_prefetch.split(",")])
     if "head" in what:
         n, k = 151936, 1536
         w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

@@ -77,3 +77,32 @@ def test_float32_and_bfloat16_x_give_the_same_bits(module):
     x, w = _inputs(1000, 4099)
     for rows in (1, 2):
         assert torch.equal(module.bf16_gemv(x[:rows], w, 16384), module.bf16_gemv(x[:rows].float(), w, 16384))
+
+
+class _Stand:
+    """A stand-in extension that records the prefetch distance its bfloat16 product was given."""
+
+    def __init__(self):
+        self.distances: list[int] = []
+
+    def bf16_gemv(self, x, w, prefetch):
+        self.distances.append(prefetch)
+        return x.float() @ w.float().t()
+
+
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_the_streams_prefetch_distance_on_builds_without_the_bf16_dot(monkeypatch, bf16_dot):
+    from text_generation_server.kernels.dense import DenseLinear
+
+    monkeypatch.setitem(cpu_native._state, "bf16_dot", bf16_dot)
+    want = cpu_native.PREFETCH_BYTES if bf16_dot else cpu_native.BF16_STREAMS_PREFETCH_BYTES
+    assert cpu_native.bf16_gemv_prefetch(_Stand()) == want
+    stand = _Stand()
+    w = torch.randn(24, 32).bfloat16()
+    cpu_native.bf16_gemv(stand, torch.randn(1, 32).bfloat16(), w, None)  # the head's path (dense_gemv)
+    layer = DenseLinear(w, None)
+    layer.native = stand
+    call = layer.decode_call(1, torch.bfloat16)  # a dense layer's resolved decode call
+    assert call is not None
+    call(torch.randn(1, 32).bfloat16())
+    assert stand.distances == [want, want]
