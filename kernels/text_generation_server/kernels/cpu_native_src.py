@@ -485,15 +485,18 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
 
 // bfloat16 weights at 1-2 rows: S concurrent weight streams a thread. A chunk of outputs [a, e) is cut
 // into S contiguous runs and a tile takes the next output of each run (outputs n, n + len, ...; stride
-// `len`), so each thread reads S sequential streams at once instead of one: one stream a core left a
-// fifth of the read bandwidth unused. Cold Qwen2.5-1.5B shapes, one row, 2 threads, the 2-core Ice
-// Lake Xeon VM (no AVX512-BF16): a plain read of the same bytes streamed ~20-22 GB/s as one stream a
-// thread and 25-28 as 8; this kernel with 2 adjacent outputs a tile ~20-23, with 8 (AVX-512) or 4
-// (AVX2) streams 24-28 (BENCHMARKS.md, issue #32 session 14). Each output's arithmetic is gemv_rows'
-// whatever the tile or its stride, so a row's bits are those of the 3-8 row tiles and of any split.
-// S: AVX-512's 32 registers hold 8 streams x 2 rows of accumulators; AVX2's 16 hold 4 x 1 (2 x 2).
+// `len`), so each thread reads S sequential streams at once instead of one: with one stream a core the
+// hardware prefetchers leave a fifth of the read bandwidth unused. Cold Qwen2.5-1.5B shapes, one row,
+// 2 threads, the 2-core Ice Lake Xeon VM (no AVX512-BF16), a quiet moment: a plain read of the same
+// bytes streamed 20-22 GB/s as one stream a thread and 26-28 as 8 (a C++ prototype); the adjacent
+// 2-output tiles read 19-23, 8 streams 23-28. Each output's arithmetic is gemv_rows' whatever the tile
+// or its stride, so a row's bits are those of the 3-8 row tiles and of any split.
+// S: 8 at one row on both builds; at two rows 8 with AVX-512 (16 accumulators of its 32 registers) and
+// 4 with AVX2 (16 accumulators: the weights spill to L1, still 1.1x faster than 2 streams). AVX2 at
+// one row took 8 over 4 by 1.0-1.1x, two rows 4 over 2 by 1.1-1.16x (interleaved, cold, loaded
+// machine; BENCHMARKS.md, issue #32 session 14).
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-constexpr int BF16_STREAMS_1 = 4, BF16_STREAMS_2 = 2;
+constexpr int BF16_STREAMS_1 = 8, BF16_STREAMS_2 = 4;
 #else
 constexpr int BF16_STREAMS_1 = 8, BF16_STREAMS_2 = 8;
 #endif
