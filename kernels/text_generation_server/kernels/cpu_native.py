@@ -101,7 +101,7 @@ PREFETCH_BYTES = 16384
 # ... but the bfloat16 matrix-vector product on a build without AVX512-BF16 (an AVX2 machine, or AVX-512
 # without the bf16 dot product) reads 4-8 weight streams a thread at 1-2 rows (cpu_native_src.py,
 # gemv_impl_streams), and with that many the hardware prefetchers cover most of the distance: 4 KiB
-# ahead read the cold Qwen2.5-1.5B shapes 1.0-1.15x faster than 16 KiB at one row on the 2-core Ice
+# ahead read the cold Qwen2.5-1.5B shapes 1.04-1.2x faster than 16 KiB at one row on the 2-core Ice
 # Lake VM, both builds (BENCHMARKS.md, issue #32 session 14). With AVX512-BF16 (vdpbf16ps tiles of
 # adjacent outputs, untouched and not measurable there) PREFETCH_BYTES stays.
 BF16_STREAMS_PREFETCH_BYTES = 4096

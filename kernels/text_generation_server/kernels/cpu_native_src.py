@@ -488,9 +488,10 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
 // `len`), so each thread reads S sequential streams at once instead of one: with one stream a core the
 // hardware prefetchers leave a fifth of the read bandwidth unused. Cold Qwen2.5-1.5B shapes, one row,
 // 2 threads, the 2-core Ice Lake Xeon VM (no AVX512-BF16), a quiet moment: a plain read of the same
-// bytes streamed 20-22 GB/s as one stream a thread and 26-28 as 8 (a C++ prototype); the adjacent
-// 2-output tiles read 19-23, 8 streams 23-28. Each output's arithmetic is gemv_rows' whatever the tile
-// or its stride, so a row's bits are those of the 3-8 row tiles and of any split.
+// bytes streamed 20-22 GB/s as one stream a thread and 26-28 as 8 (a C++ prototype); this kernel read
+// 20-22 with 2 adjacent outputs a tile, 24-31 with 8 streams (both builds; the head 1.36-1.39x,
+// o_proj 1.09-1.13x). Each output's arithmetic is gemv_rows' whatever the tile or its stride, so a
+// row's bits are those of the 3-8 row tiles and of any split.
 // S: 8 at one row on both builds; at two rows 8 with AVX-512 (16 accumulators of its 32 registers) and
 // 4 with AVX2 (16 accumulators: the weights spill to L1, still 1.1x faster than 2 streams). AVX2 at
 // one row took 8 over 4 by 1.0-1.1x, two rows 4 over 2 by 1.1-1.16x (interleaved, cold, loaded
