@@ -13,6 +13,8 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --what int4-tiled --rows 1,8 --q8-variants q8,q8-pf0  # torch layout vs tiled
     python benchmarks/kernels_cpu_ab.py --what int8-q8 --rows 1,2,4,8   # int8 (and the int8 head): the same
     python benchmarks/kernels_cpu_ab.py --what int8-table --rows 1,8     # int8 exact: plain vs table layout
+    python benchmarks/kernels_cpu_ab.py --base main --what bf16 --rows 1,2  # bf16 matrix-vector product, the
+                                                                          # head too, vs F.linear and a plain read
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products where they refuse bfloat16, as before issue #32).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
 import subprocess
 import sys
 import time
@@ -72,6 +75,44 @@ def accepts_bf16(module) -> bool:
     return True
 
 
+# Qwen2.5-1.5B's bfloat16 shapes (N outputs, K inputs): qkv, o_proj, gate_up, down, the untied head.
+BF16_SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536))
+# Copies of each weight cycled: together at least this many bytes, past the caches (48 MiB of L3 on the
+# Ice Lake VM), so every call reads its weights from memory as a decode step does.
+COLD_BYTES = 160 * 2**20
+
+
+def bf16_rounds(versions: dict, shapes: list[tuple[int, int]], rows: list[int], rounds: int,
+                prefetch: list[int]) -> None:
+    """The bfloat16 matrix-vector product of each version (`bf16_gemv`) against torch's F.linear and a
+    plain read of the same bytes (a float32 sum over the weights' bits: the read bandwidth a kernel can
+    hope for), interleaved per round, cold weights. Figures: the median over rounds of each round's
+    best call, and the weight bytes read per second at that time. `prefetch`: the distances (bytes)
+    each version is timed at (the first unlabelled; the rest as "label pfN")."""
+    for k, n in shapes:
+        nbytes = n * k * 2
+        copies = max(2, -(-COLD_BYTES // nbytes))
+        ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            res: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                for pf in prefetch:
+                    for label, mod in versions.items():
+                        name = label if pf == prefetch[0] else f"{label} pf{pf}"
+                        res.setdefault(name, []).append(best(lambda i: mod.bf16_gemv(x, ws[i % copies], pf),
+                                                             2 * copies))
+                res.setdefault("F.linear", []).append(best(
+                    lambda i: torch.nn.functional.linear(x, ws[i % copies]), 2 * copies))
+                if m == rows[0]:
+                    res.setdefault("read", []).append(best(
+                        lambda i: ws[i % copies].view(torch.float32).sum(), 2 * copies))
+            print(f"bf16 {k}x{n} rows={m} ({copies} copies): " + "  ".join(
+                f"{label} {statistics.median(v) * 1e3:.3f} ms ({nbytes / statistics.median(v) / 1e9:.1f} GB/s)"
+                for label, v in res.items()), flush=True)
+        del ws
+
+
 def best(fn: Callable[[int], object], calls: int) -> float:
     times = []
     for i in range(calls):
@@ -84,12 +125,17 @@ def best(fn: Callable[[int], object], calls: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
-    parser.add_argument("--what", default="int4,head", help="int4, head, int4-op, int4-q8, int4-tiled (comma-separated; "
+    parser.add_argument("--what", default="int4,head", help="int4, head, bf16, int4-op, int4-q8, int4-tiled (comma-separated; "
+                        "bf16: the bfloat16 matrix-vector product of both versions, F.linear and a plain read; "
                         "int4-tiled: the int8-activation kernel over torch's layout against the tiled one; "
                         "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
                         "ones; int8-q8 also times the 151936 x 1536 head; int8-table: the exact int8 kernel on the plain "
                         "layout against the table one, the head too)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
+    parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
+                        help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
+    parser.add_argument("--bf16-prefetch", default=str(cpu_native.PREFETCH_BYTES),
+                        help="prefetch distances in bytes the bf16 products are timed at (comma-separated)")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -102,7 +148,7 @@ def main() -> int:
     if new is None:
         print(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
         return 1
-    versions = {"base": base_extension(args.base), "new": new} if what & {"int4", "head"} else {"new": new}
+    versions = {"base": base_extension(args.base), "new": new} if what & {"int4", "head", "bf16"} else {"new": new}
     print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
           f"{args.threads} threads, base {args.base}")
     copies = 6
@@ -171,6 +217,10 @@ def main() -> int:
             print(f"int8 {k}x{n} rows={m}: " + "  ".join(
                 f"{label} {min(v) * 1e3:.2f} ms ({n * k / min(v) / 1e9:.1f} GB/s)" for label, v in res.items()),
                 flush=True)
+    if "bf16" in what:
+        bf16_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.bf16_shapes.split(",")]
+        bf16_rounds(versions, bf16_shapes, [r for r in rows if r <= 8], args.rounds,
+                    [int(v) for v in args.bf16_prefetch.split(",")])
     if "head" in what:
         n, k = 151936, 1536
         w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

@@ -98,6 +98,13 @@ INT4_DEQUANT_MIN_ROWS = 64
 # Bytes the matrix-vector kernels prefetch ahead of their reads (0: none), unless this machine
 # measured another distance (kernels/cpu_tuning.py). 16 KiB won on the 2-core Sapphire Rapids VM.
 PREFETCH_BYTES = 16384
+# ... but the bfloat16 matrix-vector product on a build without AVX512-BF16 (an AVX2 machine, or AVX-512
+# without the bf16 dot product) reads 4-8 weight streams a thread at 1-2 rows (cpu_native_src.py,
+# gemv_impl_streams), and with that many the hardware prefetchers cover most of the distance: 4 KiB
+# ahead read the cold Qwen2.5-1.5B shapes 1.04-1.2x faster than 16 KiB at one row on the 2-core Ice
+# Lake VM, both builds (BENCHMARKS.md, issue #32 session 14). With AVX512-BF16 (vdpbf16ps tiles of
+# adjacent outputs, untouched and not measurable there) PREFETCH_BYTES stays.
+BF16_STREAMS_PREFETCH_BYTES = 4096
 # int4 read in place (`int4pack_mm`): rows sharing one pass over a 64-output block, and blocks per
 # thread task. Neither changes a bit of the result (the kernel's lanes are outputs, each summed in
 # one fixed order), so a measurement may pick them per layer shape and phase freely.
@@ -493,10 +500,17 @@ def bf16_gemm(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: to
     return module.bf16_gemm(x.contiguous(), weight, b, x.dtype == torch.bfloat16, PREFETCH_BYTES)
 
 
+def bf16_gemv_prefetch(module: Extension) -> int:
+    """The prefetch distance (bytes) of `module`'s bfloat16 matrix-vector product: BF16_STREAMS_PREFETCH_BYTES
+    on a build without AVX512-BF16 (its several streams a thread), PREFETCH_BYTES with it. The distance
+    changes no bit of the result."""
+    return PREFETCH_BYTES if _has_bf16_dot(module) else BF16_STREAMS_PREFETCH_BYTES
+
+
 def bf16_gemv(module: Extension, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K] bfloat16 ^T (+ bias) with float32 sums, in x's dtype (the weights read
     once per 8 rows)."""
-    y = module.bf16_gemv(_gemv_input(x), weight, PREFETCH_BYTES)
+    y = module.bf16_gemv(_gemv_input(x), weight, bf16_gemv_prefetch(module))
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -37,6 +37,7 @@ SOURCE = r"""
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -392,15 +393,15 @@ inline __m256 avx2_w8(const int8_t* p) {
 }
 template <int M, int NB, typename T>
 inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
-                      int64_t prefetch) {
+                      int64_t prefetch, int64_t stride = 1) {
   __m256 lo[M][NB], hi[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) lo[m][b] = hi[m][b] = _mm256_setzero_ps();
   auto step = [&](int64_t kk) {
     __m256 wl[NB], wh[NB];
     for (int b = 0; b < NB; ++b) {
-      wl[b] = avx2_w8(w + (n + b) * K + kk);
-      wh[b] = avx2_w8(w + (n + b) * K + kk + 8);
+      wl[b] = avx2_w8(w + (n + b * stride) * K + kk);
+      wh[b] = avx2_w8(w + (n + b * stride) * K + kk + 8);
     }
     for (int m = 0; m < M; ++m) {
       const __m256 xl = _mm256_loadu_ps(x + m * K + kk), xh = _mm256_loadu_ps(x + m * K + kk + 8);
@@ -415,7 +416,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
     if (prefetch)
       for (int b = 0; b < NB; ++b)
         for (int line = 0; line < int(64 * sizeof(T)); line += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b * stride) * K + k) + prefetch + line, 0,
                              PREFETCH_LOCALITY);
     for (int64_t kk = k; kk < k + 64; kk += 16) step(kk);
   }
@@ -427,14 +428,14 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
       _mm256_store_ps(lanes + 8, hi[m][b]);
       float t = 0.f;
       for (int j = 0; j < 16; ++j) t += lanes[j];
-      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b) * K + kk]), t);
-      y[m * N + n + b] = s ? t * s[n + b] : t;
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b * stride) * K + kk]), t);
+      y[m * N + n + b * stride] = s ? t * s[n + b * stride] : t;
     }
 }
 #else
 template <int M, int NB, typename T>
 inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t n,
-                      int64_t prefetch) {
+                      int64_t prefetch, int64_t stride = 1) {
   vf acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
@@ -445,11 +446,11 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
     if (prefetch)
       for (int b = 0; b < NB; ++b)
         for (int line = 0; line < int(64 * sizeof(T)); line += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b) * K + k) + prefetch + line, 0,
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + b * stride) * K + k) + prefetch + line, 0,
                              PREFETCH_LOCALITY);
     for (int64_t kk = k; kk < k + 64; kk += 16) {
       vf wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + kk);
+      for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b * stride) * K + kk);
       for (int m = 0; m < M; ++m) {
         vf xv = load_f(x + m * K + kk);
         for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
@@ -458,7 +459,7 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
   }
   for (; k + 16 <= K; k += 16) {
     vf wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b) * K + k);
+    for (int b = 0; b < NB; ++b) wv[b] = load_w(w + (n + b * stride) * K + k);
     for (int m = 0; m < M; ++m) {
       vf xv = load_f(x + m * K + k);
       for (int b = 0; b < NB; ++b) acc[m][b] = fmadd(xv, wv[b], acc[m][b]);
@@ -467,8 +468,8 @@ inline void gemv_rows(const float* x, const T* w, const float* s, float* y, int6
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
       float t = hsum(acc[m][b]);
-      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b) * K + kk]), t);
-      y[m * N + n + b] = s ? t * s[n + b] : t;
+      for (int64_t kk = k; kk < K; ++kk) t = __builtin_fmaf(x[m * K + kk], weight_value(w[(n + b * stride) * K + kk]), t);
+      y[m * N + n + b * stride] = s ? t * s[n + b * stride] : t;
     }
 }
 #endif
@@ -482,6 +483,34 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
   for (int64_t n = blocks * NB; n < N; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
 }
 
+// bfloat16 weights at 1-2 rows: S concurrent weight streams a thread. A chunk of outputs [a, e) is cut
+// into S contiguous runs and a tile takes the next output of each run (outputs n, n + len, ...; stride
+// `len`), so each thread reads S sequential streams at once instead of one: with one stream a core the
+// hardware prefetchers leave a fifth of the read bandwidth unused. Cold Qwen2.5-1.5B shapes, one row,
+// 2 threads, the 2-core Ice Lake Xeon VM (no AVX512-BF16), a quiet moment: a plain read of the same
+// bytes streamed 20-22 GB/s as one stream a thread and 26-28 as 8 (a C++ prototype); this kernel read
+// 20-22 with 2 adjacent outputs a tile, 24-31 with 8 streams (both builds; the head 1.36-1.39x,
+// o_proj 1.09-1.13x). Each output's arithmetic is gemv_rows' whatever the tile or its stride, so a
+// row's bits are those of the 3-8 row tiles and of any split.
+// S: 8 at one row on both builds; at two rows 8 with AVX-512 (16 accumulators of its 32 registers) and
+// 4 with AVX2 (16 accumulators: the weights spill to L1, still 1.1x faster than 2 streams). AVX2 at
+// one row took 8 over 4 by 1.0-1.1x, two rows 4 over 2 by 1.1-1.16x (interleaved, cold, loaded
+// machine; BENCHMARKS.md, issue #32 session 14).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int BF16_STREAMS_1 = 8, BF16_STREAMS_2 = 4;
+#else
+constexpr int BF16_STREAMS_1 = 8, BF16_STREAMS_2 = 8;
+#endif
+
+template <int M, int S, typename T>
+void gemv_impl_streams(const float* x, const T* w, const float* s, float* y, int64_t K, int64_t N, int64_t prefetch) {
+  tgs::parallel_for(0, N, 8 * S, [&](int64_t a, int64_t e) {
+    const int64_t len = (e - a) / S;
+    for (int64_t i = 0; i < len; ++i) gemv_rows<M, S>(x, w, s, y, K, N, a + i, prefetch, len);
+    for (int64_t n = a + S * len; n < e; ++n) gemv_rows<M, 1>(x, w, s, y, K, N, n, prefetch);
+  });
+}
+
 // Row counts 1..8 to their tile shapes (one accumulator per row and output in registers). Every row
 // gets the same operations in the same order whatever the tile (explicit FMAs, one horizontal sum
 // order), so a row's bits do not depend on how many rows share the call; more than 8 rows run in
@@ -489,6 +518,10 @@ void gemv_impl(const float* x, const T* w, const float* s, float* y, int64_t K, 
 template <typename T>
 void gemv_chunk(int64_t M, const float* xp, const T* wp, const float* sp, float* yp, int64_t K, int64_t N,
                 int64_t pf) {
+  if constexpr (std::is_same<T, uint16_t>::value) {  // bfloat16 weights: the streams above
+    if (M == 1) return gemv_impl_streams<1, BF16_STREAMS_1>(xp, wp, sp, yp, K, N, pf);
+    if (M == 2) return gemv_impl_streams<2, BF16_STREAMS_2>(xp, wp, sp, yp, K, N, pf);
+  }
   switch (M) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     // 16 AVX2 registers: two per accumulator (lo, hi), two per weight vector, two for x

@@ -160,7 +160,7 @@ class DenseLinear(DenseProduct, torch.nn.Module):
             return lambda x: fn(x, weight, bias, cpu_native.PREFETCH_BYTES, min_bytes)
         if dtype != torch.bfloat16:
             return None
-        fn, prefetch = self._native.bf16_gemv, cpu_native.PREFETCH_BYTES
+        fn, prefetch = self._native.bf16_gemv, cpu_native.bf16_gemv_prefetch(self._native)
         if bias is None:
             return lambda x: fn(x, weight, prefetch).to(dtype)
         return lambda x: (fn(x, weight, prefetch) + bias.float()).to(dtype)
