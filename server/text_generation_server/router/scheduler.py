@@ -226,6 +226,9 @@ class Scheduler:
         self._observe_skipped = fast_observer(metrics.request_skipped_tokens)
         self._observe_inter_token = fast_observer(metrics.inter_token_latency)
         self._gauges: tuple[int, ...] | None = None  # the values _refresh_gauges last set
+        # A client that can write a Decode before returning (ShardClient.decode_now); the in-process
+        # rank's client and the tests' have none: `_pipeline` runs their decode as a task.
+        self._decode_now = getattr(client, "decode_now", None)
         # Pipelined decode: when a step's answer leaves a batch to continue and nobody waits to be
         # admitted, the next Decode (after a FilterBatch of the rows that step finished) goes out
         # before this step's tokens are streamed, so the shards compute while the router works.
@@ -592,14 +595,19 @@ class Scheduler:
         self._decode_calls.inc()
         self.pipelined_steps += 1
         filtered = len(keep) != len(batch.request_ids)
-        call = asyncio.ensure_future(self._filter_then_decode(batch.id, keep) if filtered
-                                     else self.client.decode([batch]))
+        # One rank on its step socket: written now, no task (ShardClient.decode_now); else a task.
+        call = None if filtered or self._decode_now is None else self._decode_now([batch])
+        sent = call is not None
+        if call is None:
+            call = asyncio.ensure_future(self._filter_then_decode(batch.id, keep) if filtered
+                                         else self.client.decode([batch]))
         self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic(),
                                     filtered=filtered)
-        # Two turns of the loop: the call runs up to its send (ShardClient gathers one task per rank, each
-        # writing to its rank's stream in its first turn; in-process, the hand-off to the model thread).
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        if not sent:
+            # Two turns of the loop: the call runs up to its send (ShardClient gathers one task per rank, each
+            # writing to its rank's stream in its first turn; in-process, the hand-off to the model thread).
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
 
     async def _filter_then_decode(self, batch_id: int, keep: list[int]):
         batch = await self.client.filter_batch(batch_id, keep)
