@@ -186,3 +186,32 @@ def test_http_endpoint_serves_text_format_even_when_openmetrics_is_asked(metrics
         assert info.value.code == 404
     finally:
         server.shutdown()
+
+
+def test_fast_observer_counts_as_the_histograms_own_observe():
+    """The scheduler's fast_observer: the same buckets, count and sum as Histogram.observe for
+    every kind of amount (on a bound, between, below the first, above the last, negative, +Inf,
+    NaN), unlabelled or a labelled child; a histogram without that layout keeps its own observe."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from text_generation_server.router.metrics import fast_observer
+
+    amounts = [0.0001, 0.0003, 0.00025, 0.0, -1.0, 0.5, 60.0, 61.0, float("inf"), float("nan"), 1e-9, 2.5, 0.7]
+    for labelled in (False, True):
+        pages = []
+        for fast in (False, True):
+            registry = CollectorRegistry(auto_describe=False)
+            family = Histogram("t_seconds", "t", ["method"] if labelled else [],
+                               buckets=(0.0001, 0.00025, 0.5, 1, 2.5, 60), registry=registry)
+            histogram = family.labels(method="decode") if labelled else family
+            observe = fast_observer(histogram) if fast else histogram.observe
+            assert (observe != histogram.observe) == fast  # the fast path is what runs
+            for amount in amounts:
+                observe(amount)
+            pages.append(render_text(registry))
+        assert pages[0] == pages[1]
+        assert "nan" in pages[1].lower()  # the NaN reached the sum through the library's observe
+
+    registry = CollectorRegistry(auto_describe=False)
+    parent = Histogram("p_seconds", "p", ["method"], registry=registry)
+    assert fast_observer(parent) == parent.observe  # a labelled parent: its own observe (which refuses)

@@ -166,6 +166,47 @@ def test_bytes_that_are_not_frames_drop_their_connection_alone(lm, tmp_path, mon
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("mode", ["socket", "grpc stream", "unary"])
+def test_decode_now_answers_as_decode_on_the_step_socket_alone(lm, tmp_path, monkeypatch, mode):
+    """ShardClient.decode_now (the scheduler's Decode sent ahead): on the step socket, a future made
+    with the call already written, resolving to what decode returns (the same tokens) or failing as it
+    raises; on the gRPC stream, the unary calls or a connection to reopen, None (decode runs instead)."""
+    monkeypatch.setenv(STEP_STREAM_ENV, {"socket": "1", "grpc stream": "grpc", "unary": "0"}[mode])
+
+    async def main():
+        service, server, client = await served(lm, tmp_path, step_socket=True)
+        try:
+            unary = await run_to_end(client, 1)
+            await client.open_steps()
+            resp = await client.prefill(pb.Batch(id=2, requests=[request(2)], size=1))
+            if mode != "socket":
+                assert client.decode_now([resp.batch]) is None
+                return
+            tokens = [t for g in resp.generations for t in g.tokens.ids]
+            while resp.HasField("batch"):
+                call = client.decode_now([resp.batch])
+                assert isinstance(call, asyncio.Future) and not call.done()
+                resp = await call
+                assert isinstance(resp, pb.DecodeResponse)
+                tokens += [t for g in resp.generations for t in g.tokens.ids]
+            assert tokens == unary
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await client.decode_now([pb.CachedBatch(id=99, request_ids=[1])])
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "99" in missing.value.details()
+            stream = client._streams[0]
+            waiting = client.decode_now([pb.CachedBatch(id=98, request_ids=[1])])
+            stream._protocol.transport.abort()
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await waiting
+            assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert client.decode_now([pb.CachedBatch(id=98, request_ids=[1])]) is None  # to reopen: decode does
+            assert await run_to_end(client, 3) == unary
+        finally:
+            await stop(service, server, client)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("mode, transport", [
     ("switched off", "unary calls"), ("not served", "unary calls"),
     ("grpc", "one Steps stream per rank"), ("unreachable", "one Steps stream per rank")])

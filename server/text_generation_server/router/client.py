@@ -44,6 +44,7 @@ class _Calls:
     def __init__(self, url: str):
         self.url = url
         self._pending: dict[int, asyncio.Future] = {}
+        self._unwrap: dict[int, str] = {}  # seq -> the answer's field its future gets (`send_now`)
         self.broken: grpc.aio.AioRpcError | None = None
 
     def _expect(self, seq: int) -> asyncio.Future:
@@ -55,8 +56,16 @@ class _Calls:
 
     def _answered(self, answer: pb.StepAnswer) -> None:
         future = self._pending.pop(answer.seq, None)
-        if future is not None and not future.done():
+        field = self._unwrap.pop(answer.seq, None) if self._unwrap else None
+        if future is None or future.done():
+            return
+        if field is None:
             future.set_result(answer)
+            return
+        try:
+            future.set_result(_answer_of(answer, field))
+        except grpc.aio.AioRpcError as exc:
+            future.set_exception(exc)
 
     def _break(self, error: grpc.aio.AioRpcError) -> None:
         self.broken = error
@@ -64,6 +73,7 @@ class _Calls:
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
+        self._unwrap.clear()
 
 
 class _StepStream(_Calls):
@@ -151,6 +161,20 @@ class _SocketStepStream(_Calls):
             self._pending.pop(seq, None)
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=f"the step socket {self.path}: {exc}") from None
         return await future
+
+    def send_now(self, seq: int, step: pb.StepCall, field: str) -> asyncio.Future:
+        """Writes `step` before returning; the future gets the answer's `field` (the unary call's
+        response) or its failure, as `call` + `_answer_of` would, with no task in between."""
+        future = self._expect(seq)
+        try:
+            self._protocol.send(step.SerializeToString())
+        except (ConnectionError, FrameError) as exc:
+            self._pending.pop(seq, None)
+            future.set_exception(grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, details=f"the step socket {self.path}: {exc}"))
+            return future
+        self._unwrap[seq] = field
+        return future
 
     async def close(self) -> None:
         if self._protocol.transport is not None:
@@ -355,6 +379,22 @@ class ShardClient:
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return self._merged(await self._all("Decode", pb.DecodeRequest(batches=batches)))
+
+    def decode_now(self, batches: list[pb.CachedBatch]) -> asyncio.Future | None:
+        """The Decode written to the rank's step socket before this returns, its answer (or failure)
+        coming in the future returned, as `decode` would return or raise it; None where that cannot
+        be (several ranks, a gRPC stream or unary calls, a connection to reopen): the caller runs
+        `decode` as a task then.
+
+        Why: the scheduler sends a step's Decode ahead while it streams the step before
+        (`Scheduler._pipeline`); as a task, that is a task made, two turns of the event loop to get
+        it to its write, and one more to hand its answer on: host time on the router's one thread,
+        every token at batch 1 (issue #31)."""
+        streams = self._streams
+        if self._socket_paths is None or streams is None or len(streams) != 1 or streams[0].broken is not None:
+            return None
+        seq = next(self._seq)
+        return streams[0].send_now(seq, pb.StepCall(seq=seq, decode=pb.DecodeRequest(batches=batches)), "decode")
 
     @staticmethod
     def _merged(results):

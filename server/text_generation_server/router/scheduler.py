@@ -52,7 +52,7 @@ import grpc
 from loguru import logger
 
 from text_generation_server.router.adapters import AdapterError, AdapterSet
-from text_generation_server.router.metrics import FINISH_REASONS, Metrics
+from text_generation_server.router.metrics import FINISH_REASONS, Metrics, fast_observer
 from text_generation_server.pb.generate.v3 import generate_pb2 as spb
 from text_generation_server.router.block_pool import Allocation, BlockPool
 from text_generation_server.router.client import ShardClient
@@ -220,6 +220,15 @@ class Scheduler:
         self._evictions_seen = 0
         self.admitting = True
         self._labelled: dict[str, tuple] = {}  # method -> its step metrics (_step_metrics)
+        # Per-step and per-token metrics, looked up once (a labels() lookup takes a lock and hashes
+        # the labels) and observed through fast_observer: host time on the router's loop otherwise.
+        self._decode_calls = metrics.batch_inference_count.labels(method="decode")
+        self._observe_skipped = fast_observer(metrics.request_skipped_tokens)
+        self._observe_inter_token = fast_observer(metrics.inter_token_latency)
+        self._gauges: tuple[int, ...] | None = None  # the values _refresh_gauges last set
+        # A client that can write a Decode before returning (ShardClient.decode_now); the in-process
+        # rank's client and the tests' have none: `_pipeline` runs their decode as a task.
+        self._decode_now = getattr(client, "decode_now", None)
         # Pipelined decode: when a step's answer leaves a batch to continue and nobody waits to be
         # admitted, the next Decode (after a FilterBatch of the rows that step finished) goes out
         # before this step's tokens are streamed, so the shards compute while the router works.
@@ -534,7 +543,7 @@ class Scheduler:
 
     async def _decode(self, batches: list[spb.CachedBatch]) -> spb.CachedBatch | None:
         entries = [self.running[i] for b in batches for i in b.request_ids if i in self.running]
-        self.metrics.batch_inference_count.labels(method="decode").inc()
+        self._decode_calls.inc()
         return await self._decode_answer(self.client.decode(batches), batches, entries, time.monotonic())
 
     async def _decode_answer(self, call: Awaitable, batches: list[spb.CachedBatch], entries: list[Entry],
@@ -583,17 +592,22 @@ class Scheduler:
                 entries.append(entry)
         if not keep:
             return
-        self.metrics.batch_inference_count.labels(method="decode").inc()
+        self._decode_calls.inc()
         self.pipelined_steps += 1
         filtered = len(keep) != len(batch.request_ids)
-        call = asyncio.ensure_future(self._filter_then_decode(batch.id, keep) if filtered
-                                     else self.client.decode([batch]))
+        # One rank on its step socket: written now, no task (ShardClient.decode_now); else a task.
+        call = None if filtered or self._decode_now is None else self._decode_now([batch])
+        sent = call is not None
+        if call is None:
+            call = asyncio.ensure_future(self._filter_then_decode(batch.id, keep) if filtered
+                                         else self.client.decode([batch]))
         self._in_flight = _InFlight(call=call, batch=batch, entries=entries, start=time.monotonic(),
                                     filtered=filtered)
-        # Two turns of the loop: the call runs up to its send (ShardClient gathers one task per rank, each
-        # writing to its rank's stream in its first turn; in-process, the hand-off to the model thread).
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        if not sent:
+            # Two turns of the loop: the call runs up to its send (ShardClient gathers one task per rank, each
+            # writing to its rank's stream in its first turn; in-process, the hand-off to the model thread).
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
 
     async def _filter_then_decode(self, batch_id: int, keep: list[int]):
         batch = await self.client.filter_batch(batch_id, keep)
@@ -619,14 +633,14 @@ class Scheduler:
         m = self.metrics
         now = time.monotonic()
         inference, filtered, forward, decode, success = self._step_metrics(method)
-        inference.observe(now - start)
-        filtered.observe(now - filtering)
+        inference(now - start)
+        filtered(now - filtering)
         # An answer from a chain of steps ahead (shard/service.py) holds several steps, one
         # Generation per request each: the forward and decode histograms stay per step.
         steps = steps_in(resp.generations)
         for _ in range(steps):
-            forward.observe(resp.forward_ns / 1e9 / steps)
-            decode.observe(resp.decode_ns / 1e9 / steps)
+            forward(resp.forward_ns / 1e9 / steps)
+            decode(resp.decode_ns / 1e9 / steps)
         if resp.HasField("concat_ns"):  # TGI labels every concatenation "decode", prefill-time ones too
             m.batch_concat_duration.labels(method="decode").observe(resp.concat_ns / 1e9)
         success.inc()
@@ -638,8 +652,9 @@ class Scheduler:
         if found is None:
             m = self.metrics
             found = self._labelled[method] = (
-                m.batch_inference_duration.labels(method=method), m.batch_filter_duration.labels(method=method),
-                m.batch_forward_duration.labels(method=method), m.batch_decode_duration.labels(method=method),
+                *(fast_observer(h.labels(method=method)) for h in (
+                    m.batch_inference_duration, m.batch_filter_duration, m.batch_forward_duration,
+                    m.batch_decode_duration)),
                 m.batch_inference_success.labels(method=method))
         return found
 
@@ -684,14 +699,14 @@ class Scheduler:
             if entry is None or entry.done:
                 continue  # a refused request's Generation too: _refused failed it above
             generated += len(gen.tokens.ids)
-            self.metrics.request_skipped_tokens.observe(max(len(gen.tokens.ids) - 1, 0))
+            self._observe_skipped(max(len(gen.tokens.ids) - 1, 0))
             if entry.last_token is None:
                 entry.first_token = now
                 self.metrics.time_to_first_token.observe(now - entry.arrived)
                 # The whole prompt is computed now: its blocks can serve other requests at once.
                 self.pool.register(entry.allocation, entry.request.input_ids, entry.request.input_length)
             else:
-                self.metrics.inter_token_latency.observe(now - entry.last_token)
+                self._observe_inter_token(now - entry.last_token)
             entry.last_token = now
             entry.generated_ids.extend(gen.tokens.ids)
             if not entry.cancelled:
@@ -722,11 +737,19 @@ class Scheduler:
         return batch
 
     def _refresh_gauges(self) -> None:
+        """The batch and KV gauges, set only when one of them changed: in a steady decode (no row
+        admitted or finished) none does, and six Gauge.set calls (a lock each) are host time a step."""
+        pool = self.pool
+        values = (len(self.running), sum(e.total_tokens for e in self.running.values()), pool.used, pool.free,
+                  pool.cached)
+        if values == self._gauges:
+            return
+        self._gauges = values
         m = self.metrics
-        m.batch_current_size.set(len(self.running))
-        m.batch_current_max_tokens.set(sum(e.total_tokens for e in self.running.values()))
-        m.set_kv_blocks(self.pool.used, self.pool.free)
-        m.prefix_cache_blocks.set(self.pool.cached)
+        m.batch_current_size.set(values[0])
+        m.batch_current_max_tokens.set(values[1])
+        m.set_kv_blocks(values[2], values[3])
+        m.prefix_cache_blocks.set(values[4])
 
     def _record_success(self, entry: Entry, gen, now: float) -> None:
         m = self.metrics

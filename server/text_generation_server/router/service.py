@@ -404,12 +404,21 @@ class TextGenerationService(cpb_grpc.TextGenerationServicer):
         gens: list[spb.Generation] = []
         async for g in self._grpc_events(entry, context):
             gens.append(g)
-            tokens = _tokens(g.tokens)
-            for i, token in enumerate(tokens):
-                msg = cpb.GenerateStreamResponse(token=token)
+            t = g.tokens
+            last = min(len(t.ids), len(t.texts), len(t.logprobs), len(t.is_special)) - 1
+            for i, (tid, text, logprob, special) in enumerate(zip(t.ids, t.texts, t.logprobs, t.is_special)):
+                # Filled in place: a cpb.Token built first and copied in costs ~2.8x as much (issue #31).
+                # SetInParent: the token is on the wire even when every field is its default, as before.
+                msg = cpb.GenerateStreamResponse()
+                token = msg.token
+                token.SetInParent()
+                token.id = tid
+                token.text = text
+                token.logprob = logprob
+                token.special = special
                 if i < len(g.top_tokens):
                     msg.top_tokens.extend(_tokens(g.top_tokens[i]))
-                if i == len(tokens) - 1 and g.HasField("generated_text"):
+                if i == last and g.HasField("generated_text"):
                     msg.generated_text = g.generated_text.text
                     if entry.request.details:
                         msg.details.CopyFrom(self.details(entry, gens))
