@@ -583,7 +583,12 @@ void i8q8_streams(const int8_t* w, const int8_t* xq, const float* dl, const int3
   });
 }
 // S at one row and at two: AVX-512 8 (8-16 accumulators of its 32 registers); AVX2 4 (its tiles hold two
-// registers an output and row, and 16 registers in all).
+// registers an output and row, and 16 registers in all). Cold Qwen2.5-1.5B shapes, 2 threads, the 2-core
+// Ice Lake Xeon VM (shared, a CI run going), benchmarks/kernels_cpu_ab.py --what int8-q8-ab, medians of
+// 5 interleaved rounds against the 4 adjacent outputs a tile before: AVX-512 one row 1.00-1.12x (head
+// 1.08x), two rows 1.02-1.22x (head 1.22x); AVX2 one row 1.03-1.16x, two rows 1.10-1.32x; 3+ rows keep
+// the adjacent tiles (unchanged). AVX-512 with 4 streams: 0.86-1.06x of 8; AVX2 one row with 8: 0.98-1.08x
+// of 4 (even, so the fewer registers). Issue #32, session 14.
 #if I8Q8_ISA == 2
 constexpr int I8Q8_STREAMS_1 = 8, I8Q8_STREAMS_2 = 8;
 #else
