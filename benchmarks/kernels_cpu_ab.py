@@ -15,6 +15,7 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --what int8-table --rows 1,8     # int8 exact: plain vs table layout
     python benchmarks/kernels_cpu_ab.py --base main --what bf16 --rows 1,2  # bf16 matrix-vector product, the
                                                                           # head too, vs F.linear and a plain read
+    python benchmarks/kernels_cpu_ab.py --base main --what int8-q8-ab --rows 1,2,4,8  # int8_q8_gemv: base vs this tree
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products where they refuse bfloat16, as before issue #32).
@@ -122,6 +123,31 @@ def best(fn: Callable[[int], object], calls: int) -> float:
     return min(times)
 
 
+# Qwen2.5-1.5B's layers as N x K: qkv, o, gate_up, down, the head.
+QWEN15_NK = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]
+
+
+def int8_q8_ab(versions: dict, rows: list[int], rounds: int) -> None:
+    """int8_q8_gemv (int8 weights, int8 activations) of each version, rounds interleaved (base, new, base, ...),
+    cold: enough copies of each weight to pass ~200 MiB (past the last-level cache) read in turn."""
+    for n, k in QWEN15_NK:
+        ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(max(2, -(-200 * 2**20 // (n * k))))]
+        sc = torch.rand(n)
+        for m in [r for r in rows if r <= 8]:
+            x = torch.randn(m, k)
+            pf = cpu_native.PREFETCH_BYTES
+            res: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                for label, mod in versions.items():
+                    res.setdefault(label, []).append(best(
+                        lambda i, mod=mod: mod.int8_q8_gemv(x, ws[i % len(ws)], sc, pf, 2, False), 2 * len(ws)))
+            med = {label: sorted(v)[len(v) // 2] for label, v in res.items()}
+            ratio = f"  base/new {med['base'] / med['new']:.2f}x" if "base" in med else ""
+            print(f"int8-q8 {n}x{k} rows={m}: " + "  ".join(
+                f"{label} {t * 1e3:.3f} ms ({n * k / t / 1e9:.1f} GB/s)" for label, t in med.items()) + ratio,
+                flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
@@ -130,7 +156,8 @@ def main() -> int:
                         "int4-tiled: the int8-activation kernel over torch's layout against the tiled one; "
                         "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
                         "ones; int8-q8 also times the 151936 x 1536 head; int8-table: the exact int8 kernel on the plain "
-                        "layout against the table one, the head too)")
+                        "layout against the table one, the head too; int8-q8-ab: int8_q8_gemv of --base against this "
+                        "tree's, interleaved, on Qwen2.5-1.5B's five shapes, cold)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
                         help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
@@ -148,7 +175,8 @@ def main() -> int:
     if new is None:
         print(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
         return 1
-    versions = {"base": base_extension(args.base), "new": new} if what & {"int4", "head", "bf16"} else {"new": new}
+    versions = ({"base": base_extension(args.base), "new": new} if what & {"int4", "head", "bf16", "int8-q8-ab"}
+                else {"new": new})
     print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
           f"{args.threads} threads, base {args.base}")
     copies = 6
@@ -221,6 +249,8 @@ def main() -> int:
         bf16_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.bf16_shapes.split(",")]
         bf16_rounds(versions, bf16_shapes, [r for r in rows if r <= 8], args.rounds,
                     [int(v) for v in args.bf16_prefetch.split(",")])
+    if "int8-q8-ab" in what:
+        int8_q8_ab(versions, rows, args.rounds)
     if "head" in what:
         n, k = 151936, 1536
         w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

@@ -469,7 +469,8 @@ void q8t_generic(const int8_t* xq, const float* dx, const float* xs, const uint8
 #define I8Q8_ISA 2
 template <int R, int NB>
 inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s,
-                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch,
+                      int64_t stride = 1) {
   __m512 f[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) f[r][j] = _mm512_setzero_ps();
@@ -479,7 +480,7 @@ inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const 
     const __mmask16 lanes = K - k >= 64 ? __mmask16(0xFFFF) : __mmask16((1u << ((K - k) / 4)) - 1);
     __m512i u[NB];
     for (int j = 0; j < NB; ++j) {
-      const int8_t* p = w + (n + j) * K + k;
+      const int8_t* p = w + (n + j * stride) * K + k;
       if (prefetch) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
       u[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, p), flip);
     }
@@ -498,14 +499,15 @@ inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const 
       _mm512_store_ps(lane, f[r][j]);
       float t = 0.f;
       for (int l = 0; l < 16; ++l) t += lane[l];
-      y[(m0 + r) * N + n + j] = t * s[n + j];
+      y[(m0 + r) * N + n + j * stride] = t * s[n + j * stride];
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define I8Q8_ISA 1
 template <int R, int NB>
 inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const int32_t*, const float* s,
-                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch) {
+                      float* y, int64_t K, int64_t N, int64_t n, int64_t m0, int64_t prefetch,
+                      int64_t stride = 1) {
   __m256 f[R][NB][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) f[r][j][0] = f[r][j][1] = _mm256_setzero_ps();
@@ -515,7 +517,7 @@ inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const 
     for (int h = 0; h < halves; ++h) {
       __m256i a[NB], sgn[NB];
       for (int j = 0; j < NB; ++j) {
-        const int8_t* p = w + (n + j) * K + k + 32 * h;
+        const int8_t* p = w + (n + j * stride) * K + k + 32 * h;
         if (prefetch && h == 0) __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
         sgn[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         a[j] = _mm256_sign_epi8(sgn[j], sgn[j]);  // |w| (-128 stays 0x80: 128 unsigned)
@@ -539,7 +541,7 @@ inline void i8q8_tile(const int8_t* w, const int8_t* xq, const float* dl, const 
       _mm256_store_ps(lane + 8, f[r][j][1]);
       float t = 0.f;
       for (int l = 0; l < 16; ++l) t += lane[l];
-      y[(m0 + r) * N + n + j] = t * s[n + j];
+      y[(m0 + r) * N + n + j * stride] = t * s[n + j * stride];
     }
 }
 #endif
@@ -558,6 +560,40 @@ void i8q8_rows(const int8_t* w, const int8_t* xq, const float* dl, const int32_t
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) i8q8_tile<1, 1>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
 }
+
+// 1-2 rows (M <= R): S concurrent weight streams a thread. A task's outputs [a, e) are cut into S
+// contiguous runs and a tile takes the next output of each run (outputs n, n + len, ...: stride len),
+// so a thread reads S rows far apart at once instead of 4 adjacent ones (which the hardware prefetchers
+// see as about one stream: 4 rows of 1.5-9 KiB in one or two pages). The idea and the plain-read
+// ceilings are the bfloat16 product's (cpu_native_src.py, gemv_impl_streams; issue #32 session 14).
+// Each output's arithmetic is i8q8_tile's whatever NB or the stride, so a row's bits are those of the
+// adjacent tiles, of more rows and of any split. Measured: see I8Q8_STREAMS_1 below.
+template <int R, int S>
+void i8q8_streams(const int8_t* w, const int8_t* xq, const float* dl, const int32_t* nc, const float* s, float* y,
+                  int64_t M, int64_t K, int64_t N, int64_t prefetch) {
+  tgs::parallel_for(0, N, 8 * S, [&](int64_t a, int64_t e) {
+    const int64_t len = (e - a) / S;
+    for (int64_t i = 0; i < len; ++i) {
+      if (M == R) i8q8_tile<R, S>(w, xq, dl, nc, s, y, K, N, a + i, 0, prefetch, len);
+      else
+        for (int64_t m = 0; m < M; ++m) i8q8_tile<1, S>(w, xq, dl, nc, s, y, K, N, a + i, m, prefetch, len);
+    }
+    for (int64_t n = a + S * len; n < e; ++n)
+      for (int64_t m = 0; m < M; ++m) i8q8_tile<1, 1>(w, xq, dl, nc, s, y, K, N, n, m, prefetch);
+  });
+}
+// S at one row and at two: AVX-512 8 (8-16 accumulators of its 32 registers); AVX2 4 (its tiles hold two
+// registers an output and row, and 16 registers in all). Cold Qwen2.5-1.5B shapes, 2 threads, the 2-core
+// Ice Lake Xeon VM (shared, a CI run going), benchmarks/kernels_cpu_ab.py --what int8-q8-ab, medians of
+// 5 interleaved rounds against the 4 adjacent outputs a tile before: AVX-512 one row 1.00-1.12x (head
+// 1.08x), two rows 1.02-1.22x (head 1.22x); AVX2 one row 1.03-1.16x, two rows 1.10-1.32x; 3+ rows keep
+// the adjacent tiles (unchanged). AVX-512 with 4 streams: 0.86-1.06x of 8; AVX2 one row with 8: 0.98-1.08x
+// of 4 (even, so the fewer registers). Issue #32, session 14.
+#if I8Q8_ISA == 2
+constexpr int I8Q8_STREAMS_1 = 8, I8Q8_STREAMS_2 = 8;
+#else
+constexpr int I8Q8_STREAMS_1 = 4, I8Q8_STREAMS_2 = 4;
+#endif
 #endif
 
 // The generic build: the same lanes and steps, one output at a time.
@@ -801,6 +837,14 @@ torch::Tensor int8_q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, in
   float* yp = y.data_ptr<float>();
 #if defined(I8Q8_ISA)
   if (!generic) {
+    if (M == 1) {
+      i8q8_streams<1, I8Q8_STREAMS_1>(wp, xq, dl, nc, sp, yp, M, K, N, prefetch);
+      return y;
+    }
+    if (M == 2 && rows_per_pass == 2) {
+      i8q8_streams<2, I8Q8_STREAMS_2>(wp, xq, dl, nc, sp, yp, M, K, N, prefetch);
+      return y;
+    }
     tgs::parallel_for(0, N / 4, 16, [&](int64_t b0, int64_t b1) {
       const int64_t n1 = b1 == N / 4 ? N : 4 * b1;  // the last task takes N % 4 too
       switch (rows_per_pass) {
