@@ -36,3 +36,17 @@ def native():
     if module is None:
         pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
     return module
+
+
+@pytest.fixture
+def native_pool(native):
+    """`native`, with torch's thread count and the kernels' pool settings put back after the test (tests that
+    vary the threads, the split mode or the chunks per thread)."""
+    import torch
+
+    from text_generation_server.kernels import cpu_native
+
+    threads = torch.get_num_threads()
+    yield native
+    torch.set_num_threads(threads)
+    cpu_native.set_parallel_mode(native, True, 50, 20, 8)

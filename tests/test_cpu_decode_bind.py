@@ -94,6 +94,19 @@ def test_a_dense_layer_waiting_for_its_extension_resolves_nothing():
     assert layer.decode_call(1, torch.float32) is None
 
 
+def captured_plans(monkeypatch) -> list:
+    """The decode plans (layers/cpu_decode_step.py) that run steps from now on, in order."""
+    plans: list[cpu_decode_step.CpuDecodeStep] = []
+    real_run = cpu_decode_step.CpuDecodeStep.run
+
+    def keeping(self, hidden, ctx):
+        plans.append(self)
+        return real_run(self, hidden, ctx)
+
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", keeping)
+    return plans
+
+
 def embedded():
     from pathlib import Path
 
@@ -116,14 +129,7 @@ def test_the_plan_binds_its_linears_and_steps_aside_for_hooks(monkeypatch):
     seen: list[int] = []
     handles = [w.linear.register_forward_pre_hook(lambda module, args, i=i: seen.append(i))
                for i, w in enumerate(wrappers)]
-    plans: list[cpu_decode_step.CpuDecodeStep] = []
-    real_run = cpu_decode_step.CpuDecodeStep.run
-
-    def keeping(self, hidden, ctx):
-        plans.append(self)
-        return real_run(self, hidden, ctx)
-
-    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", keeping)
+    plans = captured_plans(monkeypatch)
     try:
         want, want_cache = [], []
         monkeypatch.setenv(cpu_decode_step.BIND_ENV, "0")
@@ -192,14 +198,7 @@ def test_a_replaced_linear_is_forgotten_at_every_row_count(monkeypatch):
 
     lm = embedded()
     lm.allocate_kv_cache(48)
-    plans: list[cpu_decode_step.CpuDecodeStep] = []
-    real_run = cpu_decode_step.CpuDecodeStep.run
-
-    def keeping(self, hidden, ctx):
-        plans.append(self)
-        return real_run(self, hidden, ctx)
-
-    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "run", keeping)
+    plans = captured_plans(monkeypatch)
 
     def decode(requests: int) -> list:
         batch = lm.make_batch(0, [ids_request(i, random_ids(20 + 9 * i, i, 1000), 4) for i in range(requests)])

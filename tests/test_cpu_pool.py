@@ -21,13 +21,9 @@ pytestmark = pytest.mark.skipif(cpu_native.native() is None,
 
 
 @pytest.fixture
-def module():
-    """The extension, with torch's thread count and the pool's settings put back afterwards."""
-    m = cpu_native.native()
-    threads = torch.get_num_threads()
-    yield m
-    torch.set_num_threads(threads)
-    cpu_native.set_parallel_mode(m, True, 50, 20, 8)
+def module(native_pool):
+    """The extension, with torch's thread count and the pool's settings put back afterwards (conftest)."""
+    return native_pool
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5, 8])
