@@ -622,7 +622,7 @@ def declared_logprobs(lm, dense_folder: Path, layout: str, fp8_folder: Path | No
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_checkpoint_computes_its_declared_model(folders, original_logprobs, name):
+def test_checkpoint_computes_its_declared_model(folders, original_logprobs, name, torch_pointwise):
     """The dequantized weights, fed inputs rounded to e4m3 as the checkpoint declares."""
     arch, layout, _, dense = VARIANTS[name]
     lm = get_model(str(folders[name]), dtype="float32")
@@ -639,7 +639,7 @@ def test_checkpoint_computes_its_declared_model(folders, original_logprobs, name
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-bf16"])
-def test_quantize_fp8_on_load(folders, original_logprobs, arch):
+def test_quantize_fp8_on_load(folders, original_logprobs, arch, torch_pointwise):
     cfg = read_quantization_config(folders[arch], "fp8")
     assert isinstance(cfg, Fp8Config) and cfg.quantize_on_load and "quantized on load" in cfg.describe()
     lm = get_model(str(folders[arch]), dtype="float32", quantize="fp8")
@@ -677,7 +677,7 @@ def test_quantize_flag(folders, tmp_path):
         read_quantization_config(legacy, "fp8")
 
 
-def test_bfloat16_activations(folders):
+def test_bfloat16_activations(folders, torch_pointwise):
     """bfloat16 activations stay within bfloat16's reach of the float32 declared model."""
     lm = get_model(str(folders["ct-fp8-block-phi3"]), dtype="bfloat16")
     got = prompt_logprobs(lm)
@@ -705,11 +705,16 @@ def world2_runs(folders) -> dict[str, tuple[str, str | None]]:
 
 @pytest.fixture(scope="module")
 def world2(folders, tmp_path_factory) -> list[dict]:
-    return run_ranks(_rank_main, (world2_runs(folders),), WORLD, tmp_path_factory.mktemp("fp8_tp"), SPAWN_TIMEOUT_S)
+    from text_generation_server.kernels import cpu_pointwise
+
+    with pytest.MonkeyPatch.context() as patch:  # the ranks' norms as torch_pointwise's (conftest.py)
+        patch.setenv(cpu_pointwise.ENV, "0")
+        return run_ranks(_rank_main, (world2_runs(folders),), WORLD, tmp_path_factory.mktemp("fp8_tp"),
+                         SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [*VARIANTS, "on-load"])
-def test_world_size_2_matches_world_size_1(folders, world2, name):
+def test_world_size_2_matches_world_size_1(folders, world2, name, torch_pointwise):
     """Block scales cut by the rank boundary (q rows 96.., o_proj/down_proj columns 96..) included.
 
     Dynamic input scales of a row-parallel layer (o_proj, down_proj) come from each rank's own

@@ -403,7 +403,7 @@ GREEDY_CASES = [(name, "fp8-dense") for name in CHECKPOINTS] + [("FP8_DYNAMIC", 
 
 
 @pytest.mark.parametrize("name,kernel", GREEDY_CASES)
-def test_greedy_tokens_equal_transformers(checkpoints, name, kernel, monkeypatch):
+def test_greedy_tokens_equal_transformers(checkpoints, name, kernel, monkeypatch, torch_pointwise):
     if kernel == "fp8-dequant":
         monkeypatch.setenv(DISABLE_ENV, "fp8-dense")
     case = checkpoints[name]
@@ -431,7 +431,7 @@ def test_greedy_tokens_equal_transformers(checkpoints, name, kernel, monkeypatch
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_prompt_logprobs_equal_the_hooked_reference(checkpoints, name):
+def test_prompt_logprobs_equal_the_hooked_reference(checkpoints, name, torch_pointwise):
     from text_generation_server.engine.types import GenerationRequest
 
     case = checkpoints[name]
@@ -446,7 +446,7 @@ def test_prompt_logprobs_equal_the_hooked_reference(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_transformers_with_compressed_tensors_agrees(checkpoints, name):
+def test_transformers_with_compressed_tensors_agrees(checkpoints, name, torch_pointwise):
     """transformers loading the fp8 checkpoint itself (compressed-tensors decompresses the weights
     and rounds the inputs on CPU) gives the hooked reference's log-probs and the server's tokens."""
     pytest.importorskip("compressed_tensors")
