@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from gguf_writer import T, k_quant_bytes  # noqa: E402
 
-from text_generation_server.kernels.cpu_native import LDFLAGS, cflags  # noqa: E402
+from text_generation_server.kernels.cpu_native import LDFLAGS, build_directory, build_lock, cflags  # noqa: E402
 
 SRC = "kernels/text_generation_server/kernels/cpu_native_kquant_src.py"
 SHAPES = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536), "head": (151936, 1536)}
@@ -53,9 +53,10 @@ def build(text: str, tag: str, extra: str = "", extra_functions: list[str] | Non
     exec(compile(text, f"<{tag}>", "exec"), scope)  # the module defines SOURCE and FUNCTIONS only
     source = pool_source() + scope["SOURCE"] + extra
     digest = hashlib.sha1((source + " ".join(cflags())).encode()).hexdigest()[:10]
-    return load_inline(f"tgs_kquant_ab_{tag}_{digest}", cpp_sources=[source],
-                       functions=[*scope["FUNCTIONS"], *(extra_functions or [])],
-                       extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS))
+    name = f"tgs_kquant_ab_{tag}_{digest}"
+    with build_lock(build_directory(name)):  # a killed build's lock removed
+        return load_inline(name, cpp_sources=[source], functions=[*scope["FUNCTIONS"], *(extra_functions or [])],
+                           extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,8 +63,9 @@ def base_extension(rev: str):
     from torch.utils.cpp_extension import load_inline
 
     name = "tgs_ab_" + hashlib.sha256((main.SOURCE + " ".join(cpu_native.cflags())).encode()).hexdigest()[:12]
-    return load_inline(name, cpp_sources=[main.SOURCE], functions=main.FUNCTIONS,
-                       extra_cflags=list(cpu_native.cflags()), extra_ldflags=list(cpu_native.LDFLAGS))
+    with cpu_native.build_lock(cpu_native.build_directory(name)):  # a killed build's lock removed
+        return load_inline(name, cpp_sources=[main.SOURCE], functions=main.FUNCTIONS,
+                           extra_cflags=list(cpu_native.cflags()), extra_ldflags=list(cpu_native.LDFLAGS))
 
 
 def accepts_bf16(module) -> bool:

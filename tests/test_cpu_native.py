@@ -6,7 +6,11 @@ be built.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -159,6 +163,72 @@ def test_a_failed_build_falls_back_and_says_why(fresh_native, monkeypatch):
     module = cpu.CpuInt4PackKernel.build(w, None, torch.bfloat16)
     assert module.native is None
     assert rel_err(w, module, torch.bfloat16, None, lead=(70,)) < BOUND[torch.bfloat16]
+
+
+HOLD_FLOCK = """
+import fcntl, os, sys, time
+handle = open(os.path.join(sys.argv[1], sys.argv[2]), "a")
+fcntl.flock(handle, fcntl.LOCK_EX)
+open(os.path.join(sys.argv[1], sys.argv[3]), "w").close()  # torch's baton, as a build in progress has it
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_build_lock(build_dir) -> subprocess.Popen:
+    """A process that holds the build lock and torch's baton, as a build in progress does."""
+    child = subprocess.Popen([sys.executable, "-c", HOLD_FLOCK, str(build_dir), cpu_native.FLOCK, cpu_native.BATON],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_killed_build_leaves_no_lock_behind(tmp_path):
+    """torch's baton outlives a killed build; ours does not, so the next build goes on."""
+    child = hold_build_lock(tmp_path)
+    child.kill()
+    child.wait()
+    assert (tmp_path / cpu_native.BATON).exists()
+    with cpu_native.build_lock(str(tmp_path)):
+        assert not (tmp_path / cpu_native.BATON).exists()
+
+
+def test_a_live_build_is_waited_for(tmp_path):
+    child = hold_build_lock(tmp_path)
+    entered = threading.Event()
+
+    def build():
+        with cpu_native.build_lock(str(tmp_path)):
+            entered.set()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    try:
+        assert not entered.wait(1.0), "entered while another process held the lock"
+        assert (tmp_path / cpu_native.BATON).exists()  # a live builder's baton stays
+    finally:
+        child.kill()
+        child.wait()
+    assert entered.wait(30.0)
+    thread.join()
+
+
+def test_the_extension_loads_past_a_dead_builds_lock(native):
+    """A killed build's baton in the real build directory: a new process loads the extension anyway
+    (torch's lock alone waits for it forever)."""
+    baton = os.path.join(cpu_native.build_directory(cpu_native.build_name()), cpu_native.BATON)
+    assert not os.path.exists(baton)
+    open(baton, "w").close()
+    try:
+        done = subprocess.run([sys.executable, "-c", "from text_generation_server.kernels import cpu_native\n"
+                               "assert cpu_native.native() is not None, cpu_native.unavailable_reason()"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "left by a build whose process is gone" in done.stderr
+        assert not os.path.exists(baton)
+    finally:
+        if os.path.exists(baton):
+            os.remove(baton)
 
 
 def test_build_name_depends_on_the_cpu(monkeypatch):

@@ -17,10 +17,13 @@ layer keeps torch's ops and the log says why, once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import threading
+import time
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -214,6 +217,52 @@ class Extension:
         return self
 
 
+BATON = "lock"  # torch's build lock in the build directory (torch.utils.file_baton.FileBaton)
+FLOCK = "tgs-build.flock"  # ours beside it, held across the whole build
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str) -> Iterator[None]:
+    """Holds an fcntl lock on `build_dir` for a build; torch's own lock file left by a dead build is removed.
+
+    torch's FileBaton is a file created with O_EXCL and removed when the build ends: a build killed
+    midway (a test run's timeout, `kill -9`, a container stopped) leaves it, and every later process
+    that loads the extension waits for it forever. An fcntl lock is let go by the kernel when its
+    holder dies, so every process here builds under it; one that holds it and still finds torch's
+    file knows the builder that made it is gone (a live one would hold the fcntl lock) and removes it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's lock alone
+        yield
+        return
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, FLOCK), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("native CPU kernels: another process is building {}; waiting for it", build_dir)
+            start = time.monotonic()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            logger.info("native CPU kernels: the other build ended after {:.0f} s", time.monotonic() - start)
+        try:
+            baton = os.path.join(build_dir, BATON)
+            if os.path.exists(baton):
+                logger.warning("native CPU kernels: removing {}, left by a build whose process is gone", baton)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(baton)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_directory(name: str) -> str:
+    """Where torch.utils.cpp_extension builds extension `name` (TORCH_EXTENSIONS_DIR or torch's default)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension._get_build_directory(name, verbose=False)
+
+
 def native() -> Extension | None:
     """The compiled extension, building it on the first call; None (and why, in the log) if it cannot be."""
     with _lock:
@@ -230,9 +279,10 @@ def native() -> Extension | None:
                 _check_torch_isa()
                 logger.info("native CPU kernels: loading {} for the {} instruction set (built once per machine, "
                             "about a minute)", name, "AVX2" if isa() == "avx2" else "native")
-                module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
-                                               extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
-                                               verbose=False))
+                with build_lock(build_directory(name)):
+                    module = Extension(load_inline(name, cpp_sources=[SOURCE], functions=FUNCTIONS,
+                                                   extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
+                                                   verbose=False))
             except Exception as exc:  # no compiler, no ninja, a compiler that rejects the flags...
                 lines = str(exc).strip().splitlines()
                 reason = f"could not be built: {type(exc).__name__}: {lines[-1] if lines else ''}"
