@@ -106,6 +106,31 @@ def test_sigterm_lets_a_running_generate_finish(tiny_model, start_serve):
     assert "received SIGTERM" in server.log()
 
 
+def test_sigterm_to_the_process_group_drains_too(tiny_model, start_serve):
+    """A stop sent to every process of the group (systemd's default KillMode=control-group, `kill -TERM
+    -<pgid>`): the ranks leave the stop to the launcher, which drains the running request first and
+    exits 0, as with a SIGTERM to the launcher alone."""
+    server = start_serve(tiny_model, num_shard=2)
+    server.wait_serving()
+    shards = server.shard_pids()
+    stub = cpb_grpc.TextGenerationStub(server.channel())
+    prompt, reference = _long_greedy_prompt(stub)
+
+    params = cpb.GenerateParameters(max_new_tokens=200, details=True)
+    stream = stub.GenerateStream(cpb.GenerateRequest(inputs=prompt, parameters=params), timeout=60)
+    messages = [next(stream)]  # generation is running
+    os.killpg(server.pid, signal.SIGTERM)
+    messages += list(stream)
+
+    assert messages[-1].HasField("generated_text")
+    assert messages[-1].generated_text == reference.generated_text
+    assert server.wait_exit(30) == 0, server.log()[-3000:]
+    log = server.log()
+    assert log.count("not from the launcher") == 2, log[-3000:]  # each rank's
+    assert "exited with code" not in log
+    assert not any(pid_alive(pid) for pid in shards.values())
+
+
 def test_second_sigint_forces_a_quick_exit(tiny_model, start_serve):
     server = start_serve(tiny_model, "--drain-timeout-s", "60")
     server.wait_serving()

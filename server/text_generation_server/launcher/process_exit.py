@@ -57,6 +57,36 @@ def watch_parent(parent_pid: int, on_gone: Callable[[], None], interval_s: float
     return thread
 
 
+def wait_for_stop_signals(launcher_pid: int, on_launcher: Callable[[], None],
+                          on_other: Callable[[int], None]) -> threading.Thread | None:
+    """Hands each SIGTERM to `on_launcher` when the launcher sent it (its stop, or Linux's parent-death
+    signal, which names the dying parent) and to `on_other` (with the sender's pid, 0 when unknown)
+    otherwise; None where the platform cannot tell senders apart.
+
+    A stop sent to the whole process group or cgroup (systemd's default KillMode=control-group,
+    `kill -TERM -<pgid>`) reaches every rank together with the launcher. A rank that stopped on it
+    would cut the launcher's drain short (in-flight requests failed, `serve` exiting 1 as if a rank
+    had crashed); told apart by sender, the rank can let the launcher drain and stop it after.
+    SIGTERM must be blocked in every thread for this (the launcher starts ranks with it blocked:
+    shard_procs.ShardProcesses.start): it then stays pending until this thread takes it.
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        return None
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # this thread and the threads it starts
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == launcher_pid:
+                on_launcher()
+            else:
+                on_other(info.si_pid)
+
+    thread = threading.Thread(target=wait, name="stop-signals", daemon=True)
+    thread.start()
+    return thread
+
+
 def hard_exit_later(delay_s: float, code: int) -> None:
     """A rank blocked in a collective (its peer died) cannot finish; exit anyway after `delay_s`."""
     def bail() -> None:

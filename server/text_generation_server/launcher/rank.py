@@ -6,7 +6,10 @@ launcher's pid (LAUNCHER_PID_ENV). It stays in the launcher's process group so C
 the launcher, ignores SIGINT itself and waits for the launcher's SIGTERM, so a terminal
 interrupt drains instead of killing the ranks under the router; it ignores SIGHUP, the
 launcher's reload signal, so `kill -HUP -<pgid>` reloads instead of killing the ranks; it stops
-on its own when the launcher is gone (see process_exit).
+on its own when the launcher is gone (see process_exit). A SIGTERM from anyone but the launcher
+(a stop sent to the whole process group or cgroup, as systemd's default KillMode sends it) does not
+stop it at once: the launcher got the same signal, drains, then stops the ranks; the rank stops by
+itself only if that has not happened within the drain timeout and a margin.
 
 `run_shard` is also usable without our launcher (`serve --shard-only` with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment), the way TGI's launcher
@@ -27,7 +30,13 @@ from text_generation_server.utils import event_loop
 from text_generation_server.utils.logging_setup import configure_logging
 from text_generation_server.utils.progress import StartupProgress, finish_startup, startup_phase
 from text_generation_server.launcher.cpu_affinity import available_cpus, pin_rank
-from text_generation_server.launcher.process_exit import hard_exit_later, set_parent_death_signal, watch_parent
+from text_generation_server.launcher.process_exit import (
+    exit_process,
+    hard_exit_later,
+    set_parent_death_signal,
+    wait_for_stop_signals,
+    watch_parent,
+)
 from text_generation_server.settings.serve_args import CPU_INT8_ACTIVATIONS_ENV, LM_HEAD_AUTO, ServeArgs
 from text_generation_server.settings.serve_flags import (
     ALLOW_DENSE_FALLBACK_ENV,
@@ -44,6 +53,9 @@ if TYPE_CHECKING:
 SERVE_ARGS_ENV = "TGS_SERVE_ARGS"  # ServeArgs JSON from the launcher to its ranks
 LAUNCHER_PID_ENV = "TGS_LAUNCHER_PID"  # set only for ranks started by our launcher
 SHARD_HARD_EXIT_S = 10.0  # a rank stuck in a collective cannot exit cleanly; give up after this
+# A SIGTERM not from the launcher: the launcher drains (drain_timeout_s), cancels a router that overruns it
+# (15 s) and stops the ranks (5 s grace); past all that, the rank stops by itself.
+OUTSIDE_STOP_MARGIN_S = 30.0
 
 
 def shard_args_from_env(flag_args: ServeArgs) -> ServeArgs:
@@ -137,14 +149,36 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
             return
         stop_requested.set()
         logger.info("stopping: {}", reason)
+        if not loop_ref and launcher_pid is not None:
+            # Still loading: nothing to drain or close. Leave now, as SIGTERM's default action did
+            # before the stop-signals thread took it (the launcher counts on a prompt exit).
+            exit_process(0)
         hard_exit_later(SHARD_HARD_EXIT_S, 1)
         if loop_ref and stop_ref:
             loop_ref[0].call_soon_threadsafe(stop_ref[0].set)
 
+    def outside_stop(sender: int) -> None:
+        if outside_timer:
+            return
+        delay = args.drain_timeout_s + OUTSIDE_STOP_MARGIN_S
+        logger.warning("received SIGTERM from {}, not from the launcher (pid {}): a stop sent to the whole process "
+                       "group or cgroup; the launcher drains the requests in flight and then stops this rank (this "
+                       "rank stops by itself in {:.0f} s otherwise)", f"pid {sender}" if sender else "outside",
+                       launcher_pid, delay)
+        timer = threading.Timer(delay, request_stop, (f"a SIGTERM from outside {delay:.0f} s ago, none from the "
+                                                      "launcher since",))
+        timer.daemon = True
+        timer.start()
+        outside_timer.append(timer)
+
+    outside_timer: list[threading.Timer] = []
+    stop_signals = None
     if launcher_pid is not None:
         # Started by our launcher: it handles Ctrl-C and tells us to stop with SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         ignore_hangup()
+        stop_signals = wait_for_stop_signals(int(launcher_pid), lambda: request_stop("received SIGTERM"),
+                                             outside_stop)
         set_parent_death_signal(signal.SIGTERM)
         watch_parent(int(launcher_pid), lambda: request_stop("the launcher is gone"))
 
@@ -169,7 +203,9 @@ def run_shard(args: ServeArgs, rank: int, world_size: int, warnings: Sequence[st
         stop = asyncio.Event()
         loop_ref.append(loop)
         stop_ref.append(stop)
-        handled = (signal.SIGTERM,) if launcher_pid is not None else (signal.SIGTERM, signal.SIGINT)
+        # Under our launcher SIGTERM is the stop-signals thread's (unless the platform lacks sigwaitinfo).
+        handled = (() if stop_signals is not None else (signal.SIGTERM,)) if launcher_pid is not None \
+            else (signal.SIGTERM, signal.SIGINT)
         for sig in handled:
             loop.add_signal_handler(sig, request_stop, f"received {sig.name}")
         if stop_requested.is_set():

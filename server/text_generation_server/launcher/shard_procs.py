@@ -132,8 +132,11 @@ class ShardProcesses:
         payload = self.args.to_json()
         # Children inherit the signal mask: blocked, a SIGHUP sent to the process group while a rank
         # is still starting (before rank.ignore_hangup runs) stays pending instead of killing it.
-        # The launcher's own SIGHUP waits out the spawn and is delivered when the mask is restored.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        # SIGTERM blocked too: a rank takes it with sigwaitinfo, which names the sender, so a stop sent
+        # to the whole group does not end the rank under the launcher's drain (process_exit.
+        # wait_for_stop_signals). The launcher's own signals wait out the spawn and are delivered
+        # when the mask is restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP, signal.SIGTERM})
         try:
             self._spawn(payload)
         finally:
