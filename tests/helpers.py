@@ -233,8 +233,13 @@ def assert_ranks_match_one_process(ranks: list[dict], name: str, folder: str, mo
 
 
 # -- world size N: gloo ranks in spawned processes ---------------------------------------------------
+# Each collective's bound. On a 2-core machine running other jobs beside the suite, one rank loading a
+# model ran more than 60 s behind its peer, which then timed out in the forward's first all_reduce
+# (gloo "Timed out waiting 60000ms for recv"): 8 world-size-2 tests failed at once. A hung collective
+# still fails the test, later; run_ranks' own timeout_s bounds the whole run.
+GROUP_TIMEOUT_S = 180.0
 @contextmanager
-def rank_process_group(rank: int, port: int, world: int, timeout_s: float = 60):
+def rank_process_group(rank: int, port: int, world: int, timeout_s: float = GROUP_TIMEOUT_S):
     """In a spawned rank: one torch thread, the gloo group on 127.0.0.1:`port` (yielded), destroyed on exit."""
     from text_generation_server.quantizers.dist import initialize_process_group
 
@@ -259,7 +264,7 @@ def _rank_entry(rank: int, target: Callable, args: tuple, world: int, port: int,
 
 
 def run_ranks(target: Callable, args: tuple, world: int, out_dir: Path | str, timeout_s: float,
-              group_timeout_s: float = 60) -> list:
+              group_timeout_s: float = GROUP_TIMEOUT_S) -> list:
     """Runs `target(pg, *args)` in `world` spawned gloo ranks and returns what each rank returned, in rank
     order (saved as out_dir/rank{r}.pt). `target` must be a module-level function (the ranks unpickle it).
     Past `timeout_s` the ranks are killed and the test fails; `group_timeout_s` bounds each collective."""

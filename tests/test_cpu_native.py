@@ -193,6 +193,17 @@ def test_a_killed_build_leaves_no_lock_behind(tmp_path):
         assert not (tmp_path / cpu_native.BATON).exists()
 
 
+def test_a_baton_held_open_by_a_build_without_our_lock_stays(tmp_path):
+    """A build by code without the fcntl lock (an older version sharing the cache) holds torch's baton
+    open: it is that build's, not a dead one's, and stays."""
+    baton = tmp_path / cpu_native.BATON
+    with open(baton, "w"):
+        assert cpu_native.baton_in_use(str(baton))
+        with cpu_native.build_lock(str(tmp_path)):
+            assert baton.exists()
+    assert not cpu_native.baton_in_use(str(baton))
+
+
 def test_a_live_build_is_waited_for(tmp_path):
     child = hold_build_lock(tmp_path)
     entered = threading.Event()

@@ -229,7 +229,8 @@ def build_lock(build_dir: str) -> Iterator[None]:
     midway (a test run's timeout, `kill -9`, a container stopped) leaves it, and every later process
     that loads the extension waits for it forever. An fcntl lock is let go by the kernel when its
     holder dies, so every process here builds under it; one that holds it and still finds torch's
-    file knows the builder that made it is gone (a live one would hold the fcntl lock) and removes it.
+    file removes it unless a live process has it open (a build by a version of this code without the
+    fcntl lock, sharing the cache: torch's lock then waits for it, as before).
     """
     try:
         import fcntl
@@ -248,12 +249,37 @@ def build_lock(build_dir: str) -> Iterator[None]:
         try:
             baton = os.path.join(build_dir, BATON)
             if os.path.exists(baton):
-                logger.warning("native CPU kernels: removing {}, left by a build whose process is gone", baton)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(baton)
+                if baton_in_use(baton):  # a builder without our lock (another version of this code)
+                    logger.info("native CPU kernels: {} is held by a live build; waiting for it", baton)
+                else:
+                    logger.warning("native CPU kernels: removing {}, left by a build whose process is gone", baton)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(baton)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def baton_in_use(path: str) -> bool:
+    """Whether a live process holds torch's build lock file open (FileBaton keeps its descriptor open for
+    the whole build); True where that cannot be told (no /proc), so the file is then left alone."""
+    if not os.path.isdir("/proc/self/fd"):
+        return True
+    target = os.path.realpath(path)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def build_directory(name: str) -> str:
