@@ -164,6 +164,10 @@ def int4_tiled_ab(versions: dict, rows: list[int], rounds: int, prefetch: list[i
     `prefetch`: the distances each version is timed at (the first unlabelled, the rest as "label pfN")."""
     block = cpu_native.int4_block() or 64
     no_bias = torch.empty(0, dtype=torch.bfloat16)
+
+    def name(label: str, pf: int) -> str:
+        return label if pf == prefetch[0] else f"{label} pf{pf}"
+
     for n, k in QWEN15_INT4_NK:
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
@@ -175,11 +179,10 @@ def int4_tiled_ab(versions: dict, rows: list[int], rounds: int, prefetch: list[i
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             runs = [(label, mod, pf) for pf in prefetch for label, mod in versions.items()]
-            res: dict[str, list[float]] = {(label if pf == prefetch[0] else f"{label} pf{pf}"): [] for label, _, pf in runs}
+            res: dict[str, list[float]] = {name(label, pf): [] for label, _, pf in runs}
             for r in range(rounds):
                 for label, mod, pf in runs[r % len(runs):] + runs[:r % len(runs)]:
-                    name = label if pf == prefetch[0] else f"{label} pf{pf}"
-                    res[name].append(best(lambda i, mod=mod, pf=pf: mod.int4_q8_tiled_linear(
+                    res[name(label, pf)].append(best(lambda i, mod=mod, pf=pf: mod.int4_q8_tiled_linear(
                         x, tiles[i % copies], no_bias, 128, block, 2, pf, cpu_native.INT4_BLOCK_GRAIN), copies))
             med = {label: statistics.median(v) for label, v in res.items()}
             ratio = f"  base/new {med['base'] / med['new']:.2f}x" if "base" in med else ""
@@ -199,7 +202,8 @@ def main() -> int:
                         "ones; int8-q8 also times the 151936 x 1536 head; int8-table: the exact int8 kernel on the plain "
                         "layout against the table one, the head too; int8-q8-ab: int8_q8_gemv of --base against this "
                         "tree's, interleaved, on Qwen2.5-1.5B's five shapes, cold; int4-tiled-ab: the tiled int4 x "
-                        "int8-activation product of --base against this tree's, the same way, Qwen2.5-1.5B's int4 shapes)")
+                        "int8-activation product of --base against this tree's, the same way, on Qwen2.5-1.5B's "
+                        "int4 shapes)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
                         help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")

@@ -514,15 +514,16 @@ void q8t_streams(const int8_t* xq, const float* dx, const float* xs, const uint8
 
 // Streams a thread, and how they interleave, at one row (one quad of each block in turn) and at two
 // (one 32-input block of each in turn: a quad's 2 x S x B / 16 accumulators would not fit the registers).
-// Measured (issue #32 session 15; scratch sweep, then benchmarks/kernels_cpu_ab.py --what int4-tiled,
-// BENCHMARKS.md): cold Qwen2.5-1.5B shapes, 2 threads, huge-page arena, the 2-core Ice Lake VM (busy),
-// medians of 11-21 interleaved rounds against one block after another; AVX-512 one row: 8 quad-interleaved
-// 1.28-1.50x, 4 quad-interleaved 1.24-1.36x, 2 1.07-1.18x, 8 or 4 block-interleaved 1.14-1.23x / 1.15-1.22x;
-// two rows: 8 block-interleaved 1.04-1.30x, 4 1.00-1.25x, 4 quad-interleaved 0.98-1.20x (32 accumulators).
-// AVX2 (B = 32) the same order: one row 8 quad-interleaved 1.37-1.52x (4: 1.27-1.44x), two rows 8
-// block-interleaved 1.28-1.49x (4: 1.21-1.39x). The prefetch distance (cpu_act_int8.PREFETCH_BYTES)
-// stays 1 KiB: 0 and 256 bytes within noise of it at one row (0 -12% at two), 2 and 4 KiB 5-20% slower.
-// 3+ rows (compute-bound) keep one block after another.
+// Measured on the 2-core Ice Lake VM, busy (load 2.5-4, other jobs outside the bench lock), cold Qwen2.5-1.5B
+// int4 shapes in the huge-page arena, 2 threads. A scratch sweep against one block after another (medians of
+// 11-21 interleaved rounds): AVX-512 one row, 8 quad-interleaved 1.28-1.50x, 4 1.24-1.36x, 2 1.07-1.18x, 8 or 4
+// block-interleaved ~1.15-1.20x; two rows, 8 block-interleaved 1.04-1.30x, 4 1.00-1.25x, 4 quad-interleaved
+// 0.98-1.20x. AVX2 (B = 32) the same order: one row 8 quad-interleaved 1.37-1.52x (4: 1.27-1.44x), two rows 8
+// block-interleaved 1.28-1.49x (4: 1.21-1.39x). The chosen forms against main (benchmarks/kernels_cpu_ab.py
+// --base main --what int4-tiled-ab, 7-11 rounds, 3-4 runs): AVX-512 one row 1.25-1.49x, two rows 1.15-1.30x;
+// AVX2 one row 1.33-1.52x, two rows 1.13-1.49x; 4 and 8 rows (unchanged) 0.92-1.00x. The prefetch distance
+// (cpu_act_int8.PREFETCH_BYTES) stays 1 KiB: none and 256 bytes within 5% of it at one row (none 5-20% slower
+// at two), 4 KiB 10-25% slower. 3+ rows (compute-bound) keep one block after another. Issue #32, session 15.
 constexpr int Q8T_STREAMS_1 = 8, Q8T_STREAMS_2 = 8;
 
 template <int B>
