@@ -522,8 +522,8 @@ void q8t_streams(const int8_t* xq, const float* dx, const float* xs, const uint8
 // block-interleaved 1.28-1.49x (4: 1.21-1.39x). The chosen forms against main (benchmarks/kernels_cpu_ab.py
 // --base main --what int4-tiled-ab, 7-11 rounds, 3-4 runs): AVX-512 one row 1.25-1.49x, two rows 1.15-1.30x;
 // AVX2 one row 1.33-1.52x, two rows 1.13-1.49x; 4 and 8 rows (unchanged) 0.92-1.00x. The prefetch distance
-// (cpu_act_int8.PREFETCH_BYTES) stays 1 KiB: none and 256 bytes within 5% of it at one row (none 5-20% slower
-// at two), 4 KiB 10-25% slower. 3+ rows (compute-bound) keep one block after another. Issue #32, session 15.
+// (cpu_act_int8.PREFETCH_BYTES) stays 1 KiB: none and 256 bytes 0-10% slower at one row (none 5-15% slower at
+// two), 4 KiB 15-30% slower. 3+ rows (compute-bound) keep one block after another. Issue #32, session 15.
 constexpr int Q8T_STREAMS_1 = 8, Q8T_STREAMS_2 = 8;
 
 template <int B>
