@@ -16,6 +16,8 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --base main --what bf16 --rows 1,2  # bf16 matrix-vector product, the
                                                                           # head too, vs F.linear and a plain read
     python benchmarks/kernels_cpu_ab.py --base main --what int8-q8-ab --rows 1,2,4,8  # int8_q8_gemv: base vs this tree
+    python benchmarks/kernels_cpu_ab.py --base main --what int4-tiled-ab --rows 1,2,4,8 --tiled-prefetch 1024,256
+                                            # the tiled int4 x int8-activation product: base vs this tree
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products where they refuse bfloat16, as before issue #32).
@@ -149,6 +151,47 @@ def int8_q8_ab(versions: dict, rows: list[int], rounds: int) -> None:
                 flush=True)
 
 
+# Qwen2.5-1.5B's int4 layers as N x K (the int8 head is not an int4 layer): qkv, o_proj, gate_up, down.
+QWEN15_INT4_NK = QWEN15_NK[:4]
+
+
+def int4_tiled_ab(versions: dict, rows: list[int], rounds: int, prefetch: list[int]) -> None:
+    """The int4 x int8-activation product over the tiled layout (`int4_q8_tiled_linear`, the layers' call, rows
+    per pass 2, cpu_native.INT4_BLOCK_GRAIN) of --base against this tree's, rounds interleaved with the order
+    turned each round, cold: copies of each layer tiled into the huge-page arena as a loaded model's layers
+    are (cpu_act_int8.tile_for_layer), together past COLD_BYTES, cycled. Figures: the median over rounds of
+    each round's best call, GB/s of the tiled bytes (codes, scales and offsets), and base/new (speed).
+    `prefetch`: the distances each version is timed at (the first unlabelled, the rest as "label pfN")."""
+    block = cpu_native.int4_block() or 64
+    no_bias = torch.empty(0, dtype=torch.bfloat16)
+
+    def name(label: str, pf: int) -> str:
+        return label if pf == prefetch[0] else f"{label} pf{pf}"
+
+    for n, k in QWEN15_INT4_NK:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+        first = cpu_act_int8.tile(packed, torch.rand(k // 128, n), torch.randn(k // 128, n), 128, block)
+        nbytes = first.numel()
+        copies = max(2, -(-COLD_BYTES // nbytes))
+        tiles = [cpu_act_int8.tile_for_layer(packed, torch.rand(k // 128, n), torch.randn(k // 128, n), 128, block)
+                 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            runs = [(label, mod, pf) for pf in prefetch for label, mod in versions.items()]
+            res: dict[str, list[float]] = {name(label, pf): [] for label, _, pf in runs}
+            for r in range(rounds):
+                for label, mod, pf in runs[r % len(runs):] + runs[:r % len(runs)]:
+                    res[name(label, pf)].append(best(lambda i, mod=mod, pf=pf: mod.int4_q8_tiled_linear(
+                        x, tiles[i % copies], no_bias, 128, block, 2, pf, cpu_native.INT4_BLOCK_GRAIN), copies))
+            med = {label: statistics.median(v) for label, v in res.items()}
+            ratio = f"  base/new {med['base'] / med['new']:.2f}x" if "base" in med else ""
+            print(f"int4-tiled {n}x{k} rows={m} ({copies} copies): " + "  ".join(
+                f"{label} {t * 1e3:.3f} ms ({nbytes / t / 1e9:.1f} GB/s)" for label, t in med.items()) + ratio,
+                flush=True)
+        del tiles
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels to compare against")
@@ -158,12 +201,16 @@ def main() -> int:
                         "int4-q8 / int8-q8: this tree's int4 / int8 kernels with exact bfloat16 activations against int8 "
                         "ones; int8-q8 also times the 151936 x 1536 head; int8-table: the exact int8 kernel on the plain "
                         "layout against the table one, the head too; int8-q8-ab: int8_q8_gemv of --base against this "
-                        "tree's, interleaved, on Qwen2.5-1.5B's five shapes, cold)")
+                        "tree's, interleaved, on Qwen2.5-1.5B's five shapes, cold; int4-tiled-ab: the tiled int4 x "
+                        "int8-activation product of --base against this tree's, the same way, on Qwen2.5-1.5B's "
+                        "int4 shapes)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
                         help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
     parser.add_argument("--bf16-prefetch", default=str(cpu_native.PREFETCH_BYTES),
                         help="prefetch distances in bytes the bf16 products are timed at (comma-separated)")
+    parser.add_argument("--tiled-prefetch", default=str(cpu_act_int8.PREFETCH_BYTES),
+                        help="prefetch distances in bytes the tiled int4 products are timed at (--what int4-tiled-ab)")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -176,8 +223,8 @@ def main() -> int:
     if new is None:
         print(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
         return 1
-    versions = ({"base": base_extension(args.base), "new": new} if what & {"int4", "head", "bf16", "int8-q8-ab"}
-                else {"new": new})
+    versions = ({"base": base_extension(args.base), "new": new}
+                if what & {"int4", "head", "bf16", "int8-q8-ab", "int4-tiled-ab"} else {"new": new})
     print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
           f"{args.threads} threads, base {args.base}")
     copies = 6
@@ -252,6 +299,8 @@ def main() -> int:
                     [int(v) for v in args.bf16_prefetch.split(",")])
     if "int8-q8-ab" in what:
         int8_q8_ab(versions, rows, args.rounds)
+    if "int4-tiled-ab" in what:
+        int4_tiled_ab(versions, rows, args.rounds, [int(v) for v in args.tiled_prefetch.split(",")])
     if "head" in what:
         n, k = 151936, 1536
         w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

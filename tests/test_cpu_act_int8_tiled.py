@@ -1,6 +1,7 @@
 """The tiled layout of the int8-activation int4 kernel (cpu_act_int8.tile, cpu_native_q8_src.py "tiled"): the
 same bits as the kernel reading torch's layout in place at every row count, rows per pass, prefetch distance
-and thread split, in the generic loops and in the AVX2 build; the layout round-trips; bad input is refused
+and thread split (one and two rows: several blocks interleaved a thread, any block count), in the generic
+loops and in the AVX2 build; the layout round-trips; bad input is refused
 by name; a layer tiles at load, lets torch's layout go, and gives the bits it gave before (TGS_CPU_INT4_TILED
 off)."""
 
@@ -67,6 +68,38 @@ def test_the_tiled_kernel_has_the_bits_of_the_kernel_on_torchs_layout(native, sh
     assert torch.equal(one, native.int4_q8_tiled_mm(x, tiled, gs, block, 2, 1024, 1, False))
 
 
+@pytest.mark.parametrize("block", [64, 32])
+@pytest.mark.parametrize("shape", [(256, 128), (288, 96)], ids=str)
+def test_the_streams_keep_the_bits_at_every_block_count_and_thread_count(native, shape, block):
+    """One and two rows read several blocks interleaved a thread (q8t_streams: a task's blocks cut into S
+    runs, the last pass over fewer runs when the task's block count is not a multiple of S). Each output's
+    arithmetic is the one-block kernel's, so a layer of any block count (tasks of fewer than S blocks,
+    tails of 1 .. S - 1) gives the bits of the kernel on torch's layout and of the generic loops, at 1-5
+    threads, any blocks per task and rows per pass, rows 1, 2 and 3 (3: one block after another)."""
+    k, gs = shape
+    for blocks in (1, 2, 3, 5, 7, 8, 9, 12, 15, 16, 17, 23, 31):
+        n = blocks * block
+        packed, s, c = case(k, n, gs, block, seed=blocks + block)
+        tiled = cpu_act_int8.tile(packed, s, c, gs, block)
+        x = (torch.randn(3, k, generator=torch.Generator().manual_seed(blocks)) * 3).bfloat16()
+        bias = torch.randn(n).bfloat16()
+        want = {rows: native.int4_q8_mm(x[:rows], packed, s, c, gs, block, 1, 0, 1) for rows in (1, 2, 3)}
+        want16 = {rows: native.int4_q8_linear(x[:rows], packed, s, c, bias, gs, block, 1, 0, 1) for rows in (1, 2, 3)}
+        for rows in (1, 2, 3):
+            assert torch.equal(native.int4_q8_tiled_mm(x[:rows], tiled, gs, block, 1, 0, 1, True), want[rows])
+        try:
+            for threads in range(1, 6):
+                torch.set_num_threads(threads)
+                for rows in (1, 2, 3):
+                    for rows_per_pass, prefetch, grain in [(2, 1024, 1), (2, 0, 4), (1, 64, 1), (4, 1024, 16)]:
+                        got = native.int4_q8_tiled_mm(x[:rows], tiled, gs, block, rows_per_pass, prefetch, grain, False)
+                        assert torch.equal(got, want[rows]), (blocks, threads, rows, rows_per_pass, grain)
+                    got16 = native.int4_q8_tiled_linear(x[:rows], tiled, bias, gs, block, 2, 1024, 4)
+                    assert torch.equal(got16, want16[rows]), (blocks, threads, rows)
+        finally:
+            torch.set_num_threads(2)
+
+
 def test_bad_input_is_refused_by_name(native):
     packed, s, c = case(256, 128, 128, 64, seed=1)
     with pytest.raises(ValueError, match="scales and offsets must be"):
@@ -118,19 +151,26 @@ def test_a_layer_tiles_at_load_and_keeps_its_bits(native, monkeypatch, case_):
                                            plain.run(xp.float().contiguous(), variant))
 
 
+# (K, N, group size) the AVX2 build is checked on, 32-output blocks: 6, 8 and 17 blocks (the streams' tails).
+AVX2_SHAPES = [(288, 192, 96), (1536, 256, 128), (256, 544, 128)]
 CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_cpu_act_int8_tiled import case
+from test_cpu_act_int8_tiled import AVX2_SHAPES, case
 from text_generation_server.kernels import cpu_act_int8, cpu_native
 module = cpu_native.native()
 out = {"isa": int(module.int4_q8_isa())}
-for k, n, gs in [(288, 192, 96), (1536, 256, 128)]:
+for k, n, gs in AVX2_SHAPES:
     packed, s, c = case(k, n, gs, 32, seed=k)
     tiled = cpu_act_int8.tile(packed, s, c, gs, 32)
     x = (torch.randn(5, k, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()
-    got = [module.int4_q8_tiled_mm(x[:r], tiled, gs, 32, rp, pf, 1, False) for r in (1, 5) for rp, pf in ((1, 0), (4, 1024))]
-    want = [module.int4_q8_mm(x[:r], packed, s, c, gs, 32, 2, 0, 1) for r in (1, 5) for _ in range(2)]
+    got, want = [], []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for r in (1, 2, 3, 5):
+            for rp, pf in ((1, 0), (2, 1024), (4, 1024)):
+                got.append(module.int4_q8_tiled_mm(x[:r], tiled, gs, 32, rp, pf, 1, False))
+                want.append(module.int4_q8_mm(x[:r], packed, s, c, gs, 32, 2, 0, 1))
     out[f"{k}x{n}"] = {"same": all(torch.equal(a, b) for a, b in zip(got, want)), "y": got[-1].tolist()}
 print("RESULT" + json.dumps(out))
 """
@@ -147,7 +187,7 @@ def test_the_avx2_build_reads_the_tiled_layout_to_the_native_bits(native, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert got["isa"] == 1
-    for k, n, gs in [(288, 192, 96), (1536, 256, 128)]:
+    for k, n, gs in AVX2_SHAPES:
         assert got[f"{k}x{n}"]["same"]
         packed, s, c = case(k, n, gs, 32, seed=k)
         x = (torch.randn(5, k, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()

@@ -411,9 +411,127 @@ void q8t_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t*
   }
 }
 
+// S blocks at once, R rows (m0 .. m0 + R): the blocks nbs[0..S) read as S interleaved sequential streams
+// (FINE: one quad of each block in turn; else one 32-input block of each in turn). Each output's
+// arithmetic is q8t_block's step for step (the same quads in the same order into the same int32 lanes,
+// the same fused multiply-adds into t and yl): the same bits whatever S, FINE or the blocks beside it.
+template <int B, int R, int S, bool FINE>
+void q8t_multi(const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled, const Q8Out& out, int64_t K,
+               int64_t gs, const int64_t* nbs, int64_t m0, int64_t prefetch) {
+  constexpr int V = B / Q8_LANES;
+  constexpr int Q = Q8_BLOCK / 4;  // quads per 32-input block
+  const int64_t nblk = K / Q8_BLOCK, G = K / gs, part = q8t_part_bytes(gs, B), per_group = gs / Q8_BLOCK;
+  const uint8_t* src[S];
+  for (int s = 0; s < S; ++s) src[s] = tiled + nbs[s] * G * part;
+  alignas(64) float t[S][R][B];
+  alignas(64) float yl[S][R][B];
+  std::memset(yl, 0, sizeof(yl));
+  for (int64_t g = 0; g < G; ++g) {
+    std::memset(t, 0, sizeof(t));
+    for (int64_t b = 0; b < per_group; ++b) {
+      const int64_t k0 = g * gs + b * Q8_BLOCK, off = g * part + b * Q * (2 * B);
+      int32_t x4[R][Q];
+      for (int r = 0; r < R; ++r) std::memcpy(x4[r], xq + (m0 + r) * K + k0, Q8_BLOCK);
+      if constexpr (FINE) {
+        q8acc acc[S][R][V];
+        for (int s = 0; s < S; ++s)
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < V; ++j) acc[s][r][j] = q8_zero();
+        for (int q = 0; q < Q; ++q)
+          for (int s = 0; s < S; ++s) {
+            const uint8_t* p = src[s] + off + q * (2 * B);
+            if (prefetch) {
+              __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+              if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
+            }
+            q8w w[V];
+            q8t_codes<B>(p, w);
+            for (int r = 0; r < R; ++r)
+              for (int j = 0; j < V; ++j) acc[s][r][j] = q8_dot(acc[s][r][j], w[j], x4[r][q]);
+          }
+        for (int s = 0; s < S; ++s)
+          for (int r = 0; r < R; ++r) q8_block_end(t[s][r], acc[s][r], V, dx[(m0 + r) * nblk + g * per_group + b]);
+      } else {
+        for (int s = 0; s < S; ++s) {
+          q8acc acc[R][V];
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < V; ++j) acc[r][j] = q8_zero();
+          for (int q = 0; q < Q; ++q) {
+            const uint8_t* p = src[s] + off + q * (2 * B);
+            if (prefetch) {
+              __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+              if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
+            }
+            q8w w[V];
+            q8t_codes<B>(p, w);
+            for (int r = 0; r < R; ++r)
+              for (int j = 0; j < V; ++j) acc[r][j] = q8_dot(acc[r][j], w[j], x4[r][q]);
+          }
+          for (int r = 0; r < R; ++r) q8_block_end(t[s][r], acc[r], V, dx[(m0 + r) * nblk + g * per_group + b]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const float* sc = reinterpret_cast<const float*>(src[s] + g * part + gs * B / 2);  // s[g, block], c[g, block]
+      for (int r = 0; r < R; ++r) q8_group_end(yl[s][r], t[s][r], sc, sc + B, xs[(m0 + r) * G + g], 0, B);
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) q8_store(out, m0 + r, nbs[s] * B, yl[s][r], B);
+}
+
+// q8t_multi with `count` (1 .. S) streams, count known only at run time (a task's last pass).
+template <int B, int R, int S, bool FINE>
+void q8t_multi_n(int count, const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled,
+                 const Q8Out& out, int64_t K, int64_t gs, const int64_t* nbs, int64_t prefetch) {
+  if (count == S) return q8t_multi<B, R, S, FINE>(xq, dx, xs, tiled, out, K, gs, nbs, 0, prefetch);
+  if constexpr (S > 1) q8t_multi_n<B, R, S - 1, FINE>(count, xq, dx, xs, tiled, out, K, gs, nbs, prefetch);
+}
+
+// M == R rows (1 or 2), S streams a thread: a task's blocks [b0, b1) are cut into S contiguous runs (lengths
+// differing by at most one) and each pass takes the next block of every run, so a thread reads S blocks
+// far apart at once instead of one block after another (a block is one sequential stream of K / 2 x B
+// + 8 x B x K / gs bytes: 55 KiB at K = 1536, B = 64). The idea and the plain-read ceilings are the
+// bfloat16 product's (cpu_native_src.py, gemv_impl_streams; issue #32 session 14). Tasks of at least S
+// and at least block_grain blocks (the pool's chunks: more for large layers). Measured: Q8T_STREAMS_1.
+template <int B, int R, int S, bool FINE>
+void q8t_streams(const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled, const Q8Out& out,
+                 int64_t K, int64_t N, int64_t gs, int64_t prefetch, int64_t block_grain) {
+  tgs::parallel_for(0, N / B, std::max<int64_t>(S, block_grain), [&](int64_t b0, int64_t b1) {
+    const int64_t n = b1 - b0, len = n / S, extra = n % S;
+    int64_t start[S], nbs[S];
+    for (int s = 0; s < S; ++s) start[s] = b0 + s * len + std::min<int64_t>(s, extra);
+    for (int64_t i = 0; i < len; ++i) {
+      for (int s = 0; s < S; ++s) nbs[s] = start[s] + i;
+      q8t_multi<B, R, S, FINE>(xq, dx, xs, tiled, out, K, gs, nbs, 0, prefetch);
+    }
+    if (extra) {  // the first `extra` runs are one block longer
+      for (int s = 0; s < extra; ++s) nbs[s] = start[s] + len;
+      q8t_multi_n<B, R, S, FINE>(int(extra), xq, dx, xs, tiled, out, K, gs, nbs, prefetch);
+    }
+  });
+}
+
+// Streams a thread, and how they interleave, at one row (one quad of each block in turn) and at two
+// (one 32-input block of each in turn: a quad's 2 x S x B / 16 accumulators would not fit the registers).
+// Measured on the 2-core Ice Lake VM, busy (load 2.5-4, other jobs outside the bench lock), cold Qwen2.5-1.5B
+// int4 shapes in the huge-page arena, 2 threads. A scratch sweep against one block after another (medians of
+// 11-21 interleaved rounds): AVX-512 one row, 8 quad-interleaved 1.28-1.50x, 4 1.24-1.36x, 2 1.07-1.18x, 8 or 4
+// block-interleaved ~1.15-1.20x; two rows, 8 block-interleaved 1.04-1.30x, 4 1.00-1.25x, 4 quad-interleaved
+// 0.98-1.20x. AVX2 (B = 32) the same order: one row 8 quad-interleaved 1.37-1.52x (4: 1.27-1.44x), two rows 8
+// block-interleaved 1.28-1.49x (4: 1.21-1.39x). The chosen forms against main (benchmarks/kernels_cpu_ab.py
+// --base main --what int4-tiled-ab, 7-11 rounds, 3-4 runs): AVX-512 one row 1.25-1.49x, two rows 1.15-1.30x;
+// AVX2 one row 1.33-1.52x, two rows 1.13-1.49x; 4 and 8 rows (unchanged) 0.92-1.00x. The prefetch distance
+// (cpu_act_int8.PREFETCH_BYTES) stays 1 KiB: none and 256 bytes 0-10% slower at one row (none 5-15% slower at
+// two), 4 KiB 15-30% slower. 3+ rows (compute-bound) keep one block after another. Issue #32, session 15.
+constexpr int Q8T_STREAMS_1 = 8, Q8T_STREAMS_2 = 8;
+
 template <int B>
 void q8t_blocks(int64_t rows_per_pass, const int8_t* xq, const float* dx, const float* xs, const uint8_t* tiled,
                 const Q8Out& out, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t prefetch, int64_t block_grain) {
+  if (M == 1) return q8t_streams<B, 1, Q8T_STREAMS_1, true>(xq, dx, xs, tiled, out, K, N, gs, prefetch, block_grain);
+  if (M == 2 && rows_per_pass == 2)
+    return q8t_streams<B, 2, Q8T_STREAMS_2, false>(xq, dx, xs, tiled, out, K, N, gs, prefetch, block_grain);
   tgs::parallel_for(0, N / B, block_grain, [&](int64_t b0, int64_t b1) {
     switch (rows_per_pass) {
       case 1: q8t_rows<B, 1>(xq, dx, xs, tiled, out, M, K, gs, b0, b1, prefetch); break;
