@@ -411,6 +411,22 @@ void q8t_rows(const int8_t* xq, const float* dx, const float* xs, const uint8_t*
   }
 }
 
+// One quad (4 inputs of each output) of a tiled block at p for R rows into acc, its weights prefetched
+// `prefetch` bytes ahead: q8t_block's inner step, shared by both interleaves of q8t_multi.
+template <int B, int R>
+inline void q8t_quad(const uint8_t* p, int64_t prefetch, const int32_t (*x4)[Q8_BLOCK / 4], int q,
+                     q8acc (*acc)[B / Q8_LANES]) {
+  constexpr int V = B / Q8_LANES;
+  if (prefetch) {
+    __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
+    if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
+  }
+  q8w w[V];
+  q8t_codes<B>(p, w);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) acc[r][j] = q8_dot(acc[r][j], w[j], x4[r][q]);
+}
+
 // S blocks at once, R rows (m0 .. m0 + R): the blocks nbs[0..S) read as S interleaved sequential streams
 // (FINE: one quad of each block in turn; else one 32-input block of each in turn). Each output's
 // arithmetic is q8t_block's step for step (the same quads in the same order into the same int32 lanes,
@@ -438,17 +454,7 @@ void q8t_multi(const int8_t* xq, const float* dx, const float* xs, const uint8_t
           for (int r = 0; r < R; ++r)
             for (int j = 0; j < V; ++j) acc[s][r][j] = q8_zero();
         for (int q = 0; q < Q; ++q)
-          for (int s = 0; s < S; ++s) {
-            const uint8_t* p = src[s] + off + q * (2 * B);
-            if (prefetch) {
-              __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-              if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
-            }
-            q8w w[V];
-            q8t_codes<B>(p, w);
-            for (int r = 0; r < R; ++r)
-              for (int j = 0; j < V; ++j) acc[s][r][j] = q8_dot(acc[s][r][j], w[j], x4[r][q]);
-          }
+          for (int s = 0; s < S; ++s) q8t_quad<B, R>(src[s] + off + q * (2 * B), prefetch, x4, q, acc[s]);
         for (int s = 0; s < S; ++s)
           for (int r = 0; r < R; ++r) q8_block_end(t[s][r], acc[s][r], V, dx[(m0 + r) * nblk + g * per_group + b]);
       } else {
@@ -456,17 +462,7 @@ void q8t_multi(const int8_t* xq, const float* dx, const float* xs, const uint8_t
           q8acc acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int j = 0; j < V; ++j) acc[r][j] = q8_zero();
-          for (int q = 0; q < Q; ++q) {
-            const uint8_t* p = src[s] + off + q * (2 * B);
-            if (prefetch) {
-              __builtin_prefetch(p + prefetch, 0, PREFETCH_LOCALITY);
-              if (B == 64) __builtin_prefetch(p + prefetch + 64, 0, PREFETCH_LOCALITY);
-            }
-            q8w w[V];
-            q8t_codes<B>(p, w);
-            for (int r = 0; r < R; ++r)
-              for (int j = 0; j < V; ++j) acc[r][j] = q8_dot(acc[r][j], w[j], x4[r][q]);
-          }
+          for (int q = 0; q < Q; ++q) q8t_quad<B, R>(src[s] + off + q * (2 * B), prefetch, x4, q, acc);
           for (int r = 0; r < R; ++r) q8_block_end(t[s][r], acc[r], V, dx[(m0 + r) * nblk + g * per_group + b]);
         }
       }
