@@ -185,6 +185,12 @@ void bg_block(const float* x, const uint16_t* w, const float* bias, float* y, ui
 // 16 lanes, and on AVX-512 those compete with the FMAs for the same two ports (0 and 5), where the
 // AVX2 tiles' widening ran beside them on a third.
 
+// k per pass of the 512-bit tiles: the pair buffer is BGZ_KC * BG_NB floats (32 KiB) in L1 beside a 6-row
+// group's x (12 KiB). Twice BG_KC halves the accumulators' loads and stores per FMA; in a one-file copy of
+// these tiles (2 threads, 128 rows, the Ice Lake VM, noisy: swings of 10-20%) 512 ran 1.08-1.16x 256 on
+// 17920 x 1536 and 1536 x 8960; 768 and 1024 were no better than 512.
+constexpr int64_t BGZ_KC = 512;
+
 // Outputs 2p, 2p + 1 (p < (nb + 1) / 2) of the block's nb rows w (K apart), k0 .. k0 + kc, widened into buf:
 // [k / 8][pair][16] floats (a missing second output of an odd nb: zeros). pw: the same rows' reads later
 // (bg_block's distance), prefetched alongside (nullptr: none).
@@ -253,20 +259,22 @@ inline BgzTile bgz_tile_for(int r, int p) {
 // 256-bit tiles (issue #32 session 15, kernels_cpu_ab.py --what bf16-gemm): 3 rows 0.69-0.77x (each k-pass's
 // widening into the buffer is then a large share, and at 3-8 rows the product streams the weights at
 // DRAM rate either way), 8 rows 0.85-1.19x, 10 rows 0.80-1.03x, 12 rows 0.99-1.10x, 16 rows 0.98-1.12x,
-// 24 rows 1.10-1.39x, 32 rows 1.14-1.40x, 128 rows 1.32-2.24x (the head 1.39x).
+// 24 rows 1.10-1.39x, 32 rows 1.14-1.40x, 128 rows 1.32-2.24x (the head 1.39x). With BGZ_KC = 512, a quieter
+// run: 3-8 rows 0.94-1.04x (the same 256-bit code both sides: the noise), 16 rows 1.01-1.08x, 32 rows
+// 1.20-1.28x, 128 rows 1.46-1.49x (150-190 GFLOP/s), the head 1.58x.
 constexpr int64_t BGZ_MIN_ROWS = 16;
 
 // Pairs per tile by its rows: 6 x 4 (24 accumulators, 4 pairs, x) for full groups; 1-2 rows take the
 // block's 8 pairs at once.
 inline int bgz_pairs(int r) { return r <= 2 ? 8 : 4; }
 
-// bg_block's work (the same lane sums, tail, bias and rounding) on the 512-bit tiles. buf: BG_KC * BG_NB floats.
+// bg_block's work (the same lane sums, tail, bias and rounding) on the 512-bit tiles. buf: BGZ_KC * BG_NB floats.
 void bgz_block(const float* x, const uint16_t* w, const float* bias, float* y, uint16_t* yh, int64_t M, int64_t K,
                int64_t N, int64_t n0, int64_t nb, float* acc, float* buf, int64_t prefetch) {
   const int64_t K8 = K - K % 8, pairs = (nb + 1) / 2;
   std::fill(acc, acc + M * BG_NB * 8, 0.f);
-  for (int64_t k0 = 0; k0 < K8; k0 += BG_KC) {
-    const int64_t kc = std::min(BG_KC, K8 - k0);
+  for (int64_t k0 = 0; k0 < K8; k0 += BGZ_KC) {
+    const int64_t kc = std::min(BGZ_KC, K8 - k0);
     const uint16_t* pw = nullptr;  // bg_block's distance, in the order the weights are read
     if (prefetch) {
       const int64_t t = k0 + prefetch / 2 / BG_NB, row = n0 + BG_NB * (t / K);
@@ -293,7 +301,7 @@ void bg_gemm(const float* x, const uint16_t* w, const float* bias, float* y, uin
     std::vector<float> acc(M * BG_NB * 8);
 #if defined(__AVX512F__)
     if (M >= BGZ_MIN_ROWS) {
-      std::vector<float> buf(BG_KC * BG_NB);
+      std::vector<float> buf(BGZ_KC * BG_NB);
       for (int64_t b = b0; b < b1; ++b)
         bgz_block(x, w, bias, y, yh, M, K, N, b * BG_NB, std::min(BG_NB, N - b * BG_NB), acc.data(), buf.data(),
                   prefetch);
