@@ -11,6 +11,10 @@ float32 FMAs. The weights are widened in registers as the tiles read them (a blo
 k-pass at a time): widening a block into a float32 copy first and tiling over that copy ran 10-45%
 slower at 3-32 rows (the copy's stores and reloads), and no faster at 128 (BENCHMARKS.md, issue #32
 session 11).
+On an AVX-512 build passes of 16+ rows run 512-bit tiles instead (bgz_*): a register holds two outputs' 8
+k-lanes against the row's x broadcast to both halves, over a per-k-pass buffer of the weights widened once
+(widening in registers would take the FMAs' own two ports there): 1.46-1.58x the 256-bit tiles at 128 rows,
+1.20-1.28x at 32 on Qwen2.5-1.5B's shapes (issue #32 session 15; BGZ_MIN_ROWS has the bands).
 
 Bits: for output n of row m, lane l (0..7) of a float32 accumulator sums x[m, k] * w[n, k] for
 k = l, l + 8, l + 16, ... in increasing k, each step one IEEE fused multiply-add from 0; the 8 lanes
