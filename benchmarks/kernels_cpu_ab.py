@@ -18,6 +18,8 @@ milliseconds, and the weight bytes read per second at that time.
     python benchmarks/kernels_cpu_ab.py --base main --what int8-q8-ab --rows 1,2,4,8  # int8_q8_gemv: base vs this tree
     python benchmarks/kernels_cpu_ab.py --base main --what int4-tiled-ab --rows 1,2,4,8 --tiled-prefetch 1024,256
                                             # the tiled int4 x int8-activation product: base vs this tree
+    python benchmarks/kernels_cpu_ab.py --base main --what bf16-gemm --rows 3,8,32,128  # bf16_gemm (prompts,
+                                                                          # decode batches of 3+ rows without AVX512-BF16)
 
 The base revision's functions are called with the arguments that revision took (float32 x for its
 matrix-vector products where they refuse bfloat16, as before issue #32).
@@ -43,8 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC_DIR = "kernels/text_generation_server/kernels"
 
 
-def base_extension(rev: str):
-    """The C++ source of `rev` built as its own extension (cached under a name hashing that source)."""
+def base_extension(rev: str, with_gemm: bool = False):
+    """The C++ source of `rev` built as its own extension (cached under a name hashing that source);
+    `with_gemm`: with the revision's bfloat16 GEMM (cpu_native_gemm_src.py's with_gemm_kernels) appended."""
     names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, SRC_DIR + "/"], check=True,
                            capture_output=True, text=True).stdout.split()
     sources = {Path(n).stem: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{n}"], check=True,
@@ -64,9 +67,12 @@ def base_extension(rev: str):
         sys.modules.update(saved)
     from torch.utils.cpp_extension import load_inline
 
-    name = "tgs_ab_" + hashlib.sha256((main.SOURCE + " ".join(cpu_native.cflags())).encode()).hexdigest()[:12]
+    source, functions = main.SOURCE, main.FUNCTIONS
+    if with_gemm:
+        source, functions = modules["cpu_native_gemm_src"].with_gemm_kernels(source, functions)
+    name = "tgs_ab_" + hashlib.sha256((source + " ".join(cpu_native.cflags())).encode()).hexdigest()[:12]
     with cpu_native.build_lock(cpu_native.build_directory(name)):  # a killed build's lock removed
-        return load_inline(name, cpp_sources=[main.SOURCE], functions=main.FUNCTIONS,
+        return load_inline(name, cpp_sources=[source], functions=functions,
                            extra_cflags=list(cpu_native.cflags()), extra_ldflags=list(cpu_native.LDFLAGS))
 
 
@@ -190,6 +196,32 @@ def int4_tiled_ab(versions: dict, rows: list[int], rounds: int, prefetch: list[i
                 f"{label} {t * 1e3:.3f} ms ({nbytes / t / 1e9:.1f} GB/s)" for label, t in med.items()) + ratio,
                 flush=True)
         del tiles
+def bf16_gemm_ab(versions: dict, shapes: list[tuple[int, int]], rows: list[int], rounds: int,
+                 head_rows: list[int]) -> None:
+    """bf16_gemm (bfloat16 weights x bfloat16 rows through float32 FMAs: prompts and decode batches past the
+    matrix-vector product on a build without AVX512-BF16) of each version, rounds interleaved (base, new,
+    base, ...), cold weights (copies cycled past the caches, as a prompt's layers read them). Figures: the
+    median over rounds of each round's best call, GFLOP/s (2 M N K), and base time / new time. The head
+    (N > 100000) is timed at `head_rows` only (one copy: it alone is past the caches)."""
+    pf = cpu_native.PREFETCH_BYTES
+    for n, k in shapes:
+        head = n > 100000
+        copies = 1 if head else max(2, -(-COLD_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        empty = torch.empty(0)
+        for m in head_rows if head else rows:
+            x = torch.randn(m, k).bfloat16()
+            res: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                for label, mod in versions.items():
+                    res.setdefault(label, []).append(best(
+                        lambda i, mod=mod: mod.bf16_gemm(x, ws[i % copies], empty, True, pf), max(2, copies)))
+            med = {label: statistics.median(v) for label, v in res.items()}
+            ratio = f"  base/new {med['base'] / med['new']:.2f}x" if "base" in med else ""
+            print(f"bf16-gemm {n}x{k} rows={m}: " + "  ".join(
+                f"{label} {t * 1e3:.2f} ms ({2 * m * n * k / t / 1e9:.1f} GFLOP/s)" for label, t in med.items())
+                + ratio, flush=True)
+        del ws
 
 
 def main() -> int:
@@ -203,7 +235,8 @@ def main() -> int:
                         "layout against the table one, the head too; int8-q8-ab: int8_q8_gemv of --base against this "
                         "tree's, interleaved, on Qwen2.5-1.5B's five shapes, cold; int4-tiled-ab: the tiled int4 x "
                         "int8-activation product of --base against this tree's, the same way, on Qwen2.5-1.5B's "
-                        "int4 shapes)")
+                        "int4 shapes; bf16-gemm: bf16_gemm of --base against this tree's, interleaved, cold, on "
+                        "--gemm-shapes at --rows, the head at --head-rows)")
     parser.add_argument("--shapes", default="1536x8960,8960x1536", help="int4 K x N shapes")
     parser.add_argument("--bf16-shapes", default=",".join(f"{k}x{n}" for n, k in BF16_SHAPES),
                         help="bf16 K x N shapes (--what bf16; default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
@@ -211,6 +244,9 @@ def main() -> int:
                         help="prefetch distances in bytes the bf16 products are timed at (comma-separated)")
     parser.add_argument("--tiled-prefetch", default=str(cpu_act_int8.PREFETCH_BYTES),
                         help="prefetch distances in bytes the tiled int4 products are timed at (--what int4-tiled-ab)")
+    parser.add_argument("--gemm-shapes", default=",".join(f"{n}x{k}" for n, k in QWEN15_NK),
+                        help="bf16-gemm N x K shapes (default Qwen2.5-1.5B's qkv, o, gate_up, down and head)")
+    parser.add_argument("--head-rows", default="128", help="bf16-gemm: rows the head (N > 100000) is timed at")
     parser.add_argument("--q8-variants", default="q8", help="names of cpu_act_int8.VARIANTS timed for int4-q8")
     parser.add_argument("--rows", default="1,2,4,8,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -223,8 +259,8 @@ def main() -> int:
     if new is None:
         print(f"native kernels unavailable: {cpu_native.unavailable_reason()}")
         return 1
-    versions = ({"base": base_extension(args.base), "new": new}
-                if what & {"int4", "head", "bf16", "int8-q8-ab", "int4-tiled-ab"} else {"new": new})
+    versions = ({"base": base_extension(args.base, with_gemm="bf16-gemm" in what), "new": new}
+                if what & {"int4", "head", "bf16", "int8-q8-ab", "int4-tiled-ab", "bf16-gemm"} else {"new": new})
     print(f"torch capability {torch.backends.cpu.get_cpu_capability()}, int4 block {cpu_native.int4_block()}, "
           f"{args.threads} threads, base {args.base}")
     copies = 6
@@ -301,6 +337,9 @@ def main() -> int:
         int8_q8_ab(versions, rows, args.rounds)
     if "int4-tiled-ab" in what:
         int4_tiled_ab(versions, rows, args.rounds, [int(v) for v in args.tiled_prefetch.split(",")])
+    if "bf16-gemm" in what:
+        bf16_gemm_ab(versions, [tuple(int(v) for v in s.split("x")) for s in args.gemm_shapes.split(",")], rows,
+                     args.rounds, [int(r) for r in args.head_rows.split(",")])
     if "head" in what:
         n, k = 151936, 1536
         w, sc = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

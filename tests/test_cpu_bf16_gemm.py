@@ -3,9 +3,18 @@ the dense layers that run prompts and larger decode batches on it where torch's 
 path (kernels/dense.py "native-gemm"): close to the float64 product, a row's bits independent of the rows
 beside it, of the row count (so of a prompt's chunking, d05298c), of the thread split and the prefetch
 distance, every tail of M, N and K, bias, bfloat16 output rounded once, and the layers' choice of path.
+The bits themselves are checked against the header's summation order written out in float32 torch ops, at
+row counts on both sides of the AVX-512 build's switch from 256-bit to 512-bit tiles (BGZ_MIN_ROWS), and
+against the AVX2 build's.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,6 +76,77 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_the_split_or_the_prefetch(n
         assert torch.equal(cpu_native.bf16_gemm(native, x, w, bias), whole)
     finally:
         cpu_native.set_parallel_mode(native, was_pool)
+
+
+def in_summation_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_bf16: bool) -> torch.Tensor:
+    """The header's bits by float32 torch ops, no float64: lane l of output n sums x[m, k] * w[n, k] for
+    k = l, l + 8, ... in increasing k; each FMA is one float32 add of the product, which is exact in float32
+    for bfloat16 x and w (8-bit significands: 16-bit products, no underflow at these magnitudes); then the
+    fixed tree over the 8 lanes, the K % 8 tail in k order, the bias, one rounding to bfloat16 (nearest even)."""
+    m, k = x.shape
+    k8 = k - k % 8
+    xf, wf = x.float(), w.float()
+    lanes = torch.zeros(m, w.shape[0], 8)
+    for k0 in range(0, k8, 8):
+        lanes = lanes + xf[:, None, k0:k0 + 8] * wf[None, :, k0:k0 + 8]
+    l0, l1, l2, l3, l4, l5, l6, l7 = lanes.unbind(-1)
+    t = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    for kk in range(k8, k):
+        t = t + xf[:, None, kk] * wf[None, :, kk]
+    if bias is not None:
+        t = t + bias
+    return t.bfloat16() if out_bf16 else t
+
+
+# Rows on both sides of the 512-bit tiles' bound (16 rows a pass on AVX-512 builds), their 6-row groups' and
+# the 256-bit tiles' tails (7 = 4 + 3, 8 = 4 + 4), one pass (128) and a second one of 1 or 2 rows (129, 130).
+GEMM_ROWS = [1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 21, 23, 64, 127, 128, 129, 130]
+
+
+@pytest.mark.parametrize("k,n", [(264, 37), (100, 18), (7, 5), (1544, 17)], ids=str)
+def test_the_bits_are_the_summation_order_of_the_header(native_pool, k, n):
+    # N = 37 / 17 / 5: 16-output blocks with an odd tail (the 512-bit tiles' output pairs with one missing);
+    # K: two k-passes plus 8, a K % 8 tail, no 8-block at all, six passes plus 8
+    x, w, bias = case(max(GEMM_ROWS), k, n, k * 7 + n)
+    for rows in GEMM_ROWS:
+        want = in_summation_order(x[:rows], w, bias, False)
+        assert torch.equal(native_pool.bf16_gemm(x[:rows], w, bias, False, cpu_native.PREFETCH_BYTES), want), rows
+        assert torch.equal(native_pool.bf16_gemm(x[:rows], w, torch.empty(0), True, 0),
+                           in_summation_order(x[:rows], w, None, True)), rows
+    for threads in (1, 2):  # the thread split changes no bit
+        torch.set_num_threads(threads)
+        assert torch.equal(native_pool.bf16_gemm(x[:130], w, bias, False, 4096), in_summation_order(x[:130], w, bias,
+                                                                                                    False))
+
+
+GEMM_CHILD = r"""
+import json, sys, torch
+from text_generation_server.kernels import cpu_native
+sys.path.insert(0, "tests")
+from test_cpu_bf16_gemm import case
+module = cpu_native.native()
+out = {"built": module is not None, "reason": cpu_native.unavailable_reason(), "bits": []}
+if module is not None:
+    for rows, k, n in ((130, 264, 37), (20, 100, 18), (5, 264, 37)):
+        x, w, bias = case(rows, k, n, rows + k + n)
+        out["bits"].append(cpu_native.bf16_gemm(module, x, w, bias).view(torch.int16).tolist())
+print("RESULT" + json.dumps(out))
+"""
+AVX2_ENV = {cpu_native.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64's")
+def test_the_avx2_build_gives_this_builds_bits_at_every_row_count(native):
+    # An AVX-512 build runs 512-bit tiles from 16 rows (5 rows: the 256-bit tiles both builds share)
+    done = subprocess.run([sys.executable, "-c", GEMM_CHILD], env=dict(os.environ) | AVX2_ENV, capture_output=True,
+                          text=True, timeout=600)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    got = json.loads(line[0].removeprefix("RESULT"))
+    assert got["built"], got["reason"]
+    for bits, (rows, k, n) in zip(got["bits"], ((130, 264, 37), (20, 100, 18), (5, 264, 37)), strict=True):
+        x, w, bias = case(rows, k, n, rows + k + n)
+        assert bits == cpu_native.bf16_gemm(native, x, w, bias).view(torch.int16).tolist(), rows
 
 
 def test_bad_inputs_are_refused_with_the_reason(native):
